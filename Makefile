@@ -1,0 +1,33 @@
+# Two commands on a fresh machine:  make serve  |  make test
+VENV      ?= .venv
+PY        := $(VENV)/bin/python
+MODEL_DIR ?= $(or $(CANDOR_MODEL_DIR),$(HOME)/.cache/candor/models/tiny-llama)
+HOST      ?= 127.0.0.1
+PORT      ?= 8000
+STAMP     := $(VENV)/.installed
+
+.PHONY: install model serve test clean
+
+$(PY):
+	python3 -m venv $(VENV)
+
+# torch first, pinned: a loose torch requirement alone would pull a multi-GB CUDA build.
+$(STAMP): $(PY) pyproject.toml
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+model: install
+	$(VENV)/bin/candor make-tiny-model --if-missing $(MODEL_DIR)
+
+serve: model
+	$(VENV)/bin/candor serve --model $(MODEL_DIR) --host $(HOST) --port $(PORT)
+
+test: install
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,62 @@
+"""One error path: every failure leaves the frontend as OpenAI's error body."""
+
+from __future__ import annotations
+
+import re
+
+import msgspec
+from aiohttp import web
+
+from protocol.openai_api import ErrorBody, ErrorDetail
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+          404: "not_found_error", 405: "invalid_request_error",
+          413: "invalid_request_error", 503: "service_unavailable_error",
+          500: "internal_error"}
+
+_ENCODER = msgspec.json.Encoder()
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None, type: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _TYPES.get(status, "invalid_request_error")
+        self.headers = headers or {}
+
+    def body(self) -> ErrorBody:
+        return ErrorBody(ErrorDetail(self.message, self.type, self.param, self.code))
+
+    def encode(self) -> bytes:
+        return _ENCODER.encode(self.body())
+
+    def response(self) -> web.Response:
+        return web.Response(status=self.status, body=self.encode(),
+                            content_type="application/json", headers=self.headers)
+
+
+_AT_PATH = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
+_MISSING = re.compile(r"missing required field `(?P<field>[^`]+)`")
+
+
+def from_decode_error(err: msgspec.MsgspecError) -> ApiError:
+    """Turn msgspec's message ("Expected `int`, got `str` - at `$.max_tokens`") into a
+    400 whose ``param`` is the offending field's JSON path."""
+    text = str(err)
+    if isinstance(err, msgspec.DecodeError) and not isinstance(err, msgspec.ValidationError):
+        return ApiError(400, f"The request body is not valid JSON: {text}", None,
+                        "invalid_json")
+    param = None
+    match = _AT_PATH.search(text)
+    if match:
+        param = match.group("path") or None
+    missing = _MISSING.search(text)
+    if missing:
+        field = missing.group("field")
+        param = f"{param}.{field}" if param else field
+    return ApiError(400, f"Invalid request: {text}", param, "invalid_value")

@@ -1,0 +1,87 @@
+"""Detokenizer process: ids from the scheduler in, text deltas to frontends out."""
+
+from __future__ import annotations
+
+import os
+
+from tokenizers import Tokenizer
+
+from protocol import ipc
+from protocol.lifecycle import StopFlag, die_with_parent, read_config, setup_logging
+from protocol.transport import Receiver, Sender, SenderPool, sync_context
+from detokenizer.incremental import RequestDetokenizer
+
+
+class _Live:
+    __slots__ = ("detok", "reply_to", "prompt_tokens", "prompt_ids")
+
+    def __init__(self, detok: RequestDetokenizer, reply_to: str, prompt_tokens: int,
+                 prompt_ids: list[int] | None) -> None:
+        self.detok = detok
+        self.reply_to = reply_to
+        self.prompt_tokens = prompt_tokens
+        self.prompt_ids = prompt_ids  # sent once, on the first delta
+
+
+def main() -> None:
+    die_with_parent()
+    cfg = read_config()
+    log = setup_logging(cfg)
+    stop = StopFlag()
+    tokenizer = Tokenizer.from_file(os.path.join(cfg.model_path, "tokenizer.json"))
+    ctx = sync_context()
+    inbound: Receiver = Receiver(ctx, cfg.addresses.detokenizer_in[cfg.index],
+                                 ipc.DetokenizerInbound)
+    to_scheduler = Sender(ctx, cfg.addresses.scheduler_in)
+    to_frontends = SenderPool(ctx)
+    live: dict[str, _Live] = {}
+    log.info("ready")
+
+    while not stop.is_set():
+        msg = inbound.recv(timeout_ms=200)
+        if msg is None:
+            continue
+        if isinstance(msg, ipc.DetokStart):
+            live[msg.rid] = _Live(RequestDetokenizer(tokenizer, msg.detok, msg.prompt_tail),
+                                  msg.reply_to, msg.prompt_tokens, msg.prompt_token_ids)
+            continue
+        outgoing: dict[str, list[ipc.TextDelta]] = {}
+        errors: list[tuple[str, ipc.RequestError]] = []
+        for out in msg.outputs:
+            state = live.get(out.rid)
+            if state is None:
+                continue  # already finished by a stop string; late ids are dropped
+            detok = state.detok
+            before = detok.num_tokens
+            for token_id in out.token_ids:
+                detok.add_token(token_id)
+            consumed = out.token_ids[:detok.num_tokens - before]
+            finish = out.finish_reason
+            if detok.stopped and finish is None:
+                finish = "stop"
+                to_scheduler.send(ipc.Abort(out.rid, "stop_string"))
+            if finish == "error":
+                errors.append((state.reply_to, ipc.RequestError(
+                    out.rid, 500, "the engine failed while generating this request",
+                    type="internal_error", code="engine_error")))
+                del live[out.rid]
+                continue
+            delta = detok.take_delta(final=finish is not None)
+            if delta or consumed or finish is not None:
+                outgoing.setdefault(state.reply_to, []).append(ipc.TextDelta(
+                    out.rid, delta, finish, state.prompt_tokens, detok.num_tokens, consumed,
+                    state.prompt_ids))
+                state.prompt_ids = None
+            if finish is not None:
+                del live[out.rid]
+        for reply_to, items in outgoing.items():
+            to_frontends.send(reply_to, ipc.TextDeltas(items))
+        for reply_to, err in errors:
+            to_frontends.send(reply_to, err)
+
+    to_frontends.close()
+    ctx.destroy(linger=0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""gpu_worker process: owns the weights and the KV cache, runs the steps it is sent."""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+
+from protocol import ipc
+from protocol.checkpoint import effective_max_model_len
+from protocol.lifecycle import StopFlag, die_with_parent, read_config, setup_logging
+from protocol.transport import Receiver, Sender, sync_context
+
+
+def _default_threads() -> int:
+    """Leave a core to the other roles when there is more than one."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return int(os.environ["OMP_NUM_THREADS"])
+    return max(1, (os.cpu_count() or 1) - 1)
+
+
+def main() -> None:
+    die_with_parent()
+    cfg = read_config()
+    log = setup_logging(cfg)
+    stop = StopFlag()
+
+    import torch  # only this role pays for torch
+
+    torch.set_num_threads(cfg.engine.worker_threads or _default_threads())
+    from gpu_worker.model_runner import ModelRunner
+
+    eng = cfg.engine
+    started = time.perf_counter()
+    runner = ModelRunner(
+        cfg.model_path, device=eng.device, dtype=cfg.dtype, block_size=eng.block_size,
+        num_blocks=eng.num_kv_blocks, kv_cache_memory_bytes=eng.kv_cache_memory_mb * 2**20,
+        max_model_len=effective_max_model_len(cfg.model_path, cfg.max_model_len),
+        load_format=cfg.load_format, seed=eng.seed)
+    log.info("model loaded in %.2fs, %d threads, %d KV blocks", time.perf_counter() - started,
+             torch.get_num_threads(), runner.num_blocks)
+
+    ctx = sync_context()
+    plans: Receiver = Receiver(ctx, cfg.addresses.worker_in, ipc.WorkerInbound, bind=False)
+    results = Sender(ctx, cfg.addresses.worker_out)
+    results.send(ipc.WorkerReady(runner.num_blocks, runner.block_size, runner.max_model_len))
+
+    while not stop.is_set():
+        msg = plans.recv(timeout_ms=200)
+        if msg is None:
+            continue
+        if isinstance(msg, ipc.Shutdown):
+            break
+        try:
+            results.send(runner.execute(msg))
+        except Exception:  # a failed step fails its requests, not the process
+            log.exception("step %d failed", msg.step_id)
+            results.send(ipc.WorkerError(msg.step_id, traceback.format_exc(limit=3)))
+    ctx.destroy(linger=0)
+
+
+if __name__ == "__main__":
+    main()

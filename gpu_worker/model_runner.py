@@ -1,0 +1,169 @@
+"""Executes scheduler ``StepPlan``s: one forward pass over a mixed prefill/decode batch.
+
+The runner owns the model, the paged KV cache and per-request sampling state. It keeps
+no notion of sequences beyond that: positions and block tables come from the plan, so
+the scheduler alone decides what lives where in the cache.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from gpu_worker.attention import build_metadata
+from gpu_worker.llama import LlamaForCausalLM
+from gpu_worker.loader import load_weights
+from gpu_worker.model_config import ModelConfig, load_config
+from gpu_worker.sampler import Sampler
+from protocol.ipc import SamplingParams, SeqChunk, StepPlan, StepResult
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def resolve_dtype(name: str, cfg: ModelConfig) -> torch.dtype:
+    """``auto`` takes the checkpoint's dtype (fp32 if it names none we know)."""
+    if name == "auto":
+        return _DTYPES.get(cfg.dtype, torch.float32)
+    if name not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r}")
+    return _DTYPES[name]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        device: str = "cpu",
+        dtype: str = "float32",
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        kv_cache_memory_bytes: int = 512 * 2**20,
+        max_model_len: int | None = None,
+        load_format: str = "auto",
+        seed: int = 0,
+    ) -> None:
+        self.config = cfg = load_config(model_path)
+        self.device = torch.device(device)
+        self.dtype = resolve_dtype(dtype, cfg)
+        self.block_size = block_size
+
+        limit = cfg.max_position_embeddings
+        if cfg.sliding_window is not None:
+            # Within the window, sliding-window attention equals full attention.
+            limit = min(limit, cfg.sliding_window)
+        self.max_model_len = min(limit, max_model_len) if max_model_len else limit
+
+        # Build on meta (no init cost), then materialise; the loader writes every weight.
+        with torch.device("meta"):
+            model = LlamaForCausalLM(cfg, max_positions=self.max_model_len, device=self.device, dtype=self.dtype)
+        model = model.to_empty(device=self.device).to(self.dtype)
+        load_weights(model, model_path, load_format, seed=seed)
+        self.model = model.eval()
+
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        self.block_bytes = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+        self.num_blocks = num_blocks if num_blocks is not None else kv_cache_memory_bytes // self.block_bytes
+        if self.num_blocks < 1:
+            raise ValueError(f"KV cache budget too small: one block needs {self.block_bytes} bytes")
+        shape = (self.num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        # Zeros, not empty: padded decode slots are masked but still multiplied, and
+        # uninitialised memory could hold NaN/inf.
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(cfg.num_layers)
+        ]
+
+        self.sampler = Sampler(self.device, seed)
+        self.sampling: dict[str, SamplingParams] = {}
+        self.generators: dict[str, torch.Generator] = {}
+
+    # ------------------------------------------------------------------ state
+
+    def _update_requests(self, plan: StepPlan) -> None:
+        """Drop released rids first, then register new ones (a rid may be re-added)."""
+        for rid in plan.released:
+            self.sampling.pop(rid, None)
+            self.generators.pop(rid, None)
+        for rid, params in plan.new_sampling.items():
+            old = self.sampling.get(rid)
+            self.sampling[rid] = params
+            # Same params again (e.g. after preemption): keep the seeded stream going.
+            if old != params:
+                self.generators.pop(rid, None)
+                if params.seed is not None:
+                    self.generators[rid] = torch.Generator(device=self.device).manual_seed(params.seed)
+
+    def _check(self, seq: SeqChunk) -> None:
+        n = len(seq.token_ids)
+        end = seq.start_pos + n
+        if n == 0:
+            raise ValueError(f"{seq.rid}: empty chunk")
+        if seq.start_pos < 0 or end > self.max_model_len:
+            raise ValueError(f"{seq.rid}: positions {seq.start_pos}..{end - 1} outside max_model_len {self.max_model_len}")
+        needed = -(-end // self.block_size)
+        if len(seq.block_table) < needed:
+            raise ValueError(f"{seq.rid}: block_table has {len(seq.block_table)} blocks, {needed} needed")
+        if any(not 0 <= b < self.num_blocks for b in seq.block_table[:needed]):
+            raise ValueError(f"{seq.rid}: block id out of range [0, {self.num_blocks})")
+        if seq.sample and seq.rid not in self.sampling:
+            raise ValueError(f"{seq.rid}: no SamplingParams (missing from new_sampling)")
+
+    # ------------------------------------------------------------------ step
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        t0 = time.perf_counter()
+        self._update_requests(plan)
+        for seq in plan.seqs:
+            self._check(seq)
+        sampled: list[int] = []
+        if plan.seqs:
+            with torch.inference_mode():
+                sampled = self._forward(plan.seqs)
+        return StepResult(step_id=plan.step_id, sampled=sampled, forward_s=time.perf_counter() - t0)
+
+    def _forward(self, seqs: list[SeqChunk]) -> list[int]:
+        # Flattened order: prefill chunks, then decodes (attention batches those).
+        prefills = [s for s in seqs if len(s.token_ids) > 1]
+        decodes = [s for s in seqs if len(s.token_ids) == 1]
+        ordered = prefills + decodes
+        ids: list[int] = []
+        positions: list[int] = []
+        last_row: dict[int, int] = {}  # id(seq) -> row of its last token
+        for s in ordered:
+            ids.extend(s.token_ids)
+            positions.extend(range(s.start_pos, s.start_pos + len(s.token_ids)))
+            last_row[id(s)] = len(ids) - 1
+        vocab = self.config.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise ValueError(f"token id outside vocabulary [0, {vocab})")
+
+        dev = self.device
+        meta = build_metadata(
+            [(s.start_pos, len(s.token_ids), s.block_table) for s in ordered], len(decodes), self.block_size, dev
+        )
+        hidden = self.model(
+            torch.tensor(ids, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
+            self.kv_caches,
+            meta,
+        )
+        to_sample = [s for s in seqs if s.sample]  # plan order
+        if not to_sample:
+            return []
+        rows = torch.tensor([last_row[id(s)] for s in to_sample], dtype=torch.long, device=dev)
+        logits = self.model.compute_logits(hidden[rows])
+        return self.sampler(
+            logits,
+            [self.sampling[s.rid] for s in to_sample],
+            [self.generators.get(s.rid) for s in to_sample],
+        )

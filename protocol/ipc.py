@@ -1,0 +1,226 @@
+"""Messages that cross process boundaries.
+
+Each receiving socket decodes one tagged union (see the ``*_MESSAGES`` aliases at the
+bottom), so a socket never needs to guess what arrived. Everything is msgpack via
+msgspec; token ids travel as plain int lists.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+import msgspec
+
+
+class _Message(msgspec.Struct, tag_field="msg"):
+    """Base of every tagged IPC message; the tag lives in the ``msg`` key."""
+
+
+class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
+    """What the gpu_worker's sampler needs for one sequence.
+
+    temperature == 0 means greedy argmax with no RNG at all.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: off
+    seed: int | None = None
+
+
+class DetokParams(msgspec.Struct, frozen=True, omit_defaults=True):
+    """How the detokenizer turns ids into text for one request."""
+
+    stop: list[str] = []
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    return_token_ids: bool = False
+
+
+# ---------------------------------------------------------------- frontend -> tokenizer
+
+
+class GenerateReq(_Message, tag="generate", omit_defaults=True):
+    """A validated generation request, before templating and tokenization.
+
+    Exactly one of ``prompt`` (completions) or ``messages`` (chat) is set.
+    ``max_tokens_field`` is the name the client used ("max_tokens" or
+    "max_completion_tokens"), so budget errors can name it; ``max_tokens`` None means
+    "the rest of the context".
+    """
+
+    rid: str
+    reply_to: str
+    sampling: SamplingParams
+    detok: DetokParams
+    prompt: str | list[int] | None = None
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] = {}
+    max_tokens: int | None = None
+    max_tokens_field: str = "max_tokens"
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    arrival_time: float = 0.0
+
+
+# ---------------------------------------------------------------- tokenizer -> scheduler
+
+
+class TokenizedReq(_Message, tag="tokenized", omit_defaults=True):
+    """A request ready to schedule: prompt ids and an exact token budget."""
+
+    rid: str
+    reply_to: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    detok: DetokParams
+    eos_token_ids: list[int] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    arrival_time: float = 0.0
+
+
+class Abort(_Message, tag="abort"):
+    """Stop a request and free its KV blocks. ``reason``: disconnect | stop_string | error."""
+
+    rid: str
+    reason: str = "disconnect"
+
+
+# ---------------------------------------------------------------- scheduler <-> gpu_worker
+
+
+class SeqChunk(msgspec.Struct, array_like=True):
+    """One sequence's work in a step: feed ``token_ids`` at positions
+    ``start_pos..start_pos+len-1``; its KV lives in ``block_table``. When ``sample`` is
+    true the worker samples one token from the last position's logits."""
+
+    rid: str
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    sample: bool
+
+
+class StepPlan(_Message, tag="step"):
+    """One forward pass over a batch. ``new_sampling`` carries params for sequences the
+    worker has not seen (or sees again after preemption); ``released`` lists rids whose
+    worker-side state (seeded generators) can be dropped."""
+
+    step_id: int
+    seqs: list[SeqChunk]
+    new_sampling: dict[str, SamplingParams] = {}
+    released: list[str] = []
+
+
+class Shutdown(_Message, tag="shutdown"):
+    pass
+
+
+class WorkerReady(_Message, tag="ready"):
+    """Sent once after the model is loaded and the KV cache allocated."""
+
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+
+
+class StepResult(_Message, tag="result"):
+    """Sampled token ids, one per ``SeqChunk`` with ``sample=True``, in plan order."""
+
+    step_id: int
+    sampled: list[int]
+    forward_s: float
+
+
+class WorkerError(_Message, tag="worker_error"):
+    """A step failed; the scheduler fails the step's requests instead of hanging."""
+
+    step_id: int
+    message: str
+
+
+# ---------------------------------------------------------------- scheduler -> detokenizer
+
+
+class DetokStart(_Message, tag="detok_start"):
+    """Announces a request before its first token, on the same ordered socket."""
+
+    rid: str
+    reply_to: str
+    prompt_tokens: int
+    detok: DetokParams
+    prompt_tail: list[int] = []  # last prompt ids, so the first token decodes in context
+    prompt_token_ids: list[int] | None = None  # all of them, only if return_token_ids
+
+
+class TokenOutput(msgspec.Struct, array_like=True):
+    rid: str
+    token_ids: list[int]
+    finish_reason: str | None  # None while running; "stop" | "length" | "abort" | "error"
+
+
+class TokenBatch(_Message, tag="tokens"):
+    outputs: list[TokenOutput]
+
+
+# ---------------------------------------------------------------- -> frontend
+
+
+class TextDelta(msgspec.Struct, array_like=True):
+    """New text for one request. ``finish_reason`` set means this is its last delta;
+    the token counts are cumulative for usage accounting. ``token_ids`` are the ids
+    consumed since the previous delta (their text may still be held back)."""
+
+    rid: str
+    text: str
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    token_ids: list[int] = []
+    prompt_token_ids: list[int] | None = None  # on the first delta, if return_token_ids
+
+
+class TextDeltas(_Message, tag="deltas"):
+    items: list[TextDelta]
+
+
+class RequestError(_Message, tag="request_error"):
+    """A request failed before or during generation; becomes an OpenAI error body."""
+
+    rid: str
+    status: int
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+
+
+class SchedulerStats(_Message, tag="stats"):
+    """Published by the scheduler every heartbeat; the frontend's /health reads it."""
+
+    time: float
+    running: int
+    waiting: int
+    free_blocks: int
+    total_blocks: int
+    steps: int
+    worker_ready: bool
+
+
+# One tagged union per receiving socket.
+TokenizerInbound = GenerateReq
+SchedulerInbound = Union[TokenizedReq, Abort]
+WorkerInbound = Union[StepPlan, Shutdown]
+WorkerOutbound = Union[WorkerReady, StepResult, WorkerError]
+DetokenizerInbound = Union[DetokStart, TokenBatch]
+FrontendInbound = Union[TextDeltas, RequestError]
+SchedulerBroadcast = SchedulerStats
+
+FinishReason = Literal["stop", "length", "abort", "error"]

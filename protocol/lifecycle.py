@@ -1,0 +1,61 @@
+"""Start-up and shutdown plumbing shared by every role's process main.
+
+Children die with the launcher (PR_SET_PDEATHSIG), turn SIGTERM/SIGINT into a clean
+stop flag, and read their config from argv, so a role never depends on hidden state.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import threading
+
+import msgspec
+
+from protocol.topology import ProcessConfig
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGTERM us when the launcher goes away, so no child outlives it."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:  # not Linux: the launcher's own cleanup still applies
+        return
+    if os.getppid() == 1:  # the parent already died before prctl took effect
+        sys.exit(1)
+
+
+class StopFlag:
+    """Set by SIGTERM/SIGINT; loops poll it between units of work."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        signal.signal(signal.SIGTERM, self._set)
+        signal.signal(signal.SIGINT, self._set)
+
+    def _set(self, signum, frame) -> None:  # noqa: ARG002 - signal handler signature
+        self._event.set()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+
+def read_config(argv: list[str] | None = None) -> ProcessConfig:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        raise SystemExit("usage: python -m <role> '<ProcessConfig JSON>'")
+    return msgspec.json.decode(argv[0], type=ProcessConfig)
+
+
+def setup_logging(cfg: ProcessConfig) -> logging.Logger:
+    name = f"{cfg.role}[{cfg.index}]"
+    logging.basicConfig(
+        level=os.environ.get("CANDOR_LOG_LEVEL", "INFO"),
+        format=f"%(asctime)s {name} %(levelname)s %(message)s", stream=sys.stderr)
+    return logging.getLogger(name)

@@ -1,0 +1,216 @@
+"""OpenAI HTTP request and response bodies, as msgspec Structs.
+
+Requests are decoded straight into these types: a wrong type, a value out of range or a
+missing required field fails at decode time with a message that names the JSON path,
+which the frontend turns into a 400 naming the field. Ranges follow OpenAI's docs.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import UNSET, Meta, UnsetType
+
+Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
+TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+PositiveInt = Annotated[int, Meta(ge=1)]
+NonNegativeInt = Annotated[int, Meta(ge=0)]
+TopK = Annotated[int, Meta(ge=-1)]
+
+
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class ContentPart(msgspec.Struct, omit_defaults=True):
+    """One element of a list-valued message content. Only ``text`` parts are served by a
+    text model; other types are rejected with a 400 naming the part."""
+
+    type: str
+    text: str | None = None
+    image_url: Any = None
+    input_audio: Any = None
+    file: Any = None
+
+
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str | dict[str, Any]
+
+
+class ToolCall(msgspec.Struct):
+    function: FunctionCall
+    id: str | None = None
+    type: str = "function"
+
+
+class ChatMessage(msgspec.Struct, omit_defaults=True):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+
+class _SamplingFields(msgspec.Struct, kw_only=True):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str
+    max_tokens: PositiveInt | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    n: PositiveInt = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    logit_bias: dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]] | None = None
+    user: str | None = None
+    # extensions (not OpenAI fields), as vLLM and SGLang accept them
+    top_k: TopK | None = None
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=2.0)] = 1.0
+    ignore_eos: bool = False
+    min_tokens: NonNegativeInt = 0
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    return_token_ids: bool = False  # extension: ids of the prompt and of each choice
+
+
+class CompletionRequest(_SamplingFields, kw_only=True):
+    # str | list[int] | list[str] | list[list[int]]; msgspec cannot express that union,
+    # so the element kinds are checked when the request is translated
+    prompt: str | list[str | int | list[int]]
+    echo: bool = False
+    logprobs: Annotated[int, Meta(ge=0, le=5)] | None = None
+    suffix: str | None = None
+    best_of: PositiveInt | None = None
+
+
+class ChatCompletionRequest(_SamplingFields, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: PositiveInt | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+# ---------------------------------------------------------------- responses
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(msgspec.Struct):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: None = None
+    token_ids: list[int] | UnsetType = UNSET
+
+
+class CompletionResponse(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    object: str = "text_completion"
+    system_fingerprint: str | None = None
+    prompt_token_ids: list[int] | UnsetType = UNSET
+
+
+class AssistantMessage(msgspec.Struct):
+    content: str | None
+    role: str = "assistant"
+
+
+class ChatChoice(msgspec.Struct):
+    index: int
+    message: AssistantMessage
+    finish_reason: str | None
+    logprobs: None = None
+    token_ids: list[int] | UnsetType = UNSET
+
+
+class ChatCompletionResponse(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    object: str = "chat.completion"
+    system_fingerprint: str | None = None
+    prompt_token_ids: list[int] | UnsetType = UNSET
+
+
+class ChatDelta(msgspec.Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(msgspec.Struct):
+    index: int
+    delta: ChatDelta
+    finish_reason: str | None = None
+    logprobs: None = None
+    token_ids: list[int] | UnsetType = UNSET
+
+
+class ChatCompletionChunk(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    object: str = "chat.completion.chunk"
+
+
+class CompletionChunk(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    object: str = "text_completion"
+
+
+class ModelCard(msgspec.Struct):
+    id: str
+    created: int
+    max_model_len: int
+    object: str = "model"
+    owned_by: str = "candor"
+    root: str | None = None
+
+
+class ModelList(msgspec.Struct):
+    data: list[ModelCard]
+    object: str = "list"
+
+
+class ErrorDetail(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(msgspec.Struct):
+    error: ErrorDetail

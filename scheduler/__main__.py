@@ -1,0 +1,21 @@
+"""Scheduler process: continuous batching over the paged KV cache."""
+
+from protocol.lifecycle import StopFlag, die_with_parent, read_config, setup_logging
+from protocol.transport import sync_context
+from scheduler.engine_loop import EngineLoop
+
+
+def main() -> None:
+    die_with_parent()
+    cfg = read_config()
+    log = setup_logging(cfg)
+    stop = StopFlag()
+    ctx = sync_context()
+    loop = EngineLoop(cfg, ctx, log)
+    log.info("ready")
+    loop.run(stop.is_set)
+    ctx.destroy(linger=0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,228 @@
+"""The scheduler's step loop: one step in flight to the worker at a time.
+
+While the worker runs a step, the loop keeps draining new requests and aborts, so
+arrivals never wait on HTTP, tokenization or detokenization. Aborts for requests inside
+the in-flight step are applied as soon as that step returns (blocks freed within one
+step); the worker's writes into those blocks are finished by then.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import zlib
+
+import zmq
+
+from protocol import ipc
+from protocol.topology import ProcessConfig
+from protocol.transport import Receiver, Sender, SenderPool
+from scheduler.block_manager import BlockAllocator
+from scheduler.planner import Planner, PlannedStep
+from scheduler.request import SchedRequest
+
+HEARTBEAT_S = 0.25
+# An abort can overtake its request (the client left while the prompt was being
+# tokenized); remember such rids this long so the late request is dropped, not run.
+EARLY_ABORT_TTL_S = 60.0
+
+
+class EngineLoop:
+    def __init__(self, cfg: ProcessConfig, ctx: zmq.Context, log: logging.Logger) -> None:
+        self.cfg = cfg
+        self.log = log
+        a = cfg.addresses
+        self.inbound: Receiver = Receiver(ctx, a.scheduler_in, ipc.SchedulerInbound)
+        self.from_worker: Receiver = Receiver(ctx, a.worker_out, ipc.WorkerOutbound)
+        self.to_worker = Sender(ctx, a.worker_in, bind=True)
+        self.stats_pub = Sender(ctx, a.scheduler_pub, bind=True, kind=zmq.PUB)
+        self.to_detok = [Sender(ctx, addr) for addr in a.detokenizer_in]
+        self.replies = SenderPool(ctx)
+        self.poller = zmq.Poller()
+        self.poller.register(self.inbound.sock, zmq.POLLIN)
+        self.poller.register(self.from_worker.sock, zmq.POLLIN)
+
+        self.planner: Planner | None = None
+        self.block_size = cfg.engine.block_size
+        self.requests: dict[str, SchedRequest] = {}
+        self.pending_aborts: dict[str, str] = {}
+        self.early_aborts: dict[str, float] = {}  # rid -> monotonic time of the abort
+        self.released: list[str] = []
+        self.in_flight: tuple[ipc.StepPlan, PlannedStep] | None = None
+        self.step_id = 0
+        self.arrivals = 0
+        self.last_heartbeat = 0.0
+
+    # ------------------------------------------------------------------ helpers
+    def _detok_for(self, rid: str) -> Sender:
+        return self.to_detok[zlib.crc32(rid.encode()) % len(self.to_detok)]
+
+    def _reject(self, req: ipc.TokenizedReq, status: int, message: str, param: str | None,
+                code: str) -> None:
+        self.replies.send(req.reply_to, ipc.RequestError(req.rid, status, message,
+                                                         param=param, code=code))
+
+    def _finish(self, sreq: SchedRequest, reason: str, new_ids: list[int],
+                batches: dict[int, list[ipc.TokenOutput]]) -> None:
+        assert self.planner is not None
+        self.planner.free(sreq)
+        if sreq in self.planner.running:
+            self.planner.running.remove(sreq)
+        elif sreq in self.planner.waiting:
+            self.planner.waiting.remove(sreq)
+        self.requests.pop(sreq.rid, None)
+        if sreq.seen_by_worker:
+            self.released.append(sreq.rid)
+        sender = self._detok_for(sreq.rid)
+        batches.setdefault(id(sender), []).append(ipc.TokenOutput(sreq.rid, new_ids, reason))
+
+    def _flush(self, batches: dict[int, list[ipc.TokenOutput]]) -> None:
+        for sender in self.to_detok:
+            outputs = batches.get(id(sender))
+            if outputs:
+                sender.send(ipc.TokenBatch(outputs))
+
+    # ------------------------------------------------------------------ inbound
+    def _on_worker_ready(self, msg: ipc.WorkerReady) -> None:
+        eng = self.cfg.engine
+        self.block_size = msg.block_size
+        self.planner = Planner(BlockAllocator(msg.num_blocks), msg.block_size,
+                               eng.max_num_seqs, eng.max_num_batched_tokens)
+        self.log.info("worker ready: %d KV blocks of %d tokens", msg.num_blocks,
+                      msg.block_size)
+
+    def _on_tokenized(self, req: ipc.TokenizedReq) -> None:
+        assert self.planner is not None
+        if self.early_aborts.pop(req.rid, None) is not None:
+            return
+        if req.rid in self.requests:
+            self._reject(req, 400, f"request id {req.rid!r} is already running", None,
+                         "duplicate_request_id")
+            return
+        capacity = self.planner.allocator.total * self.block_size
+        needed = len(req.prompt_token_ids) + req.max_tokens
+        if needed > capacity:
+            self._reject(req, 400,
+                         f"this request needs KV cache for {needed} tokens "
+                         f"({len(req.prompt_token_ids)} prompt + {req.max_tokens} to "
+                         f"generate) but this deployment's KV cache holds {capacity} "
+                         "tokens; lower max_tokens or shorten the prompt",
+                         "max_tokens", "kv_cache_too_small")
+            return
+        sreq = SchedRequest(req, self.arrivals)
+        self.arrivals += 1
+        self.requests[req.rid] = sreq
+        self._detok_for(req.rid).send(ipc.DetokStart(
+            req.rid, req.reply_to, len(req.prompt_token_ids), req.detok,
+            req.prompt_token_ids[-8:],
+            req.prompt_token_ids if req.detok.return_token_ids else None))
+        self.planner.waiting.append(sreq)
+
+    def _apply_aborts(self) -> None:
+        if not self.pending_aborts:
+            return
+        batches: dict[int, list[ipc.TokenOutput]] = {}
+        now = time.monotonic()
+        for rid, reason in self.pending_aborts.items():
+            sreq = self.requests.get(rid)
+            if sreq is not None:
+                self._finish(sreq, "abort", [], batches)
+                self.log.debug("aborted %s (%s)", rid, reason)
+            elif reason == "disconnect":
+                self.early_aborts[rid] = now
+        self.pending_aborts.clear()
+        for rid in [r for r, t in self.early_aborts.items() if now - t > EARLY_ABORT_TTL_S]:
+            del self.early_aborts[rid]
+        self._flush(batches)
+
+    def _drain_inbound(self) -> None:
+        while (msg := self.inbound.recv_nowait()) is not None:
+            if isinstance(msg, ipc.Abort):
+                self.pending_aborts[msg.rid] = msg.reason
+            elif self.planner is None:
+                self._reject(msg, 503, "the engine is still loading", None, "not_ready")
+            else:
+                self._on_tokenized(msg)
+        if self.in_flight is None:
+            self._apply_aborts()
+
+    # ------------------------------------------------------------------ steps
+    def _launch_step(self) -> bool:
+        """Plan and send the next step if none is in flight; False if nothing could run."""
+        if self.planner is None or self.in_flight is not None:
+            return False
+        planned = self.planner.plan()
+        if not planned.chunks:
+            return False
+        self.step_id += 1
+        plan = ipc.StepPlan(self.step_id, planned.chunks, planned.new_sampling,
+                            self.released)
+        self.released = []
+        self.to_worker.send(plan)
+        self.in_flight = (plan, planned)
+        return True
+
+    def _on_result(self, msg: ipc.StepResult | ipc.WorkerError) -> None:
+        assert self.in_flight is not None and self.planner is not None
+        plan, planned = self.in_flight
+        self.in_flight = None
+        batches: dict[int, list[ipc.TokenOutput]] = {}
+        if isinstance(msg, ipc.WorkerError):
+            self.log.error("step %d failed: %s", msg.step_id, msg.message)
+            for sreq, _ in planned.members:
+                if sreq.rid in self.requests:
+                    self._finish(sreq, "error", [], batches)
+            self._flush(batches)
+            return
+        sampled = iter(msg.sampled)
+        for (sreq, n), chunk in zip(planned.members, plan.seqs):
+            sreq.num_computed += n
+            if not chunk.sample:
+                continue
+            token = next(sampled)
+            if sreq.rid not in self.requests or sreq.rid in self.pending_aborts:
+                continue
+            sreq.token_ids.append(token)
+            sreq.num_generated += 1
+            reason = sreq.finish_reason_after(token)
+            if reason is not None:
+                self._finish(sreq, reason, [token], batches)
+            else:
+                sender = self._detok_for(sreq.rid)
+                batches.setdefault(id(sender), []).append(
+                    ipc.TokenOutput(sreq.rid, [token], None))
+        self._flush(batches)
+        self._apply_aborts()
+
+    def _heartbeat(self, now: float) -> None:
+        if now - self.last_heartbeat < HEARTBEAT_S:
+            return
+        self.last_heartbeat = now
+        planner = self.planner
+        self.stats_pub.send(ipc.SchedulerStats(
+            time=time.time(),
+            running=len(planner.running) if planner else 0,
+            waiting=len(planner.waiting) if planner else 0,
+            free_blocks=planner.allocator.num_free if planner else 0,
+            total_blocks=planner.allocator.total if planner else 0,
+            steps=self.step_id, worker_ready=planner is not None))
+
+    def run(self, should_stop) -> None:
+        stalled = False  # work exists but the last plan was empty: do not spin
+        while not should_stop():
+            busy = self.in_flight is None and self.planner is not None and bool(
+                self.planner.running or self.planner.waiting)
+            timeout = (5 if stalled else 0) if busy else int(HEARTBEAT_S * 1000)
+            events = dict(self.poller.poll(timeout))
+            if self.from_worker.sock in events:
+                while (msg := self.from_worker.recv_nowait()) is not None:
+                    if isinstance(msg, ipc.WorkerReady):
+                        self._on_worker_ready(msg)
+                    else:
+                        self._on_result(msg)
+            if self.inbound.sock in events or busy:
+                self._drain_inbound()
+            launched = self._launch_step()
+            stalled = busy and not launched and self.in_flight is None
+            self._heartbeat(time.monotonic())
+        self.to_worker.send(ipc.Shutdown())

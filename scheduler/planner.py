@@ -1,0 +1,103 @@
+"""Continuous batching: decide which tokens run in the next step.
+
+Policy, in order:
+1. Running requests first, in arrival order; each gets its pending tokens (one for a
+   decode, a chunk of its prompt while prefill is unfinished), within the step's token
+   budget. If KV blocks run out, the most recently arrived running request is preempted
+   (recompute: its blocks are freed and it re-queues at the head of the waiting line
+   with its generated tokens kept, so it resumes where it stopped).
+2. Then waiting requests join FCFS while there is budget, a free slot and KV blocks for
+   their first chunk. A long prompt is chunked by the budget, so running streams keep
+   decoding while it prefills.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from protocol.ipc import SamplingParams, SeqChunk
+from scheduler.block_manager import BlockAllocator
+from scheduler.request import SchedRequest
+
+
+@dataclass
+class PlannedStep:
+    chunks: list[SeqChunk] = field(default_factory=list)
+    members: list[tuple[SchedRequest, int]] = field(default_factory=list)  # (req, n tokens)
+    new_sampling: dict[str, SamplingParams] = field(default_factory=dict)
+    preempted: list[SchedRequest] = field(default_factory=list)
+
+
+class Planner:
+    def __init__(self, allocator: BlockAllocator, block_size: int, max_num_seqs: int,
+                 max_num_batched_tokens: int) -> None:
+        self.allocator = allocator
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[SchedRequest] = deque()
+        self.running: list[SchedRequest] = []
+
+    def free(self, req: SchedRequest) -> None:
+        self.allocator.free(req.block_table)
+        req.block_table = []
+
+    def _preempt(self, victim: SchedRequest, step: PlannedStep) -> None:
+        self.running.remove(victim)
+        self.free(victim)
+        victim.num_computed = 0
+        victim.preemptions += 1
+        self.waiting.appendleft(victim)
+        step.preempted.append(victim)
+
+    def _grow(self, req: SchedRequest, n: int) -> bool:
+        need = req.blocks_needed(n, self.block_size)
+        if need == 0:
+            return True
+        blocks = self.allocator.allocate(need)
+        if blocks is None:
+            return False
+        req.block_table.extend(blocks)
+        return True
+
+    def _add(self, step: PlannedStep, req: SchedRequest, n: int) -> None:
+        start = req.num_computed
+        tokens = req.token_ids[start:start + n]
+        sample = start + n == len(req.token_ids)
+        step.chunks.append(SeqChunk(req.rid, tokens, start, list(req.block_table), sample))
+        step.members.append((req, n))
+        if not req.seen_by_worker:
+            step.new_sampling[req.rid] = req.req.sampling
+            req.seen_by_worker = True
+
+    def plan(self) -> PlannedStep:
+        step = PlannedStep()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_pending, budget)
+            while not self._grow(req, n):
+                victim = self.running[-1]
+                self._preempt(victim, step)
+                if victim is req:
+                    break
+            else:
+                self._add(step, req, n)
+                budget -= n
+                i += 1
+                continue
+            # req itself was preempted; the loop index now points at the next one
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            if step.preempted and req in step.preempted:
+                break  # do not re-admit what this very step had to evict
+            n = min(req.num_pending, budget)
+            if not self._grow(req, n):
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            self._add(step, req, n)
+            budget -= n
+        return step

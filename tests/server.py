@@ -1,0 +1,118 @@
+"""Start and stop a real Candor topology (the launcher and its child processes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_pids(pid: int) -> list[int]:
+    """Direct children of ``pid`` (from /proc, no psutil needed)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            if ppid == pid:
+                out.append(int(entry.name))
+    return out
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def role_of(pid: int) -> str:
+    args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    return json.loads(args[3])["role"] + f"[{json.loads(args[3])['index']}]"
+
+
+class CandorServer:
+    def __init__(self, model_dir: str | Path, *args: str, port: int | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        self.port = port or free_port()
+        self.cmd = [sys.executable, str(REPO / "launch_cluster.py"), "serve", "--model",
+                    str(model_dir), "--port", str(self.port), *args]
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 180) -> "CandorServer":
+        self.proc = subprocess.Popen(self.cmd, env=self.env, cwd=REPO)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"launcher exited with {self.proc.returncode}")
+            if self.health()[0] == 200:
+                return self
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError("server did not become healthy")
+
+    def health(self) -> tuple[int, dict]:
+        try:
+            with urllib.request.urlopen(self.base_url + "/health", timeout=2) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as err:
+            return err.code, json.loads(err.read() or b"{}")
+        except (urllib.error.URLError, OSError):
+            return 0, {}
+
+    def engine_stats(self) -> dict:
+        status, body = self.health()
+        assert status == 200, body
+        return body["engine"]
+
+    def wait_all_blocks_free(self, timeout: float = 10) -> dict:
+        """KV accounting settles within a few steps once no request is running."""
+        deadline = time.monotonic() + timeout
+        stats = self.engine_stats()
+        while time.monotonic() < deadline:
+            stats = self.engine_stats()
+            if (stats["free_blocks"] == stats["total_blocks"] and stats["running"] == 0
+                    and stats["waiting"] == 0):
+                return stats
+            time.sleep(0.1)
+        raise AssertionError(f"KV blocks not all free: {stats}")
+
+    def children(self) -> list[int]:
+        assert self.proc is not None
+        return child_pids(self.proc.pid)
+
+    def stop(self, timeout: float = 30) -> int:
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode

@@ -1,0 +1,97 @@
+"""Supervision through real processes: clean SIGTERM, a dead child stops the topology,
+no orphans, lean roles without torch, and topology files that fail loudly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from protocol.topology import load_topology, process_configs
+from tests.server import REPO, CandorServer, pid_alive, role_of
+
+LEAN_ROLES = ("api_frontend", "tokenizer_worker", "scheduler", "detokenizer")
+
+
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _maps_torch(pid: int) -> bool:
+    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+
+def test_sigterm_stops_every_child_and_exits_zero(tiny_model_dir, capsys):
+    srv = CandorServer(tiny_model_dir, "--tokenizer-workers", "2").start()
+    children = srv.children()
+    roles = sorted(role_of(p) for p in children)
+    assert roles == sorted(["api_frontend[0]", "tokenizer_worker[0]", "tokenizer_worker[1]",
+                            "scheduler[0]", "gpu_worker[0]", "detokenizer[0]"])
+    # lean roles never load torch; each role's RSS is printed for the issue note
+    for pid in children:
+        role = role_of(pid)
+        print(f"RSS {role}: {_rss_mb(pid):.0f} MiB")
+        assert _maps_torch(pid) == role.startswith("gpu_worker"), f"{role}: torch mapping"
+    assert srv.stop() == 0
+    deadline = time.monotonic() + 5
+    while any(pid_alive(p) for p in children) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(pid_alive(p) for p in children)
+
+
+def test_dead_child_stops_the_topology_nonzero(tiny_model_dir):
+    srv = CandorServer(tiny_model_dir).start()
+    children = srv.children()
+    victim = next(p for p in children if role_of(p).startswith("detokenizer"))
+    os.kill(victim, signal.SIGKILL)
+    assert srv.proc.wait(timeout=30) == 1
+    deadline = time.monotonic() + 5
+    while any(pid_alive(p) for p in children) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(pid_alive(p) for p in children)
+
+
+def test_children_die_with_a_killed_launcher(tiny_model_dir):
+    srv = CandorServer(tiny_model_dir).start()
+    children = srv.children()
+    srv.proc.kill()          # SIGKILL: the launcher gets no chance to clean up
+    srv.proc.wait()
+    deadline = time.monotonic() + 10
+    while any(pid_alive(p) for p in children) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(pid_alive(p) for p in children)
+
+
+def test_topology_yaml_errors_name_the_bad_key(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  path: /x\nroles:\n  tokeniser_worker: 2\n")
+    with pytest.raises(msgspec.ValidationError, match="tokeniser_worker"):
+        load_topology(str(bad))
+    out = subprocess.run([sys.executable, str(REPO / "launch_cluster.py"), str(bad)],
+                         capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 2 and "tokeniser_worker" in out.stderr
+
+
+def test_colliding_addresses_are_rejected(tmp_path):
+    bad = tmp_path / "collide.yaml"
+    bad.write_text("model:\n  path: /x\nroles:\n  tokenizer_worker: 2\n"
+                   "addresses:\n  tokenizer_in: ipc://{run_dir}/tok\n")
+    with pytest.raises(ValueError, match="collide"):
+        process_configs(load_topology(str(bad)), "/tmp/r")
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "deploy" / "topologies").glob("*.yaml")))
+def test_shipped_topologies_are_valid(path):
+    topology = load_topology(str(path))
+    configs = process_configs(topology, "/tmp/candor-test")
+    assert {c.role for c in configs} == {"api_frontend", "tokenizer_worker", "scheduler",
+                                         "gpu_worker", "detokenizer"}

@@ -1,0 +1,92 @@
+"""Scheduler policy without processes: chunking, block accounting, preemption."""
+
+from protocol.ipc import DetokParams, SamplingParams, TokenizedReq
+from scheduler.block_manager import BlockAllocator
+from scheduler.planner import Planner
+from scheduler.request import SchedRequest
+
+
+def _req(rid: str, prompt_len: int, max_tokens: int = 8, seq: int = 0) -> SchedRequest:
+    tok = TokenizedReq(rid=rid, reply_to="ipc://x", prompt_token_ids=list(range(1, prompt_len + 1)),
+                       max_tokens=max_tokens, sampling=SamplingParams(temperature=0.0),
+                       detok=DetokParams(), eos_token_ids=[0])
+    return SchedRequest(tok, seq)
+
+
+def _run_step(planner: Planner, sampled_token: int = 7) -> list:
+    """Apply a plan as the engine loop would after the worker answers."""
+    step = planner.plan()
+    for (req, n), chunk in zip(step.members, step.chunks):
+        req.num_computed += n
+        if chunk.sample:
+            req.token_ids.append(sampled_token)
+            req.num_generated += 1
+    return step.chunks
+
+
+def test_allocator_accounting():
+    alloc = BlockAllocator(4)
+    a = alloc.allocate(3)
+    assert a == [0, 1, 2] and alloc.num_free == 1
+    assert alloc.allocate(2) is None and alloc.num_free == 1
+    alloc.free(a)
+    assert alloc.num_free == 4
+
+
+def test_long_prompt_is_chunked_and_decodes_share_the_step():
+    planner = Planner(BlockAllocator(64), block_size=4, max_num_seqs=8, max_num_batched_tokens=16)
+    short = _req("short", 3)
+    planner.waiting.append(short)
+    chunks = _run_step(planner)
+    assert [(c.rid, len(c.token_ids), c.sample) for c in chunks] == [("short", 3, True)]
+    long = _req("long", 40, seq=1)
+    planner.waiting.append(long)
+    chunks = _run_step(planner)
+    # the running decode goes first, the new prompt gets the rest of the budget
+    assert [(c.rid, len(c.token_ids), c.start_pos, c.sample) for c in chunks] == [
+        ("short", 1, 3, True), ("long", 15, 0, False)]
+    chunks = _run_step(planner)
+    assert [(c.rid, len(c.token_ids), c.start_pos, c.sample) for c in chunks] == [
+        ("short", 1, 4, True), ("long", 15, 15, False)]
+    chunks = _run_step(planner)
+    assert [(c.rid, len(c.token_ids), c.start_pos, c.sample) for c in chunks] == [
+        ("short", 1, 5, True), ("long", 10, 30, True)]
+    # block tables cover every position written so far
+    assert len(long.block_table) == 10 and len(short.block_table) == 2
+
+
+def test_preemption_frees_blocks_and_resumes_with_generated_tokens():
+    planner = Planner(BlockAllocator(4), block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    a, b = _req("a", 4, seq=0), _req("b", 4, seq=1)
+    planner.waiting.extend([a, b])
+    _run_step(planner)          # both prefilled: 1 block each, 2 free
+    _run_step(planner)          # decode pos 4: each needs a 2nd block -> 0 free
+    assert planner.allocator.num_free == 0
+    for _ in range(3):          # positions 5..7 fit in the 2nd blocks
+        _run_step(planner)
+    # position 8 needs a third block each: b (latest arrival) is preempted
+    chunks = _run_step(planner)
+    assert [c.rid for c in chunks] == ["a"]
+    assert b in planner.waiting and b.num_computed == 0 and b.block_table == []
+    assert b.token_ids[4:] == [7] * 5 and b.preemptions == 1   # generated tokens kept
+    planner.running.remove(a)
+    planner.free(a)
+    chunks = _run_step(planner)
+    # b recomputes its prompt + generated tokens in one chunk and samples again
+    assert [(c.rid, len(c.token_ids), c.sample) for c in chunks] == [("b", 9, True)]
+
+
+def test_max_num_seqs_limits_admission():
+    planner = Planner(BlockAllocator(64), block_size=4, max_num_seqs=2, max_num_batched_tokens=64)
+    planner.waiting.extend([_req(str(i), 2, seq=i) for i in range(3)])
+    chunks = _run_step(planner)
+    assert [c.rid for c in chunks] == ["0", "1"] and len(planner.waiting) == 1
+
+
+def test_finish_reasons():
+    r = _req("r", 2, max_tokens=3)
+    r.num_generated = 1
+    assert r.finish_reason_after(0) == "stop"          # eos
+    assert r.finish_reason_after(5) is None
+    r.num_generated = 3
+    assert r.finish_reason_after(5) == "length"
