@@ -68,9 +68,8 @@ def _int_list(value: Any) -> list[int]:
 
 def _parse_rope(cfg: dict[str, Any]) -> RopeConfig:
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    if isinstance(params, dict) and "rope_type" not in params and "type" not in params and params:
-        if all(isinstance(v, dict) for v in params.values()):
-            raise ValueError("per-layer-type rope_parameters are not supported")
+    if params and all(isinstance(v, dict) for v in params.values()):
+        raise ValueError("per-layer-type rope_parameters are not supported")
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"unsupported rope type {rope_type!r} (supported: {sorted(ROPE_TYPES)})")

@@ -78,10 +78,8 @@ class ModelRunner:
         shape = (self.num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         # Zeros, not empty: padded decode slots are masked but still multiplied, and
         # uninitialised memory could hold NaN/inf.
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
-            for _ in range(cfg.num_layers)
-        ]
+        zeros = lambda: torch.zeros(shape, dtype=self.dtype, device=self.device)  # noqa: E731
+        self.kv_caches = [(zeros(), zeros()) for _ in range(cfg.num_layers)]
 
         self.sampler = Sampler(self.device, seed)
         self.sampling: dict[str, SamplingParams] = {}
@@ -109,7 +107,9 @@ class ModelRunner:
         if n == 0:
             raise ValueError(f"{seq.rid}: empty chunk")
         if seq.start_pos < 0 or end > self.max_model_len:
-            raise ValueError(f"{seq.rid}: positions {seq.start_pos}..{end - 1} outside max_model_len {self.max_model_len}")
+            raise ValueError(
+                f"{seq.rid}: positions {seq.start_pos}..{end - 1} outside max_model_len {self.max_model_len}"
+            )
         needed = -(-end // self.block_size)
         if len(seq.block_table) < needed:
             raise ValueError(f"{seq.rid}: block_table has {len(seq.block_table)} blocks, {needed} needed")

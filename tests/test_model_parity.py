@@ -167,9 +167,10 @@ def _build_variant(path: Path, kind: str) -> Path:
     if kind == "qwen2":  # q/k/v biases, untied lm_head, plain RoPE
         model = Qwen2ForCausalLM(Qwen2Config(num_key_value_heads=2, rms_norm_eps=1e-6, **common))
         shard = None
-    else:  # every Llama bias, MHA, linear RoPE scaling, sharded checkpoint
+    else:  # every Llama bias, MHA, scaled RoPE, sharded checkpoint
+        rope_type = kind.split("-")[1]
         cfg = LlamaConfig(num_key_value_heads=4, attention_bias=True, mlp_bias=True,
-                          rope_scaling={"rope_type": "linear", "factor": 4.0}, **common)
+                          rope_scaling={"rope_type": rope_type, "factor": 4.0}, **common)
         model = LlamaForCausalLM(cfg)
         shard = "150KB"
     init_weights(model, seed=7)
@@ -178,7 +179,7 @@ def _build_variant(path: Path, kind: str) -> Path:
     return path
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "llama-linear-bias"])
+@pytest.mark.parametrize("kind", ["qwen2", "llama-linear-bias", "llama-dynamic-bias"])
 def test_variant_matches_hf(kind, tmp_path):
     path = _build_variant(tmp_path / kind, kind)
     if kind != "qwen2":
