@@ -21,10 +21,13 @@ _PR_SET_PDEATHSIG = 1
 
 
 def die_with_parent() -> None:
-    """Ask Linux to SIGTERM us when the launcher goes away, so no child outlives it."""
+    """Ask Linux to SIGKILL us when the launcher goes away, so no child outlives it.
+
+    The launcher stops children with SIGTERM (graceful) itself; this signal only fires
+    when the launcher died without doing so, and then the topology is gone anyway."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:  # not Linux: the launcher's own cleanup still applies
         return
     if os.getppid() == 1:  # the parent already died before prctl took effect
