@@ -20,6 +20,7 @@ import time
 from collections import deque
 import zlib
 
+import msgspec
 import zmq
 
 from protocol import ipc
@@ -270,4 +271,7 @@ class EngineLoop:
             launched = self._launch_step()
             stalled = busy and not launched and self.in_flight is None
             self._heartbeat(time.monotonic())
-        self.to_worker.send(ipc.Shutdown())
+        try:  # never block on exit: the worker may already be gone (launcher killed)
+            self.to_worker.sock.send(msgspec.msgpack.encode(ipc.Shutdown()), zmq.NOBLOCK)
+        except zmq.Again:
+            pass
