@@ -146,7 +146,9 @@ def _serve_topology(args: argparse.Namespace) -> Topology:
                   "detokenizer": args.detokenizers},
         "engine": {"num_kv_blocks": args.num_kv_blocks, "max_num_seqs": args.max_num_seqs,
                    "max_num_batched_tokens": args.max_num_batched_tokens,
-                   "worker_threads": args.worker_threads},
+                   "worker_threads": args.worker_threads,
+                   "max_waiting_requests": args.max_waiting_requests,
+                   "enable_prefix_caching": not args.no_prefix_caching},
         "http": {"host": args.host, "port": args.port},
     }, Topology)
 
@@ -170,6 +172,9 @@ def cli(argv: list[str] | None = None) -> int:
     serve.add_argument("--max-num-seqs", type=int, default=64)
     serve.add_argument("--max-num-batched-tokens", type=int, default=1024)
     serve.add_argument("--worker-threads", type=int, default=None)
+    serve.add_argument("--max-waiting-requests", type=int, default=1024,
+                       help="waiting-queue bound; past it requests get 503 (0: unbounded)")
+    serve.add_argument("--no-prefix-caching", action="store_true")
 
     tiny = sub.add_parser("make-tiny-model", help="build the deterministic tiny checkpoint")
     tiny.add_argument("dir", nargs="?", default=DEFAULT_MODEL_DIR)

@@ -31,6 +31,7 @@ _DECODERS = {ChatCompletionRequest: msgspec.json.Decoder(ChatCompletionRequest),
 
 ENGINE_KEY = web.AppKey("engine", EngineClient)
 MODEL_KEY = web.AppKey("model", ModelCard)
+RETRY_AFTER_S = "1"  # seconds, on every 503 caused by a full waiting queue
 
 
 def json_response(obj, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -82,12 +83,16 @@ def _check_model(request: web.Request, name: str) -> ModelCard:
 async def _next(queue: asyncio.Queue) -> ipc.TextDelta:
     msg = await queue.get()
     if isinstance(msg, ipc.RequestError):
-        raise ApiError(msg.status, msg.message, msg.param, msg.code, msg.type)
+        headers = {"Retry-After": RETRY_AFTER_S} if msg.status == 503 else None
+        raise ApiError(msg.status, msg.message, msg.param, msg.code, msg.type, headers)
     return msg
 
 
 async def _generate(request: web.Request, kind: type) -> web.StreamResponse:
     engine = request.app[ENGINE_KEY]
+    full = engine.queue_full()  # shed load before parsing or tokenizing anything
+    if full is not None:
+        raise ApiError(503, full, None, "queue_full", headers={"Retry-After": RETRY_AFTER_S})
     parsed, keys = _decode(await request.read(), kind)
     card = _check_model(request, parsed.model)
     is_chat = kind is ChatCompletionRequest

@@ -35,6 +35,8 @@ class EngineClient:
         self.stats: ipc.SchedulerStats | None = None
         self.stats_received_at = 0.0
         self._tasks: list[asyncio.Task] = []
+        # rid -> submit time, until its first reply: requests the scheduler may not count yet
+        self._unanswered: dict[str, float] = {}
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._read_results()),
@@ -50,10 +52,12 @@ class EngineClient:
             msg = await self._results.recv_async()
             if isinstance(msg, ipc.TextDeltas):
                 for item in msg.items:
+                    self._unanswered.pop(item.rid, None)
                     queue = self._queues.get(item.rid)
                     if queue is not None:
                         queue.put_nowait(item)
             else:
+                self._unanswered.pop(msg.rid, None)
                 queue = self._queues.get(msg.rid)
                 if queue is not None:
                     queue.put_nowait(msg)
@@ -74,15 +78,35 @@ class EngineClient:
             return "the gpu_worker is still loading the model"
         return None
 
+    def queue_full(self) -> str | None:
+        """Why a new request should be shed now (None: admit it).
+
+        Conservative: the scheduler's last reported waiting count plus every request this
+        frontend sent since that report that has had no reply yet. The scheduler enforces
+        the same bound again on arrival, so a race between frontends still gets a 503.
+        """
+        stats = self.stats
+        if stats is None or not stats.max_waiting:
+            return None
+        since = self.stats_received_at
+        fresh = sum(1 for t in self._unanswered.values() if t >= since)
+        if stats.waiting + fresh >= stats.max_waiting:
+            return (f"the engine's waiting queue is full ({stats.waiting} waiting, "
+                    f"{fresh} on their way, bound {stats.max_waiting}); retry shortly")
+        return None
+
     async def submit(self, req: ipc.GenerateReq) -> asyncio.Queue:
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[req.rid] = queue
+        self._unanswered[req.rid] = time.monotonic()
         await self._to_tokenizers.send(req)
         return queue
 
     def release(self, rid: str) -> None:
         self._queues.pop(rid, None)
+        self._unanswered.pop(rid, None)
 
     async def abort(self, rid: str, reason: str = "disconnect") -> None:
         self._queues.pop(rid, None)
+        self._unanswered.pop(rid, None)
         await self._to_scheduler.send(ipc.Abort(rid, reason))

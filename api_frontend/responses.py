@@ -8,7 +8,8 @@ from msgspec import UNSET
 from protocol import ipc
 from protocol.openai_api import (AssistantMessage, ChatChoice, ChatChunkChoice,
                                  ChatCompletionChunk, ChatCompletionResponse, ChatDelta,
-                                 CompletionChoice, CompletionChunk, CompletionResponse, Usage)
+                                 CompletionChoice, CompletionChunk, CompletionResponse,
+                                 PromptTokensDetails, Usage)
 
 _ENCODER = msgspec.json.Encoder()
 DONE_FRAME = b"data: [DONE]\n\n"
@@ -20,7 +21,8 @@ def sse(obj: msgspec.Struct) -> bytes:
 
 def usage_of(delta: ipc.TextDelta) -> Usage:
     return Usage(delta.prompt_tokens, delta.completion_tokens,
-                 delta.prompt_tokens + delta.completion_tokens)
+                 delta.prompt_tokens + delta.completion_tokens,
+                 PromptTokensDetails(delta.cached_tokens))
 
 
 class Collected:

@@ -84,7 +84,8 @@ def _common(req: CompletionRequest | ChatCompletionRequest, rid: str, reply_to: 
     _reject_unsupported(req)
     return dict(rid=rid, reply_to=reply_to, sampling=_sampling(req), detok=_detok(req),
                 stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
-                min_tokens=req.min_tokens, arrival_time=arrival)
+                min_tokens=req.min_tokens, arrival_time=arrival, priority=req.priority,
+                cache_salt=req.cache_salt)
 
 
 # The legacy completions contract documents a default of 16 tokens; chat's default is

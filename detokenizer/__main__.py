@@ -13,7 +13,7 @@ from detokenizer.incremental import RequestDetokenizer
 
 
 class _Live:
-    __slots__ = ("detok", "reply_to", "prompt_tokens", "prompt_ids")
+    __slots__ = ("detok", "reply_to", "prompt_tokens", "prompt_ids", "cached_tokens")
 
     def __init__(self, detok: RequestDetokenizer, reply_to: str, prompt_tokens: int,
                  prompt_ids: list[int] | None) -> None:
@@ -21,6 +21,7 @@ class _Live:
         self.reply_to = reply_to
         self.prompt_tokens = prompt_tokens
         self.prompt_ids = prompt_ids  # sent once, on the first delta
+        self.cached_tokens = 0  # prefix-cache hit, known with the first token
 
 
 def main() -> None:
@@ -51,6 +52,8 @@ def main() -> None:
             state = live.get(out.rid)
             if state is None:
                 continue  # already finished by a stop string; late ids are dropped
+            if out.cached_tokens is not None:
+                state.cached_tokens = out.cached_tokens
             detok = state.detok
             before = detok.num_tokens
             for token_id in out.token_ids:
@@ -70,7 +73,7 @@ def main() -> None:
             if delta or consumed or finish is not None:
                 outgoing.setdefault(state.reply_to, []).append(ipc.TextDelta(
                     out.rid, delta, finish, state.prompt_tokens, detok.num_tokens, consumed,
-                    state.prompt_ids))
+                    state.prompt_ids, state.cached_tokens))
                 state.prompt_ids = None
             if finish is not None:
                 del live[out.rid]

@@ -45,17 +45,23 @@ def main() -> None:
     results = Sender(ctx, cfg.addresses.worker_out)
     results.send(ipc.WorkerReady(runner.num_blocks, runner.block_size, runner.max_model_len))
 
+    last_sent = time.perf_counter()
     while not stop.is_set():
         msg = plans.recv(timeout_ms=200)
         if msg is None:
             continue
         if isinstance(msg, ipc.Shutdown):
             break
+        idle = time.perf_counter() - last_sent
         try:
-            results.send(runner.execute(msg))
+            result = runner.execute(msg)
+            result.idle_s = idle
+            results.send(result)
+            last_sent = time.perf_counter()
         except Exception:  # a failed step fails its requests, not the process
             log.exception("step %d failed", msg.step_id)
             results.send(ipc.WorkerError(msg.step_id, traceback.format_exc(limit=3)))
+            last_sent = time.perf_counter()
     ctx.destroy(linger=0)
 
 

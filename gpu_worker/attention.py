@@ -37,6 +37,21 @@ class AttentionMetadata:
     num_prefill_tokens: int = 0
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] long, padded
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size] bool
+    impl: object | None = None  # another backend's per-step state (has ``attend``); None: torch
+
+
+def select_backend(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                   dtype: torch.dtype, device: torch.device):
+    """flashinfer when the device is CUDA and flashinfer is installed, else None (torch
+    SDPA here). Imported lazily, so CPU-only installs never touch CUDA or flashinfer."""
+    if device.type != "cuda":
+        return None
+    from gpu_worker import flashinfer_backend
+
+    if not flashinfer_backend.available(device):
+        return None
+    return flashinfer_backend.FlashInferBackend(num_heads, num_kv_heads, head_dim, block_size,
+                                                dtype, device)
 
 
 def build_metadata(
@@ -44,17 +59,25 @@ def build_metadata(
     num_decodes: int,
     block_size: int,
     device: torch.device,
+    backend=None,
 ) -> AttentionMetadata:
     """Index tensors for one step.
 
     ``chunks`` lists (start_pos, num_tokens, block_table) in flattened-batch order:
-    prefill chunks first, then the ``num_decodes`` single-token decodes.
+    prefill chunks first, then the ``num_decodes`` single-token decodes. ``backend``
+    (from ``select_backend``) plans its own kernels; None builds the torch path's masks.
     """
     slots: list[int] = []
     for start, n, table in chunks:
-        for pos in range(start, start + n):
-            slots.append(table[pos // block_size] * block_size + pos % block_size)
-    meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=device))
+        if n == 1:
+            slots.append(table[start // block_size] * block_size + start % block_size)
+        else:
+            slots.extend(table[pos // block_size] * block_size + pos % block_size
+                         for pos in range(start, start + n))
+    slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
+    if backend is not None:
+        return backend.build(chunks, num_decodes, slot_mapping)
+    meta = AttentionMetadata(slot_mapping=slot_mapping)
 
     num_prefills = len(chunks) - num_decodes
     row = 0
@@ -93,9 +116,14 @@ def write_kv(
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """[..., nb] block ids -> [..., kv_heads, nb * block_size, head_dim] for SDPA."""
-    g = cache[blocks]  # [..., nb, bs, kvh, d]
-    g = g.flatten(-4, -3)  # [..., nb * bs, kvh, d]
+    """[..., nb] block ids -> [..., kv_heads, nb * block_size, head_dim] for SDPA.
+
+    ``index_select`` over flattened ids copies whole blocks as slabs; it is ~3x faster
+    on CPU than advanced indexing (``cache[blocks]``). The final transpose is a view:
+    SDPA takes the strided keys as they are."""
+    bs, kvh, d = cache.shape[1:]
+    g = cache.index_select(0, blocks.reshape(-1))  # [prod(...) * nb, bs, kvh, d]
+    g = g.view(*blocks.shape[:-1], blocks.shape[-1] * bs, kvh, d)
     return g.transpose(-3, -2)
 
 
@@ -112,6 +140,8 @@ def paged_attention(
 
     Writes the new K/V into the cache first, so later chunks and decodes see them.
     """
+    if meta.impl is not None:
+        return meta.impl.attend(q, k, v, k_cache, v_cache, meta, scale)
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     gqa = q.shape[1] != k.shape[1]
     out = torch.empty_like(q)

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from gpu_worker.attention import build_metadata
+from gpu_worker.attention import build_metadata, select_backend
 from gpu_worker.llama import LlamaForCausalLM
 from gpu_worker.loader import load_weights
 from gpu_worker.model_config import ModelConfig, load_config
@@ -81,6 +81,8 @@ class ModelRunner:
         zeros = lambda: torch.zeros(shape, dtype=self.dtype, device=self.device)  # noqa: E731
         self.kv_caches = [(zeros(), zeros()) for _ in range(cfg.num_layers)]
 
+        self.attn_backend = select_backend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                           block_size, self.dtype, self.device)
         self.sampler = Sampler(self.device, seed)
         self.sampling: dict[str, SamplingParams] = {}
         self.generators: dict[str, torch.Generator] = {}
@@ -149,7 +151,8 @@ class ModelRunner:
 
         dev = self.device
         meta = build_metadata(
-            [(s.start_pos, len(s.token_ids), s.block_table) for s in ordered], len(decodes), self.block_size, dev
+            [(s.start_pos, len(s.token_ids), s.block_table) for s in ordered], len(decodes), self.block_size, dev,
+            backend=self.attn_backend,
         )
         hidden = self.model(
             torch.tensor(ids, dtype=torch.long, device=dev),

@@ -65,6 +65,8 @@ class GenerateReq(_Message, tag="generate", omit_defaults=True):
     ignore_eos: bool = False
     min_tokens: int = 0
     arrival_time: float = 0.0
+    priority: int = 0  # extension: lower runs first; FCFS within a priority
+    cache_salt: str | None = None  # extension: prefix-cache blocks are shared only within a salt
 
 
 # ---------------------------------------------------------------- tokenizer -> scheduler
@@ -84,6 +86,8 @@ class TokenizedReq(_Message, tag="tokenized", omit_defaults=True):
     ignore_eos: bool = False
     min_tokens: int = 0
     arrival_time: float = 0.0
+    priority: int = 0
+    cache_salt: str | None = None
 
 
 class Abort(_Message, tag="abort"):
@@ -137,6 +141,7 @@ class StepResult(_Message, tag="result"):
     step_id: int
     sampled: list[int]
     forward_s: float
+    idle_s: float = 0.0  # worker idle between sending the previous result and this plan
 
 
 class WorkerError(_Message, tag="worker_error"):
@@ -164,6 +169,7 @@ class TokenOutput(msgspec.Struct, array_like=True):
     rid: str
     token_ids: list[int]
     finish_reason: str | None  # None while running; "stop" | "length" | "abort" | "error"
+    cached_tokens: int | None = None  # prompt tokens served by the prefix cache (first output)
 
 
 class TokenBatch(_Message, tag="tokens"):
@@ -185,6 +191,7 @@ class TextDelta(msgspec.Struct, array_like=True):
     completion_tokens: int
     token_ids: list[int] = []
     prompt_token_ids: list[int] | None = None  # on the first delta, if return_token_ids
+    cached_tokens: int = 0  # prompt tokens served by the prefix cache
 
 
 class TextDeltas(_Message, tag="deltas"):
@@ -212,6 +219,13 @@ class SchedulerStats(_Message, tag="stats"):
     total_blocks: int
     steps: int
     worker_ready: bool
+    max_waiting: int = 0  # the waiting-queue bound (0: unbounded); frontends shed load past it
+    cached_blocks: int = 0  # blocks findable in the prefix cache
+    prefix_hit_blocks: int = 0  # cumulative blocks served from the prefix cache
+    worker_idle_s: float = 0.0  # cumulative worker idle time between consecutive steps
+    worker_busy_s: float = 0.0  # cumulative worker time inside steps
+    worker_idle_ms_p50: float = 0.0  # median idle gap over recent busy steps (ms)
+    preemptions: int = 0  # cumulative requests preempted (recompute)
 
 
 # One tagged union per receiving socket.

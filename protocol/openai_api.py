@@ -82,6 +82,8 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False  # extension: ids of the prompt and of each choice
+    priority: int = 0  # extension: lower runs first when requests wait; FCFS within one
+    cache_salt: str | None = None  # extension: prefix-cache sharing only within one salt
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -111,10 +113,15 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
 # ---------------------------------------------------------------- responses
 
 
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int = 0
+
+
 class Usage(msgspec.Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionChoice(msgspec.Struct):

@@ -42,6 +42,8 @@ class EngineSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_num_batched_tokens: Annotated[int, Meta(ge=16)] = 1024
     worker_threads: Annotated[int, Meta(ge=1)] | None = None
     seed: int = 0
+    max_waiting_requests: Annotated[int, Meta(ge=0)] = 1024  # 0: unbounded
+    enable_prefix_caching: bool = True
 
 
 class HttpSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -4,14 +4,23 @@ While the worker runs a step, the loop keeps draining new requests and aborts, s
 arrivals never wait on HTTP, tokenization or detokenization. Aborts for requests inside
 the in-flight step are applied as soon as that step returns (blocks freed within one
 step); the worker's writes into those blocks are finished by then.
+
+Keeping the worker busy: when a step returns, the loop first updates request state,
+frees what finished or was aborted, and sends the next plan, and only then ships the
+tokens to the detokenizers, so that I/O overlaps the worker's next forward pass. The
+worker reports how long it sat idle before each plan; the heartbeat publishes the sum
+and a recent median over steps where work was waiting (``worker_idle_*``).
 """
 
 from __future__ import annotations
 
 import logging
+import statistics
 import time
+from collections import deque
 import zlib
 
+import msgspec
 import zmq
 
 from protocol import ipc
@@ -52,6 +61,11 @@ class EngineLoop:
         self.step_id = 0
         self.arrivals = 0
         self.last_heartbeat = 0.0
+        self.max_waiting = cfg.engine.max_waiting_requests
+        self.idle_s = 0.0  # worker idle between consecutive steps while work was queued
+        self.busy_s = 0.0
+        self.recent_idle: deque[float] = deque(maxlen=256)
+        self.work_after_last_result = False
 
     # ------------------------------------------------------------------ helpers
     def _detok_for(self, rid: str) -> Sender:
@@ -59,11 +73,13 @@ class EngineLoop:
 
     def _reject(self, req: ipc.TokenizedReq, status: int, message: str, param: str | None,
                 code: str) -> None:
-        self.replies.send(req.reply_to, ipc.RequestError(req.rid, status, message,
+        kind = "service_unavailable_error" if status == 503 else "invalid_request_error"
+        self.replies.send(req.reply_to, ipc.RequestError(req.rid, status, message, type=kind,
                                                          param=param, code=code))
 
     def _finish(self, sreq: SchedRequest, reason: str, new_ids: list[int],
-                batches: dict[int, list[ipc.TokenOutput]]) -> None:
+                batches: dict[int, list[ipc.TokenOutput]],
+                cached_tokens: int | None = None) -> None:
         assert self.planner is not None
         self.planner.free(sreq)
         if sreq in self.planner.running:
@@ -74,7 +90,8 @@ class EngineLoop:
         if sreq.seen_by_worker:
             self.released.append(sreq.rid)
         sender = self._detok_for(sreq.rid)
-        batches.setdefault(id(sender), []).append(ipc.TokenOutput(sreq.rid, new_ids, reason))
+        batches.setdefault(id(sender), []).append(
+            ipc.TokenOutput(sreq.rid, new_ids, reason, cached_tokens))
 
     def _flush(self, batches: dict[int, list[ipc.TokenOutput]]) -> None:
         for sender in self.to_detok:
@@ -87,7 +104,8 @@ class EngineLoop:
         eng = self.cfg.engine
         self.block_size = msg.block_size
         self.planner = Planner(BlockAllocator(msg.num_blocks), msg.block_size,
-                               eng.max_num_seqs, eng.max_num_batched_tokens)
+                               eng.max_num_seqs, eng.max_num_batched_tokens,
+                               enable_prefix_caching=eng.enable_prefix_caching)
         self.log.info("worker ready: %d KV blocks of %d tokens", msg.num_blocks,
                       msg.block_size)
 
@@ -98,6 +116,10 @@ class EngineLoop:
         if req.rid in self.requests:
             self._reject(req, 400, f"request id {req.rid!r} is already running", None,
                          "duplicate_request_id")
+            return
+        if self.max_waiting and len(self.planner.waiting) >= self.max_waiting:
+            self._reject(req, 503, f"the engine's waiting queue is full ({self.max_waiting} "
+                         "requests); retry shortly", None, "queue_full")
             return
         capacity = self.planner.allocator.total * self.block_size
         needed = len(req.prompt_token_ids) + req.max_tokens
@@ -118,10 +140,13 @@ class EngineLoop:
             req.prompt_token_ids if req.detok.return_token_ids else None))
         self.planner.waiting.append(sreq)
 
-    def _apply_aborts(self) -> None:
+    def _apply_aborts(self, batches: dict[int, list[ipc.TokenOutput]] | None = None) -> None:
+        """Finish aborted requests; their outputs go into ``batches`` (flushed here when
+        the caller passes none)."""
         if not self.pending_aborts:
             return
-        batches: dict[int, list[ipc.TokenOutput]] = {}
+        own = batches is None
+        batches = {} if batches is None else batches
         now = time.monotonic()
         for rid, reason in self.pending_aborts.items():
             sreq = self.requests.get(rid)
@@ -133,7 +158,8 @@ class EngineLoop:
         self.pending_aborts.clear()
         for rid in [r for r, t in self.early_aborts.items() if now - t > EARLY_ABORT_TTL_S]:
             del self.early_aborts[rid]
-        self._flush(batches)
+        if own:
+            self._flush(batches)
 
     def _drain_inbound(self) -> None:
         while (msg := self.inbound.recv_nowait()) is not None:
@@ -174,25 +200,38 @@ class EngineLoop:
                     self._finish(sreq, "error", [], batches)
             self._flush(batches)
             return
+        if self.work_after_last_result:
+            self.idle_s += msg.idle_s
+            self.recent_idle.append(msg.idle_s)
+        self.busy_s += msg.forward_s
         sampled = iter(msg.sampled)
+        planner = self.planner
         for (sreq, n), chunk in zip(planned.members, plan.seqs):
             sreq.num_computed += n
+            alive = sreq.rid in self.requests
+            if alive:
+                planner.commit(sreq)
             if not chunk.sample:
                 continue
             token = next(sampled)
-            if sreq.rid not in self.requests or sreq.rid in self.pending_aborts:
+            if not alive or sreq.rid in self.pending_aborts:
                 continue
             sreq.token_ids.append(token)
             sreq.num_generated += 1
+            # the hit is reported once, with the request's first token
+            cached = sreq.cached_tokens if sreq.num_generated == 1 else None
             reason = sreq.finish_reason_after(token)
             if reason is not None:
-                self._finish(sreq, reason, [token], batches)
+                self._finish(sreq, reason, [token], batches, cached)
             else:
                 sender = self._detok_for(sreq.rid)
                 batches.setdefault(id(sender), []).append(
-                    ipc.TokenOutput(sreq.rid, [token], None))
+                    ipc.TokenOutput(sreq.rid, [token], None, cached))
+        self._apply_aborts(batches)
+        # next step first, detokenizer I/O while the worker computes
+        self._launch_step()
+        self.work_after_last_result = bool(planner.running or planner.waiting)
         self._flush(batches)
-        self._apply_aborts()
 
     def _heartbeat(self, now: float) -> None:
         if now - self.last_heartbeat < HEARTBEAT_S:
@@ -205,7 +244,14 @@ class EngineLoop:
             waiting=len(planner.waiting) if planner else 0,
             free_blocks=planner.allocator.num_free if planner else 0,
             total_blocks=planner.allocator.total if planner else 0,
-            steps=self.step_id, worker_ready=planner is not None))
+            steps=self.step_id, worker_ready=planner is not None,
+            max_waiting=self.max_waiting,
+            cached_blocks=planner.allocator.num_cached if planner else 0,
+            prefix_hit_blocks=planner.allocator.hits if planner else 0,
+            worker_idle_s=self.idle_s, worker_busy_s=self.busy_s,
+            worker_idle_ms_p50=1000 * statistics.median(self.recent_idle)
+            if self.recent_idle else 0.0,
+            preemptions=planner.num_preemptions if planner else 0))
 
     def run(self, should_stop) -> None:
         stalled = False  # work exists but the last plan was empty: do not spin
@@ -225,4 +271,7 @@ class EngineLoop:
             launched = self._launch_step()
             stalled = busy and not launched and self.in_flight is None
             self._heartbeat(time.monotonic())
-        self.to_worker.send(ipc.Shutdown())
+        try:  # never block on exit: the worker may already be gone (launcher killed)
+            self.to_worker.sock.send(msgspec.msgpack.encode(ipc.Shutdown()), zmq.NOBLOCK)
+        except zmq.Again:
+            pass

@@ -6,19 +6,25 @@ Policy, in order:
    budget. If KV blocks run out, the most recently arrived running request is preempted
    (recompute: its blocks are freed and it re-queues at the head of the waiting line
    with its generated tokens kept, so it resumes where it stopped).
-2. Then waiting requests join FCFS while there is budget, a free slot and KV blocks for
-   their first chunk. A long prompt is chunked by the budget, so running streams keep
-   decoding while it prefills.
+2. Then waiting requests join in (priority, arrival) order while there is budget, a free
+   slot and KV blocks for their first chunk. A long prompt is chunked by the budget, so
+   running streams keep decoding while it prefills.
+
+Prefix caching: when a request is admitted (fresh, or again after preemption) its leading
+full blocks are looked up in the allocator's cache and shared instead of recomputed. At
+least one prompt token is always left to compute, because sampling needs its logits.
+Blocks become findable only after the step that wrote them has returned (``commit``), so
+no request ever reads a block the worker has not finished writing.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 
 from protocol.ipc import SamplingParams, SeqChunk
-from scheduler.block_manager import BlockAllocator
+from scheduler.block_manager import ROOT_HASH, BlockAllocator
 from scheduler.request import SchedRequest
+from scheduler.waiting import WaitQueue
 
 
 @dataclass
@@ -31,23 +37,70 @@ class PlannedStep:
 
 class Planner:
     def __init__(self, allocator: BlockAllocator, block_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int) -> None:
+                 max_num_batched_tokens: int, enable_prefix_caching: bool = True) -> None:
         self.allocator = allocator
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[SchedRequest] = deque()
+        self.enable_prefix_caching = enable_prefix_caching
+        self.waiting = WaitQueue()
         self.running: list[SchedRequest] = []
+        self.num_preemptions = 0
 
     def free(self, req: SchedRequest) -> None:
         self.allocator.free(req.block_table)
         req.block_table = []
+        req.num_registered = 0
+
+    def commit(self, req: SchedRequest) -> None:
+        """After a step returned: offer the request's newly completed full blocks to the
+        prefix cache (their KV is written now)."""
+        if not self.enable_prefix_caching or not req.block_table:
+            return
+        full = min(req.num_computed // self.block_size, len(req.block_table))
+        if full <= req.num_registered:
+            return
+        hashes = req.full_block_hashes(full, self.block_size)
+        salt = req.req.cache_salt
+        bs = self.block_size
+        table = req.block_table
+        for i in range(req.num_registered, full):
+            key = (hashes[i - 1] if i else ROOT_HASH, salt, tuple(req.token_ids[i * bs:(i + 1) * bs]))
+            self.allocator.register(table[i], key, table[i - 1] if i else -1)
+        req.num_registered = full
+
+    def _match_prefix(self, req: SchedRequest) -> None:
+        """Share the longest cached run of leading full blocks (never the whole prompt)."""
+        if not self.enable_prefix_caching or req.num_computed or req.block_table:
+            return
+        bs = self.block_size
+        limit = (len(req.token_ids) - 1) // bs
+        hashes = req.full_block_hashes(limit, bs)
+        salt = req.req.cache_salt
+        alloc = self.allocator
+        parent = -1
+        for i in range(limit):
+            key = (hashes[i - 1] if i else ROOT_HASH, salt, tuple(req.token_ids[i * bs:(i + 1) * bs]))
+            block = alloc.lookup(key, parent)
+            if block is None:
+                break
+            alloc.acquire(block)
+            req.block_table.append(block)
+            parent = block
+        req.num_computed = len(req.block_table) * bs
+        req.num_registered = len(req.block_table)
+
+    def _unmatch(self, req: SchedRequest) -> None:
+        """Admission failed after matching: give the shared blocks back."""
+        self.free(req)
+        req.num_computed = 0
 
     def _preempt(self, victim: SchedRequest, step: PlannedStep) -> None:
         self.running.remove(victim)
         self.free(victim)
         victim.num_computed = 0
         victim.preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(victim)
         step.preempted.append(victim)
 
@@ -93,9 +146,13 @@ class Planner:
             req = self.waiting[0]
             if step.preempted and req in step.preempted:
                 break  # do not re-admit what this very step had to evict
+            self._match_prefix(req)
             n = min(req.num_pending, budget)
             if not self._grow(req, n):
+                self._unmatch(req)
                 break
+            if req.cached_tokens is None:
+                req.cached_tokens = req.num_computed
             self.waiting.popleft()
             self.running.append(req)
             self._add(step, req, n)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from protocol.ipc import TokenizedReq
+from scheduler.block_manager import ROOT_HASH, chain_hash
 
 
 @dataclass(eq=False)
@@ -17,6 +18,9 @@ class SchedRequest:
     num_generated: int = 0
     seen_by_worker: bool = False
     preemptions: int = 0
+    cached_tokens: int | None = None  # prefix-cache hit at first admission
+    block_hashes: list[int] = field(default_factory=list)  # chained hash per full block
+    num_registered: int = 0  # leading blocks of block_table offered to the prefix cache
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -25,6 +29,22 @@ class SchedRequest:
     @property
     def rid(self) -> str:
         return self.req.rid
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        """Waiting-queue order: lower priority value first, then arrival (FCFS)."""
+        return (self.req.priority, self.arrival_seq)
+
+    def full_block_hashes(self, num_blocks: int, block_size: int) -> list[int]:
+        """Chained hashes of the first ``num_blocks`` full blocks (memoised: token ids
+        of a full block never change)."""
+        hashes = self.block_hashes
+        salt = self.req.cache_salt
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else ROOT_HASH
+            hashes.append(chain_hash(parent, salt, tuple(self.token_ids[i * block_size:(i + 1) * block_size])))
+        return hashes
 
     @property
     def num_pending(self) -> int:

@@ -1,0 +1,146 @@
+"""Prefix cache and waiting-queue policy, without processes."""
+
+import pytest
+
+import scheduler.request as request_mod
+from protocol.ipc import DetokParams, SamplingParams, TokenizedReq
+from scheduler.block_manager import BlockAllocator
+from scheduler.planner import Planner
+from scheduler.request import SchedRequest
+
+
+def _req(rid, prompt, seq=0, salt=None, priority=0, max_tokens=4):
+    tok = TokenizedReq(rid=rid, reply_to="ipc://x", prompt_token_ids=list(prompt),
+                       max_tokens=max_tokens, sampling=SamplingParams(temperature=0.0),
+                       detok=DetokParams(), eos_token_ids=[0], cache_salt=salt,
+                       priority=priority)
+    return SchedRequest(tok, seq)
+
+
+def _step(planner, token=7):
+    """Plan one step and apply it as the engine loop does (commit after the 'worker')."""
+    step = planner.plan()
+    for (req, n), chunk in zip(step.members, step.chunks):
+        req.num_computed += n
+        planner.commit(req)
+        if chunk.sample:
+            req.token_ids.append(token)
+            req.num_generated += 1
+    return step.chunks
+
+
+def _finish(planner, req):
+    planner.running.remove(req)
+    planner.free(req)
+
+
+def _planner(blocks=32, bs=4, budget=64):
+    return Planner(BlockAllocator(blocks), block_size=bs, max_num_seqs=8,
+                   max_num_batched_tokens=budget)
+
+
+def test_refcounts_and_lru_eviction():
+    alloc = BlockAllocator(3)
+    a = alloc.allocate(2)
+    alloc.register(a[0], (0, None, (1, 2)), -1)
+    alloc.acquire(a[0])                       # shared by a second request
+    alloc.free(a)                             # first owner leaves
+    assert alloc.num_free == 2                # a[1] plain free, a[0] still referenced
+    alloc.free([a[0]])                        # last owner leaves: evictable, still cached
+    assert alloc.num_free == 3 and alloc.num_cached == 1
+    assert alloc.lookup((0, None, (1, 2)), -1) == a[0]
+    taken = alloc.allocate(2)                 # plain blocks go first, cache survives
+    assert a[0] not in taken and alloc.num_cached == 1
+    taken += alloc.allocate(1)                # now the cached block must be evicted
+    assert a[0] in taken and alloc.num_cached == 0 and alloc.evictions == 1
+    with pytest.raises(RuntimeError):
+        alloc.free([taken[0], taken[0]])
+
+
+def test_second_request_reuses_full_prefix_blocks_and_reports_cached_tokens():
+    planner = _planner()
+    prompt = list(range(1, 11))              # 10 tokens: 2 full blocks of 4 + 2
+    a = _req("a", prompt)
+    planner.waiting.append(a)
+    _step(planner)
+    b = _req("b", prompt + [99], seq=1)
+    planner.waiting.append(b)
+    chunks = _step(planner)
+    got = {c.rid: c for c in chunks}
+    assert got["b"].start_pos == 8 and got["b"].token_ids == [9, 10, 99]
+    assert got["b"].block_table[:2] == a.block_table[:2]
+    assert b.cached_tokens == 8 and a.cached_tokens == 0
+    _finish(planner, a)
+    _finish(planner, b)
+    assert planner.allocator.num_free == planner.allocator.total
+
+
+def test_whole_prompt_hit_still_computes_the_last_token():
+    planner = _planner()
+    prompt = list(range(1, 9))               # exactly 2 full blocks
+    a = _req("a", prompt)
+    planner.waiting.append(a)
+    _step(planner)
+    _finish(planner, a)
+    b = _req("b", prompt, seq=1)
+    planner.waiting.append(b)
+    (chunk,) = _step(planner)
+    assert chunk.start_pos == 4 and chunk.token_ids == [5, 6, 7, 8] and chunk.sample
+    assert b.cached_tokens == 4
+
+
+def test_different_salts_never_share():
+    planner = _planner()
+    prompt = list(range(1, 11))
+    a = _req("a", prompt, salt="tenant-1")
+    planner.waiting.append(a)
+    _step(planner)
+    b = _req("b", prompt, seq=1, salt="tenant-2")
+    c = _req("c", prompt, seq=2, salt="tenant-1")
+    planner.waiting.extend([b, c])
+    _step(planner)
+    assert b.cached_tokens == 0 and not set(b.block_table) & set(a.block_table)
+    assert c.cached_tokens == 8
+
+
+def test_hash_collisions_are_checked_not_assumed(monkeypatch):
+    # every block hashes alike: only the stored token ids and parent block tell them apart
+    monkeypatch.setattr(request_mod, "chain_hash", lambda parent, salt, tokens: 42)
+    planner = _planner()
+    a = _req("a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    planner.waiting.append(a)
+    _step(planner)
+    b = _req("b", [9, 9, 9, 9, 5, 6, 7, 8, 9], seq=1)    # block 1 equal, block 0 differs
+    c = _req("c", [1, 2, 3, 4, 0, 0, 0, 0, 9], seq=2)    # block 0 equal only
+    planner.waiting.extend([b, c])
+    _step(planner)
+    assert b.cached_tokens == 0
+    assert c.cached_tokens == 4 and c.block_table[0] == a.block_table[0]
+    assert c.block_table[1] != a.block_table[1]
+
+
+def test_freed_cached_blocks_are_reused_after_preemption():
+    planner = _planner(blocks=4, bs=4)
+    a, b = _req("a", range(1, 5), seq=0), _req("b", range(11, 15), seq=1)
+    planner.waiting.extend([a, b])
+    for _ in range(5):
+        _step(planner)                       # both at 8 tokens + 1: 2 blocks each
+    chunks = _step(planner)                  # position 8 needs a 3rd block: b preempted
+    assert [c.rid for c in chunks] == ["a"] and b.preemptions == 1
+    # a's third block came from the tail of b's freed (cached) blocks; b's head survives
+    _finish(planner, a)
+    (chunk,) = _step(planner)                # b resumes from its cached first block
+    assert chunk.rid == "b" and chunk.start_pos == 4 and chunk.token_ids == [7] * 5
+    assert b.cached_tokens == 0              # reported hits count first admission only
+    _finish(planner, b)
+    assert planner.allocator.num_free == planner.allocator.total
+
+
+def test_priority_orders_waiting_fcfs_within_a_priority():
+    planner = Planner(BlockAllocator(64), block_size=4, max_num_seqs=2, max_num_batched_tokens=64)
+    reqs = [_req("low0", [1, 2], seq=0, priority=5), _req("hi0", [1, 3], seq=1, priority=-1),
+            _req("mid", [1, 4], seq=2), _req("hi1", [1, 5], seq=3, priority=-1)]
+    planner.waiting.extend(reqs)
+    assert [r.rid for r in planner.waiting] == ["hi0", "hi1", "mid", "low0"]
+    chunks = _step(planner)
+    assert [c.rid for c in chunks] == ["hi0", "hi1"]
