@@ -65,6 +65,7 @@ class GenerateReq(_Message, tag="generate", omit_defaults=True):
     ignore_eos: bool = False
     min_tokens: int = 0
     arrival_time: float = 0.0
+    probe: bool = False  # /health/generate: served ahead of queued traffic
 
 
 # ---------------------------------------------------------------- tokenizer -> scheduler
@@ -84,6 +85,7 @@ class TokenizedReq(_Message, tag="tokenized", omit_defaults=True):
     ignore_eos: bool = False
     min_tokens: int = 0
     arrival_time: float = 0.0
+    probe: bool = False  # /health/generate: joins the head of the waiting queue
 
 
 class Abort(_Message, tag="abort"):
@@ -212,6 +214,13 @@ class SchedulerStats(_Message, tag="stats"):
     total_blocks: int
     steps: int
     worker_ready: bool
+    # Cumulative since start, exported as Prometheus counters by scheduler/metrics.py.
+    preemptions: int = 0
+    aborts: dict[str, int] = {}  # by cause: disconnect | stop_string | error
+    # Prefix cache, in prompt tokens: looked up, and found cached (issue 3 fills these).
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    step_in_flight_s: float = 0.0  # age of the step the worker is running, 0 when idle
 
 
 # One tagged union per receiving socket.

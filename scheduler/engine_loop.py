@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import logging
 import time
-import zlib
 
 import zmq
 
 from protocol import ipc
 from protocol.topology import ProcessConfig
+from protocol.routing import detokenizer_index
 from protocol.transport import Receiver, Sender, SenderPool
 from scheduler.block_manager import BlockAllocator
+from scheduler.metrics import SchedulerOps
 from scheduler.planner import Planner, PlannedStep
 from scheduler.request import SchedRequest
 
@@ -52,10 +53,11 @@ class EngineLoop:
         self.step_id = 0
         self.arrivals = 0
         self.last_heartbeat = 0.0
+        self.ops = SchedulerOps()
 
     # ------------------------------------------------------------------ helpers
     def _detok_for(self, rid: str) -> Sender:
-        return self.to_detok[zlib.crc32(rid.encode()) % len(self.to_detok)]
+        return self.to_detok[detokenizer_index(rid, len(self.to_detok))]
 
     def _reject(self, req: ipc.TokenizedReq, status: int, message: str, param: str | None,
                 code: str) -> None:
@@ -71,6 +73,7 @@ class EngineLoop:
         elif sreq in self.planner.waiting:
             self.planner.waiting.remove(sreq)
         self.requests.pop(sreq.rid, None)
+        self.ops.forget(sreq.rid)
         if sreq.seen_by_worker:
             self.released.append(sreq.rid)
         sender = self._detok_for(sreq.rid)
@@ -116,7 +119,11 @@ class EngineLoop:
             req.rid, req.reply_to, len(req.prompt_token_ids), req.detok,
             req.prompt_token_ids[-8:],
             req.prompt_token_ids if req.detok.return_token_ids else None))
-        self.planner.waiting.append(sreq)
+        if req.probe:  # a /health/generate probe does not queue behind traffic
+            self.planner.waiting.appendleft(sreq)
+        else:
+            self.planner.waiting.append(sreq)
+        self.ops.enqueued(req.rid)
 
     def _apply_aborts(self) -> None:
         if not self.pending_aborts:
@@ -127,6 +134,7 @@ class EngineLoop:
             sreq = self.requests.get(rid)
             if sreq is not None:
                 self._finish(sreq, "abort", [], batches)
+                self.ops.aborted(reason)
                 self.log.debug("aborted %s (%s)", rid, reason)
             elif reason == "disconnect":
                 self.early_aborts[rid] = now
@@ -160,6 +168,7 @@ class EngineLoop:
         self.released = []
         self.to_worker.send(plan)
         self.in_flight = (plan, planned)
+        self.ops.step_sent([c.rid for c in planned.chunks], len(planned.preempted))
         return True
 
     def _on_result(self, msg: ipc.StepResult | ipc.WorkerError) -> None:
@@ -172,7 +181,9 @@ class EngineLoop:
             for sreq, _ in planned.members:
                 if sreq.rid in self.requests:
                     self._finish(sreq, "error", [], batches)
+                    self.ops.aborted("error")
             self._flush(batches)
+            self._step_done(plan)
             return
         sampled = iter(msg.sampled)
         for (sreq, n), chunk in zip(planned.members, plan.seqs):
@@ -193,19 +204,29 @@ class EngineLoop:
                     ipc.TokenOutput(sreq.rid, [token], None))
         self._flush(batches)
         self._apply_aborts()
+        self._step_done(plan)
+
+    def _step_done(self, plan: ipc.StepPlan) -> None:
+        assert self.planner is not None
+        prefill = any(len(c.token_ids) > 1 or not c.sample for c in plan.seqs)
+        self.ops.step_done(prefill, bool(self.planner.running or self.planner.waiting))
 
     def _heartbeat(self, now: float) -> None:
         if now - self.last_heartbeat < HEARTBEAT_S:
             return
         self.last_heartbeat = now
         planner = self.planner
-        self.stats_pub.send(ipc.SchedulerStats(
+        stats = ipc.SchedulerStats(
             time=time.time(),
             running=len(planner.running) if planner else 0,
             waiting=len(planner.waiting) if planner else 0,
             free_blocks=planner.allocator.num_free if planner else 0,
             total_blocks=planner.allocator.total if planner else 0,
-            steps=self.step_id, worker_ready=planner is not None))
+            steps=self.step_id, worker_ready=planner is not None,
+            preemptions=self.ops.preemptions, aborts=dict(self.ops.aborts),
+            step_in_flight_s=self.ops.in_flight_s(self.in_flight is not None))
+        self.stats_pub.send(stats)
+        self.ops.metrics.export(stats)
 
     def run(self, should_stop) -> None:
         stalled = False  # work exists but the last plan was empty: do not spin
