@@ -10,6 +10,7 @@ tokenizer worker and the scheduler put at the head of their queues.
 from __future__ import annotations
 
 import asyncio
+import os
 import platform
 import time
 import uuid
@@ -180,7 +181,7 @@ async def version_route(request: web.Request) -> web.Response:
     ops = request.app[OPS_KEY]
     return web.json_response({
         "version": VERSION, "model": ops.cfg.served_model_name,
-        "python": platform.python_version(), "node": ops.cfg.node,
+        "python": platform.python_version(), "node": ops.cfg.node, "pid": os.getpid(),
         "started": int(ops.started)})
 
 

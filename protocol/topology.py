@@ -83,6 +83,7 @@ class NodeSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     host: str = "127.0.0.1"
     devices: list[Annotated[int, Meta(ge=0)]] = []  # GPU ids for this node's gpu_worker
     metrics_port: Port | None = None  # the launcher serves /metrics and /health here
+    status_address: str | None = None  # overrides the addresses.node_status template
 
 
 class SupervisionSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -188,8 +189,8 @@ def resolve(topology: Topology, run_dir: str) -> ResolvedAddresses:
         tokenizer_in=many("tokenizer_in", counts.tokenizer_worker),
         detokenizer_in=many("detokenizer_in", counts.detokenizer),
         frontend_results=many("frontend_results", counts.api_frontend),
-        node_status=[a.node_status.format(run_dir=run_dir, n=n, i=n, node=node.name,
-                                          host=node.host)
+        node_status=[(node.status_address or a.node_status).format(
+                         run_dir=run_dir, n=n, i=n, node=node.name, host=node.host)
                      for n, node in enumerate(topology.effective_nodes())],
     )
     every = [resolved.scheduler_in, resolved.scheduler_pub, resolved.worker_in,

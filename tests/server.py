@@ -69,10 +69,10 @@ class CandorServer:
             srv.cmd += ["--node", node]
         return srv
 
-    def spawn(self) -> "CandorServer":
+    def spawn(self, log_path: str | Path | None = None) -> "CandorServer":
         """Start without waiting (a node that serves no HTTP)."""
-        self.proc = subprocess.Popen(self.cmd, env=self.env, cwd=REPO,
-                                     stderr=subprocess.PIPE, text=True)
+        log = open(log_path, "w") if log_path else None  # noqa: SIM115 - lives with proc
+        self.proc = subprocess.Popen(self.cmd, env=self.env, cwd=REPO, stderr=log)
         return self
 
     def get(self, path: str, timeout: float = 5) -> tuple[int, bytes]:
@@ -88,9 +88,8 @@ class CandorServer:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 180, capture: bool = False) -> "CandorServer":
-        self.proc = subprocess.Popen(self.cmd, env=self.env, cwd=REPO,
-                                     stderr=subprocess.PIPE if capture else None, text=True)
+    def start(self, timeout: float = 180, log_path: str | Path | None = None) -> "CandorServer":
+        self.spawn(log_path)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
