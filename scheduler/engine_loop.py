@@ -246,4 +246,4 @@ class EngineLoop:
             launched = self._launch_step()
             stalled = busy and not launched and self.in_flight is None
             self._heartbeat(time.monotonic())
-        self.to_worker.send(ipc.Shutdown())
+        self.to_worker.send_nowait(ipc.Shutdown())  # the worker may be gone already
