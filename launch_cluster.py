@@ -1,13 +1,17 @@
 """Start a Candor topology and supervise it; also the ``candor`` command line.
 
     python launch_cluster.py deploy/topologies/single-host.yaml
+    python launch_cluster.py deploy/topologies/two-node.yaml --node engine   # per machine
     candor serve --model PATH [--port 8000] [--tokenizer-workers N]
     candor make-tiny-model DIR
 
-Both start paths build a ``Topology`` and hand it to ``launch``: one OS process per role
-instance, each given its ``ProcessConfig`` as JSON. The launcher owns every child: if
-one dies, it stops the rest and exits non-zero naming the role; SIGINT/SIGTERM stop
-every child (children also die with the launcher through PR_SET_PDEATHSIG).
+Both start paths build a ``Topology``, validate it whole (every problem named), and hand
+it to ``launch``: one OS process per role instance of this node, each given its
+``ProcessConfig`` as JSON. The launcher owns every child and publishes their liveness
+for /health; a dead child is restarted when the topology marks its role restartable,
+otherwise the launcher stops the rest and exits non-zero naming the role and exit code.
+SIGTERM drains (frontends refuse new work and finish what they hold) and exits 0;
+children also die with the launcher through PR_SET_PDEATHSIG.
 """
 
 from __future__ import annotations
@@ -26,8 +30,17 @@ from dataclasses import dataclass
 
 import msgspec
 
-from protocol.topology import (HttpSpec, ProcessConfig, Topology, load_topology,
+import zmq
+
+from protocol.health import STATUS_INTERVAL_S, ChildStatus, NodeStatus
+from protocol.metrics import ENV as METRICS_ENV
+from protocol.metrics import prepare_dir as prepare_metrics_dir
+from protocol.metrics import process_exited
+from protocol.node_http import serve_node_http
+from protocol.topology import (HttpSpec, NodeSpec, ProcessConfig, Topology, load_topology,
                                process_configs)
+from protocol.topology_check import TopologyError, check_topology
+from protocol.transport import Sender
 
 GRACE_S = 10.0
 DEFAULT_MODEL_DIR = os.path.expanduser(
@@ -43,16 +56,27 @@ _LEAN_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "RAYON_NUM_THREADS"
 class Child:
     config: ProcessConfig
     proc: subprocess.Popen
+    restarts: int = 0
+    last_exit: int | None = None
 
     @property
     def name(self) -> str:
         return f"{self.config.role}[{self.config.index}]"
 
+    def status(self) -> ChildStatus:
+        code = self.proc.poll()
+        return ChildStatus(self.config.role, self.config.index, self.proc.pid, code is None,
+                           code if code is not None else self.last_exit, self.restarts)
 
-def _spawn(cfg: ProcessConfig) -> subprocess.Popen:
+
+def _spawn(cfg: ProcessConfig, devices: list[int]) -> subprocess.Popen:
     env = dict(os.environ)
     if cfg.role != "gpu_worker":
         env.update(_LEAN_ENV)
+    elif devices:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
+    if cfg.metrics_dir is not None:  # read by prometheus_client when a child imports it
+        env[METRICS_ENV] = cfg.metrics_dir
     env.setdefault("PYTHONUNBUFFERED", "1")
     here = os.path.dirname(os.path.abspath(__file__))
     env["PYTHONPATH"] = here + os.pathsep + env.get("PYTHONPATH", "")
@@ -60,30 +84,20 @@ def _spawn(cfg: ProcessConfig) -> subprocess.Popen:
                             env=env)
 
 
-def _check_model_dir(topology: Topology) -> None:
-    path = topology.model.resolved_path()
-    for name in ("config.json", "tokenizer.json"):
-        if not os.path.isfile(os.path.join(path, name)):
-            raise SystemExit(f"model.path {path!r} has no {name}: not a HF checkpoint directory")
+def _say(message: str) -> None:
+    print(f"candor: {message}", file=sys.stderr, flush=True)
 
 
-def _wait_healthy(http: HttpSpec, children: list[Child], timeout_s: float) -> bool:
-    url = f"http://{http.host}:{http.port}/health"
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if any(c.proc.poll() is not None for c in children):
-            return False
-        try:
-            with urllib.request.urlopen(url, timeout=1) as resp:
-                if resp.status == 200:
-                    return True
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.2)
-    return False
+def _check_healthy(http: HttpSpec) -> bool:
+    host = "127.0.0.1" if http.host in ("0.0.0.0", "") else http.host
+    try:
+        with urllib.request.urlopen(f"http://{host}:{http.port}/health", timeout=1) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
 
 
-def _stop_all(children: list[Child]) -> None:
+def _stop(children: list[Child]) -> None:
     for child in children:
         if child.proc.poll() is None:
             child.proc.send_signal(signal.SIGTERM)
@@ -96,11 +110,153 @@ def _stop_all(children: list[Child]) -> None:
             child.proc.wait()
 
 
-def launch(topology: Topology) -> int:
-    """Run the topology until a signal (exit 0) or a child's death (exit 1)."""
-    _check_model_dir(topology)
+class NodeSupervisor:
+    """Runs one node's share of the topology: spawns its children, publishes their
+    liveness (NodeStatus) for the frontends' /health, restarts the roles the topology
+    marks restartable, and on a fatal death or a signal stops everything in order."""
+
+    def __init__(self, topology: Topology, node: NodeSpec, run_dir: str) -> None:
+        self.topology = topology
+        self.node = node
+        self.sup = topology.supervision
+        self.metrics_dir = os.path.join(run_dir, "metrics")
+        prepare_metrics_dir(self.metrics_dir)
+        os.environ[METRICS_ENV] = self.metrics_dir  # before prometheus_client is imported
+        self.configs = process_configs(topology, run_dir, node.name, self.metrics_dir)
+        index = [n.name for n in topology.effective_nodes()].index(node.name)
+        self.status_address = self.configs[0].addresses.node_status[index] if self.configs \
+            else None
+        self.ctx = zmq.Context()
+        self.pub = Sender(self.ctx, self.status_address, bind=True, kind=zmq.PUB)
+        self.children: list[Child] = []
+        self.state = "starting"
+        self.problem: str | None = None
+        self.last_publish = 0.0
+        from prometheus_client import Counter, Gauge  # after METRICS_ENV is set
+        self.up = Gauge("candor_process_up", "1 while a Candor process runs, 0 after it "
+                        "exited (per node, role and instance)", ["node", "role", "index"],
+                        multiprocess_mode="livesum", registry=None)
+        self.restarts = Counter("candor_process_restarts", "Processes the launcher "
+                                "restarted after they died", ["node", "role"], registry=None)
+
+    def publish(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self.last_publish < STATUS_INTERVAL_S:
+            return
+        self.last_publish = now
+        self.pub.send(NodeStatus(self.node.name, time.time(), self.state,
+                                 [c.status() for c in self.children], self.problem))
+        for c in self.children:
+            self.up.labels(self.node.name, c.config.role, str(c.config.index)).set(
+                1 if c.proc.poll() is None else 0)
+
+    def local_problems(self) -> list[str]:
+        out = [f"{c.name} is not running (exit code {c.proc.returncode})"
+               for c in self.children if c.proc.poll() is not None]
+        if self.state in ("failed", "draining"):
+            out.append(f"node {self.node.name} is {self.state}")
+        return out
+
+    def _wait(self, seconds: float, until=lambda: False) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and not until():
+            self.publish()
+            time.sleep(0.05)
+
+    def _restart(self, child: Child) -> None:
+        code = child.proc.returncode
+        _say(f"{child.name} exited with code {code}; restarting it "
+             f"(restart {child.restarts + 1} of {self.sup.max_restarts})")
+        self.publish(force=True)  # the frontends see it dead before it comes back
+        process_exited(self.metrics_dir, child.proc.pid)
+        child.last_exit = code
+        child.restarts += 1
+        child.proc = _spawn(child.config, self.node.devices)
+        self.restarts.labels(self.node.name, child.config.role).inc()
+        self.publish(force=True)
+
+    def run(self, stop_requested) -> int:
+        """Until a signal (drain, exit 0) or a fatal child death (exit 1)."""
+        if "gpu_worker" in self.node.roles and len(self.node.devices) > 1:
+            _say(f"node {self.node.name}: devices {self.node.devices} are visible to the "
+                 "gpu_worker, which uses the first: tensor parallelism is not implemented")
+        if self.node.metrics_port is not None:
+            serve_node_http(self.node.host, self.node.metrics_port, self.metrics_dir,
+                            self.local_problems)
+        self.children = [Child(cfg, _spawn(cfg, self.node.devices)) for cfg in self.configs]
+        _say(f"node {self.node.name}: started {len(self.children)} processes: "
+             + ", ".join(c.name for c in self.children))
+        serves_http = "api_frontend" in self.node.roles
+        next_ready_check = 0.0
+        exit_code = 0
+        while not stop_requested():
+            dead = [c for c in self.children if c.proc.poll() is not None]
+            fatal = [c for c in dead if not (c.config.role in self.sup.restart
+                                             and c.restarts < self.sup.max_restarts)]
+            if fatal:
+                self.state = "failed"
+                self.problem = "; ".join(f"{c.name} on node {self.node.name} exited with "
+                                         f"code {c.proc.returncode}" for c in fatal)
+                for c in fatal:
+                    _say(f"{c.name} exited with code {c.proc.returncode}; stopping the "
+                         "topology")
+                self.publish(force=True)
+                self._wait(self.sup.teardown_delay_s)
+                exit_code = 1
+                break
+            for c in dead:
+                self._restart(c)
+            if self.state == "starting" and time.monotonic() >= next_ready_check:
+                next_ready_check = time.monotonic() + 0.5
+                if not serves_http:
+                    self.state = "running"
+                elif _check_healthy(self.topology.http):
+                    self.state = "running"
+                    _say(f"ready on http://{self.topology.http.host}:"
+                         f"{self.topology.http.port} serving {self.topology.model.name()!r}")
+            self.publish()
+            time.sleep(0.05)
+        else:
+            self._drain()
+        self._shutdown()
+        return exit_code
+
+    def _drain(self) -> None:
+        """SIGTERM: frontends refuse new work and finish what they hold, then the rest."""
+        self.state = "draining"
+        self.publish(force=True)
+        frontends = [c for c in self.children if c.config.role == "api_frontend"]
+        for c in frontends:
+            if c.proc.poll() is None:
+                c.proc.send_signal(signal.SIGTERM)
+        if frontends:
+            _say(f"draining: waiting up to {self.sup.drain_timeout_s:g}s for in-flight "
+                 "requests")
+        self._wait(self.sup.drain_timeout_s + GRACE_S,
+                   until=lambda: all(c.proc.poll() is not None for c in frontends))
+
+    def _shutdown(self) -> None:
+        _stop(self.children)
+        self.publish(force=True)
+        self.pub.close()
+        self.ctx.destroy(linger=0)
+
+
+def launch(topology: Topology, node: str | None = None) -> int:
+    """Run this node's part of the topology until a signal (exit 0, after draining) or a
+    child's fatal death (exit 1, naming it)."""
+    try:
+        check_topology(topology, node)
+    except TopologyError as err:
+        raise SystemExit("candor: invalid topology:\n  " + "\n  ".join(err.problems)) from None
+    nodes = topology.effective_nodes()
+    if node is None:
+        if len(nodes) > 1:
+            raise SystemExit(f"candor: this topology has nodes {[n.name for n in nodes]}; "
+                             "start each with --node NAME on its machine")
+        node = nodes[0].name
+    spec = next(n for n in nodes if n.name == node)
     run_dir = tempfile.mkdtemp(prefix="candor-")
-    configs = process_configs(topology, run_dir)
     stop_requested = False
 
     def on_signal(signum, frame):  # noqa: ARG001 - signal handler signature
@@ -109,28 +265,14 @@ def launch(topology: Topology) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    children: list[Child] = []
-    exit_code = 0
+    supervisor = None
     try:
-        children = [Child(cfg, _spawn(cfg)) for cfg in configs]
-        print(f"candor: started {len(children)} processes: "
-              + ", ".join(c.name for c in children), file=sys.stderr, flush=True)
-        if _wait_healthy(topology.http, children, timeout_s=600):
-            print(f"candor: ready on http://{topology.http.host}:{topology.http.port} "
-                  f"serving {topology.model.name()!r}", file=sys.stderr, flush=True)
-        while not stop_requested:
-            dead = [c for c in children if c.proc.poll() is not None]
-            if dead:
-                for c in dead:
-                    print(f"candor: {c.name} exited with code {c.proc.returncode}; "
-                          "stopping the topology", file=sys.stderr, flush=True)
-                exit_code = 1
-                break
-            time.sleep(0.1)
+        supervisor = NodeSupervisor(topology, spec, run_dir)
+        return supervisor.run(lambda: stop_requested)
     finally:
-        _stop_all(children)
+        if supervisor is not None and supervisor.children:
+            _stop(supervisor.children)  # idempotent; covers an exception in run()
         shutil.rmtree(run_dir, ignore_errors=True)
-    return exit_code
 
 
 # ---------------------------------------------------------------- command line
@@ -183,6 +325,8 @@ def cli(argv: list[str] | None = None) -> int:
 
     launch_p = sub.add_parser("launch", help="start a topology YAML file")
     launch_p.add_argument("topology")
+    launch_p.add_argument("--node", default=None)
+    launch_p.add_argument("--check", action="store_true")
 
     sub.add_parser("bench", add_help=False,
                    help="load-test any OpenAI-compatible server (see candor bench --help)")
@@ -201,7 +345,8 @@ def cli(argv: list[str] | None = None) -> int:
         print(f"candor: tiny model written to {path}")
         return 0
     if args.command == "launch":
-        return main([args.topology])
+        return main([args.topology] + (["--node", args.node] if args.node else [])
+                    + (["--check"] if args.check else []))
     try:
         topology = _serve_topology(args)
     except msgspec.ValidationError as err:
@@ -210,16 +355,37 @@ def cli(argv: list[str] | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python launch_cluster.py TOPOLOGY.yaml``"""
+    """``python launch_cluster.py TOPOLOGY.yaml [--node NAME]``"""
     parser = argparse.ArgumentParser(description="start a Candor topology from YAML")
     parser.add_argument("topology")
+    parser.add_argument("--node", default=None,
+                        help="start only this node's roles (required when the topology "
+                             "has several nodes; the same file is used on every machine)")
+    parser.add_argument("--check", action="store_true",
+                        help="validate the topology (every node) and exit")
     args = parser.parse_args(argv)
     try:
         topology = load_topology(args.topology)
     except (msgspec.ValidationError, msgspec.DecodeError) as err:
         print(f"candor: invalid topology {args.topology}: {err}", file=sys.stderr)
         return 2
-    return launch(topology)
+    if args.check:
+        try:
+            check_topology(topology, args.node)
+        except TopologyError as err:
+            print(f"candor: invalid topology {args.topology}:\n  "
+                  + "\n  ".join(err.problems), file=sys.stderr)
+            return 2
+        print(f"candor: {args.topology} is valid: nodes "
+              f"{[n.name for n in topology.effective_nodes()]}", file=sys.stderr)
+        return 0
+    try:
+        return launch(topology, args.node)
+    except SystemExit as exc:
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr)
+            return 2
+        raise
 
 
 if __name__ == "__main__":

@@ -1,4 +1,8 @@
-"""api_frontend process: aiohttp on uvloop. Several can share one port (SO_REUSEPORT)."""
+"""api_frontend process: aiohttp on uvloop. Several can share one port (SO_REUSEPORT).
+
+SIGTERM drains: new generation requests and /health get 503 (so a load balancer moves
+away) while in-flight requests finish, up to the topology's drain_timeout_s.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,9 @@ from aiohttp import web
 
 from api_frontend.app import build_app
 from api_frontend.engine_client import EngineClient
+from api_frontend.metrics import FrontendMetrics
+from api_frontend.ops import Ops, install_ops
+from api_frontend.topology_watch import TopologyWatch
 from protocol.checkpoint import effective_max_model_len
 from protocol.lifecycle import die_with_parent, read_config, setup_logging
 from protocol.openai_api import ModelCard
@@ -19,13 +26,31 @@ from protocol.openai_api import ModelCard
 async def serve() -> None:
     cfg = read_config()
     log = setup_logging(cfg)
-    engine = EngineClient(cfg)
+    metrics = FrontendMetrics()
+    engine = EngineClient(cfg, metrics)
     engine.start()
+
+    def on_lost(role: str, index: int, why: str) -> None:
+        if role == "detokenizer":  # its per-request decoding state is gone
+            n = engine.fail_requests(f"request lost: {why}", "detokenizer_lost", index)
+            if n:
+                log.warning("failed %d requests: %s", n, why)
+
+    def on_failed(why: str) -> None:
+        n = engine.fail_requests(f"the topology is stopping: {why}", "topology_stopping")
+        log.warning("topology failed (%s); failed %d in-flight requests", why, n)
+
+    watch = TopologyWatch(engine.ctx, cfg, on_lost, on_failed)
+    watch.start()
     card = ModelCard(id=cfg.served_model_name, created=int(time.time()),
                      max_model_len=effective_max_model_len(cfg.model_path, cfg.max_model_len),
                      root=cfg.model_path)
     app = build_app(engine, card, cfg.http.max_body_mb * 2**20)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    ops = Ops(cfg, engine, watch, metrics)
+    install_ops(app, ops)
+    lag = asyncio.create_task(metrics.watch_loop_lag())
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           shutdown_timeout=2.0)
     await runner.setup()
     site = web.TCPSite(runner, cfg.http.host, cfg.http.port, reuse_port=True)
     await site.start()
@@ -35,6 +60,14 @@ async def serve() -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopped.set)
     await stopped.wait()
+    inflight = engine.inflight
+    log.info("draining: %d requests in flight, up to %.0fs", inflight,
+             cfg.supervision.drain_timeout_s)
+    await ops.drain()
+    if engine.inflight:
+        log.warning("drain timeout: %d requests still in flight", engine.inflight)
+    lag.cancel()
+    watch.stop()
     await runner.cleanup()
     await engine.close()
 

@@ -2,6 +2,7 @@
 
 The frontend never tokenizes or renders: it validates the body, hands a GenerateReq to
 the tokenizer workers, and turns the deltas that come back into OpenAI responses.
+/health, /metrics and the other operations routes live in api_frontend/ops.py.
 """
 
 from __future__ import annotations
@@ -174,14 +175,6 @@ async def get_model(request: web.Request) -> web.Response:
     return json_response(_check_model(request, request.match_info["model_id"]))
 
 
-async def health(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE_KEY]
-    problem = engine.engine_problem()
-    if problem is not None:
-        raise ApiError(503, f"unhealthy: {problem}", None, "unhealthy")
-    return json_response({"status": "ok", "engine": engine.stats})
-
-
 def build_app(engine: EngineClient, card: ModelCard, max_body_bytes: int) -> web.Application:
     app = web.Application(middlewares=[error_middleware], client_max_size=max_body_bytes)
     app[ENGINE_KEY] = engine
@@ -190,5 +183,4 @@ def build_app(engine: EngineClient, card: ModelCard, max_body_bytes: int) -> web
     app.router.add_get("/v1/models/{model_id:.+}", get_model)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_get("/health", health)
     return app

@@ -14,7 +14,9 @@ import time
 import zmq
 import zmq.asyncio
 
+from api_frontend.metrics import FrontendMetrics, RequestTimer
 from protocol import ipc
+from protocol.routing import detokenizer_index
 from protocol.topology import ProcessConfig
 from protocol.transport import Receiver, Sender
 
@@ -22,7 +24,7 @@ HEARTBEAT_STALE_S = 2.0
 
 
 class EngineClient:
-    def __init__(self, cfg: ProcessConfig) -> None:
+    def __init__(self, cfg: ProcessConfig, metrics: FrontendMetrics | None = None) -> None:
         self.ctx = zmq.asyncio.Context()
         a = cfg.addresses
         self.reply_to = a.frontend_results[cfg.index]
@@ -37,6 +39,10 @@ class EngineClient:
         self._tasks: list[asyncio.Task] = []
         # rid -> submit time, until its first reply: requests the scheduler may not count yet
         self._unanswered: dict[str, float] = {}
+        self.metrics = metrics
+        self._timers: dict[str, RequestTimer] = {}
+        self.finish_reasons: dict[str, str] = {}  # rid -> reason, read by the metrics
+        self._num_detok = len(a.detokenizer_in)
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._read_results()),
@@ -55,12 +61,48 @@ class EngineClient:
                     self._unanswered.pop(item.rid, None)
                     queue = self._queues.get(item.rid)
                     if queue is not None:
+                        self._observe(item)
                         queue.put_nowait(item)
             else:
                 self._unanswered.pop(msg.rid, None)
                 queue = self._queues.get(msg.rid)
                 if queue is not None:
+                    self._observe_error(msg)
                     queue.put_nowait(msg)
+
+    def _observe(self, item: ipc.TextDelta) -> None:
+        timer = self._timers.get(item.rid)
+        if timer is None:
+            return
+        timer.on_delta(item.completion_tokens)
+        if item.finish_reason is not None:
+            timer.finished(item.prompt_tokens, item.completion_tokens)
+            self.finish_reasons[item.rid] = item.finish_reason
+            del self._timers[item.rid]
+
+    def _observe_error(self, err: ipc.RequestError) -> None:
+        timer = self._timers.pop(err.rid, None)
+        if timer is not None and timer.tokens > 0 and self.metrics is not None:
+            self.metrics.stream_errors.labels(err.code or "none").inc()
+
+    def fail_requests(self, message: str, code: str, detokenizer: int | None = None) -> int:
+        """Fail in-flight requests (all, or those a lost detokenizer owned) with a 503
+        instead of leaving them to hang; the scheduler frees their KV blocks."""
+        failed = 0
+        for rid, queue in list(self._queues.items()):
+            if detokenizer is not None and detokenizer_index(rid, self._num_detok) != detokenizer:
+                continue
+            err = ipc.RequestError(rid, 503, message, type="service_unavailable_error",
+                                   code=code)
+            self._observe_error(err)
+            queue.put_nowait(err)
+            self._to_scheduler.send(ipc.Abort(rid, "error"))
+            failed += 1
+        return failed
+
+    @property
+    def inflight(self) -> int:
+        return len(self._queues)
 
     async def _read_stats(self) -> None:
         while True:
@@ -99,14 +141,19 @@ class EngineClient:
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[req.rid] = queue
         self._unanswered[req.rid] = time.monotonic()
+        if self.metrics is not None and not req.probe:
+            self._timers[req.rid] = RequestTimer(self.metrics, time.monotonic())
         await self._to_tokenizers.send(req)
         return queue
 
     def release(self, rid: str) -> None:
         self._queues.pop(rid, None)
         self._unanswered.pop(rid, None)
+        self._timers.pop(rid, None)
 
     async def abort(self, rid: str, reason: str = "disconnect") -> None:
         self._queues.pop(rid, None)
         self._unanswered.pop(rid, None)
+        self._timers.pop(rid, None)
+        self.finish_reasons.pop(rid, None)
         await self._to_scheduler.send(ipc.Abort(rid, reason))

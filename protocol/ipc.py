@@ -67,6 +67,7 @@ class GenerateReq(_Message, tag="generate", omit_defaults=True):
     arrival_time: float = 0.0
     priority: int = 0  # extension: lower runs first; FCFS within a priority
     cache_salt: str | None = None  # extension: prefix-cache blocks are shared only within a salt
+    probe: bool = False  # /health/generate: served ahead of queued traffic
 
 
 # ---------------------------------------------------------------- tokenizer -> scheduler
@@ -88,6 +89,7 @@ class TokenizedReq(_Message, tag="tokenized", omit_defaults=True):
     arrival_time: float = 0.0
     priority: int = 0
     cache_salt: str | None = None
+    probe: bool = False  # /health/generate: joins the head of the waiting queue
 
 
 class Abort(_Message, tag="abort"):
@@ -226,6 +228,12 @@ class SchedulerStats(_Message, tag="stats"):
     worker_busy_s: float = 0.0  # cumulative worker time inside steps
     worker_idle_ms_p50: float = 0.0  # median idle gap over recent busy steps (ms)
     preemptions: int = 0  # cumulative requests preempted (recompute)
+    # Cumulative since start, exported as Prometheus counters by scheduler/metrics.py.
+    aborts: dict[str, int] = {}  # by cause: disconnect | stop_string | error
+    # Prefix cache, in prompt tokens: looked up, and found cached (issue 3 fills these).
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    step_in_flight_s: float = 0.0  # age of the step the worker is running, 0 when idle
 
 
 # One tagged union per receiving socket.

@@ -14,6 +14,9 @@ import msgspec
 from msgspec import Meta
 
 ROLES = ("api_frontend", "tokenizer_worker", "scheduler", "gpu_worker", "detokenizer")
+RoleName = Literal["api_frontend", "tokenizer_worker", "scheduler", "gpu_worker", "detokenizer"]
+NodeName = Annotated[str, Meta(pattern=r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")]
+LOCAL_NODE = "local"
 
 Count = Annotated[int, Meta(ge=1, le=64)]
 Port = Annotated[int, Meta(ge=1, le=65535)]
@@ -69,6 +72,31 @@ class Addresses(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     tokenizer_in: str = "ipc://{run_dir}/tokenizer-{i}"
     detokenizer_in: str = "ipc://{run_dir}/detokenizer-{i}"
     frontend_results: str = "ipc://{run_dir}/frontend-{i}"
+    # each node's launcher publishes its children's liveness here ({n}: node index)
+    node_status: str = "ipc://{run_dir}/node-{n}"
+
+
+class NodeSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """One machine (or pod): the roles it runs. ``host`` is how other nodes reach it and
+    what ``{host}`` means in the address templates of sockets its roles bind."""
+
+    name: NodeName
+    roles: list[RoleName]
+    host: str = "127.0.0.1"
+    devices: list[Annotated[int, Meta(ge=0)]] = []  # GPU ids for this node's gpu_worker
+    metrics_port: Port | None = None  # the launcher serves /metrics and /health here
+    status_address: str | None = None  # overrides the addresses.node_status template
+
+
+class SupervisionSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """What the launcher does when a child dies or a stop is asked for."""
+
+    restart: list[RoleName] = []  # stateless roles only: tokenizer_worker, detokenizer
+    max_restarts: Annotated[int, Meta(ge=0)] = 10  # per process, then the topology stops
+    teardown_delay_s: Annotated[float, Meta(ge=0, le=300)] = 0.0  # after a fatal death
+    drain_timeout_s: Annotated[float, Meta(ge=0, le=3600)] = 30.0  # SIGTERM grace
+    heartbeat_stale_s: Annotated[float, Meta(gt=0.2, le=60)] = 2.0
+    step_stuck_s: Annotated[float, Meta(gt=0)] = 120.0  # one step in flight this long: 503
 
 
 class Topology(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -77,6 +105,19 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     engine: EngineSpec = msgspec.field(default_factory=EngineSpec)
     http: HttpSpec = msgspec.field(default_factory=HttpSpec)
     addresses: Addresses = msgspec.field(default_factory=Addresses)
+    nodes: list[NodeSpec] = []  # empty: one node "local" on 127.0.0.1 running every role
+    supervision: SupervisionSpec = msgspec.field(default_factory=SupervisionSpec)
+
+    def effective_nodes(self) -> list[NodeSpec]:
+        if self.nodes:
+            return self.nodes
+        return [NodeSpec(name=LOCAL_NODE, roles=list(ROLES))]
+
+    def node_of(self, role: str) -> NodeSpec:
+        for node in self.effective_nodes():
+            if role in node.roles:
+                return node
+        raise ValueError(f"role {role} is not placed on any node")
 
 
 class ResolvedAddresses(msgspec.Struct, kw_only=True):
@@ -87,6 +128,7 @@ class ResolvedAddresses(msgspec.Struct, kw_only=True):
     tokenizer_in: list[str]
     detokenizer_in: list[str]
     frontend_results: list[str]
+    node_status: list[str] = []  # one per node, in topology order
 
 
 class ProcessConfig(msgspec.Struct, kw_only=True):
@@ -102,6 +144,10 @@ class ProcessConfig(msgspec.Struct, kw_only=True):
     engine: EngineSpec
     http: HttpSpec
     addresses: ResolvedAddresses
+    node: str = LOCAL_NODE
+    nodes: list[str] = []  # every node's name, in the order of addresses.node_status
+    supervision: SupervisionSpec = msgspec.field(default_factory=SupervisionSpec)
+    metrics_dir: str | None = None  # prometheus multiprocess directory of this host
 
 
 def load_topology(path: str) -> Topology:
@@ -109,49 +155,78 @@ def load_topology(path: str) -> Topology:
         return msgspec.yaml.decode(fh.read(), type=Topology)
 
 
+# Which role binds each address (``{host}`` in its template is that role's node).
+BINDERS = {"scheduler_in": "scheduler", "scheduler_pub": "scheduler",
+           "worker_in": "scheduler", "worker_out": "scheduler",
+           "tokenizer_in": "tokenizer_worker", "detokenizer_in": "detokenizer",
+           "frontend_results": "api_frontend"}
+# ... and which roles connect to it (an ipc:// address must not cross nodes).
+CONNECTORS = {"scheduler_in": ("tokenizer_worker", "detokenizer", "api_frontend"),
+              "scheduler_pub": ("api_frontend",), "worker_in": ("gpu_worker",),
+              "worker_out": ("gpu_worker",), "tokenizer_in": ("api_frontend",),
+              "detokenizer_in": ("scheduler",),
+              "frontend_results": ("scheduler", "tokenizer_worker", "detokenizer"),
+              "node_status": ("api_frontend",)}
+
+
 def resolve(topology: Topology, run_dir: str) -> ResolvedAddresses:
     a = topology.addresses
     counts = topology.roles
 
-    def one(template: str) -> str:
-        return template.format(run_dir=run_dir, i=0)
+    def host(key: str) -> str:
+        return topology.node_of(BINDERS[key]).host
 
-    def many(template: str, n: int) -> list[str]:
-        return [template.format(run_dir=run_dir, i=i) for i in range(n)]
+    def one(key: str) -> str:
+        return getattr(a, key).format(run_dir=run_dir, i=0, host=host(key))
+
+    def many(key: str, n: int) -> list[str]:
+        return [getattr(a, key).format(run_dir=run_dir, i=i, host=host(key))
+                for i in range(n)]
 
     resolved = ResolvedAddresses(
-        scheduler_in=one(a.scheduler_in),
-        scheduler_pub=one(a.scheduler_pub),
-        worker_in=one(a.worker_in),
-        worker_out=one(a.worker_out),
-        tokenizer_in=many(a.tokenizer_in, counts.tokenizer_worker),
-        detokenizer_in=many(a.detokenizer_in, counts.detokenizer),
-        frontend_results=many(a.frontend_results, counts.api_frontend),
+        scheduler_in=one("scheduler_in"),
+        scheduler_pub=one("scheduler_pub"),
+        worker_in=one("worker_in"),
+        worker_out=one("worker_out"),
+        tokenizer_in=many("tokenizer_in", counts.tokenizer_worker),
+        detokenizer_in=many("detokenizer_in", counts.detokenizer),
+        frontend_results=many("frontend_results", counts.api_frontend),
+        node_status=[(node.status_address or a.node_status).format(
+                         run_dir=run_dir, n=n, i=n, node=node.name, host=node.host)
+                     for n, node in enumerate(topology.effective_nodes())],
     )
     every = [resolved.scheduler_in, resolved.scheduler_pub, resolved.worker_in,
              resolved.worker_out, *resolved.tokenizer_in, *resolved.detokenizer_in,
-             *resolved.frontend_results]
+             *resolved.frontend_results, *resolved.node_status]
     duplicates = sorted({x for x in every if every.count(x) > 1})
     if duplicates:
         raise ValueError(f"topology addresses collide: {duplicates} (a role with count > 1 "
-                         "needs '{i}' in its address template)")
+                         "needs '{i}' in its address template, node_status needs '{n}')")
     return resolved
 
 
-def process_configs(topology: Topology, run_dir: str) -> list[ProcessConfig]:
+def process_configs(topology: Topology, run_dir: str, node: str | None = None,
+                    metrics_dir: str | None = None) -> list[ProcessConfig]:
     """One config per process, in start order (consumers of a socket before producers
-    does not matter for ZeroMQ, but the worker goes first because it loads the model)."""
+    does not matter for ZeroMQ, but the worker goes first because it loads the model).
+    With ``node``, only the processes placed on that node."""
     addresses = resolve(topology, run_dir)
     model = topology.model
+    nodes = topology.effective_nodes()
     counts = {"gpu_worker": 1, "scheduler": 1, "detokenizer": topology.roles.detokenizer,
               "tokenizer_worker": topology.roles.tokenizer_worker,
               "api_frontend": topology.roles.api_frontend}
     configs = []
     for role, count in counts.items():
+        placed_on = topology.node_of(role).name
+        if node is not None and placed_on != node:
+            continue
         for index in range(count):
             configs.append(ProcessConfig(
                 role=role, index=index, model_path=model.resolved_path(),
                 served_model_name=model.name(), max_model_len=model.max_model_len,
                 dtype=model.dtype, load_format=model.load_format, engine=topology.engine,
-                http=topology.http, addresses=addresses))
+                http=topology.http, addresses=addresses, node=placed_on,
+                nodes=[n.name for n in nodes], supervision=topology.supervision,
+                metrics_dir=metrics_dir))
     return configs

@@ -62,6 +62,14 @@ class Sender:
         """Send without blocking the caller's loop (the queue is unbounded)."""
         return self.sock.send(self._encoder.encode(msg), copy=False)
 
+    def send_nowait(self, msg: Any) -> bool:
+        """Send only if a peer is connected now (a PUSH with no peer would block)."""
+        try:
+            self.sock.send(self._encoder.encode(msg), flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return False
+        return True
+
     def close(self) -> None:
         self.sock.close(0)
 

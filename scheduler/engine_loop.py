@@ -18,15 +18,16 @@ import logging
 import statistics
 import time
 from collections import deque
-import zlib
 
 import msgspec
 import zmq
 
 from protocol import ipc
 from protocol.topology import ProcessConfig
+from protocol.routing import detokenizer_index
 from protocol.transport import Receiver, Sender, SenderPool
 from scheduler.block_manager import BlockAllocator
+from scheduler.metrics import SchedulerOps
 from scheduler.planner import Planner, PlannedStep
 from scheduler.request import SchedRequest
 
@@ -66,10 +67,11 @@ class EngineLoop:
         self.busy_s = 0.0
         self.recent_idle: deque[float] = deque(maxlen=256)
         self.work_after_last_result = False
+        self.ops = SchedulerOps()
 
     # ------------------------------------------------------------------ helpers
     def _detok_for(self, rid: str) -> Sender:
-        return self.to_detok[zlib.crc32(rid.encode()) % len(self.to_detok)]
+        return self.to_detok[detokenizer_index(rid, len(self.to_detok))]
 
     def _reject(self, req: ipc.TokenizedReq, status: int, message: str, param: str | None,
                 code: str) -> None:
@@ -87,6 +89,7 @@ class EngineLoop:
         elif sreq in self.planner.waiting:
             self.planner.waiting.remove(sreq)
         self.requests.pop(sreq.rid, None)
+        self.ops.forget(sreq.rid)
         if sreq.seen_by_worker:
             self.released.append(sreq.rid)
         sender = self._detok_for(sreq.rid)
@@ -138,7 +141,11 @@ class EngineLoop:
             req.rid, req.reply_to, len(req.prompt_token_ids), req.detok,
             req.prompt_token_ids[-8:],
             req.prompt_token_ids if req.detok.return_token_ids else None))
-        self.planner.waiting.append(sreq)
+        if req.probe:  # a /health/generate probe does not queue behind traffic
+            self.planner.waiting.appendleft(sreq)
+        else:
+            self.planner.waiting.append(sreq)
+        self.ops.enqueued(req.rid)
 
     def _apply_aborts(self, batches: dict[int, list[ipc.TokenOutput]] | None = None) -> None:
         """Finish aborted requests; their outputs go into ``batches`` (flushed here when
@@ -152,6 +159,7 @@ class EngineLoop:
             sreq = self.requests.get(rid)
             if sreq is not None:
                 self._finish(sreq, "abort", [], batches)
+                self.ops.aborted(reason)
                 self.log.debug("aborted %s (%s)", rid, reason)
             elif reason == "disconnect":
                 self.early_aborts[rid] = now
@@ -186,18 +194,21 @@ class EngineLoop:
         self.released = []
         self.to_worker.send(plan)
         self.in_flight = (plan, planned)
+        self.ops.step_sent([c.rid for c in planned.chunks], len(planned.preempted))
         return True
 
     def _on_result(self, msg: ipc.StepResult | ipc.WorkerError) -> None:
         assert self.in_flight is not None and self.planner is not None
         plan, planned = self.in_flight
         self.in_flight = None
+        self._step_done(plan)
         batches: dict[int, list[ipc.TokenOutput]] = {}
         if isinstance(msg, ipc.WorkerError):
             self.log.error("step %d failed: %s", msg.step_id, msg.message)
             for sreq, _ in planned.members:
                 if sreq.rid in self.requests:
                     self._finish(sreq, "error", [], batches)
+                    self.ops.aborted("error")
             self._flush(batches)
             return
         if self.work_after_last_result:
@@ -233,12 +244,17 @@ class EngineLoop:
         self.work_after_last_result = bool(planner.running or planner.waiting)
         self._flush(batches)
 
+    def _step_done(self, plan: ipc.StepPlan) -> None:
+        assert self.planner is not None
+        prefill = any(len(c.token_ids) > 1 or not c.sample for c in plan.seqs)
+        self.ops.step_done(prefill, bool(self.planner.running or self.planner.waiting))
+
     def _heartbeat(self, now: float) -> None:
         if now - self.last_heartbeat < HEARTBEAT_S:
             return
         self.last_heartbeat = now
         planner = self.planner
-        self.stats_pub.send(ipc.SchedulerStats(
+        stats = ipc.SchedulerStats(
             time=time.time(),
             running=len(planner.running) if planner else 0,
             waiting=len(planner.waiting) if planner else 0,
@@ -251,7 +267,12 @@ class EngineLoop:
             worker_idle_s=self.idle_s, worker_busy_s=self.busy_s,
             worker_idle_ms_p50=1000 * statistics.median(self.recent_idle)
             if self.recent_idle else 0.0,
-            preemptions=planner.num_preemptions if planner else 0))
+            preemptions=self.ops.preemptions, aborts=dict(self.ops.aborts),
+            prefix_cache_queried_tokens=planner.prefix_queried_tokens if planner else 0,
+            prefix_cache_hit_tokens=planner.prefix_hit_tokens if planner else 0,
+            step_in_flight_s=self.ops.in_flight_s(self.in_flight is not None))
+        self.stats_pub.send(stats)
+        self.ops.metrics.export(stats)
 
     def run(self, should_stop) -> None:
         stalled = False  # work exists but the last plan was empty: do not spin
@@ -271,7 +292,4 @@ class EngineLoop:
             launched = self._launch_step()
             stalled = busy and not launched and self.in_flight is None
             self._heartbeat(time.monotonic())
-        try:  # never block on exit: the worker may already be gone (launcher killed)
-            self.to_worker.sock.send(msgspec.msgpack.encode(ipc.Shutdown()), zmq.NOBLOCK)
-        except zmq.Again:
-            pass
+        self.to_worker.send_nowait(ipc.Shutdown())  # the worker may be gone already

@@ -46,6 +46,9 @@ class Planner:
         self.waiting = WaitQueue()
         self.running: list[SchedRequest] = []
         self.num_preemptions = 0
+        # prompt tokens looked up in / served from the prefix cache, cumulative
+        self.prefix_queried_tokens = 0
+        self.prefix_hit_tokens = 0
 
     def free(self, req: SchedRequest) -> None:
         self.allocator.free(req.block_table)
@@ -153,6 +156,9 @@ class Planner:
                 break
             if req.cached_tokens is None:
                 req.cached_tokens = req.num_computed
+                if self.enable_prefix_caching:
+                    self.prefix_queried_tokens += len(req.req.prompt_token_ids)
+                    self.prefix_hit_tokens += req.num_computed
             self.waiting.popleft()
             self.running.append(req)
             self._add(step, req, n)

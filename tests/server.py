@@ -59,12 +59,37 @@ class CandorServer:
         self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen | None = None
 
+    @classmethod
+    def from_topology(cls, path: str | Path, port: int, node: str | None = None,
+                      env: dict[str, str] | None = None) -> "CandorServer":
+        """A launcher started from a YAML file (``--node`` for one node of several)."""
+        srv = cls("unused", port=port, env=env)
+        srv.cmd = [sys.executable, str(REPO / "launch_cluster.py"), str(path)]
+        if node is not None:
+            srv.cmd += ["--node", node]
+        return srv
+
+    def spawn(self, log_path: str | Path | None = None) -> "CandorServer":
+        """Start without waiting (a node that serves no HTTP)."""
+        log = open(log_path, "w") if log_path else None  # noqa: SIM115 - lives with proc
+        self.proc = subprocess.Popen(self.cmd, env=self.env, cwd=REPO, stderr=log)
+        return self
+
+    def get(self, path: str, timeout: float = 5) -> tuple[int, bytes]:
+        try:
+            with urllib.request.urlopen(self.base_url + path, timeout=timeout) as resp:
+                return resp.status, resp.read()
+        except urllib.error.HTTPError as err:
+            return err.code, err.read()
+        except (urllib.error.URLError, OSError):
+            return 0, b""
+
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 180) -> "CandorServer":
-        self.proc = subprocess.Popen(self.cmd, env=self.env, cwd=REPO)
+    def start(self, timeout: float = 180, log_path: str | Path | None = None) -> "CandorServer":
+        self.spawn(log_path)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections import deque
+
 from protocol import ipc
 from protocol.checkpoint import effective_max_model_len
 from protocol.lifecycle import StopFlag, die_with_parent, read_config, setup_logging
 from protocol.transport import Receiver, Sender, SenderPool, sync_context
+from tokenizer_worker.metrics import TokenizerMetrics
 from tokenizer_worker.prepare import RequestPreparer
 from tokenizer_worker.tokenizer_files import CheckpointTokenizer
 
@@ -22,11 +25,21 @@ def main() -> None:
                                  ipc.TokenizerInbound)
     to_scheduler = Sender(ctx, cfg.addresses.scheduler_in)
     replies = SenderPool(ctx)
+    metrics = TokenizerMetrics()
+    # Received requests wait here rather than in the socket, so the backlog is visible
+    # (a metric) and health probes can go first.
+    backlog: deque[ipc.GenerateReq] = deque()
     log.info("ready")
     while not stop.is_set():
-        req = inbound.recv(timeout_ms=200)
-        if req is None:
-            continue
+        if not backlog:
+            first = inbound.recv(timeout_ms=200)
+            if first is None:
+                continue
+            backlog.append(first)
+        while (more := inbound.recv_nowait()) is not None:
+            (backlog.appendleft if more.probe else backlog.append)(more)
+        req = backlog.popleft()
+        metrics.queue_depth.set(len(backlog))
         try:
             out = preparer.prepare(req)
         except Exception as exc:  # one bad request must not take the worker down
@@ -34,8 +47,10 @@ def main() -> None:
             out = ipc.RequestError(req.rid, 500, f"tokenizer worker error: {exc}",
                                    type="internal_error", code="tokenizer_error")
         if isinstance(out, ipc.RequestError):
+            metrics.requests.labels("error" if out.status >= 500 else "rejected").inc()
             replies.send(req.reply_to, out)
         else:
+            metrics.requests.labels("ok").inc()
             to_scheduler.send(out)
     replies.close()
     ctx.destroy(linger=0)

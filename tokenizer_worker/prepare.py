@@ -63,4 +63,5 @@ class RequestPreparer:
             sampling=req.sampling, detok=req.detok,
             eos_token_ids=self.tokenizer.eos_token_ids, stop_token_ids=req.stop_token_ids,
             ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
-            arrival_time=req.arrival_time, priority=req.priority, cache_salt=req.cache_salt)
+            arrival_time=req.arrival_time, priority=req.priority, cache_salt=req.cache_salt,
+            probe=req.probe)

@@ -1,0 +1,195 @@
+"""Operations routes and middleware: /metrics, /health, /health/generate, /version,
+request counting, and draining on SIGTERM.
+
+/health answers from state already in memory (the scheduler's heartbeat and the
+launchers' NodeStatus), never through the request pipeline, so it cannot queue behind
+traffic. /health/generate does push one token through every role, as a probe that the
+tokenizer worker and the scheduler put at the head of their queues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import platform
+import time
+import uuid
+
+from aiohttp import web
+
+from api_frontend.engine_client import EngineClient
+from api_frontend.errors import ApiError
+from api_frontend.metrics import FrontendMetrics
+from api_frontend.topology_watch import TopologyWatch
+from protocol import ipc
+from protocol.metrics import render
+from protocol.topology import ProcessConfig
+from protocol.version import VERSION
+
+PROBE_TIMEOUT_S = 10.0
+GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
+
+
+class Ops:
+    """Everything the ops routes read; one per frontend process."""
+
+    def __init__(self, cfg: ProcessConfig, engine: EngineClient, watch: TopologyWatch,
+                 metrics: FrontendMetrics) -> None:
+        self.cfg = cfg
+        self.engine = engine
+        self.watch = watch
+        self.metrics = metrics
+        self.draining = False
+        self.started = time.time()
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.draining:
+            out.append("this frontend is draining (shutting down)")
+        out.extend(self.watch.problems())
+        engine = self.engine.engine_problem()
+        if engine is not None:
+            out.append(engine)
+        stats = self.engine.stats
+        if stats is not None and stats.step_in_flight_s > self.cfg.supervision.step_stuck_s:
+            out.append(f"the gpu_worker has been running one step for "
+                       f"{stats.step_in_flight_s:.0f}s")
+        return out
+
+    def refuse_generation(self) -> str | None:
+        """Why a new generation request cannot be served now (it would only hang)."""
+        if self.draining:
+            return "this server is shutting down and accepts no new requests"
+        failed = self.watch.failed()
+        if failed is not None:
+            return f"the topology is stopping: {failed}"
+        return self.engine.engine_problem()
+
+    async def drain(self) -> None:
+        """Refuse new work, then wait for in-flight requests up to the grace period."""
+        self.draining = True
+        deadline = time.monotonic() + self.cfg.supervision.drain_timeout_s
+        while self.engine.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+
+OPS_KEY = web.AppKey("ops", Ops)
+
+
+def _route_label(request: web.Request) -> str:
+    info = request.match_info
+    resource = info.route.resource if info.route is not None else None
+    return resource.canonical if resource is not None else "unmatched"
+
+
+@web.middleware
+async def ops_middleware(request: web.Request, handler):
+    """Outermost: counts every answer, and refuses generation while it would hang."""
+    ops = request.app[OPS_KEY]
+    route = _route_label(request)
+    if request.method == "POST" and request.path in GENERATION_ROUTES:
+        why = ops.refuse_generation()
+        if why is not None:
+            ops.metrics.requests.labels(route, "503", "none").inc()
+            return ApiError(503, why, None, "unavailable",
+                            headers={"Retry-After": "5"}).response()
+    try:
+        response = await handler(request)
+    except asyncio.CancelledError:
+        ops.metrics.requests.labels(route, "499", "abort").inc()
+        raise
+    finish = ops.engine.finish_reasons.pop(response.headers.get("x-request-id", ""), "none")
+    ops.metrics.requests.labels(route, str(response.status), finish).inc()
+    return response
+
+
+async def metrics_route(request: web.Request) -> web.Response:
+    ops = request.app[OPS_KEY]
+    if ops.cfg.metrics_dir is None:
+        raise ApiError(503, "metrics are off: this frontend was started without the "
+                       "launcher's metrics directory", None, "metrics_unavailable")
+    body, content_type = await asyncio.get_running_loop().run_in_executor(
+        None, render, ops.cfg.metrics_dir)
+    return web.Response(body=body, headers={"Content-Type": content_type})
+
+
+async def health_route(request: web.Request) -> web.Response:
+    ops = request.app[OPS_KEY]
+    problems = ops.problems()
+    if problems:
+        ops.metrics.probes.labels("health", "fail").inc()
+        raise ApiError(503, "unhealthy: " + "; ".join(problems), None, "unhealthy")
+    ops.metrics.probes.labels("health", "ok").inc()
+    nodes = {name: [f"{c.role}[{c.index}]" for c in status.children]
+             for name, (status, _) in ops.watch.status.items()}
+    return web.json_response({"status": "ok", "engine": _stats_dict(ops.engine.stats),
+                              "nodes": nodes})
+
+
+def _stats_dict(stats: ipc.SchedulerStats | None) -> dict | None:
+    if stats is None:
+        return None
+    return {f: getattr(stats, f) for f in stats.__struct_fields__}
+
+
+async def health_generate_route(request: web.Request) -> web.Response:
+    """One real token through tokenizer, scheduler, worker and detokenizer."""
+    ops = request.app[OPS_KEY]
+    engine = ops.engine
+    timeout = PROBE_TIMEOUT_S
+    if "timeout" in request.query:
+        try:
+            timeout = min(60.0, max(0.1, float(request.query["timeout"])))
+        except ValueError:
+            raise ApiError(400, "timeout must be a number of seconds", "timeout",
+                           "invalid_value") from None
+    problems = ops.problems()
+    if problems:
+        ops.metrics.probes.labels("generate", "fail").inc()
+        raise ApiError(503, "unhealthy: " + "; ".join(problems), None, "unhealthy")
+    rid = f"probe-{uuid.uuid4().hex}"
+    started = time.monotonic()
+    queue = await engine.submit(ipc.GenerateReq(
+        rid=rid, reply_to=engine.reply_to, sampling=ipc.SamplingParams(temperature=0.0),
+        detok=ipc.DetokParams(), prompt="health", max_tokens=1, ignore_eos=True,
+        arrival_time=time.time(), probe=True))
+    try:
+        while True:
+            msg = await asyncio.wait_for(queue.get(), timeout - (time.monotonic() - started))
+            if isinstance(msg, ipc.RequestError):
+                raise ApiError(503, f"generation probe failed: {msg.message}", None,
+                               "probe_failed")
+            if msg.finish_reason is not None:
+                break
+    except (asyncio.TimeoutError, TimeoutError):
+        await engine.abort(rid, "error")
+        ops.metrics.probes.labels("generate", "timeout").inc()
+        raise ApiError(503, f"generation probe got no token within {timeout:g}s", None,
+                       "probe_timeout") from None
+    except ApiError:
+        engine.release(rid)
+        ops.metrics.probes.labels("generate", "fail").inc()
+        raise
+    engine.release(rid)
+    engine.finish_reasons.pop(rid, None)
+    ops.metrics.probes.labels("generate", "ok").inc()
+    return web.json_response({"status": "ok", "tokens": msg.completion_tokens,
+                              "latency_s": round(time.monotonic() - started, 4)})
+
+
+async def version_route(request: web.Request) -> web.Response:
+    ops = request.app[OPS_KEY]
+    return web.json_response({
+        "version": VERSION, "model": ops.cfg.served_model_name,
+        "python": platform.python_version(), "node": ops.cfg.node, "pid": os.getpid(),
+        "started": int(ops.started)})
+
+
+def install_ops(app: web.Application, ops: Ops) -> None:
+    """Mount the ops routes (replacing the plain /health) and the counting middleware."""
+    app[OPS_KEY] = ops
+    app.middlewares.insert(0, ops_middleware)
+    app.router.add_get("/metrics", metrics_route)
+    app.router.add_get("/health", health_route)
+    app.router.add_get("/health/generate", health_generate_route)
+    app.router.add_get("/version", version_route)

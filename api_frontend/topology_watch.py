@@ -1,0 +1,98 @@
+"""The frontend's view of every process in the topology, from the launchers' NodeStatus.
+
+Each node's launcher publishes which of its children are alive; this subscribes to all
+of them, so /health can name a dead process on any machine within one status interval,
+and requests owned by a detokenizer that died are failed instead of left hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Callable
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from protocol.health import NodeStatus
+from protocol.topology import ProcessConfig
+from protocol.transport import Receiver
+
+
+class TopologyWatch:
+    def __init__(self, ctx: zmq.asyncio.Context, cfg: ProcessConfig,
+                 on_lost: Callable[[str, int, str], None],
+                 on_failed: Callable[[str], None]) -> None:
+        self.nodes = list(cfg.nodes)
+        self.stale_s = cfg.supervision.heartbeat_stale_s
+        self._sub: Receiver = Receiver(ctx, cfg.addresses.node_status, NodeStatus,
+                                       bind=False, kind=zmq.SUB)
+        self._on_lost = on_lost        # (role, index, why): its requests' state is gone
+        self._on_failed = on_failed    # the topology is stopping after a fatal death
+        self.status: dict[str, tuple[NodeStatus, float]] = {}
+        self._seen: dict[tuple[str, str, int], tuple[bool, int]] = {}
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                msg = await self._sub.recv_async()
+            except msgspec.MsgspecError:
+                continue
+            self._update(msg)
+
+    def _update(self, msg: NodeStatus) -> None:
+        previous = self.status.get(msg.node)
+        self.status[msg.node] = (msg, time.monotonic())
+        for child in msg.children:
+            key = (msg.node, child.role, child.index)
+            seen = self._seen.get(key)
+            self._seen[key] = (child.alive, child.restarts)
+            if seen is None:
+                continue
+            was_alive, restarts = seen
+            if (was_alive and not child.alive) or child.restarts > restarts:
+                self._on_lost(child.role, child.index,
+                              f"{child.role}[{child.index}] on node {msg.node} exited "
+                              f"(code {child.exit_code})")
+        if msg.state == "failed" and (previous is None or previous[0].state != "failed"):
+            self._on_failed(msg.problem or f"node {msg.node} failed")
+
+    def problems(self) -> list[str]:
+        """Everything that keeps the topology from being whole, in words."""
+        now = time.monotonic()
+        out = []
+        for node in self.nodes:
+            entry = self.status.get(node)
+            if entry is None:
+                out.append(f"no status from node {node!r} yet (its launcher is not "
+                           "running or not reachable)")
+                continue
+            status, received = entry
+            age = now - received
+            if age > self.stale_s:
+                out.append(f"node {node!r} has been silent for {age:.1f}s")
+                continue
+            if status.state in ("failed", "draining"):
+                out.append(f"node {node!r} is {status.state}"
+                           + (f": {status.problem}" if status.problem else ""))
+            for child in status.children:
+                if not child.alive:
+                    out.append(f"{child.role}[{child.index}] on node {node!r} is not "
+                               f"running (last exit code {child.exit_code}, "
+                               f"{child.restarts} restarts)")
+        return out
+
+    def failed(self) -> str | None:
+        for status, _ in self.status.values():
+            if status.state == "failed":
+                return status.problem or f"node {status.node} failed"
+        return None

@@ -1,0 +1,56 @@
+"""Prometheus plumbing shared by every role: one scrape per host covers every process.
+
+Why multiprocess mode rather than shipping stats to the frontend: each process records
+its own events where they happen (the scheduler its queue and step times, a frontend its
+requests), with no extra messages on the hot path and no aggregation code of ours. The
+launcher gives each node a fresh directory (``PROMETHEUS_MULTIPROC_DIR``, set in the
+children's environment before they import the library) and deletes it at stop; a scrape
+of any frontend, or of the launcher's ``metrics_port``, merges every file in it. Each
+frontend counts only the requests it served, so with several frontends the merged
+counters are the true totals, whichever frontend is scraped. Gauges choose how to merge
+across processes (``livesum``/``livemax``) and the launcher marks a dead child's files so
+its gauges drop out. Across hosts, each node has its own directory and is scraped on its
+own: scheduler metrics come from the node that runs the scheduler.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+# prometheus_client is imported inside the functions below: it picks its (multiprocess
+# or in-memory) value class once, at import, and the launcher imports this module
+# before it sets ENV for itself.
+
+ENV = "PROMETHEUS_MULTIPROC_DIR"
+PREFIX = "candor_"
+
+# Latency buckets in seconds: sub-millisecond CPU steps up to multi-minute generations.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                   10.0, 30.0, 60.0, 120.0, 300.0)
+STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0,
+                5.0)
+
+
+def prepare_dir(path: str) -> str:
+    """A fresh, empty directory: stale files from an earlier run would add up."""
+    shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(path)
+    return path
+
+
+def process_exited(path: str, pid: int) -> None:
+    """Drop a dead process's live gauges (its counters and histograms stay counted)."""
+    from prometheus_client.multiprocess import mark_process_dead
+
+    mark_process_dead(pid, path)
+
+
+def render(path: str) -> tuple[bytes, str]:
+    """The exposition text of every process that wrote into ``path``."""
+    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=path)
+    return generate_latest(registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,141 @@
+"""Up-front validation of a topology, so a bad file fails at start with every problem
+named, not on the first request (or on the other machine, an hour later).
+
+msgspec already rejects unknown keys, unknown role names and out-of-range numbers while
+decoding; this module checks what needs the whole picture: placement of roles on nodes,
+ipc:// sockets that would cross machines, ports used twice on a host, the model path.
+"""
+
+from __future__ import annotations
+
+import os
+from urllib.parse import urlsplit
+
+from protocol.topology import (BINDERS, CONNECTORS, ROLES, ResolvedAddresses, Topology,
+                               resolve)
+
+RESTARTABLE = ("tokenizer_worker", "detokenizer")  # stateless: a restart loses nothing
+
+
+class TopologyError(ValueError):
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("; ".join(problems))
+        self.problems = problems
+
+
+def _placement(topology: Topology, problems: list[str]) -> None:
+    nodes = topology.effective_nodes()
+    names = [n.name for n in nodes]
+    for name in sorted({n for n in names if names.count(n) > 1}):
+        problems.append(f"node name {name!r} is used twice")
+    for role in ROLES:
+        on = [n.name for n in nodes if role in n.roles]
+        if not on:
+            problems.append(f"role {role} is not placed on any node")
+        elif len(on) > 1:
+            problems.append(f"role {role} is placed on several nodes {on}; all instances "
+                            "of a role run on one node")
+    for node in nodes:
+        for role in sorted({r for r in node.roles if node.roles.count(r) > 1}):
+            problems.append(f"node {node.name!r} lists role {role} twice")
+        if node.devices and "gpu_worker" not in node.roles:
+            problems.append(f"node {node.name!r} lists devices but runs no gpu_worker")
+    for role in topology.supervision.restart:
+        if role not in RESTARTABLE:
+            problems.append(f"supervision.restart: {role} holds state that a restart would "
+                            f"lose; only {', '.join(RESTARTABLE)} can be restarted")
+
+
+def _addresses(topology: Topology, problems: list[str]) -> ResolvedAddresses | None:
+    try:
+        return resolve(topology, "/run")
+    except KeyError as err:
+        problems.append(f"an address template uses the unknown placeholder {err}; "
+                        "known: {run_dir} {host} {i} (and {n} {node} in node_status)")
+    except (ValueError, IndexError) as err:
+        problems.append(str(err))
+    return None
+
+
+def _bound_addresses(topology: Topology, resolved: ResolvedAddresses):
+    """(label, address, node that binds it, nodes that connect to it)."""
+    out = []
+    for key, binder in BINDERS.items():
+        value = getattr(resolved, key)
+        values = value if isinstance(value, list) else [value]
+        bind_node = topology.node_of(binder).name
+        connect_nodes = {topology.node_of(r).name for r in CONNECTORS[key]}
+        for i, addr in enumerate(values):
+            label = f"{key}[{i}]" if isinstance(value, list) else key
+            out.append((label, addr, bind_node, connect_nodes))
+    frontend_node = topology.node_of("api_frontend").name
+    for node, addr in zip(topology.effective_nodes(), resolved.node_status):
+        out.append((f"node_status[{node.name}]", addr, node.name, {frontend_node}))
+    return out
+
+
+def _sockets(topology: Topology, resolved: ResolvedAddresses, problems: list[str]) -> None:
+    hosts = {n.name: n.host for n in topology.effective_nodes()}
+    ports: dict[tuple[str, int], str] = {}
+
+    def claim(host: str, port: int, label: str) -> None:
+        key = (host, port)
+        if key in ports:
+            problems.append(f"port {port} on {host} is used by both {ports[key]} and {label}")
+        else:
+            ports[key] = label
+
+    for label, addr, bind_node, connect_nodes in _bound_addresses(topology, resolved):
+        scheme = addr.split("://", 1)[0]
+        if scheme == "ipc":
+            crossing = sorted(connect_nodes - {bind_node})
+            if crossing:
+                problems.append(f"{label} is {addr!r} (ipc://, one host only) but node(s) "
+                                f"{crossing} must reach node {bind_node!r}: use tcp://")
+        elif scheme == "tcp":
+            try:
+                parts = urlsplit(addr)
+                port = parts.port
+            except ValueError:
+                port = None
+            if port is None:
+                problems.append(f"{label} is {addr!r}: a tcp:// address needs host:port")
+                continue
+            host = parts.hostname or ""
+            claim(hosts[bind_node] if host in ("*", "0.0.0.0", "") else host, port, label)
+        else:
+            problems.append(f"{label} is {addr!r}: only ipc:// and tcp:// are supported")
+    frontend = topology.node_of("api_frontend")
+    http_host = topology.http.host
+    claim(frontend.host if http_host in ("0.0.0.0", "::", "") else http_host,
+          topology.http.port, "http.port")
+    for node in topology.effective_nodes():
+        if node.metrics_port is not None:
+            claim(node.host, node.metrics_port, f"nodes[{node.name}].metrics_port")
+
+
+def _model(topology: Topology, problems: list[str]) -> None:
+    path = topology.model.resolved_path()
+    for name in ("config.json", "tokenizer.json"):
+        if not os.path.isfile(os.path.join(path, name)):
+            problems.append(f"model.path {path!r} has no {name}: not a HF checkpoint "
+                            "directory")
+            return
+
+
+def check_topology(topology: Topology, node: str | None = None,
+                   check_model: bool = True) -> None:
+    """Raise ``TopologyError`` naming every problem found, or return quietly."""
+    problems: list[str] = []
+    _placement(topology, problems)
+    names = [n.name for n in topology.effective_nodes()]
+    if node is not None and node not in names:
+        problems.append(f"--node {node!r} is not in this topology; nodes: {names}")
+    if not problems:  # the address checks need a sound placement
+        resolved = _addresses(topology, problems)
+        if resolved is not None:
+            _sockets(topology, resolved, problems)
+    if check_model:
+        _model(topology, problems)
+    if problems:
+        raise TopologyError(problems)

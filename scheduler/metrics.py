@@ -1,0 +1,124 @@
+"""What the scheduler measures, and how its stats become Prometheus metrics.
+
+Events (queue time, step time, worker idle gaps) are observed where they happen; the
+state and cumulative counts travel in ``SchedulerStats`` (the heartbeat /health reads)
+and ``export`` turns each heartbeat into gauges and counter increments, so the metrics
+and the heartbeat never disagree. Files land in the host's multiprocess directory.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from protocol import ipc
+from protocol.metrics import LATENCY_BUCKETS, STEP_BUCKETS
+
+ABORT_CAUSES = ("disconnect", "stop_string", "error")
+
+
+class SchedulerMetrics:
+    def __init__(self) -> None:
+        g = dict(multiprocess_mode="livesum", registry=None)
+        self.running = Gauge("candor_requests_running", "Requests in the running batch "
+                             "(KV blocks held, decoding or prefilling)", **g)
+        self.waiting = Gauge("candor_requests_waiting", "Requests queued in the scheduler, "
+                             "not yet admitted to the batch", **g)
+        self.kv_used = Gauge("candor_kv_blocks_used", "Paged KV-cache blocks held by "
+                             "requests", **g)
+        self.kv_total = Gauge("candor_kv_blocks_total", "Paged KV-cache blocks the worker "
+                              "allocated", **g)
+        self.prefix_ratio = Gauge(
+            "candor_prefix_cache_hit_ratio", "Share of looked-up prompt tokens found in the "
+            "prefix cache since start (0 while the prefix cache is off)", **g)
+        self.prefix_queried = Counter(
+            "candor_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix "
+            "cache", registry=None)
+        self.prefix_hits = Counter(
+            "candor_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache "
+            "(their prefill was skipped)", registry=None)
+        self.preemptions = Counter(
+            "candor_preemptions", "Running requests evicted for lack of KV blocks (they "
+            "re-queue and recompute)", registry=None)
+        self.aborts = Counter(
+            "candor_aborts", "Requests stopped before finishing, by cause: disconnect "
+            "(client left), stop_string (the detokenizer matched a stop), error (a failed "
+            "step)", ["cause"], registry=None)
+        self.steps = Counter("candor_scheduler_steps", "Forward steps the scheduler ran",
+                             registry=None)
+        self.queue_time = Histogram(
+            "candor_queue_time_seconds", "Seconds a request waited in the scheduler's queue "
+            "before its first step", buckets=LATENCY_BUCKETS, registry=None)
+        self.step_time = Histogram(
+            "candor_step_duration_seconds", "Seconds from sending a step to the worker to "
+            "its result; phase prefill: the step fed prompt tokens, decode: only one new "
+            "token per request", ["phase"], buckets=STEP_BUCKETS, registry=None)
+        self.worker_idle = Histogram(
+            "candor_worker_idle_seconds", "Seconds the worker sat idle between a step's "
+            "result and the next step while requests were waiting or running",
+            buckets=STEP_BUCKETS, registry=None)
+        self._exported: dict[str, float] = {}
+
+    def _add(self, key: str, counter, total: float) -> None:
+        delta = total - self._exported.get(key, 0)
+        if delta > 0:
+            counter.inc(delta)
+        self._exported[key] = total
+
+    def export(self, stats: ipc.SchedulerStats) -> None:
+        self.running.set(stats.running)
+        self.waiting.set(stats.waiting)
+        self.kv_total.set(stats.total_blocks)
+        self.kv_used.set(stats.total_blocks - stats.free_blocks)
+        self.prefix_ratio.set(stats.prefix_cache_hit_tokens / stats.prefix_cache_queried_tokens
+                              if stats.prefix_cache_queried_tokens else 0.0)
+        self._add("steps", self.steps, stats.steps)
+        self._add("preemptions", self.preemptions, stats.preemptions)
+        self._add("prefix_queried", self.prefix_queried, stats.prefix_cache_queried_tokens)
+        self._add("prefix_hits", self.prefix_hits, stats.prefix_cache_hit_tokens)
+        for cause, total in stats.aborts.items():
+            self._add(f"abort:{cause}", self.aborts.labels(cause), total)
+
+
+class SchedulerOps:
+    """The scheduler's bookkeeping for operations: cumulative counts for the heartbeat
+    and the event-time observations. The step loop calls one method per event."""
+
+    def __init__(self) -> None:
+        self.metrics = SchedulerMetrics()
+        self.preemptions = 0
+        self.aborts: dict[str, int] = {cause: 0 for cause in ABORT_CAUSES}
+        self._enqueued: dict[str, float] = {}
+        self._step_sent = 0.0
+        self._result_at: float | None = None  # last result, if work was pending then
+
+    def enqueued(self, rid: str) -> None:
+        self._enqueued[rid] = time.monotonic()
+
+    def forget(self, rid: str) -> None:
+        self._enqueued.pop(rid, None)
+
+    def aborted(self, cause: str) -> None:
+        self.aborts[cause] = self.aborts.get(cause, 0) + 1
+
+    def step_sent(self, rids: list[str], preempted: int) -> None:
+        now = time.monotonic()
+        self._step_sent = now
+        self.preemptions += preempted
+        if self._result_at is not None:
+            self.metrics.worker_idle.observe(now - self._result_at)
+            self._result_at = None
+        for rid in rids:
+            queued = self._enqueued.pop(rid, None)
+            if queued is not None:
+                self.metrics.queue_time.observe(now - queued)
+
+    def step_done(self, prefill: bool, work_pending: bool) -> None:
+        now = time.monotonic()
+        self.metrics.step_time.labels("prefill" if prefill else "decode").observe(
+            now - self._step_sent)
+        self._result_at = now if work_pending else None
+
+    def in_flight_s(self, in_flight: bool) -> float:
+        return time.monotonic() - self._step_sent if in_flight else 0.0

@@ -1,0 +1,266 @@
+"""deploy/ is tested like code: topologies validate, the Kubernetes manifests agree with
+the topology they carry, and every dashboard and alert query names a metric that a real
+scrape of Candor contains. Also the topology validator's errors, one problem at a time."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+import yaml
+
+from protocol.topology import ROLES, Topology, load_topology, process_configs
+from protocol.topology_check import TopologyError, check_topology
+from tests.metrics_text import scrape
+from tests.server import REPO
+
+DEPLOY = REPO / "deploy"
+METRIC = re.compile(r"\b(candor_[a-z0-9_]+)\b")
+
+
+# ------------------------------------------------------------------ typed manifest views
+class HttpGet(msgspec.Struct):
+    path: str
+    port: str | int
+
+
+class Probe(msgspec.Struct):
+    httpGet: HttpGet
+
+
+class ContainerPort(msgspec.Struct):
+    containerPort: int
+    name: str | None = None
+
+
+class Container(msgspec.Struct):
+    name: str
+    image: str
+    args: list[str]
+    ports: list[ContainerPort]
+    livenessProbe: Probe
+    readinessProbe: Probe
+
+
+class PodSpec(msgspec.Struct):
+    containers: list[Container]
+    terminationGracePeriodSeconds: int = 30
+
+
+class Meta(msgspec.Struct):
+    name: str = ""
+    namespace: str = ""
+    labels: dict[str, str] = {}
+    annotations: dict[str, str] = {}
+
+
+class PodTemplate(msgspec.Struct):
+    metadata: Meta
+    spec: PodSpec
+
+
+class Selector(msgspec.Struct):
+    matchLabels: dict[str, str]
+
+
+class StatefulSetSpec(msgspec.Struct):
+    serviceName: str
+    replicas: int
+    selector: Selector
+    template: PodTemplate
+
+
+class ServicePort(msgspec.Struct):
+    name: str
+    port: int
+    targetPort: str | int
+
+
+class ServiceSpec(msgspec.Struct):
+    selector: dict[str, str]
+    ports: list[ServicePort]
+    clusterIP: str | None = None
+
+
+def _docs(path: Path) -> list[dict]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def _by_kind(docs: list[dict], kind: str) -> list[dict]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+# ------------------------------------------------------------------ topologies
+@pytest.mark.parametrize("path", sorted((DEPLOY / "topologies").glob("*.yaml")),
+                         ids=lambda p: p.name)
+def test_shipped_topologies_validate_and_place_every_role(path):
+    topology = load_topology(str(path))
+    check_topology(topology, check_model=False)
+    for node in topology.effective_nodes():
+        check_topology(topology, node=node.name, check_model=False)
+    roles = {c.role for n in topology.effective_nodes()
+             for c in process_configs(topology, "/tmp/r", node=n.name)}
+    assert roles == set(ROLES)
+
+
+def test_the_cli_checks_a_topology(tiny_model_dir, tmp_path):
+    good = tmp_path / "good.yaml"
+    good.write_text(f"model: {{path: {tiny_model_dir}}}\n")
+    out = subprocess.run([sys.executable, str(REPO / "launch_cluster.py"), str(good),
+                          "--check"], capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+
+
+BASE = "model: {{path: {model}}}\n"
+
+
+@pytest.mark.parametrize("extra, message", [
+    ("nodes:\n  - {name: a, roles: [api_frontend, tokenizer_worker, detokenizer, scheduler]}\n",
+     "role gpu_worker is not placed on any node"),
+    ("nodes:\n  - {name: a, roles: [api_frontend, tokeniser_worker]}\n",
+     "tokeniser_worker"),
+    ("addresses: {scheduler_in: 'tcp://127.0.0.1:5601', scheduler_pub: 'tcp://*:5601'}\n",
+     "port 5601 on 127.0.0.1 is used by both scheduler_in and scheduler_pub"),
+    ("http: {port: 5601}\naddresses: {scheduler_in: 'tcp://127.0.0.1:5601'}\n",
+     "used by both scheduler_in and http.port"),
+    ("nodes:\n  - {name: a, roles: [api_frontend, tokenizer_worker, detokenizer]}\n"
+     "  - {name: b, host: 10.0.0.2, roles: [scheduler, gpu_worker]}\n",
+     "scheduler_in is 'ipc:///run/scheduler-in' (ipc://, one host only)"),
+    ("supervision: {restart: [scheduler]}\n", "scheduler holds state"),
+    ("addresses: {scheduler_in: 'tcp://{hostname}:1'}\n", "unknown placeholder"),
+])
+def test_topology_problems_are_named_up_front(tiny_model_dir, tmp_path, extra, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(BASE.format(model=tiny_model_dir) + extra)
+    with pytest.raises((TopologyError, msgspec.ValidationError), match=re.escape(message)):
+        check_topology(load_topology(str(path)))
+    out = subprocess.run([sys.executable, str(REPO / "launch_cluster.py"), str(path)],
+                         capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert out.returncode == 2 and message in out.stderr, out.stderr
+
+
+def test_missing_model_and_unknown_node_are_named(tmp_path):
+    path = tmp_path / "t.yaml"
+    path.write_text(f"model: {{path: {tmp_path / 'nope'}}}\n")
+    with pytest.raises(TopologyError) as err:
+        check_topology(load_topology(str(path)), node="engine")
+    text = str(err.value)
+    assert "has no config.json" in text and "--node 'engine' is not in this topology" in text
+
+
+def test_several_nodes_need_a_node_name(tiny_model_dir):
+    topo = load_topology(str(DEPLOY / "topologies" / "two-node.yaml"))
+    topo = msgspec.structs.replace(topo, model=msgspec.structs.replace(
+        topo.model, path=str(tiny_model_dir)))
+    from launch_cluster import launch
+    with pytest.raises(SystemExit, match="--node NAME"):
+        launch(topo)
+
+
+# ------------------------------------------------------------------ kubernetes
+def test_kubernetes_manifests_agree_with_their_topology():
+    docs = _docs(DEPLOY / "kubernetes" / "candor.yaml")
+    config = _by_kind(docs, "ConfigMap")[0]
+    topology = msgspec.yaml.decode(config["data"]["topology.yaml"], type=Topology)
+    check_topology(topology, check_model=False)
+    nodes = {n.name: n for n in topology.effective_nodes()}
+    sets = {d["metadata"]["name"]: msgspec.convert(d["spec"], StatefulSetSpec)
+            for d in _by_kind(docs, "StatefulSet")}
+    services = {d["metadata"]["name"]: msgspec.convert(d["spec"], ServiceSpec)
+                for d in _by_kind(docs, "Service")}
+    started = set()
+    for name, spec in sets.items():
+        pod = spec.template
+        assert spec.selector.matchLabels.items() <= pod.metadata.labels.items(), name
+        (container,) = pod.spec.containers
+        node = container.args[container.args.index("--node") + 1]
+        started.add(node)
+        assert container.args[:3] == ["python", "launch_cluster.py",
+                                      "/etc/candor/topology.yaml"]
+        # the node's host name is this pod's stable name under its headless Service
+        assert nodes[node].host.startswith(f"{name}-0.{spec.serviceName}.")
+        assert services[spec.serviceName].clusterIP == "None"
+        ports = {p.name: p.containerPort for p in container.ports if p.name}
+        assert ports["metrics"] == nodes[node].metrics_port
+        assert container.livenessProbe.httpGet.path == "/health"
+        if "api_frontend" in nodes[node].roles:
+            assert ports["http"] == topology.http.port
+            assert container.readinessProbe.httpGet.path == "/health/generate"
+            assert pod.spec.terminationGracePeriodSeconds > topology.supervision.drain_timeout_s
+        annotations = pod.metadata.annotations
+        assert annotations["prometheus.io/scrape"] == "true"
+        assert int(annotations["prometheus.io/port"]) in ports.values()
+        # every tcp port this node binds is open in the pod and on its headless Service
+        for cfg in process_configs(topology, "/run", node=node):
+            addrs = [cfg.addresses.scheduler_in, cfg.addresses.scheduler_pub,
+                     *cfg.addresses.detokenizer_in, *cfg.addresses.frontend_results,
+                     *cfg.addresses.node_status]
+            for addr in addrs:
+                if addr.startswith(f"tcp://{nodes[node].host}:"):
+                    port = int(addr.rsplit(":", 1)[1])
+                    assert port in {p.containerPort for p in container.ports}, (node, addr)
+                    assert port in {p.port for p in services[spec.serviceName].ports}, addr
+    assert started == set(nodes)
+    # the client-facing Service selects the pod that serves HTTP, on its http port
+    front = services["candor"]
+    gateway = next(s for s in sets.values() if front.selector.items()
+                   <= s.template.metadata.labels.items())
+    assert front.ports[0].targetPort in {p.name for p in
+                                         gateway.template.spec.containers[0].ports}
+    (monitor,) = _by_kind(docs, "PodMonitor")
+    endpoint = monitor["spec"]["podMetricsEndpoints"][0]
+    assert endpoint["path"] == "/metrics"
+    for spec in sets.values():
+        assert monitor["spec"]["selector"]["matchLabels"].items() \
+            <= spec.template.metadata.labels.items()
+        assert endpoint["port"] in {p.name for p in spec.template.spec.containers[0].ports}
+
+
+# ------------------------------------------------------------------ prometheus + grafana
+def _dashboard_exprs() -> list[str]:
+    dash = json.loads((DEPLOY / "grafana" / "candor-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    assert len(exprs) >= len(dash["panels"]) >= 12
+    return exprs
+
+
+def _alert_exprs() -> list[str]:
+    rules = yaml.safe_load((DEPLOY / "prometheus" / "candor-alerts.yml").read_text())
+    alerts = {r["alert"]: r["expr"] for g in rules["groups"] for r in g["rules"]}
+    assert {"CandorEngineDown", "CandorQueueGrowing", "CandorKVCacheFull",
+            "CandorHighErrorRate"} <= set(alerts)
+    return list(alerts.values())
+
+
+def test_prometheus_config_loads_the_alert_rules():
+    config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    for rule_file in config["rule_files"]:
+        assert (DEPLOY / "prometheus" / rule_file).is_file()
+    assert all(job["job_name"].startswith("candor") for job in config["scrape_configs"])
+
+
+async def test_every_dashboard_and_alert_query_uses_an_exported_metric(server):
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session:  # make every labelled series exist
+        for stream in (False, True):
+            async with session.post(server.base_url + "/v1/completions", json={
+                    "model": "tiny-llama", "prompt": "hi", "max_tokens": 3,
+                    "stream": stream}) as resp:
+                await resp.read()
+    exported = scrape(server).sample_names()
+    used = {m for e in _dashboard_exprs() + _alert_exprs() for m in METRIC.findall(e)}
+    assert len(used) >= 20
+    missing = sorted(m for m in used if m not in exported
+                     and m not in ("candor_stream_errors_total",
+                                   "candor_process_restarts_total"))
+    assert not missing, f"queries use metrics Candor does not export: {missing}"
+    # the two left out only appear once something failed; their help texts are declared
+    from api_frontend.metrics import FrontendMetrics  # noqa: F401 - declares stream errors
+    assert "candor_stream_errors" in (REPO / "api_frontend" / "metrics.py").read_text()
+    assert "candor_process_restarts" in (REPO / "launch_cluster.py").read_text()

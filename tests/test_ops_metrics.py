@@ -1,0 +1,131 @@
+"""/metrics, /health, /health/generate and /version on the shared session server:
+scrapes before and after real requests, and the deltas they must show."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aiohttp
+
+from tests.metrics_text import scrape
+
+MODEL = "tiny-llama"
+C = "/v1/completions"
+
+
+async def _complete(server, body: dict) -> dict | bytes:
+    async with aiohttp.ClientSession() as session:
+        async with session.post(server.base_url + C, json={"model": MODEL, **body}) as resp:
+            payload = await resp.read()
+            return json.loads(payload) if not body.get("stream") else payload
+
+
+def _settled(server, check, timeout: float = 5.0):
+    """Scheduler counters reach the scrape with its next heartbeat (every 0.25 s)."""
+    deadline = time.monotonic() + timeout
+    while not check(scrape(server)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.6)  # two more heartbeats: the counters exported with them catch up
+    return scrape(server)
+
+
+async def test_scrape_deltas_after_real_requests(server):
+    before = scrape(server)
+    results = await asyncio.gather(*[_complete(server, {
+        "prompt": f"count {i}", "max_tokens": 6, "temperature": 0, "ignore_eos": True})
+        for i in range(3)])
+    streamed = await _complete(server, {"prompt": "stream me", "max_tokens": 5,
+                                        "ignore_eos": True, "stream": True})
+    assert streamed.endswith(b"data: [DONE]\n\n")
+    rejected = await _complete(server, {"prompt": "x", "max_tokens": -3})
+    assert "error" in rejected
+    prompt = sum(r["usage"]["prompt_tokens"] for r in results)
+    after = _settled(server, lambda s: s.total("candor_queue_time_seconds_count")
+                     - before.total("candor_queue_time_seconds_count") >= 4)
+
+    def delta(name, **labels):
+        return after.total(name, **labels) - before.total(name, **labels)
+
+    assert delta("candor_http_requests_total", route=C, status="200",
+                 finish_reason="length") == 4
+    assert delta("candor_http_requests_total", route=C, status="400") == 1
+    assert delta("candor_generation_tokens_total") == 3 * 6 + 5
+    assert delta("candor_prompt_tokens_total") >= prompt + 1
+    assert delta("candor_time_to_first_token_seconds_count") == 4
+    assert delta("candor_e2e_request_latency_seconds_count") == 4
+    assert delta("candor_inter_token_latency_seconds_count") == 3 * 5 + 4
+    assert delta("candor_queue_time_seconds_count") == 4
+    assert delta("candor_tokenizer_requests_total", outcome="ok") == 4
+    assert delta("candor_tokenizer_requests_total", outcome="rejected") == 0  # a 400 from
+    # the frontend's own validation never reaches a tokenizer worker
+    assert delta("candor_step_duration_seconds_count", phase="prefill") >= 1
+    assert delta("candor_step_duration_seconds_count", phase="decode") >= 5
+    assert delta("candor_scheduler_steps_total") >= 6
+    assert after.value("candor_kv_blocks_total") > 0
+    assert after.value("candor_kv_blocks_used") == 0
+    assert after.value("candor_requests_running") == 0
+    assert after.value("candor_process_up", node="local", role="gpu_worker", index="0") == 1
+
+
+async def test_every_metric_is_prefixed_documented_and_unit_named(server):
+    await _complete(server, {"prompt": "hello", "max_tokens": 2})
+    now = scrape(server)
+    ours = {name: f for name, f in now.families.items() if name.startswith("candor_")}
+    assert len(ours) >= 25, sorted(ours)
+    assert set(now.families) == set(ours), set(now.families) - set(ours)
+    for name, family in ours.items():
+        assert len(family.documentation) > 20, name
+        if family.type == "counter":
+            assert any(s.name.endswith("_total") for s in family.samples), name
+        if family.type == "histogram":
+            assert name.endswith("_seconds"), name
+
+
+async def test_disconnect_is_counted_as_an_abort(server):
+    before = scrape(server)
+    async with aiohttp.ClientSession() as session:
+        async with session.post(server.base_url + C, json={
+                "model": MODEL, "prompt": "go on", "max_tokens": 500, "ignore_eos": True,
+                "stream": True}) as resp:
+            async for _ in resp.content:
+                break
+    after = _settled(server, lambda s: s.total("candor_aborts_total", cause="disconnect")
+                     > before.total("candor_aborts_total", cause="disconnect"))
+    assert (after.total("candor_aborts_total", cause="disconnect")
+            - before.total("candor_aborts_total", cause="disconnect")) == 1
+    assert (after.total("candor_http_requests_total", route=C, status="499")
+            - before.total("candor_http_requests_total", route=C, status="499")) == 1
+    server.wait_all_blocks_free()
+
+
+def test_health_names_every_process_and_version(server):
+    status, body = server.health()
+    assert status == 200 and body["status"] == "ok"
+    assert sorted(body["nodes"]["local"]) == sorted([
+        "gpu_worker[0]", "scheduler[0]", "detokenizer[0]", "tokenizer_worker[0]",
+        "api_frontend[0]"])
+    status, payload = server.get("/version")
+    assert status == 200 and json.loads(payload)["version"]
+
+
+async def test_health_generate_is_served_ahead_of_queued_traffic(server):
+    # a burst of long requests fills the queue; the probe must not wait for them
+    async def long_one():
+        return await _complete(server, {"prompt": "busy", "max_tokens": 300,
+                                        "ignore_eos": True})
+
+    burst = [asyncio.create_task(long_one()) for _ in range(6)]
+    await asyncio.sleep(0.3)
+    started = time.monotonic()
+    status, payload = await asyncio.to_thread(server.get, "/health/generate")
+    probe_s = time.monotonic() - started
+    done_early = sum(t.done() for t in burst)
+    results = await asyncio.gather(*burst)
+    assert status == 200, payload
+    assert json.loads(payload)["tokens"] == 1
+    assert all(r["usage"]["completion_tokens"] == 300 for r in results)
+    assert done_early == 0, f"the probe ({probe_s:.2f}s) waited for the burst to finish"
+    status, payload = server.get("/health/generate?timeout=abc")
+    assert status == 400

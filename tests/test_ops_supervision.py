@@ -1,0 +1,244 @@
+"""Supervision through real launchers: a killed worker turns /health 503 within a second,
+restartable roles come back (their lost requests fail cleanly), SIGTERM drains, several
+frontends count each request once, and a two-node topology on loopback serves requests."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.metrics_text import Scrape, scrape
+from tests.server import CandorServer, free_port, role_of
+
+MODEL = "tiny-llama"
+
+
+def _post(base_url: str, body: dict, timeout: float = 60) -> tuple[int, bytes]:
+    req = urllib.request.Request(base_url + "/v1/completions", method="POST",
+                                 data=json.dumps({"model": MODEL, **body}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read()
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def _first_503(srv: CandorServer, within: float) -> tuple[float, dict]:
+    started = time.monotonic()
+    while time.monotonic() - started < within:
+        status, body = srv.health()
+        if status == 503:
+            return time.monotonic() - started, body
+        time.sleep(0.02)
+    raise AssertionError(f"/health still {status} after {within}s")
+
+
+def _pid_of(srv: CandorServer, name: str) -> int:
+    return next(p for p in srv.children() if role_of(p) == name)
+
+
+def test_killed_workers_restart_or_stop_the_topology(tiny_model_dir, tmp_path):
+    port = free_port()
+    topo = _write(tmp_path / "t.yaml", f"""
+model: {{path: {tiny_model_dir}, served_model_name: {MODEL}, max_model_len: 1024}}
+roles: {{tokenizer_worker: 2, detokenizer: 1}}
+http: {{port: {port}}}
+supervision: {{restart: [tokenizer_worker, detokenizer], teardown_delay_s: 3}}
+""")
+    log = tmp_path / "launcher.log"
+    srv = CandorServer.from_topology(topo, port).start(log_path=log)
+    try:
+        # a stream in flight when its detokenizer dies fails with an error frame
+        frames: list[bytes] = []
+
+        def stream() -> None:
+            req = urllib.request.Request(
+                srv.base_url + "/v1/completions", method="POST",
+                data=json.dumps({"model": MODEL, "prompt": "long", "max_tokens": 900,
+                                 "ignore_eos": True, "stream": True}).encode(),
+                headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                frames.extend(line for line in resp if line.strip())
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        while len(frames) < 3:
+            time.sleep(0.01)
+        os.kill(_pid_of(srv, "detokenizer[0]"), signal.SIGKILL)
+        reader.join(timeout=10)
+        assert not reader.is_alive(), "the stream hung after its detokenizer died"
+        assert frames[-1] == b"data: [DONE]\n"
+        error = json.loads(frames[-2][len(b"data: "):])["error"]
+        assert error["code"] == "detokenizer_lost", error
+        # the detokenizer is back: healthy again, and requests are served
+        deadline = time.monotonic() + 15
+        while srv.health()[0] != 200 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        status, payload = _post(srv.base_url, {"prompt": "again", "max_tokens": 3})
+        assert status == 200, payload
+        now = scrape(srv)
+        assert now.value("candor_process_restarts_total", node="local",
+                         role="detokenizer") == 1
+        assert now.value("candor_stream_errors_total", code="detokenizer_lost") == 1
+        srv.wait_all_blocks_free()
+
+        # the gpu_worker is not restartable: 503 naming it within a second, then exit 1
+        os.kill(_pid_of(srv, "gpu_worker[0]"), signal.SIGKILL)
+        took, body = _first_503(srv, within=1.0)
+        print(f"/health 503 after {took * 1000:.0f} ms: {body['error']['message']}")
+        assert "gpu_worker[0]" in body["error"]["message"]
+        assert srv.proc.wait(timeout=30) == 1
+    finally:
+        srv.stop()
+    assert "gpu_worker[0] exited with code -9" in log.read_text()
+
+
+def test_two_frontends_count_once_then_sigterm_drains(tiny_model_dir):
+    srv = CandorServer(tiny_model_dir, "--served-model-name", MODEL, "--frontends", "2",
+                       "--tokenizer-workers", "2").start()
+    try:
+        before = scrape(srv)
+        pids = set()
+        for i in range(12):
+            status, payload = _post(srv.base_url, {"prompt": f"n{i}", "max_tokens": 2})
+            assert status == 200, payload
+            pids.add(json.loads(srv.get("/version")[1])["pid"])
+        assert len(pids) == 2, "SO_REUSEPORT should spread connections over both frontends"
+        for _ in range(4):  # every frontend's scrape shows the same merged totals
+            after = scrape(srv)
+            assert (after.total("candor_http_requests_total", route="/v1/completions")
+                    - before.total("candor_http_requests_total", route="/v1/completions")) \
+                == 12
+            assert (after.total("candor_generation_tokens_total")
+                    - before.total("candor_generation_tokens_total")) == 24
+
+        result: dict = {}
+
+        def long_request() -> None:
+            result["status"], result["body"] = _post(
+                srv.base_url, {"prompt": "drain me", "max_tokens": 700, "ignore_eos": True})
+
+        worker = threading.Thread(target=long_request)
+        worker.start()
+        time.sleep(0.3)
+        srv.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        status, payload = _post(srv.base_url, {"prompt": "too late", "max_tokens": 2})
+        assert status == 503 and b"shutting down" in payload, payload
+        health, body = srv.health()
+        assert health == 503 and "draining" in body["error"]["message"]
+        worker.join(timeout=60)
+        assert result["status"] == 200, result
+        assert json.loads(result["body"])["usage"]["completion_tokens"] == 700
+        assert srv.proc.wait(timeout=30) == 0
+    finally:
+        srv.stop()
+
+
+def test_two_node_topology_over_loopback_tcp(tiny_model_dir, tmp_path):
+    http, metrics = free_port(), free_port()
+    ports = [free_port() for _ in range(8)]
+    topo = _write(tmp_path / "two-node.yaml", f"""
+model: {{path: {tiny_model_dir}, served_model_name: {MODEL}, max_model_len: 1024}}
+roles: {{api_frontend: 1, tokenizer_worker: 2, detokenizer: 1}}
+http: {{port: {http}}}
+nodes:
+  - {{name: gateway, host: 127.0.0.1, roles: [api_frontend, tokenizer_worker, detokenizer],
+      status_address: "tcp://{{host}}:{ports[6]}"}}
+  - {{name: engine, host: 127.0.0.1, roles: [scheduler, gpu_worker], metrics_port: {metrics},
+      status_address: "tcp://{{host}}:{ports[7]}"}}
+addresses:
+  scheduler_in: tcp://{{host}}:{ports[0]}
+  scheduler_pub: tcp://{{host}}:{ports[1]}
+  worker_in: tcp://{{host}}:{ports[2]}
+  worker_out: tcp://{{host}}:{ports[3]}
+  tokenizer_in: ipc://{{run_dir}}/tokenizer-{{i}}
+  detokenizer_in: tcp://{{host}}:{ports[4]}
+  frontend_results: tcp://{{host}}:{ports[5]}
+""")
+    engine = CandorServer.from_topology(topo, metrics, node="engine").spawn(
+        tmp_path / "engine.log")
+    gateway = CandorServer.from_topology(topo, http, node="gateway")
+    try:
+        gateway.start(log_path=tmp_path / "gateway.log")
+        status, body = gateway.health()
+        assert status == 200 and set(body["nodes"]) == {"gateway", "engine"}
+        assert sorted(body["nodes"]["engine"]) == ["gpu_worker[0]", "scheduler[0]"]
+        for i in range(3):
+            status, payload = _post(gateway.base_url, {"prompt": f"hi {i}", "max_tokens": 4,
+                                                       "temperature": 0})
+            assert status == 200, payload
+        assert engine.get("/health")[0] == 200
+        time.sleep(0.6)
+        engine_side, gateway_side = scrape(engine), scrape(gateway)
+        assert engine_side.value("candor_kv_blocks_total") > 0
+        assert engine_side.total("candor_queue_time_seconds_count") >= 3
+        assert "candor_http_requests_total" not in engine_side.sample_names()
+        assert gateway_side.total("candor_http_requests_total",
+                                  route="/v1/completions", status="200") == 3
+        assert gateway_side.total("candor_tokenizer_requests_total") == 3
+    finally:
+        assert gateway.stop() == 0
+        assert engine.stop() == 0
+
+
+def test_an_engine_node_down_is_named_by_the_gateway(tiny_model_dir, tmp_path):
+    """No launcher for a node: /health says which node it has not heard from."""
+    http = free_port()
+    topo = _write(tmp_path / "half.yaml", f"""
+model: {{path: {tiny_model_dir}}}
+http: {{port: {http}}}
+nodes:
+  - {{name: gateway, roles: [api_frontend, tokenizer_worker, detokenizer],
+      status_address: "tcp://{{host}}:{free_port()}"}}
+  - {{name: engine, roles: [scheduler, gpu_worker],
+      status_address: "tcp://{{host}}:{free_port()}"}}
+addresses:
+  scheduler_in: tcp://{{host}}:{free_port()}
+  scheduler_pub: tcp://{{host}}:{free_port()}
+  detokenizer_in: tcp://{{host}}:{free_port()}
+  frontend_results: tcp://{{host}}:{free_port()}
+""")
+    gateway = CandorServer.from_topology(topo, http, node="gateway").spawn(
+        tmp_path / "gateway.log")
+    try:
+        deadline = time.monotonic() + 60
+        while gateway.health()[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        status, body = gateway.health()
+        assert status == 503
+        assert "node 'engine'" in body["error"]["message"]
+        status, payload = _post(gateway.base_url, {"prompt": "x", "max_tokens": 2}, 10)
+        assert status == 503, payload  # refused at once, not left to hang
+    finally:
+        assert gateway.stop() == 0
+
+
+@pytest.mark.parametrize("scrapes", [20])
+def test_scrape_size_and_time_with_the_session_topology(server, scrapes):
+    """Printed for the issue note: bytes and milliseconds of one host scrape."""
+    sizes, times = [], []
+    for _ in range(scrapes):
+        started = time.perf_counter()
+        status, body = server.get("/metrics")
+        times.append(time.perf_counter() - started)
+        sizes.append(len(body))
+        assert status == 200
+    parsed = Scrape(body.decode())
+    times.sort()
+    print(f"scrape: {sizes[-1]} bytes, {len(parsed.samples)} samples, median "
+          f"{times[len(times) // 2] * 1000:.1f} ms, max {times[-1] * 1000:.1f} ms")
+    assert times[len(times) // 2] < 0.5
