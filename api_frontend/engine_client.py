@@ -74,8 +74,10 @@ class EngineClient:
             return "the gpu_worker is still loading the model"
         return None
 
-    async def submit(self, req: ipc.GenerateReq) -> asyncio.Queue:
-        queue: asyncio.Queue = asyncio.Queue()
+    async def submit(self, req: ipc.GenerateReq | ipc.RenderReq,
+                     queue: asyncio.Queue | None = None) -> asyncio.Queue:
+        """Send ``req``; its replies arrive on ``queue`` (several rids may share one)."""
+        queue = queue if queue is not None else asyncio.Queue()
         self._queues[req.rid] = queue
         await self._to_tokenizers.send(req)
         return queue

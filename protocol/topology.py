@@ -42,12 +42,30 @@ class EngineSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_num_batched_tokens: Annotated[int, Meta(ge=16)] = 1024
     worker_threads: Annotated[int, Meta(ge=1)] | None = None
     seed: int = 0
+    # Test hook: a step that feeds this token id fails in the worker, exercising the
+    # "failure after the stream started" path end to end. Never set in production.
+    fault_token_id: int | None = None
 
 
 class HttpSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     host: str = "127.0.0.1"
     port: Port = 8000
     max_body_mb: Annotated[int, Meta(ge=1)] = 32
+
+
+class ApiSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The deployment's API policy (issue 4); published by GET /v1/capabilities.
+
+    strict: every ignored or clamped field is a 400 naming it. max_tokens_policy: what a
+    prompt + max_tokens beyond the context gets (reject: 400 with the accounting; clamp:
+    cut to what fits and reported as a clamp). chat_template: a server-wide template file
+    that replaces the checkpoint's. allow_request_chat_template: accept ``chat_template``
+    in a request body (a template is code the server runs, so it is off by default)."""
+
+    strict: bool = False
+    max_tokens_policy: Literal["reject", "clamp"] = "reject"
+    chat_template: str | None = None
+    allow_request_chat_template: bool = False
 
 
 class RoleCounts(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -75,6 +93,7 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     engine: EngineSpec = msgspec.field(default_factory=EngineSpec)
     http: HttpSpec = msgspec.field(default_factory=HttpSpec)
     addresses: Addresses = msgspec.field(default_factory=Addresses)
+    api: ApiSpec = msgspec.field(default_factory=ApiSpec)
 
 
 class ResolvedAddresses(msgspec.Struct, kw_only=True):
@@ -100,6 +119,7 @@ class ProcessConfig(msgspec.Struct, kw_only=True):
     engine: EngineSpec
     http: HttpSpec
     addresses: ResolvedAddresses
+    api: ApiSpec = msgspec.field(default_factory=ApiSpec)
 
 
 def load_topology(path: str) -> Topology:
@@ -151,5 +171,5 @@ def process_configs(topology: Topology, run_dir: str) -> list[ProcessConfig]:
                 role=role, index=index, model_path=model.resolved_path(),
                 served_model_name=model.name(), max_model_len=model.max_model_len,
                 dtype=model.dtype, load_format=model.load_format, engine=topology.engine,
-                http=topology.http, addresses=addresses))
+                http=topology.http, addresses=addresses, api=topology.api))
     return configs

@@ -27,6 +27,15 @@ HEARTBEAT_S = 0.25
 EARLY_ABORT_TTL_S = 60.0
 
 
+def _output(rid: str, ids: list[int], reason: str | None,
+            lp: ipc.SampleLogprobs | None) -> ipc.TokenOutput:
+    """A TokenOutput, carrying the token's (and on the first one, the prompt's) logprobs."""
+    if lp is None:
+        return ipc.TokenOutput(rid, ids, reason)
+    return ipc.TokenOutput(rid, ids, reason, [lp.token] if lp.token.token_id >= 0 else None,
+                           lp.prompt)
+
+
 class EngineLoop:
     def __init__(self, cfg: ProcessConfig, ctx: zmq.Context, log: logging.Logger) -> None:
         self.cfg = cfg
@@ -63,7 +72,8 @@ class EngineLoop:
                                                          param=param, code=code))
 
     def _finish(self, sreq: SchedRequest, reason: str, new_ids: list[int],
-                batches: dict[int, list[ipc.TokenOutput]]) -> None:
+                batches: dict[int, list[ipc.TokenOutput]],
+                logprobs: ipc.SampleLogprobs | None = None) -> None:
         assert self.planner is not None
         self.planner.free(sreq)
         if sreq in self.planner.running:
@@ -74,7 +84,7 @@ class EngineLoop:
         if sreq.seen_by_worker:
             self.released.append(sreq.rid)
         sender = self._detok_for(sreq.rid)
-        batches.setdefault(id(sender), []).append(ipc.TokenOutput(sreq.rid, new_ids, reason))
+        batches.setdefault(id(sender), []).append(_output(sreq.rid, new_ids, reason, logprobs))
 
     def _flush(self, batches: dict[int, list[ipc.TokenOutput]]) -> None:
         for sender in self.to_detok:
@@ -175,22 +185,23 @@ class EngineLoop:
             self._flush(batches)
             return
         sampled = iter(msg.sampled)
+        sampled_lps = iter(msg.logprobs) if msg.logprobs else None
         for (sreq, n), chunk in zip(planned.members, plan.seqs):
             sreq.num_computed += n
             if not chunk.sample:
                 continue
             token = next(sampled)
+            lp = next(sampled_lps) if sampled_lps is not None else None
             if sreq.rid not in self.requests or sreq.rid in self.pending_aborts:
                 continue
             sreq.token_ids.append(token)
             sreq.num_generated += 1
             reason = sreq.finish_reason_after(token)
             if reason is not None:
-                self._finish(sreq, reason, [token], batches)
+                self._finish(sreq, reason, [token], batches, lp)
             else:
                 sender = self._detok_for(sreq.rid)
-                batches.setdefault(id(sender), []).append(
-                    ipc.TokenOutput(sreq.rid, [token], None))
+                batches.setdefault(id(sender), []).append(_output(sreq.rid, [token], None, lp))
         self._flush(batches)
         self._apply_aborts()
 
