@@ -290,8 +290,12 @@ def _serve_topology(args: argparse.Namespace) -> Topology:
                    "max_num_batched_tokens": args.max_num_batched_tokens,
                    "worker_threads": args.worker_threads,
                    "max_waiting_requests": args.max_waiting_requests,
-                   "enable_prefix_caching": not args.no_prefix_caching},
-        "http": {"host": args.host, "port": args.port},
+                   "enable_prefix_caching": not args.no_prefix_caching,
+                   "fault_token_id": args.fault_token_id},
+        "http": {"host": args.host, "port": args.port, "max_body_mb": args.max_body_mb},
+        "api": {"strict": args.strict, "max_tokens_policy": args.max_tokens_policy,
+                "chat_template": args.chat_template,
+                "allow_request_chat_template": args.allow_request_chat_template},
     }, Topology)
 
 
@@ -317,6 +321,16 @@ def cli(argv: list[str] | None = None) -> int:
     serve.add_argument("--max-waiting-requests", type=int, default=1024,
                        help="waiting-queue bound; past it requests get 503 (0: unbounded)")
     serve.add_argument("--no-prefix-caching", action="store_true")
+    serve.add_argument("--max-body-mb", type=int, default=32)
+    serve.add_argument("--fault-token-id", type=int, default=None, help=argparse.SUPPRESS)
+    serve.add_argument("--strict", action="store_true",
+                       help="every ignored or clamped request field is a 400 naming it")
+    serve.add_argument("--max-tokens-policy", default="reject", choices=["reject", "clamp"],
+                       help="prompt + max_tokens beyond the context: 400 (reject) or clamp")
+    serve.add_argument("--chat-template", default=None,
+                       help="a Jinja chat template file that replaces the checkpoint's")
+    serve.add_argument("--allow-request-chat-template", action="store_true",
+                       help="accept a chat_template field in request bodies")
 
     tiny = sub.add_parser("make-tiny-model", help="build the deterministic tiny checkpoint")
     tiny.add_argument("dir", nargs="?", default=DEFAULT_MODEL_DIR)

@@ -45,7 +45,7 @@ async def serve() -> None:
     card = ModelCard(id=cfg.served_model_name, created=int(time.time()),
                      max_model_len=effective_max_model_len(cfg.model_path, cfg.max_model_len),
                      root=cfg.model_path)
-    app = build_app(engine, card, cfg.http.max_body_mb * 2**20)
+    app = build_app(engine, card, cfg.http.max_body_mb * 2**20, cfg.api)
     ops = Ops(cfg, engine, watch, metrics)
     install_ops(app, ops)
     lag = asyncio.create_task(metrics.watch_loop_lag())

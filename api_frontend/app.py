@@ -9,20 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-import uuid
 
 import msgspec
 from aiohttp import web
 
+from api_frontend import extra_routes
 from api_frontend.engine_client import EngineClient
 from api_frontend.errors import ApiError, from_decode_error
-from api_frontend.responses import (DONE_FRAME, ChatAssembler, Collected,
-                                   CompletionAssembler, sse)
-from api_frontend.translate import chat_to_generate, completion_to_generate, ignored_fields
-from protocol import ipc
+from api_frontend.generate import RETRY_AFTER_S, run_generation
 from protocol.openai_api import (ChatCompletionRequest, CompletionRequest, ModelCard,
                                  ModelList)
+from protocol.topology import ApiSpec
 
 log = logging.getLogger("api_frontend")
 _JSON = msgspec.json.Encoder()
@@ -32,7 +29,7 @@ _DECODERS = {ChatCompletionRequest: msgspec.json.Decoder(ChatCompletionRequest),
 
 ENGINE_KEY = web.AppKey("engine", EngineClient)
 MODEL_KEY = web.AppKey("model", ModelCard)
-RETRY_AFTER_S = "1"  # seconds, on every 503 caused by a full waiting queue
+API_KEY = web.AppKey("api", ApiSpec)
 
 
 def json_response(obj, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -81,14 +78,6 @@ def _check_model(request: web.Request, name: str) -> ModelCard:
     return card
 
 
-async def _next(queue: asyncio.Queue) -> ipc.TextDelta:
-    msg = await queue.get()
-    if isinstance(msg, ipc.RequestError):
-        headers = {"Retry-After": RETRY_AFTER_S} if msg.status == 503 else None
-        raise ApiError(msg.status, msg.message, msg.param, msg.code, msg.type, headers)
-    return msg
-
-
 async def _generate(request: web.Request, kind: type) -> web.StreamResponse:
     engine = request.app[ENGINE_KEY]
     full = engine.queue_full()  # shed load before parsing or tokenizing anything
@@ -96,67 +85,15 @@ async def _generate(request: web.Request, kind: type) -> web.StreamResponse:
         raise ApiError(503, full, None, "queue_full", headers={"Retry-After": RETRY_AFTER_S})
     parsed, keys = _decode(await request.read(), kind)
     card = _check_model(request, parsed.model)
-    is_chat = kind is ChatCompletionRequest
-    rid = f"{'chatcmpl' if is_chat else 'cmpl'}-{uuid.uuid4().hex}"
-    arrival = time.time()
-    gen = (chat_to_generate if is_chat else completion_to_generate)(
-        parsed, rid, engine.reply_to, arrival)
-    headers = {"x-request-id": rid}
-    ignored = ignored_fields(keys, parsed)
-    if ignored:
-        headers["x-candor-ignored-fields"] = ",".join(ignored)
-    assembler = (ChatAssembler if is_chat else CompletionAssembler)(
-        rid, int(arrival), card.id, parsed.return_token_ids)
-
-    queue = await engine.submit(gen)
-    finished = False
-    try:
-        first = await _next(queue)  # errors before any output become plain HTTP errors
-        if not parsed.stream:
-            got = Collected()
-            got.add(first)
-            while got.last.finish_reason is None:
-                got.add(await _next(queue))
-            finished = True
-            return json_response(assembler.final(got), headers=headers)
-        response = await _stream(request, parsed, assembler, first, queue, headers)
-        finished = True
-        return response
-    finally:
-        if finished:
-            engine.release(rid)
-        else:  # client went away, or an error: stop generating and free the KV blocks
-            await engine.abort(rid, "disconnect")
+    return await run_generation(request, request.app[ENGINE_KEY], card, request.app[API_KEY],
+                                parsed, keys)
 
 
-async def _stream(request: web.Request, parsed, assembler, first: ipc.TextDelta,
-                  queue: asyncio.Queue, headers: dict[str, str]) -> web.StreamResponse:
-    opts = parsed.stream_options
-    include_usage = bool(opts and opts.include_usage)
-    continuous = bool(opts and opts.continuous_usage_stats)
-    response = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache"})
-    await response.prepare(request)
-    if isinstance(assembler, ChatAssembler):
-        await response.write(sse(assembler.role_chunk()))
-    delta = first
-    while True:
-        if delta.text or delta.finish_reason is not None or (
-                assembler.with_ids and delta.token_ids):
-            await response.write(sse(assembler.chunk(delta, continuous)))
-        if delta.finish_reason is not None:
-            break
-        try:
-            delta = await _next(queue)
-        except ApiError as err:  # after the first frame: an error frame, then [DONE]
-            await response.write(b"data: " + err.encode() + b"\n\n")
-            await response.write(DONE_FRAME)
-            return response
-    if include_usage:
-        await response.write(sse(assembler.usage_chunk(delta)))
-    await response.write(DONE_FRAME)
-    await response.write_eof()
-    return response
+async def _render(request: web.Request, kind: type) -> web.Response:
+    parsed, keys = _decode(await request.read(), kind)
+    card = _check_model(request, parsed.model)
+    return await extra_routes.render(request, request.app[ENGINE_KEY], card,
+                                     request.app[API_KEY], parsed, keys)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -167,6 +104,31 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, CompletionRequest)
 
 
+async def chat_render(request: web.Request) -> web.Response:
+    return await _render(request, ChatCompletionRequest)
+
+
+async def completions_render(request: web.Request) -> web.Response:
+    return await _render(request, CompletionRequest)
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    return await extra_routes.tokenize(request, request.app[ENGINE_KEY], request.app[MODEL_KEY],
+                                       request.app[API_KEY])
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    return await extra_routes.detokenize(request, request.app[ENGINE_KEY], request.app[MODEL_KEY])
+
+
+async def capabilities(request: web.Request) -> web.Response:
+    return extra_routes.capabilities(request.app[MODEL_KEY], request.app[API_KEY])
+
+
+async def embeddings(request: web.Request) -> web.Response:
+    return extra_routes.embeddings(request.app[MODEL_KEY])
+
+
 async def list_models(request: web.Request) -> web.Response:
     return json_response(ModelList([request.app[MODEL_KEY]]))
 
@@ -175,12 +137,20 @@ async def get_model(request: web.Request) -> web.Response:
     return json_response(_check_model(request, request.match_info["model_id"]))
 
 
-def build_app(engine: EngineClient, card: ModelCard, max_body_bytes: int) -> web.Application:
+def build_app(engine: EngineClient, card: ModelCard, max_body_bytes: int,
+              api: ApiSpec | None = None) -> web.Application:
     app = web.Application(middlewares=[error_middleware], client_max_size=max_body_bytes)
     app[ENGINE_KEY] = engine
     app[MODEL_KEY] = card
+    app[API_KEY] = api or ApiSpec()
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model_id:.+}", get_model)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/chat/completions/render", chat_render)
+    app.router.add_post("/v1/completions/render", completions_render)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/v1/capabilities", capabilities)
+    app.router.add_post("/v1/embeddings", embeddings)
     return app

@@ -63,11 +63,12 @@ class EngineClient:
                     if queue is not None:
                         self._observe(item)
                         queue.put_nowait(item)
-            else:
+            else:  # RequestInfo, RenderResult or RequestError: one rid each
                 self._unanswered.pop(msg.rid, None)
                 queue = self._queues.get(msg.rid)
                 if queue is not None:
-                    self._observe_error(msg)
+                    if isinstance(msg, ipc.RequestError):
+                        self._observe_error(msg)
                     queue.put_nowait(msg)
 
     def _observe(self, item: ipc.TextDelta) -> None:
@@ -137,11 +138,15 @@ class EngineClient:
                     f"{fresh} on their way, bound {stats.max_waiting}); retry shortly")
         return None
 
-    async def submit(self, req: ipc.GenerateReq) -> asyncio.Queue:
-        queue: asyncio.Queue = asyncio.Queue()
+    async def submit(self, req: ipc.GenerateReq | ipc.RenderReq,
+                     queue: asyncio.Queue | None = None) -> asyncio.Queue:
+        """Send ``req``; its replies arrive on ``queue`` (several rids may share one)."""
+        queue = queue if queue is not None else asyncio.Queue()
         self._queues[req.rid] = queue
-        self._unanswered[req.rid] = time.monotonic()
-        if self.metrics is not None and not req.probe:
+        is_generation = isinstance(req, ipc.GenerateReq)
+        if is_generation:
+            self._unanswered[req.rid] = time.monotonic()
+        if self.metrics is not None and is_generation and not req.probe:
             self._timers[req.rid] = RequestTimer(self.metrics, time.monotonic())
         await self._to_tokenizers.send(req)
         return queue

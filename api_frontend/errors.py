@@ -54,7 +54,8 @@ def from_decode_error(err: msgspec.MsgspecError) -> ApiError:
     param = None
     match = _AT_PATH.search(text)
     if match:
-        param = match.group("path") or None
+        # msgspec writes a dict value's path as `field[...]`; the field is what to name
+        param = match.group("path").replace("[...]", "") or None
     missing = _MISSING.search(text)
     if missing:
         field = missing.group("field")

@@ -95,7 +95,8 @@ async def ops_middleware(request: web.Request, handler):
                             headers={"Retry-After": "5"}).response()
     try:
         response = await handler(request)
-    except asyncio.CancelledError:
+    except (asyncio.CancelledError, ConnectionResetError):
+        # the client went away: cancelled while waiting, or a write hit a closed socket
         ops.metrics.requests.labels(route, "499", "abort").inc()
         raise
     finish = ops.engine.finish_reasons.pop(response.headers.get("x-request-id", ""), "none")
@@ -159,7 +160,7 @@ async def health_generate_route(request: web.Request) -> web.Response:
             if isinstance(msg, ipc.RequestError):
                 raise ApiError(503, f"generation probe failed: {msg.message}", None,
                                "probe_failed")
-            if msg.finish_reason is not None:
+            if isinstance(msg, ipc.TextDelta) and msg.finish_reason is not None:
                 break
     except (asyncio.TimeoutError, TimeoutError):
         await engine.abort(rid, "error")

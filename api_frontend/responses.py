@@ -1,4 +1,10 @@
-"""Assembling OpenAI responses and SSE frames from engine deltas."""
+"""Assembling OpenAI responses and SSE frames from engine deltas.
+
+One assembler per request builds every choice (``n``), the logprobs in OpenAI's two
+shapes (chat: ``content[]`` entries with bytes and top_logprobs; completions: parallel
+``tokens``/``token_logprobs``/``top_logprobs``/``text_offset`` lists), echo, usage, and
+attaches the ``candor`` report to the whole body or to a stream's first frame.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +12,11 @@ import msgspec
 from msgspec import UNSET
 
 from protocol import ipc
-from protocol.openai_api import (AssistantMessage, ChatChoice, ChatChunkChoice,
+from protocol.openai_api import (AssistantMessage, CandorReport, ChatChoice, ChatChunkChoice,
                                  ChatCompletionChunk, ChatCompletionResponse, ChatDelta,
-                                 CompletionChoice, CompletionChunk, CompletionResponse,
-                                 PromptTokensDetails, Usage)
+                                 ChatLogprobEntry, ChatLogprobs, CompletionChoice,
+                                 CompletionChunk, CompletionLogprobs, CompletionResponse,
+                                 PromptTokensDetails, TopLogprobEntry, Usage)
 
 _ENCODER = msgspec.json.Encoder()
 DONE_FRAME = b"data: [DONE]\n\n"
@@ -26,12 +33,14 @@ def usage_of(delta: ipc.TextDelta) -> Usage:
 
 
 class Collected:
-    """A whole (non-streamed) generation: text, ids and the last delta's accounting."""
+    """A whole (non-streamed) generation of one choice: text, ids, logprobs, last delta."""
 
     def __init__(self) -> None:
         self.parts: list[str] = []
         self.token_ids: list[int] = []
         self.prompt_token_ids: list[int] | None = None
+        self.logprobs: list[ipc.DecodedLogprob] = []
+        self.prompt_logprobs: list[ipc.DecodedLogprob] | None = None
         self.last: ipc.TextDelta | None = None
 
     def add(self, delta: ipc.TextDelta) -> None:
@@ -39,6 +48,10 @@ class Collected:
         self.token_ids.extend(delta.token_ids)
         if delta.prompt_token_ids is not None:
             self.prompt_token_ids = delta.prompt_token_ids
+        if delta.logprobs:
+            self.logprobs.extend(delta.logprobs)
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         self.last = delta
 
     @property
@@ -46,58 +59,147 @@ class Collected:
         return "".join(self.parts)
 
 
+def _bytes(token: str) -> list[int]:
+    return list(token.encode("utf-8"))
+
+
+def chat_logprobs(entries: list[ipc.DecodedLogprob]) -> ChatLogprobs:
+    return ChatLogprobs([ChatLogprobEntry(e.token, e.logprob if e.logprob is not None else 0.0,
+                                          _bytes(e.token),
+                                          [TopLogprobEntry(t.token, t.logprob, _bytes(t.token))
+                                           for t in e.top]) for e in entries])
+
+
+def completion_logprobs(entries: list[ipc.DecodedLogprob], offset: int) -> CompletionLogprobs:
+    """``offset``: character position of the first entry's token in the choice's text."""
+    out = CompletionLogprobs([], [], [], [])
+    for e in entries:
+        out.tokens.append(e.token)
+        out.token_logprobs.append(e.logprob)
+        if e.logprob is None:
+            out.top_logprobs.append(None)
+        else:
+            top = {t.token: t.logprob for t in e.top}
+            top.setdefault(e.token, e.logprob)
+            out.top_logprobs.append(top)
+        out.text_offset.append(offset)
+        offset += len(e.token)
+    return out
+
+
 class _Assembler:
-    def __init__(self, response_id: str, created: int, model: str, with_ids: bool) -> None:
+    def __init__(self, response_id: str, created: int, model: str, with_ids: bool,
+                 n: int = 1, report: CandorReport | None = None,
+                 logprobs: bool = False) -> None:
         self.id, self.created, self.model = response_id, created, model
         self.with_ids = with_ids
+        self.n = n
+        self.report = report
+        self.logprobs = logprobs
+        self._report_sent = False
 
     def _ids(self, ids: list[int] | None):
         return list(ids or []) if self.with_ids else UNSET
+
+    def _candor(self):
+        """The report, once: on the whole body, or on a stream's first frame."""
+        if self.report is None or self._report_sent:
+            return UNSET
+        self._report_sent = True
+        return self.report
+
+    @staticmethod
+    def usage(choices: list[Collected]) -> Usage:
+        return _sum_usage([c.last for c in choices])
 
 
 class CompletionAssembler(_Assembler):
     """Builds /v1/completions bodies and chunks for one request."""
 
-    def final(self, got: Collected) -> CompletionResponse:
-        last = got.last
-        return CompletionResponse(
-            self.id, self.created, self.model,
-            [CompletionChoice(0, got.text, last.finish_reason,
-                              token_ids=self._ids(got.token_ids))],
-            usage_of(last), prompt_token_ids=self._ids(got.prompt_token_ids))
+    def __init__(self, *args, echo_text: str | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.echo_text = echo_text  # the prompt, when echo is on
+        self._offsets: dict[int, int] = {}
 
-    def chunk(self, delta: ipc.TextDelta, with_usage: bool) -> CompletionChunk:
+    def final(self, choices: list[Collected]) -> CompletionResponse:
+        out = []
+        for i, got in enumerate(choices):
+            prefix = self.echo_text or ""
+            lp = None
+            if self.logprobs:  # with echo, the prompt's entries come first (offset 0)
+                entries = list(got.prompt_logprobs or []) if self.echo_text is not None else []
+                lp = completion_logprobs(entries + got.logprobs, 0)
+            out.append(CompletionChoice(i, prefix + got.text, got.last.finish_reason, lp,
+                                        token_ids=self._ids(got.token_ids)))
+        return CompletionResponse(self.id, self.created, self.model, out, self.usage(choices),
+                                  prompt_token_ids=self._ids(choices[0].prompt_token_ids),
+                                  candor=self._candor())
+
+    def echo_chunk(self, index: int, delta: ipc.TextDelta) -> CompletionChunk:
+        """The prompt (and its logprobs) as a choice's first streamed text."""
+        text = self.echo_text or ""
+        lp = None
+        if self.logprobs and delta.prompt_logprobs:
+            lp = completion_logprobs(delta.prompt_logprobs, 0)
+        self._offsets[index] = len(text)
         return CompletionChunk(self.id, self.created, self.model,
-                               [CompletionChoice(0, delta.text, delta.finish_reason,
-                                                 token_ids=self._ids(delta.token_ids))],
-                               usage_of(delta) if with_usage else None)
+                               [CompletionChoice(index, text, None, lp)], None,
+                               candor=self._candor())
 
-    def usage_chunk(self, last: ipc.TextDelta) -> CompletionChunk:
-        return CompletionChunk(self.id, self.created, self.model, [], usage_of(last))
+    def chunk(self, index: int, delta: ipc.TextDelta, with_usage: bool) -> CompletionChunk:
+        lp = None
+        if self.logprobs:
+            offset = self._offsets.get(index, 0)
+            lp = completion_logprobs(delta.logprobs or [], offset)
+            self._offsets[index] = offset + len(delta.text)
+        return CompletionChunk(self.id, self.created, self.model,
+                               [CompletionChoice(index, delta.text, delta.finish_reason, lp,
+                                                 token_ids=self._ids(delta.token_ids))],
+                               usage_of(delta) if with_usage else None, candor=self._candor())
+
+    def usage_chunk(self, choices_last: list[ipc.TextDelta]) -> CompletionChunk:
+        return CompletionChunk(self.id, self.created, self.model, [], _sum_usage(choices_last))
+
+
+def _sum_usage(lasts: list[ipc.TextDelta]) -> Usage:
+    """n choices share one prompt: it (and its prefix-cache hit) is counted once."""
+    prompt = lasts[0].prompt_tokens
+    completion = sum(d.completion_tokens for d in lasts)
+    cached = max(d.cached_tokens for d in lasts)
+    return Usage(prompt, completion, prompt + completion, PromptTokensDetails(cached))
 
 
 class ChatAssembler(_Assembler):
     """Builds /v1/chat/completions bodies and chunks for one request."""
 
-    def final(self, got: Collected) -> ChatCompletionResponse:
-        last = got.last
-        return ChatCompletionResponse(
-            self.id, self.created, self.model,
-            [ChatChoice(0, AssistantMessage(got.text), last.finish_reason,
-                        token_ids=self._ids(got.token_ids))],
-            usage_of(last), prompt_token_ids=self._ids(got.prompt_token_ids))
+    def __init__(self, *args, echo_text: str | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.echo_text = echo_text  # the final assistant message, when echo is on
 
-    def role_chunk(self) -> ChatCompletionChunk:
-        return ChatCompletionChunk(self.id, self.created, self.model,
-                                   [ChatChunkChoice(0, ChatDelta(role="assistant", content=""))])
+    def final(self, choices: list[Collected]) -> ChatCompletionResponse:
+        out = [ChatChoice(i, AssistantMessage((self.echo_text or "") + got.text),
+                          got.last.finish_reason,
+                          chat_logprobs(got.logprobs) if self.logprobs else None,
+                          token_ids=self._ids(got.token_ids))
+               for i, got in enumerate(choices)]
+        return ChatCompletionResponse(self.id, self.created, self.model, out, self.usage(choices),
+                                      prompt_token_ids=self._ids(choices[0].prompt_token_ids),
+                                      candor=self._candor())
 
-    def chunk(self, delta: ipc.TextDelta, with_usage: bool) -> ChatCompletionChunk:
-        content = delta.text if delta.text or delta.finish_reason is None else None
+    def role_chunk(self, index: int = 0) -> ChatCompletionChunk:
         return ChatCompletionChunk(
             self.id, self.created, self.model,
-            [ChatChunkChoice(0, ChatDelta(content=content), delta.finish_reason,
-                             token_ids=self._ids(delta.token_ids))],
-            usage_of(delta) if with_usage else None)
+            [ChatChunkChoice(index, ChatDelta(role="assistant", content=self.echo_text or ""))],
+            candor=self._candor())
 
-    def usage_chunk(self, last: ipc.TextDelta) -> ChatCompletionChunk:
-        return ChatCompletionChunk(self.id, self.created, self.model, [], usage_of(last))
+    def chunk(self, index: int, delta: ipc.TextDelta, with_usage: bool) -> ChatCompletionChunk:
+        content = delta.text if delta.text or delta.finish_reason is None else None
+        lp = chat_logprobs(delta.logprobs or []) if self.logprobs else None
+        return ChatCompletionChunk(
+            self.id, self.created, self.model,
+            [ChatChunkChoice(index, ChatDelta(content=content), delta.finish_reason, lp,
+                             token_ids=self._ids(delta.token_ids))],
+            usage_of(delta) if with_usage else None, candor=self._candor())
+
+    def usage_chunk(self, choices_last: list[ipc.TextDelta]) -> ChatCompletionChunk:
+        return ChatCompletionChunk(self.id, self.created, self.model, [], _sum_usage(choices_last))

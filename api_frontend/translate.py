@@ -1,56 +1,117 @@
 """OpenAI request bodies -> GenerateReq, with every field's fate decided here.
 
-Fields Candor does not act on yet are rejected with a 400 naming them rather than
-accepted and dropped; fields that are accepted but have no effect (``user``, unknown
-keys) are listed back to the client in the ``x-candor-ignored-fields`` header.
+Each field lands in one tier: honoured (maps onto the sampler / detokenizer), extension
+(not an OpenAI field, honoured), ignored (accepted, not acted on: reported back), or
+rejected (a 400 naming it: what this deployment cannot do). ``FIELD_TIERS`` is the one
+table; GET /v1/capabilities publishes it and the response's ``candor`` report lists
+the ignored and extension fields the client actually sent.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
 from api_frontend.errors import ApiError
 from protocol import ipc
-from protocol.openai_api import ChatCompletionRequest, CompletionRequest
+from protocol.openai_api import (CandorReport, ChatCompletionRequest, CompletionRequest,
+                                 FieldNote)
+from protocol.topology import ApiSpec
 
-# accepted, validated, not acted on: reported back, never silently dropped
-IGNORED_FIELDS = ("user",)
+_COMMON_HONOURED = ("model", "max_tokens", "temperature", "top_p", "n", "stream",
+                    "stream_options", "stop", "seed", "presence_penalty", "frequency_penalty",
+                    "logit_bias")
+_COMMON_EXTENSIONS = ("top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens",
+                      "stop_token_ids", "skip_special_tokens", "include_stop_str_in_output",
+                      "return_token_ids", "strict")
+_REASONS = {
+    "user": "accepted for compatibility; Candor does not use it (no per-user policy)",
+    "suffix": "accepted for compatibility; insertion (fill-in-the-middle) is not implemented",
+}
 
 
-def ignored_fields(raw_keys: list[str], request: msgspec.Struct) -> list[str]:
-    known = set(request.__struct_fields__)
-    unknown = [k for k in raw_keys if k not in known]
-    return [f for f in IGNORED_FIELDS if getattr(request, f) is not None] + unknown
+def field_tiers(kind: str, api: ApiSpec) -> dict[str, str]:
+    """The tier of every request field of ``kind`` ("chat" | "completions") under ``api``.
+
+    ``strict`` deployments turn the ignored tier into rejected."""
+    ignored = "rejected" if api.strict else "ignored"
+    tiers = {f: "honoured" for f in _COMMON_HONOURED}
+    tiers.update({f: "extension" for f in _COMMON_EXTENSIONS})
+    tiers["user"] = ignored
+    if api.max_tokens_policy == "clamp":
+        tiers["max_tokens"] = "rejected" if api.strict else "clamped"
+    if kind == "chat":
+        tiers.update(messages="honoured", max_completion_tokens=tiers["max_tokens"],
+                     logprobs="honoured", top_logprobs="honoured", tools="rejected",
+                     tool_choice="rejected", parallel_tool_calls="rejected",
+                     response_format="rejected")
+        tiers.update({f: "extension" for f in ("add_generation_prompt", "continue_final_message",
+                                                "chat_template_kwargs", "echo")})
+        tiers["chat_template"] = "extension" if api.allow_request_chat_template else "rejected"
+    else:
+        tiers.update(prompt="honoured", echo="honoured", logprobs="honoured",
+                     suffix=ignored, best_of="rejected")
+    tiers["<unknown field>"] = ignored
+    return tiers
+
+
+@dataclass
+class Translated:
+    """A request ready to submit: the GenerateReq of choice 0, how many choices, whether
+    one computation serves all of them (n > 1 at temperature 0), and the report so far."""
+
+    gen: ipc.GenerateReq
+    n: int
+    compute_once: bool
+    report: CandorReport
+    echo: bool = False  # chat echo / completions echo
+
+    def choice_reqs(self) -> list[ipc.GenerateReq]:
+        """One GenerateReq per computed choice; seeded choices get seed + index so the n
+        samples differ yet stay reproducible."""
+        if self.n == 1 or self.compute_once:
+            return [self.gen]
+        out = []
+        for i in range(self.n):
+            sampling = self.gen.sampling
+            if sampling.seed is not None:
+                sampling = msgspec.structs.replace(sampling, seed=sampling.seed + i)
+            out.append(msgspec.structs.replace(self.gen, rid=f"{self.gen.rid}-{i}",
+                                               sampling=sampling))
+        return out
+
+
+def _report(raw_keys: list[str], req: CompletionRequest | ChatCompletionRequest,
+            api: ApiSpec) -> CandorReport:
+    known = set(req.__struct_fields__)
+    ignored = [FieldNote(f, _REASONS[f]) for f in ("user", "suffix")
+               if f in known and getattr(req, f) is not None]
+    ignored += [FieldNote(k, "not a field Candor knows") for k in raw_keys if k not in known]
+    kind = "chat" if isinstance(req, ChatCompletionRequest) else "completions"
+    tiers = field_tiers(kind, ApiSpec())
+    extensions = [k for k in raw_keys if tiers.get(k) == "extension"]
+    strict = api.strict or req.strict
+    if strict and ignored:
+        note = ignored[0]
+        raise ApiError(400, f"`{note.field}` would be ignored ({note.reason}); strict mode "
+                       "turns ignored fields into errors", note.field, "ignored_field")
+    return CandorReport(ignored=ignored, extensions=extensions, strict=strict)
 
 
 def _reject_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
     """Fields whose semantics Candor does not implement yet: a 400, never a silent no-op."""
-    checks: list[tuple[str, bool]] = [
-        ("n", req.n != 1),
-        ("presence_penalty", req.presence_penalty != 0.0),
-        ("frequency_penalty", req.frequency_penalty != 0.0),
-        ("repetition_penalty", req.repetition_penalty != 1.0),
-        ("min_p", req.min_p != 0.0),
-        ("logit_bias", bool(req.logit_bias)),
-    ]
+    checks: list[tuple[str, bool]] = []
     if isinstance(req, ChatCompletionRequest):
         checks += [
-            ("logprobs", req.logprobs),
-            ("top_logprobs", req.top_logprobs is not None),
             ("tools", req.tools is not None),
             ("tool_choice", req.tool_choice not in (None, "none")),
             ("parallel_tool_calls", req.parallel_tool_calls is not None),
             ("response_format", req.response_format not in (None, {"type": "text"})),
         ]
     else:
-        checks += [
-            ("logprobs", req.logprobs is not None),
-            ("echo", req.echo),
-            ("suffix", req.suffix is not None),
-            ("best_of", req.best_of not in (None, 1)),
-        ]
+        checks += [("best_of", req.best_of not in (None, 1))]
     for field, used in checks:
         if used:
             raise ApiError(400, f"`{field}` is not supported by this Candor deployment "
@@ -63,12 +124,40 @@ def _check_stream_options(req: CompletionRequest | ChatCompletionRequest) -> Non
                        "stream_options", "invalid_value")
 
 
+def _logit_bias(req: CompletionRequest | ChatCompletionRequest) -> list[tuple[int, float]]:
+    out = []
+    for key, bias in (req.logit_bias or {}).items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise ApiError(400, f"`logit_bias` keys must be token ids, got {key!r}",
+                           "logit_bias", "invalid_value") from None
+        if bias != 0.0:
+            out.append((token_id, float(bias)))
+    return out
+
+
+def _logprobs(req: CompletionRequest | ChatCompletionRequest) -> tuple[int, int]:
+    """(logprobs, prompt_logprobs) for the sampler: -1 = none, k = top-k alternatives."""
+    if isinstance(req, ChatCompletionRequest):
+        if req.top_logprobs is not None and not req.logprobs:
+            raise ApiError(400, "`top_logprobs` requires `logprobs: true`", "top_logprobs",
+                           "invalid_value")
+        return (req.top_logprobs or 0) if req.logprobs else -1, -1
+    k = -1 if req.logprobs is None else req.logprobs
+    return k, (k if req.echo and k >= 0 else -1)
+
+
 def _sampling(req: CompletionRequest | ChatCompletionRequest) -> ipc.SamplingParams:
+    logprobs, prompt_logprobs = _logprobs(req)
     return ipc.SamplingParams(
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=-1 if req.top_k in (None, 0) else req.top_k,
-        seed=req.seed)
+        seed=req.seed, presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
+        min_p=req.min_p, logit_bias=_logit_bias(req), logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs)
 
 
 def _detok(req: CompletionRequest | ChatCompletionRequest) -> ipc.DetokParams:
@@ -79,13 +168,17 @@ def _detok(req: CompletionRequest | ChatCompletionRequest) -> ipc.DetokParams:
 
 
 def _common(req: CompletionRequest | ChatCompletionRequest, rid: str, reply_to: str,
-            arrival: float) -> dict[str, Any]:
+            arrival: float, strict: bool) -> dict[str, Any]:
     _check_stream_options(req)
     _reject_unsupported(req)
     return dict(rid=rid, reply_to=reply_to, sampling=_sampling(req), detok=_detok(req),
                 stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
                 min_tokens=req.min_tokens, arrival_time=arrival, priority=req.priority,
-                cache_salt=req.cache_salt)
+                cache_salt=req.cache_salt, strict=strict)
+
+
+def _translated(gen: ipc.GenerateReq, req, report: CandorReport, echo: bool) -> Translated:
+    return Translated(gen, req.n, req.n > 1 and gen.sampling.temperature == 0, report, echo)
 
 
 # The legacy completions contract documents a default of 16 tokens; chat's default is
@@ -93,8 +186,10 @@ def _common(req: CompletionRequest | ChatCompletionRequest, rid: str, reply_to: 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
-def completion_to_generate(req: CompletionRequest, rid: str, reply_to: str,
-                           arrival: float) -> ipc.GenerateReq:
+def completion_to_generate(req: CompletionRequest, rid: str, reply_to: str, arrival: float,
+                           raw_keys: list[str] = (), api: ApiSpec | None = None) -> Translated:
+    api = api or ApiSpec()
+    report = _report(list(raw_keys), req, api)
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and not all(isinstance(p, int) for p in prompt):
         kinds = {type(p) for p in prompt}
@@ -109,12 +204,19 @@ def completion_to_generate(req: CompletionRequest, rid: str, reply_to: str,
     if not prompt:
         raise ApiError(400, "`prompt` must not be empty", "prompt", "invalid_value")
     max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-    return ipc.GenerateReq(prompt=prompt, max_tokens=max_tokens,
-                           **_common(req, rid, reply_to, arrival))
+    gen = ipc.GenerateReq(prompt=prompt, max_tokens=max_tokens, echo_prompt=req.echo,
+                          **_common(req, rid, reply_to, arrival, report.strict))
+    return _translated(gen, req, report, req.echo)
 
 
-def chat_to_generate(req: ChatCompletionRequest, rid: str, reply_to: str,
-                     arrival: float) -> ipc.GenerateReq:
+def chat_to_generate(req: ChatCompletionRequest, rid: str, reply_to: str, arrival: float,
+                     raw_keys: list[str] = (), api: ApiSpec | None = None) -> Translated:
+    api = api or ApiSpec()
+    report = _report(list(raw_keys), req, api)
+    if req.chat_template is not None and not api.allow_request_chat_template:
+        raise ApiError(400, "`chat_template` in a request is disabled on this deployment "
+                       "(start the server with --allow-request-chat-template)",
+                       "chat_template", "unsupported_field")
     if not req.messages:
         raise ApiError(400, "`messages` must contain at least one message", "messages",
                        "invalid_value")
@@ -133,9 +235,10 @@ def chat_to_generate(req: ChatCompletionRequest, rid: str, reply_to: str,
     else:
         max_tokens, field = req.max_tokens, "max_tokens"
     messages = [msgspec.to_builtins(m) for m in req.messages]
-    return ipc.GenerateReq(
+    gen = ipc.GenerateReq(
         messages=messages, add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message,
         chat_template_kwargs=dict(req.chat_template_kwargs or {}),
-        max_tokens=max_tokens, max_tokens_field=field,
-        **_common(req, rid, reply_to, arrival))
+        max_tokens=max_tokens, max_tokens_field=field, chat_template=req.chat_template,
+        **_common(req, rid, reply_to, arrival, report.strict))
+    return _translated(gen, req, report, req.echo)

@@ -37,6 +37,7 @@ class Workload:
     vocab_low: int = 300
     vocab_high: int = 1800
     seed: int = 0
+    extra_body: dict = field(default_factory=dict)  # merged into every request body
 
     def prompts(self) -> list[tuple[list[int], int]]:
         rng = random.Random(self.seed)
@@ -61,9 +62,10 @@ class RequestResult:
 
 
 async def _one(session: aiohttp.ClientSession, url: str, model: str, prompt: list[int],
-               max_tokens: int) -> RequestResult:
+               max_tokens: int, extra_body: dict | None = None) -> RequestResult:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+            **(extra_body or {})}
     start = time.perf_counter()
     first = last = None
     itl: list[float] = []
@@ -132,7 +134,7 @@ async def run(base_url: str, model: str, workload: Workload) -> dict:
                                      connector=aiohttp.TCPConnector(limit=0)) as session:
         async def guarded(prompt, n):
             async with sem:
-                return await _one(session, url, model, prompt, n)
+                return await _one(session, url, model, prompt, n, workload.extra_body)
 
         start = time.perf_counter()
         tasks = []
@@ -175,10 +177,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab-range", type=_range, default=(300, 1800))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--extra-body", type=json.loads, default={},
+                   help='JSON object merged into every request, e.g. \'{"logit_bias": {"5": 2}}\'')
     a = p.parse_args(argv)
     workload = Workload(a.num_requests, a.concurrency, a.request_rate, a.prompt_len,
                         a.output_len, a.shared_prefix_len, a.vocab_range[0], a.vocab_range[1],
-                        a.seed)
+                        a.seed, a.extra_body)
     summary = asyncio.run(run(a.base_url, a.model, workload))
     print(json.dumps(summary, indent=2) if a.json else format_table(summary))
     return 0 if summary["errors"] == 0 else 1

@@ -10,6 +10,7 @@ from protocol import ipc
 from protocol.lifecycle import StopFlag, die_with_parent, read_config, setup_logging
 from protocol.transport import Receiver, Sender, SenderPool, sync_context
 from detokenizer.incremental import RequestDetokenizer
+from detokenizer.logprobs import TokenTexts
 
 
 class _Live:
@@ -36,6 +37,7 @@ def main() -> None:
     to_scheduler = Sender(ctx, cfg.addresses.scheduler_in)
     to_frontends = SenderPool(ctx)
     live: dict[str, _Live] = {}
+    texts = TokenTexts(tokenizer)
     log.info("ready")
 
     while not stop.is_set():
@@ -73,7 +75,9 @@ def main() -> None:
             if delta or consumed or finish is not None:
                 outgoing.setdefault(state.reply_to, []).append(ipc.TextDelta(
                     out.rid, delta, finish, state.prompt_tokens, detok.num_tokens, consumed,
-                    state.prompt_ids, state.cached_tokens))
+                    state.prompt_ids, state.cached_tokens,
+                    texts.decode(out.logprobs[:len(consumed)] if out.logprobs else None),
+                    texts.decode(out.prompt_logprobs)))
                 state.prompt_ids = None
             if finish is not None:
                 del live[out.rid]

@@ -15,8 +15,9 @@ from gpu_worker.attention import build_metadata, select_backend
 from gpu_worker.llama import LlamaForCausalLM
 from gpu_worker.loader import load_weights
 from gpu_worker.model_config import ModelConfig, load_config
+from gpu_worker.request_state import RequestTracker
 from gpu_worker.sampler import Sampler
-from protocol.ipc import SamplingParams, SeqChunk, StepPlan, StepResult
+from protocol.ipc import SampleLogprobs, SamplingParams, SeqChunk, StepPlan, StepResult, TokenLogprob
 
 _DTYPES = {
     "float32": torch.float32,
@@ -86,6 +87,8 @@ class ModelRunner:
         self.sampler = Sampler(self.device, seed)
         self.sampling: dict[str, SamplingParams] = {}
         self.generators: dict[str, torch.Generator] = {}
+        self.tracker = RequestTracker()  # token history (penalties) and prompt logprobs
+        self.fault_token_id: int | None = None  # test hook, see EngineSpec.fault_token_id
 
     # ------------------------------------------------------------------ state
 
@@ -94,6 +97,7 @@ class ModelRunner:
         for rid in plan.released:
             self.sampling.pop(rid, None)
             self.generators.pop(rid, None)
+            self.tracker.release(rid)
         for rid, params in plan.new_sampling.items():
             old = self.sampling.get(rid)
             self.sampling[rid] = params
@@ -128,12 +132,14 @@ class ModelRunner:
         for seq in plan.seqs:
             self._check(seq)
         sampled: list[int] = []
+        logprobs: list[SampleLogprobs | None] = []
         if plan.seqs:
             with torch.inference_mode():
-                sampled = self._forward(plan.seqs)
-        return StepResult(step_id=plan.step_id, sampled=sampled, forward_s=time.perf_counter() - t0)
+                sampled, logprobs = self._forward(plan.seqs)
+        return StepResult(step_id=plan.step_id, sampled=sampled, forward_s=time.perf_counter() - t0,
+                          logprobs=logprobs)
 
-    def _forward(self, seqs: list[SeqChunk]) -> list[int]:
+    def _forward(self, seqs: list[SeqChunk]) -> tuple[list[int], list[SampleLogprobs | None]]:
         # Flattened order: prefill chunks, then decodes (attention batches those).
         prefills = [s for s in seqs if len(s.token_ids) > 1]
         decodes = [s for s in seqs if len(s.token_ids) == 1]
@@ -145,9 +151,12 @@ class ModelRunner:
             ids.extend(s.token_ids)
             positions.extend(range(s.start_pos, s.start_pos + len(s.token_ids)))
             last_row[id(s)] = len(ids) - 1
+            self.tracker.observe(s, self.sampling.get(s.rid))
         vocab = self.config.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise ValueError(f"token id outside vocabulary [0, {vocab})")
+        if self.fault_token_id is not None and self.fault_token_id in ids:
+            raise RuntimeError(f"injected fault: token {self.fault_token_id} was fed")
 
         dev = self.device
         meta = build_metadata(
@@ -160,13 +169,27 @@ class ModelRunner:
             self.kv_caches,
             meta,
         )
+        for s in ordered:
+            params = self.sampling.get(s.rid)
+            if self.tracker.wants_prompt_logprobs(s, params):
+                last = last_row[id(s)]
+                chunk_logits = self.model.compute_logits(hidden[last - len(s.token_ids) + 1:last + 1])
+                self.tracker.add_prompt_logprobs(s, params, chunk_logits)
         to_sample = [s for s in seqs if s.sample]  # plan order
         if not to_sample:
-            return []
+            return [], []
         rows = torch.tensor([last_row[id(s)] for s in to_sample], dtype=torch.long, device=dev)
         logits = self.model.compute_logits(hidden[rows])
-        return self.sampler(
+        params = [self.sampling[s.rid] for s in to_sample]
+        tokens, token_lps = self.sampler.sample(
             logits,
-            [self.sampling[s.rid] for s in to_sample],
+            params,
             [self.generators.get(s.rid) for s in to_sample],
+            [self.tracker.history(s.rid, p) for s, p in zip(to_sample, params)],
         )
+        out: list[SampleLogprobs | None] = []
+        for s, p, lp in zip(to_sample, params, token_lps):
+            prompt = self.tracker.take_prompt_logprobs(s.rid) if p.prompt_logprobs >= 0 else None
+            out.append(None if lp is None and prompt is None else
+                       SampleLogprobs(lp if lp is not None else TokenLogprob(-1, None), prompt))
+        return tokens, (out if any(x is not None for x in out) else [])

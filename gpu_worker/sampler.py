@@ -1,16 +1,38 @@
-"""Token sampling for one step: greedy, temperature, top-k, top-p, per-request seeds.
+"""Token sampling for one step: logit processors, greedy, temperature, top-k/p, min-p, seeds.
 
-Filtering is vectorised over rows. Drawing uses the exponential race
-(argmax p_i / E_i with E_i ~ Exp(1), equivalent to sampling from p), so a row's draw
-consumes a fixed amount of randomness from its own generator regardless of what else is
-in the batch: a seeded request reproduces its tokens alone or batched.
+Order (as vLLM): raw logprobs are taken from the model's logits first; then logit_bias,
+the min_tokens stop-id suppression and the penalties rewrite the logits; then greedy rows
+take the argmax, and sampled rows go through temperature, top-k, top-p and min-p.
+
+Every processor touches only the rows that use it: penalties count token ids with one
+index_put over the rows that have penalties, logit_bias adds its (row, id, bias) triples
+with one index_put (cost proportional to the number of entries, never batch x vocab).
+
+Drawing uses the exponential race (argmax p_i / E_i with E_i ~ Exp(1), equivalent to
+sampling from p), so a row's draw consumes a fixed amount of randomness from its own
+generator regardless of what else is in the batch: a seeded request reproduces its tokens
+alone or batched.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from protocol.ipc import SamplingParams
+from protocol.ipc import SamplingParams, SampleLogprobs, TokenLogprob
+
+# (all token ids fed so far, number of those that are prompt) for one row
+History = tuple[Sequence[int], int]
+
+
+def has_penalties(p: SamplingParams) -> bool:
+    return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
+
+
+def needs_history(p: SamplingParams) -> bool:
+    """Rows whose processing reads the token history the worker keeps."""
+    return has_penalties(p) or p.min_tokens > 0
 
 
 class Sampler:
@@ -24,15 +46,62 @@ class Sampler:
         logits: torch.Tensor,
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
+        histories: list[History | None] | None = None,
     ) -> list[int]:
-        """logits: [rows, vocab]. ``generators[i]`` is row i's own generator, or None."""
+        return self.sample(logits, params, generators, histories)[0]
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        histories: list[History | None] | None = None,
+    ) -> tuple[list[int], list[TokenLogprob | None]]:
+        """logits: [rows, vocab]. ``generators[i]`` is row i's own generator, or None;
+        ``histories[i]`` row i's token history (needed only where ``needs_history``).
+        Returns the sampled ids and, per row, its logprobs (None where not asked for)."""
+        lp_rows = [i for i, p in enumerate(params) if p.logprobs >= 0]
+        raw_logprobs = torch.log_softmax(logits[lp_rows].float(), dim=-1) if lp_rows else None
+        logits = self._process(logits.float(), params, histories or [None] * len(params))
         tokens = logits.argmax(dim=-1)
         rand_rows = [i for i, p in enumerate(params) if p.temperature > 0]
         if rand_rows:
             sub = [params[i] for i in rand_rows]
-            probs = self._probs(logits[rand_rows].float(), sub)
+            probs = self._probs(logits[rand_rows], sub)
             tokens[rand_rows] = self._draw(probs, [generators[i] for i in rand_rows])
-        return tokens.tolist()
+        out_lp: list[TokenLogprob | None] = [None] * len(params)
+        if lp_rows:
+            chosen = tokens[lp_rows]
+            for j, entry in enumerate(top_logprobs(raw_logprobs, chosen,
+                                                   [params[i].logprobs for i in lp_rows])):
+                out_lp[lp_rows[j]] = entry
+        return tokens.tolist(), out_lp
+
+    # ------------------------------------------------------------------ processors
+
+    def _process(self, logits: torch.Tensor, params: list[SamplingParams],
+                 histories: list[History | None]) -> torch.Tensor:
+        dev = logits.device
+        bias = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias]
+        if bias or any(p.min_tokens for p in params):
+            logits = logits.clone()  # the caller's tensor stays the model's raw output
+        if bias:
+            rows, ids, values = zip(*bias)
+            logits.index_put_((torch.tensor(rows, device=dev), torch.tensor(ids, device=dev)),
+                              torch.tensor(values, dtype=logits.dtype, device=dev), accumulate=True)
+        suppress = []
+        for i, p in enumerate(params):
+            h = histories[i]
+            if p.min_tokens > 0 and h is not None and len(h[0]) - h[1] < p.min_tokens:
+                suppress.extend((i, t) for t in p.min_tokens_stop_ids)
+        if suppress:
+            rows, ids = zip(*suppress)
+            logits[torch.tensor(rows, device=dev), torch.tensor(ids, device=dev)] = float("-inf")
+        pen_rows = [i for i, p in enumerate(params) if has_penalties(p) and histories[i] is not None]
+        if pen_rows:
+            logits[pen_rows] = _penalize(logits[pen_rows], [params[i] for i in pen_rows],
+                                         [histories[i] for i in pen_rows])
+        return logits
 
     def _probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         dev = logits.device
@@ -45,7 +114,12 @@ class Sampler:
         top_p = [p.top_p if p.top_p < 1.0 else float("inf") for p in params]
         if any(k < vocab for k in top_k) or any(p != float("inf") for p in top_p):
             logits = _filter(logits, top_k, top_p)
-        return torch.softmax(logits, dim=-1)
+        probs = torch.softmax(logits, dim=-1)
+        if any(p.min_p > 0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
+            keep = probs >= min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+            probs = probs.masked_fill(~keep, 0.0)  # the race needs no renormalisation
+        return probs
 
     def _draw(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
         noise = torch.empty_like(probs)
@@ -60,6 +134,47 @@ class Sampler:
         # An exact 0 draw would turn a filtered-out p=0 into 0/0 = NaN, which argmax picks.
         noise.clamp_(min=torch.finfo(noise.dtype).tiny)
         return (probs / noise).argmax(dim=-1)
+
+
+def top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, ks: list[int]) -> list[TokenLogprob]:
+    """Per row: the chosen id's logprob and the row's ``k`` most likely ids."""
+    chosen_lp = logprobs.gather(1, chosen[:, None])[:, 0].tolist()
+    k_max = max(ks)
+    top_v, top_i = (logprobs.topk(k_max, dim=-1) if k_max > 0 else (None, None))
+    ids = chosen.tolist()
+    out = []
+    for r, k in enumerate(ks):
+        if k > 0:
+            out.append(TokenLogprob(ids[r], chosen_lp[r], top_i[r, :k].tolist(), top_v[r, :k].tolist()))
+        else:
+            out.append(TokenLogprob(ids[r], chosen_lp[r]))
+    return out
+
+
+def _counts(lists: list[Sequence[int]], vocab: int, dev: torch.device) -> torch.Tensor:
+    """[rows, vocab] occurrence counts, built with one index_put."""
+    counts = torch.zeros(len(lists), vocab, dtype=torch.float32, device=dev)
+    lengths = [len(x) for x in lists]
+    if sum(lengths):
+        flat = torch.tensor([t for x in lists for t in x], dtype=torch.long, device=dev)
+        rows = torch.repeat_interleave(torch.arange(len(lists), device=dev),
+                                       torch.tensor(lengths, device=dev))
+        counts.index_put_((rows, flat), torch.ones_like(flat, dtype=torch.float32), accumulate=True)
+    return counts
+
+
+def _penalize(logits: torch.Tensor, params: list[SamplingParams], histories: list[History]) -> torch.Tensor:
+    """repetition_penalty over prompt + generated (HF: divide positive logits, multiply
+    negative ones); presence/frequency over generated tokens only (OpenAI's definition)."""
+    dev, vocab = logits.device, logits.shape[-1]
+    generated = _counts([h[0][h[1]:] for h in histories], vocab, dev)
+    rep = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=dev)[:, None]
+    if (rep != 1.0).any():
+        seen = (_counts([h[0] for h in histories], vocab, dev) > 0)
+        logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    freq = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32, device=dev)[:, None]
+    pres = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32, device=dev)[:, None]
+    return logits - freq * generated - pres * (generated > 0).float()
 
 
 def _filter(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
@@ -77,3 +192,6 @@ def _filter(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch
     mask[:, 0] = False  # always keep the most likely token
     sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+__all__ = ["Sampler", "SampleLogprobs", "has_penalties", "needs_history", "top_logprobs"]

@@ -26,6 +26,23 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     top_p: float = 1.0
     top_k: int = -1  # -1: off
     seed: int | None = None
+    # Penalties (vLLM/HF semantics): presence/frequency over generated tokens,
+    # repetition over prompt + generated. Neutral values cost nothing in the worker.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    # Sparse (token_id, bias) pairs; the worker adds them with index_put, cost ~ entries.
+    logit_bias: list[tuple[int, float]] = []
+    # Top-k logprobs to return for each sampled token (-1: none; 0: only the sampled one)
+    # and for each prompt token (completions echo); from the raw logits, before filters.
+    logprobs: int = -1
+    prompt_logprobs: int = -1
+    # Set by the tokenizer worker: where the prompt ends (penalties split on it), and the
+    # ids to suppress until ``min_tokens`` tokens were generated (eos + stop_token_ids).
+    num_prompt_tokens: int = 0
+    min_tokens: int = 0
+    min_tokens_stop_ids: list[int] = []
 
 
 class DetokParams(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -68,6 +85,62 @@ class GenerateReq(_Message, tag="generate", omit_defaults=True):
     priority: int = 0  # extension: lower runs first; FCFS within a priority
     cache_salt: str | None = None  # extension: prefix-cache blocks are shared only within a salt
     probe: bool = False  # /health/generate: served ahead of queued traffic
+    # extensions of issue 4 (appended; defaults keep older senders valid)
+    strict: bool = False             # every ignored/clamped field becomes a 400
+    chat_template: str | None = None  # request-supplied template (frontend checked the flag)
+    echo_prompt: bool = False        # return the prompt text in RequestInfo (completions echo)
+
+
+class TemplateInfo(msgspec.Struct, frozen=True):
+    """Which chat template rendered a prompt: ``source`` is request | server-flag |
+    checkpoint, ``origin`` the exact file or flag, and the template's sha256."""
+
+    source: str
+    origin: str
+    sha256: str
+
+
+class Adjustment(msgspec.Struct, omit_defaults=True):
+    """One thing done to a request that the client did not literally ask for.
+
+    ``tier`` is clamped | ignored; clamps carry ``from``/``to`` values."""
+
+    field: str
+    tier: str
+    reason: str = ""
+    from_: Any = msgspec.field(default=None, name="from")
+    to: Any = None
+
+
+class RequestInfo(_Message, tag="request_info", omit_defaults=True):
+    """Tokenizer worker -> frontend, before any token: what preparing the request did.
+    Sent for every request that is scheduled (an error is sent instead otherwise)."""
+
+    rid: str
+    prompt_tokens: int
+    template: TemplateInfo | None = None
+    adjustments: list[Adjustment] = []
+    prompt_text: str | None = None
+
+
+class RenderReq(_Message, tag="render", omit_defaults=True):
+    """Frontend -> tokenizer worker: template and tokenize ``gen`` (or decode
+    ``token_ids``) and reply with a RenderResult; nothing is scheduled."""
+
+    rid: str
+    reply_to: str
+    gen: GenerateReq | None = None
+    token_ids: list[int] | None = None  # detokenize
+    with_token_strs: bool = False
+
+
+class RenderResult(_Message, tag="render_result", omit_defaults=True):
+    rid: str
+    prompt_text: str
+    token_ids: list[int]
+    token_strs: list[str] | None = None
+    template: TemplateInfo | None = None
+    adjustments: list[Adjustment] = []
 
 
 # ---------------------------------------------------------------- tokenizer -> scheduler
@@ -137,13 +210,33 @@ class WorkerReady(_Message, tag="ready"):
     max_model_len: int
 
 
+class TokenLogprob(msgspec.Struct, array_like=True):
+    """One position's logprob (raw log-softmax) and its top alternatives. ``logprob`` is
+    None only for the first prompt token, which nothing predicts."""
+
+    token_id: int
+    logprob: float | None
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
+
+
+class SampleLogprobs(msgspec.Struct, array_like=True):
+    """Logprobs of one sampled token; ``prompt`` rides along on a request's first sample
+    when prompt logprobs were asked for (all prompt positions, in order)."""
+
+    token: TokenLogprob
+    prompt: list[TokenLogprob] | None = None
+
+
 class StepResult(_Message, tag="result"):
-    """Sampled token ids, one per ``SeqChunk`` with ``sample=True``, in plan order."""
+    """Sampled token ids, one per ``SeqChunk`` with ``sample=True``, in plan order.
+    ``logprobs`` is empty unless some row asked for them; else aligned with ``sampled``."""
 
     step_id: int
     sampled: list[int]
     forward_s: float
     idle_s: float = 0.0  # worker idle between sending the previous result and this plan
+    logprobs: list[SampleLogprobs | None] = []
 
 
 class WorkerError(_Message, tag="worker_error"):
@@ -172,6 +265,8 @@ class TokenOutput(msgspec.Struct, array_like=True):
     token_ids: list[int]
     finish_reason: str | None  # None while running; "stop" | "length" | "abort" | "error"
     cached_tokens: int | None = None  # prompt tokens served by the prefix cache (first output)
+    logprobs: list[TokenLogprob] | None = None  # aligned with token_ids, when asked for
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class TokenBatch(_Message, tag="tokens"):
@@ -194,6 +289,23 @@ class TextDelta(msgspec.Struct, array_like=True):
     token_ids: list[int] = []
     prompt_token_ids: list[int] | None = None  # on the first delta, if return_token_ids
     cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    logprobs: list[DecodedLogprob] | None = None  # aligned with token_ids
+    prompt_logprobs: list[DecodedLogprob] | None = None  # once, with the first delta
+
+
+class TopLogprob(msgspec.Struct, array_like=True):
+    token_id: int
+    token: str
+    logprob: float
+
+
+class DecodedLogprob(msgspec.Struct, array_like=True):
+    """A TokenLogprob with the token texts filled in by the detokenizer."""
+
+    token_id: int
+    token: str
+    logprob: float | None
+    top: list[TopLogprob] = []
 
 
 class TextDeltas(_Message, tag="deltas"):
@@ -237,12 +349,12 @@ class SchedulerStats(_Message, tag="stats"):
 
 
 # One tagged union per receiving socket.
-TokenizerInbound = GenerateReq
+TokenizerInbound = Union[GenerateReq, RenderReq]
 SchedulerInbound = Union[TokenizedReq, Abort]
 WorkerInbound = Union[StepPlan, Shutdown]
 WorkerOutbound = Union[WorkerReady, StepResult, WorkerError]
 DetokenizerInbound = Union[DetokStart, TokenBatch]
-FrontendInbound = Union[TextDeltas, RequestError]
+FrontendInbound = Union[TextDeltas, RequestError, RequestInfo, RenderResult]
 SchedulerBroadcast = SchedulerStats
 
 FinishReason = Literal["stop", "length", "abort", "error"]

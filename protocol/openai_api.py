@@ -84,6 +84,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     return_token_ids: bool = False  # extension: ids of the prompt and of each choice
     priority: int = 0  # extension: lower runs first when requests wait; FCFS within one
     cache_salt: str | None = None  # extension: prefix-cache sharing only within one salt
+    strict: bool = False  # extension: every ignored or clamped field becomes a 400
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -108,6 +109,8 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # extension, only with --allow-request-chat-template
+    echo: bool = False  # extension (vLLM): prepend the final assistant message's content
 
 
 # ---------------------------------------------------------------- responses
@@ -115,6 +118,53 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
 
 class PromptTokensDetails(msgspec.Struct):
     cached_tokens: int = 0
+class FieldNote(msgspec.Struct, omit_defaults=True):
+    field: str
+    reason: str = ""
+    from_: Any = msgspec.field(default=None, name="from")
+    to: Any = None
+
+
+class TemplateRef(msgspec.Struct):
+    source: str  # request | server-flag | checkpoint
+    origin: str
+    sha256: str
+
+
+class CandorReport(msgspec.Struct, omit_defaults=True):
+    """What Candor did with the request (the ``candor`` extension field and the
+    ``x-candor-adjustments`` header): clamps, ignored fields, extensions used, template."""
+
+    clamped: list[FieldNote] = []
+    ignored: list[FieldNote] = []
+    extensions: list[str] = []
+    chat_template: TemplateRef | None = None
+    strict: bool = False
+
+
+class TopLogprobEntry(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatLogprobEntry(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprobEntry]
+
+
+class ChatLogprobs(msgspec.Struct):
+    content: list[ChatLogprobEntry] | None
+    refusal: None = None
+
+
+class CompletionLogprobs(msgspec.Struct):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
 
 
 class Usage(msgspec.Struct):
@@ -128,7 +178,7 @@ class CompletionChoice(msgspec.Struct):
     index: int
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     token_ids: list[int] | UnsetType = UNSET
 
 
@@ -141,6 +191,7 @@ class CompletionResponse(msgspec.Struct):
     object: str = "text_completion"
     system_fingerprint: str | None = None
     prompt_token_ids: list[int] | UnsetType = UNSET
+    candor: CandorReport | UnsetType = UNSET
 
 
 class AssistantMessage(msgspec.Struct):
@@ -152,7 +203,7 @@ class ChatChoice(msgspec.Struct):
     index: int
     message: AssistantMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     token_ids: list[int] | UnsetType = UNSET
 
 
@@ -165,6 +216,7 @@ class ChatCompletionResponse(msgspec.Struct):
     object: str = "chat.completion"
     system_fingerprint: str | None = None
     prompt_token_ids: list[int] | UnsetType = UNSET
+    candor: CandorReport | UnsetType = UNSET
 
 
 class ChatDelta(msgspec.Struct, omit_defaults=True):
@@ -176,7 +228,7 @@ class ChatChunkChoice(msgspec.Struct):
     index: int
     delta: ChatDelta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     token_ids: list[int] | UnsetType = UNSET
 
 
@@ -187,6 +239,7 @@ class ChatCompletionChunk(msgspec.Struct):
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     object: str = "chat.completion.chunk"
+    candor: CandorReport | UnsetType = UNSET
 
 
 class CompletionChunk(msgspec.Struct):
@@ -196,6 +249,7 @@ class CompletionChunk(msgspec.Struct):
     choices: list[CompletionChoice]
     usage: Usage | None = None
     object: str = "text_completion"
+    candor: CandorReport | UnsetType = UNSET
 
 
 class ModelCard(msgspec.Struct):
@@ -221,3 +275,45 @@ class ErrorDetail(msgspec.Struct):
 
 class ErrorBody(msgspec.Struct):
     error: ErrorDetail
+
+
+# ---------------------------------------------------------------- tokenize / detokenize
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """POST /tokenize: exactly one of ``prompt`` (tokenized with special tokens, as
+    /v1/completions does) or ``messages`` (rendered with the chat template first)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(msgspec.Struct, omit_defaults=True):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(msgspec.Struct):
+    prompt: str
+
+
+class RenderResponse(msgspec.Struct, omit_defaults=True):
+    """/v1/*/render: what the model would see, without generating."""
+
+    prompt: str
+    prompt_token_ids: list[int]
+    model: str
+    chat_template: TemplateRef | None = None
+    candor: CandorReport | None = None

@@ -47,12 +47,30 @@ class EngineSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     seed: int = 0
     max_waiting_requests: Annotated[int, Meta(ge=0)] = 1024  # 0: unbounded
     enable_prefix_caching: bool = True
+    # Test hook: a step that feeds this token id fails in the worker, exercising the
+    # "failure after the stream started" path end to end. Never set in production.
+    fault_token_id: int | None = None
 
 
 class HttpSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     host: str = "127.0.0.1"
     port: Port = 8000
     max_body_mb: Annotated[int, Meta(ge=1)] = 32
+
+
+class ApiSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The deployment's API policy (issue 4); published by GET /v1/capabilities.
+
+    strict: every ignored or clamped field is a 400 naming it. max_tokens_policy: what a
+    prompt + max_tokens beyond the context gets (reject: 400 with the accounting; clamp:
+    cut to what fits and reported as a clamp). chat_template: a server-wide template file
+    that replaces the checkpoint's. allow_request_chat_template: accept ``chat_template``
+    in a request body (a template is code the server runs, so it is off by default)."""
+
+    strict: bool = False
+    max_tokens_policy: Literal["reject", "clamp"] = "reject"
+    chat_template: str | None = None
+    allow_request_chat_template: bool = False
 
 
 class RoleCounts(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -118,6 +136,7 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             if role in node.roles:
                 return node
         raise ValueError(f"role {role} is not placed on any node")
+    api: ApiSpec = msgspec.field(default_factory=ApiSpec)
 
 
 class ResolvedAddresses(msgspec.Struct, kw_only=True):
@@ -148,6 +167,7 @@ class ProcessConfig(msgspec.Struct, kw_only=True):
     nodes: list[str] = []  # every node's name, in the order of addresses.node_status
     supervision: SupervisionSpec = msgspec.field(default_factory=SupervisionSpec)
     metrics_dir: str | None = None  # prometheus multiprocess directory of this host
+    api: ApiSpec = msgspec.field(default_factory=ApiSpec)
 
 
 def load_topology(path: str) -> Topology:
@@ -228,5 +248,5 @@ def process_configs(topology: Topology, run_dir: str, node: str | None = None,
                 dtype=model.dtype, load_format=model.load_format, engine=topology.engine,
                 http=topology.http, addresses=addresses, node=placed_on,
                 nodes=[n.name for n in nodes], supervision=topology.supervision,
-                metrics_dir=metrics_dir))
+                metrics_dir=metrics_dir, api=topology.api))
     return configs

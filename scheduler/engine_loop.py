@@ -37,6 +37,17 @@ HEARTBEAT_S = 0.25
 EARLY_ABORT_TTL_S = 60.0
 
 
+def _output(rid: str, ids: list[int], reason: str | None, lp: ipc.SampleLogprobs | None,
+            cached_tokens: int | None = None) -> ipc.TokenOutput:
+    """A TokenOutput, carrying the token's (and on the first one, the prompt's) logprobs
+    and, on the first one, the prefix-cache hit."""
+    if lp is None:
+        return ipc.TokenOutput(rid, ids, reason, cached_tokens=cached_tokens)
+    return ipc.TokenOutput(rid, ids, reason, cached_tokens=cached_tokens,
+                           logprobs=[lp.token] if lp.token.token_id >= 0 else None,
+                           prompt_logprobs=lp.prompt)
+
+
 class EngineLoop:
     def __init__(self, cfg: ProcessConfig, ctx: zmq.Context, log: logging.Logger) -> None:
         self.cfg = cfg
@@ -81,7 +92,8 @@ class EngineLoop:
 
     def _finish(self, sreq: SchedRequest, reason: str, new_ids: list[int],
                 batches: dict[int, list[ipc.TokenOutput]],
-                cached_tokens: int | None = None) -> None:
+                cached_tokens: int | None = None,
+                logprobs: ipc.SampleLogprobs | None = None) -> None:
         assert self.planner is not None
         self.planner.free(sreq)
         if sreq in self.planner.running:
@@ -94,7 +106,7 @@ class EngineLoop:
             self.released.append(sreq.rid)
         sender = self._detok_for(sreq.rid)
         batches.setdefault(id(sender), []).append(
-            ipc.TokenOutput(sreq.rid, new_ids, reason, cached_tokens))
+            _output(sreq.rid, new_ids, reason, logprobs, cached_tokens))
 
     def _flush(self, batches: dict[int, list[ipc.TokenOutput]]) -> None:
         for sender in self.to_detok:
@@ -217,6 +229,7 @@ class EngineLoop:
         self.busy_s += msg.forward_s
         sampled = iter(msg.sampled)
         planner = self.planner
+        sampled_lps = iter(msg.logprobs) if msg.logprobs else None
         for (sreq, n), chunk in zip(planned.members, plan.seqs):
             sreq.num_computed += n
             alive = sreq.rid in self.requests
@@ -225,6 +238,7 @@ class EngineLoop:
             if not chunk.sample:
                 continue
             token = next(sampled)
+            lp = next(sampled_lps) if sampled_lps is not None else None
             if not alive or sreq.rid in self.pending_aborts:
                 continue
             sreq.token_ids.append(token)
@@ -233,11 +247,11 @@ class EngineLoop:
             cached = sreq.cached_tokens if sreq.num_generated == 1 else None
             reason = sreq.finish_reason_after(token)
             if reason is not None:
-                self._finish(sreq, reason, [token], batches, cached)
+                self._finish(sreq, reason, [token], batches, cached, lp)
             else:
                 sender = self._detok_for(sreq.rid)
                 batches.setdefault(id(sender), []).append(
-                    ipc.TokenOutput(sreq.rid, [token], None, cached))
+                    _output(sreq.rid, [token], None, lp, cached))
         self._apply_aborts(batches)
         # next step first, detokenizer I/O while the worker computes
         self._launch_step()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import deque
 
 from protocol import ipc
-from protocol.checkpoint import effective_max_model_len
+from protocol.checkpoint import effective_max_model_len, read_model_config
 from protocol.lifecycle import StopFlag, die_with_parent, read_config, setup_logging
 from protocol.transport import Receiver, Sender, SenderPool, sync_context
 from tokenizer_worker.metrics import TokenizerMetrics
@@ -18,8 +18,10 @@ def main() -> None:
     cfg = read_config()
     log = setup_logging(cfg)
     stop = StopFlag()
+    vocab = read_model_config(cfg.model_path).get("vocab_size")
     preparer = RequestPreparer(CheckpointTokenizer(cfg.model_path),
-                               effective_max_model_len(cfg.model_path, cfg.max_model_len))
+                               effective_max_model_len(cfg.model_path, cfg.max_model_len),
+                               cfg.api, int(vocab) if vocab else None)
     ctx = sync_context()
     inbound: Receiver = Receiver(ctx, cfg.addresses.tokenizer_in[cfg.index],
                                  ipc.TokenizerInbound)
@@ -28,7 +30,7 @@ def main() -> None:
     metrics = TokenizerMetrics()
     # Received requests wait here rather than in the socket, so the backlog is visible
     # (a metric) and health probes can go first.
-    backlog: deque[ipc.GenerateReq] = deque()
+    backlog: deque[ipc.GenerateReq | ipc.RenderReq] = deque()
     log.info("ready")
     while not stop.is_set():
         if not backlog:
@@ -37,21 +39,25 @@ def main() -> None:
                 continue
             backlog.append(first)
         while (more := inbound.recv_nowait()) is not None:
-            (backlog.appendleft if more.probe else backlog.append)(more)
+            probe = isinstance(more, ipc.GenerateReq) and more.probe
+            (backlog.appendleft if probe else backlog.append)(more)
         req = backlog.popleft()
         metrics.queue_depth.set(len(backlog))
         try:
-            out = preparer.prepare(req)
+            out = preparer.render(req) if isinstance(req, ipc.RenderReq) else preparer.prepare(req)
         except Exception as exc:  # one bad request must not take the worker down
             log.exception("preparing %s failed", req.rid)
             out = ipc.RequestError(req.rid, 500, f"tokenizer worker error: {exc}",
                                    type="internal_error", code="tokenizer_error")
-        if isinstance(out, ipc.RequestError):
-            metrics.requests.labels("error" if out.status >= 500 else "rejected").inc()
-            replies.send(req.reply_to, out)
-        else:
+        if isinstance(out, tuple):
             metrics.requests.labels("ok").inc()
-            to_scheduler.send(out)
+            tokenized, info = out
+            replies.send(req.reply_to, info)  # before the scheduler can produce a token
+            to_scheduler.send(tokenized)
+        else:
+            if isinstance(out, ipc.RequestError):
+                metrics.requests.labels("error" if out.status >= 500 else "rejected").inc()
+            replies.send(req.reply_to, out)
     replies.close()
     ctx.destroy(linger=0)
 

@@ -1,67 +1,215 @@
-"""GenerateReq -> TokenizedReq (or a RequestError): template, tokenize, budget."""
+"""GenerateReq -> TokenizedReq + RequestInfo (or a RequestError): template, tokenize, budget.
+
+Everything the worker decides on the client's behalf (which template, a clamp, a template
+kwarg the template never reads) is recorded as an ``Adjustment`` in the RequestInfo that
+goes back to the frontend; in strict mode each of those is a 400 instead.
+"""
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from pathlib import Path
+
+import msgspec
+
 from protocol import ipc
+from protocol.topology import ApiSpec
 from tokenizer_worker.budget import resolve_max_tokens
-from tokenizer_worker.chat_template import ChatTemplateError
+from tokenizer_worker.chat_template import ChatTemplate, ChatTemplateError
+from tokenizer_worker.content_format import detect_content_format, flatten_content
 from tokenizer_worker.tokenizer_files import CheckpointTokenizer
+
+_REQUEST_TEMPLATE_CACHE = 32
+
+
+class _Rejected(Exception):
+    def __init__(self, error: ipc.RequestError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+class _Prompt(msgspec.Struct):
+    ids: list[int]
+    text: str | None
+    template: ipc.TemplateInfo | None
+    adjustments: list[ipc.Adjustment]
 
 
 class RequestPreparer:
-    def __init__(self, tokenizer: CheckpointTokenizer, max_model_len: int) -> None:
+    def __init__(self, tokenizer: CheckpointTokenizer, max_model_len: int,
+                 api: ApiSpec | None = None, model_vocab_size: int | None = None) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        self.api = api or ApiSpec()
+        # ids must exist both in the tokenizer and in the model's embedding
+        self.vocab_size = min(tokenizer.vocab_size, model_vocab_size or tokenizer.vocab_size)
+        self.server_template: ChatTemplate | None = None
+        if self.api.chat_template:
+            path = Path(self.api.chat_template)
+            self.server_template = ChatTemplate(path.read_text(encoding="utf-8"),
+                                                origin=f"server-flag:{path.name}")
+        self._request_templates: OrderedDict[str, ChatTemplate] = OrderedDict()
+        self._formats: dict[str, str] = {}
 
-    def _error(self, req: ipc.GenerateReq, message: str, param: str | None,
-               code: str) -> ipc.RequestError:
-        return ipc.RequestError(req.rid, 400, message, param=param, code=code)
+    # ------------------------------------------------------------------ helpers
 
-    def _prompt_ids(self, req: ipc.GenerateReq) -> list[int] | ipc.RequestError:
+    def _fail(self, req: ipc.GenerateReq, message: str, param: str | None, code: str) -> None:
+        raise _Rejected(ipc.RequestError(req.rid, 400, message, param=param, code=code))
+
+    def _template(self, req: ipc.GenerateReq) -> tuple[ChatTemplate | None, str]:
+        """Request template > server flag > checkpoint (HF's tool_use / default choice)."""
+        if req.chat_template is not None:
+            template = self._request_templates.get(req.chat_template)
+            if template is None:
+                try:
+                    template = ChatTemplate(req.chat_template, origin="request")
+                except ChatTemplateError as err:
+                    self._fail(req, str(err), "chat_template", "chat_template_error")
+                self._request_templates[req.chat_template] = template
+                if len(self._request_templates) > _REQUEST_TEMPLATE_CACHE:
+                    self._request_templates.popitem(last=False)
+            return template, "request"
+        if self.server_template is not None:
+            return self.server_template, "server-flag"
+        return self.tokenizer.chat_template(req.tools is not None), "checkpoint"
+
+    def _content_format(self, template: ChatTemplate) -> str:
+        fmt = self._formats.get(template.sha256)
+        if fmt is None:
+            fmt = self._formats[template.sha256] = detect_content_format(template.source)
+        return fmt
+
+    def _render(self, req: ipc.GenerateReq) -> _Prompt:
         tok = self.tokenizer
+        adjustments: list[ipc.Adjustment] = []
         if req.messages is not None:
             try:
-                text, _template = tok.render_chat(
-                    req.messages, tools=req.tools,
-                    add_generation_prompt=req.add_generation_prompt,
-                    continue_final_message=req.continue_final_message,
-                    **req.chat_template_kwargs)
+                template, source = self._template(req)
             except ChatTemplateError as err:
-                return self._error(req, f"the chat template could not render these "
-                                   f"messages: {err}", "messages", "chat_template_error")
-            return tok.encode(text, add_special_tokens=False)
+                self._fail(req, str(err), "messages", "chat_template_error")
+            if template is None:
+                self._fail(req, "this model has no chat template; start the server with "
+                           "--chat-template", "messages", "no_chat_template")
+            kwargs = dict(req.chat_template_kwargs)
+            unknown = sorted(k for k in kwargs if k not in template.declared_variables)
+            if unknown:
+                declared = sorted(template.declared_variables - {"messages", "tools", "documents",
+                                                                 "add_generation_prompt"})
+                reason = (f"the chat template does not read {unknown}; it declares "
+                          f"{declared}")
+                if req.strict:
+                    self._fail(req, f"chat_template_kwargs: {reason} (strict mode)",
+                               "chat_template_kwargs", "ignored_field")
+                adjustments += [ipc.Adjustment(f"chat_template_kwargs.{k}", "ignored", reason)
+                                for k in unknown]
+                for k in unknown:
+                    kwargs.pop(k)
+            messages = req.messages
+            if self._content_format(template) == "string":
+                messages = flatten_content(messages)
+            try:
+                text, _ = tok.render_chat(
+                    messages, tools=req.tools, add_generation_prompt=req.add_generation_prompt,
+                    continue_final_message=req.continue_final_message, chat_template=template,
+                    **kwargs)
+            except ChatTemplateError as err:
+                self._fail(req, f"the chat template could not render these messages: {err}",
+                           "messages", "chat_template_error")
+            info = ipc.TemplateInfo(source, template.origin, template.sha256)
+            return _Prompt(tok.encode(text, add_special_tokens=False), text, info, adjustments)
         if isinstance(req.prompt, str):
-            return tok.encode(req.prompt, add_special_tokens=True)
+            return _Prompt(tok.encode(req.prompt, add_special_tokens=True), req.prompt, None, [])
         ids = list(req.prompt or [])
-        bad = [i for i in ids if not 0 <= i < tok.vocab_size]
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
         if bad:
-            return self._error(req, f"prompt token ids {bad[:5]} are outside the vocabulary "
-                               f"(0..{tok.vocab_size - 1})", "prompt", "invalid_token_id")
-        return ids
+            self._fail(req, f"prompt token ids {bad[:5]} are outside the vocabulary "
+                       f"(0..{self.vocab_size - 1})", "prompt", "invalid_token_id")
+        return _Prompt(ids, None, None, [])
 
-    def prepare(self, req: ipc.GenerateReq) -> ipc.TokenizedReq | ipc.RequestError:
-        ids = self._prompt_ids(req)
-        if isinstance(ids, ipc.RequestError):
-            return ids
-        if not ids:
-            return self._error(req, "the prompt is empty after tokenization", "prompt",
-                               "empty_prompt")
-        bad_stop = [i for i in req.stop_token_ids if not 0 <= i < self.tokenizer.vocab_size]
+    def _max_tokens(self, req: ipc.GenerateReq, n_prompt: int,
+                    adjustments: list[ipc.Adjustment]) -> int:
+        requested = req.max_tokens
+        room = self.max_model_len - n_prompt
+        if (self.api.max_tokens_policy == "clamp" and not req.strict and requested is not None
+                and room > 0 and requested > room):
+            adjustments.append(ipc.Adjustment(
+                req.max_tokens_field, "clamped",
+                f"prompt ({n_prompt} tokens) + {req.max_tokens_field} exceeds the context of "
+                f"{self.max_model_len} tokens (server --max-tokens-policy clamp)",
+                from_=requested, to=room))
+            return room
+        out = resolve_max_tokens(req.rid, n_prompt, requested, req.max_tokens_field,
+                                 self.max_model_len)
+        if isinstance(out, ipc.RequestError):
+            raise _Rejected(out)
+        return out
+
+    def _check_ids(self, req: ipc.GenerateReq) -> None:
+        bad_stop = [i for i in req.stop_token_ids if not 0 <= i < self.vocab_size]
         if bad_stop:
-            return self._error(req, f"stop_token_ids {bad_stop[:5]} are outside the "
-                               "vocabulary", "stop_token_ids", "invalid_token_id")
-        max_tokens = resolve_max_tokens(req.rid, len(ids), req.max_tokens,
-                                        req.max_tokens_field, self.max_model_len)
-        if isinstance(max_tokens, ipc.RequestError):
-            return max_tokens
+            self._fail(req, f"stop_token_ids {bad_stop[:5]} are outside the vocabulary",
+                       "stop_token_ids", "invalid_token_id")
+        bad_bias = [i for i, _ in req.sampling.logit_bias if not 0 <= i < self.vocab_size]
+        if bad_bias:
+            self._fail(req, f"logit_bias token ids {bad_bias[:5]} are outside the vocabulary "
+                       f"(0..{self.vocab_size - 1})", "logit_bias", "invalid_token_id")
+
+    # ------------------------------------------------------------------ entry points
+
+    def prepare(self, req: ipc.GenerateReq
+                ) -> tuple[ipc.TokenizedReq, ipc.RequestInfo] | ipc.RequestError:
+        try:
+            return self._prepare(req)
+        except _Rejected as rej:
+            return rej.error
+
+    def _prepare(self, req: ipc.GenerateReq) -> tuple[ipc.TokenizedReq, ipc.RequestInfo]:
+        prompt = self._render(req)
+        ids = prompt.ids
+        if not ids:
+            self._fail(req, "the prompt is empty after tokenization", "prompt", "empty_prompt")
+        self._check_ids(req)
+        max_tokens = self._max_tokens(req, len(ids), prompt.adjustments)
         if req.min_tokens > max_tokens:
-            return self._error(req, f"min_tokens ({req.min_tokens}) is larger than the "
-                               f"{max_tokens} tokens this request may generate",
-                               "min_tokens", "invalid_value")
-        return ipc.TokenizedReq(
+            self._fail(req, f"min_tokens ({req.min_tokens}) is larger than the {max_tokens} "
+                       "tokens this request may generate", "min_tokens", "invalid_value")
+        eos = self.tokenizer.eos_token_ids
+        suppress = list(dict.fromkeys((([] if req.ignore_eos else eos) + req.stop_token_ids)))
+        sampling = msgspec.structs.replace(
+            req.sampling, num_prompt_tokens=len(ids), min_tokens=req.min_tokens,
+            min_tokens_stop_ids=suppress if req.min_tokens > 0 else [])
+        tokenized = ipc.TokenizedReq(
             rid=req.rid, reply_to=req.reply_to, prompt_token_ids=ids, max_tokens=max_tokens,
-            sampling=req.sampling, detok=req.detok,
-            eos_token_ids=self.tokenizer.eos_token_ids, stop_token_ids=req.stop_token_ids,
-            ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
-            arrival_time=req.arrival_time, priority=req.priority, cache_salt=req.cache_salt,
-            probe=req.probe)
+            sampling=sampling, detok=req.detok, eos_token_ids=eos,
+            stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
+            min_tokens=req.min_tokens, arrival_time=req.arrival_time, priority=req.priority,
+            cache_salt=req.cache_salt, probe=req.probe)
+        prompt_text = None
+        if req.echo_prompt:
+            prompt_text = (prompt.text if prompt.text is not None
+                           else self.tokenizer.decode(ids, skip_special_tokens=False))
+        info = ipc.RequestInfo(req.rid, len(ids), prompt.template, prompt.adjustments,
+                               prompt_text)
+        return tokenized, info
+
+    def render(self, req: ipc.RenderReq) -> ipc.RenderResult | ipc.RequestError:
+        """Template + tokenize (or decode) without scheduling anything."""
+        try:
+            if req.token_ids is not None:
+                bad = [i for i in req.token_ids if not 0 <= i < self.vocab_size]
+                if bad:
+                    return ipc.RequestError(req.rid, 400, f"token ids {bad[:5]} are outside the "
+                                            f"vocabulary (0..{self.vocab_size - 1})", param="tokens",
+                                            code="invalid_token_id")
+                text = self.tokenizer.decode(req.token_ids, skip_special_tokens=False)
+                return ipc.RenderResult(req.rid, text, list(req.token_ids))
+            assert req.gen is not None
+            prompt = self._render(req.gen)
+            text = (prompt.text if prompt.text is not None
+                    else self.tokenizer.decode(prompt.ids, skip_special_tokens=False))
+            strs = ([self.tokenizer.backend.id_to_token(i) or "" for i in prompt.ids]
+                    if req.with_token_strs else None)
+            return ipc.RenderResult(req.rid, text, prompt.ids, strs, prompt.template,
+                                    prompt.adjustments)
+        except _Rejected as rej:
+            return rej.error

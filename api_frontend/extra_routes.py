@@ -1,0 +1,128 @@
+"""Endpoints around generation: capabilities, render, tokenize, detokenize, embeddings.
+
+Render and (de)tokenize run on a tokenizer worker like any request (the frontend never
+tokenizes): a RenderReq goes out and a RenderResult (or RequestError) comes back.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import msgspec
+from aiohttp import web
+
+from api_frontend.engine_client import EngineClient
+from api_frontend.errors import ApiError, from_decode_error
+from api_frontend.generate import complete_report
+from api_frontend.translate import chat_to_generate, completion_to_generate, field_tiers
+from protocol import ipc
+from protocol.openai_api import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                 DetokenizeResponse, ModelCard, RenderResponse, TemplateRef,
+                                 TokenizeRequest, TokenizeResponse)
+from protocol.topology import ApiSpec
+
+_JSON = msgspec.json.Encoder()
+_DECODERS = {t: msgspec.json.Decoder(t) for t in (TokenizeRequest, DetokenizeRequest)}
+
+
+def _json(obj, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=_JSON.encode(obj), content_type="application/json")
+
+
+def _decode(body: bytes, kind: type):
+    try:
+        return _DECODERS[kind].decode(body)
+    except msgspec.MsgspecError as err:
+        raise from_decode_error(err) from None
+
+
+def _check_model(card: ModelCard, name: str | None) -> None:
+    if name is not None and name != card.id:
+        raise ApiError(404, f"The model {name!r} does not exist on this deployment. "
+                       f"Served models: [{card.id!r}]", "model", "model_not_found")
+
+
+async def _ask(engine: EngineClient, req: ipc.RenderReq) -> ipc.RenderResult:
+    queue = await engine.submit(req)
+    try:
+        msg = await queue.get()
+    finally:
+        engine.release(req.rid)
+    if isinstance(msg, ipc.RequestError):
+        raise ApiError(msg.status, msg.message, msg.param, msg.code, msg.type)
+    return msg
+
+
+def _template(result: ipc.RenderResult) -> TemplateRef | None:
+    t = result.template
+    return None if t is None else TemplateRef(t.source, t.origin, t.sha256)
+
+
+async def render(request: web.Request, engine: EngineClient, card: ModelCard, api: ApiSpec,
+                 parsed, keys: list[str]) -> web.Response:
+    """The prompt text, ids and template provenance a generation request would get."""
+    rid = f"render-{uuid.uuid4().hex}"
+    translate = (chat_to_generate if isinstance(parsed, ChatCompletionRequest)
+                 else completion_to_generate)
+    tr = translate(parsed, rid, engine.reply_to, 0.0, keys, api)
+    result = await _ask(engine, ipc.RenderReq(rid, engine.reply_to, gen=tr.gen))
+    info = ipc.RequestInfo(rid, len(result.token_ids), result.template, result.adjustments)
+    return _json(RenderResponse(result.prompt_text, result.token_ids, card.id,
+                                _template(result), complete_report(tr.report, info)))
+
+
+async def tokenize(request: web.Request, engine: EngineClient, card: ModelCard,
+                   api: ApiSpec) -> web.Response:
+    body = _decode(await request.read(), TokenizeRequest)
+    _check_model(card, body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise ApiError(400, "send exactly one of `prompt` or `messages`", "prompt",
+                       "invalid_value")
+    rid = f"tok-{uuid.uuid4().hex}"
+    if body.messages is not None:
+        gen = ipc.GenerateReq(rid, engine.reply_to, ipc.SamplingParams(), ipc.DetokParams(),
+                              messages=[msgspec.to_builtins(m) for m in body.messages],
+                              add_generation_prompt=body.add_generation_prompt,
+                              continue_final_message=body.continue_final_message,
+                              chat_template_kwargs=dict(body.chat_template_kwargs or {}),
+                              strict=api.strict)
+    else:
+        gen = ipc.GenerateReq(rid, engine.reply_to, ipc.SamplingParams(), ipc.DetokParams(),
+                              prompt=body.prompt)
+    result = await _ask(engine, ipc.RenderReq(rid, engine.reply_to, gen=gen,
+                                              with_token_strs=body.return_token_strs))
+    return _json(TokenizeResponse(result.token_ids, len(result.token_ids), card.max_model_len,
+                                  result.token_strs))
+
+
+async def detokenize(request: web.Request, engine: EngineClient, card: ModelCard) -> web.Response:
+    body = _decode(await request.read(), DetokenizeRequest)
+    _check_model(card, body.model)
+    rid = f"detok-{uuid.uuid4().hex}"
+    result = await _ask(engine, ipc.RenderReq(rid, engine.reply_to, token_ids=body.tokens))
+    return _json(DetokenizeResponse(result.prompt_text))
+
+
+def capabilities(card: ModelCard, api: ApiSpec) -> web.Response:
+    """The tier of every request field under this deployment's flags."""
+    return _json({
+        "object": "capabilities",
+        "model": card.id,
+        "max_model_len": card.max_model_len,
+        "serves": ["chat.completions", "completions"],
+        "policy": msgspec.to_builtins(api),
+        "tiers": {"honoured": "maps onto sampling/decoding", "clamped": "accepted, rewritten "
+                  "and reported", "ignored": "accepted, not acted on, reported",
+                  "extension": "not an OpenAI field, honoured", "rejected": "400 naming it"},
+        "fields": {"/v1/chat/completions": field_tiers("chat", api),
+                   "/v1/completions": field_tiers("completions", api)},
+        "endpoints": ["/v1/models", "/v1/completions", "/v1/chat/completions",
+                      "/v1/completions/render", "/v1/chat/completions/render", "/tokenize",
+                      "/detokenize", "/v1/capabilities", "/health"],
+    })
+
+
+def embeddings(card: ModelCard) -> web.Response:
+    raise ApiError(404, f"This deployment serves text generation only: model {card.id!r} on "
+                   "/v1/chat/completions and /v1/completions. No embedding model is served "
+                   "here.", "model", "model_not_found")

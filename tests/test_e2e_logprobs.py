@@ -1,0 +1,93 @@
+"""Logprobs in OpenAI's two shapes, equal to HF's log-softmax, parsed by the openai SDK."""
+
+from __future__ import annotations
+
+import math
+
+import openai
+import pytest
+import torch
+
+MODEL = "tiny-llama"
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+def _hf_logprobs(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+
+
+def test_chat_logprobs_match_hf_and_parse(client, hf_model):
+    model, tok = hf_model
+    messages = [{"role": "user", "content": "Name a colour."}]
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6,
+                                         temperature=0.7, seed=5, logprobs=True, top_logprobs=3,
+                                         extra_body={"ignore_eos": True, "return_token_ids": True})
+    choice = out.choices[0]
+    content = choice.logprobs.content
+    gen = choice.model_extra["token_ids"]
+    assert len(content) == len(gen) == 6
+    prompt = list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                          return_dict=False))
+    ref = _hf_logprobs(model, prompt + gen)
+    for i, entry in enumerate(content):
+        row = ref[len(prompt) - 1 + i]
+        assert math.isclose(entry.logprob, row[gen[i]].item(), abs_tol=1e-3)
+        assert entry.bytes == list(entry.token.encode())
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(
+            row.topk(3).values.tolist(), abs=1e-3)
+        assert [t.token for t in entry.top_logprobs] == [tok.decode([t]) for t in
+                                                         row.topk(3).indices.tolist()]
+    assert "".join(e.token for e in content) == choice.message.content
+
+
+def test_completion_logprobs_with_echo_match_hf(client, hf_model):
+    model, tok = hf_model
+    prompt = "Once upon a time"
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0,
+                                    logprobs=2, echo=True,
+                                    extra_body={"ignore_eos": True, "return_token_ids": True})
+    choice = out.choices[0]
+    prompt_ids = tok(prompt)["input_ids"]
+    gen = choice.model_extra["token_ids"]
+    ids = prompt_ids + gen
+    ref = _hf_logprobs(model, ids)
+    lp = choice.logprobs
+    assert choice.text.startswith(prompt)
+    assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None
+    for pos in range(1, len(ids)):
+        assert math.isclose(lp.token_logprobs[pos], ref[pos - 1, ids[pos]].item(), abs_tol=1e-3)
+        top = lp.top_logprobs[pos]
+        best = ref[pos - 1].topk(2)
+        assert max(top.values()) == pytest.approx(best.values[0].item(), abs=1e-3)
+    assert lp.text_offset == sorted(lp.text_offset)
+    no_echo = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0,
+                                        logprobs=0, extra_body={"ignore_eos": True})
+    assert len(no_echo.choices[0].logprobs.tokens) == 4
+
+
+def test_streamed_chat_logprobs(client):
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5, temperature=0,
+        logprobs=True, top_logprobs=1, stream=True, extra_body={"ignore_eos": True}))
+    entries = [e for c in chunks if c.choices and c.choices[0].logprobs
+               for e in c.choices[0].logprobs.content]
+    assert len(entries) == 5 and all(len(e.top_logprobs) == 1 for e in entries)
+
+
+def test_logprobs_validation(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                       top_logprobs=2)
+    assert err.value.body["param"] == "top_logprobs"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                       logprobs=True, top_logprobs=21)
+    assert err.value.body["param"] == "top_logprobs"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="x", logprobs=6)
+    assert err.value.body["param"] == "logprobs"

@@ -1,0 +1,107 @@
+"""Server flags that change the contract, on a dedicated server: --max-tokens-policy clamp,
+--chat-template (a string-content template), --allow-request-chat-template,
+--max-body-mb, and the worker fault hook for a failure after the stream started."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+
+from tests.server import CandorServer
+
+MODEL = "tiny-llama"
+FAULT_TOKEN = 300
+TEMPLATE = Path(__file__).parent / "data/chat_templates/llama-3.2-3b-instruct.jinja"
+
+
+@pytest.fixture(scope="module")
+def policy_server(tiny_model_dir):
+    srv = CandorServer(tiny_model_dir, "--served-model-name", MODEL, "--max-model-len", "1024",
+                       "--max-tokens-policy", "clamp", "--chat-template", str(TEMPLATE),
+                       "--allow-request-chat-template", "--max-body-mb", "1",
+                       "--fault-token-id", str(FAULT_TOKEN)).start()
+    yield srv
+    assert srv.stop() == 0
+
+
+async def _post(server, path: str, body):
+    async with aiohttp.ClientSession() as session:
+        kwargs = {"data": body} if isinstance(body, bytes) else {"json": body}
+        async with session.post(server.base_url + path, **kwargs) as resp:
+            return resp.status, dict(resp.headers), await resp.read()
+
+
+async def test_clamp_policy_reports_the_clamp(policy_server):
+    prompt = [7] * 1010
+    status, headers, payload = await _post(policy_server, "/v1/completions", {
+        "model": MODEL, "prompt": prompt, "max_tokens": 5000, "temperature": 0,
+        "ignore_eos": True})
+    body = json.loads(payload)
+    assert status == 200, body
+    assert body["usage"]["completion_tokens"] == 14
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["candor"]["clamped"] == [{"field": "max_tokens", "from": 5000, "to": 14,
+                                          "reason": body["candor"]["clamped"][0]["reason"]}]
+    assert json.loads(headers["x-candor-adjustments"])["clamped"][0]["to"] == 14
+    status, _, payload = await _post(policy_server, "/v1/completions", {
+        "model": MODEL, "prompt": prompt, "max_tokens": 5000, "strict": True})
+    err = json.loads(payload)["error"]
+    assert status == 400 and err["code"] == "context_length_exceeded"
+    status, caps = 0, None
+    async with aiohttp.ClientSession() as session:
+        async with session.get(policy_server.base_url + "/v1/capabilities") as resp:
+            caps = await resp.json()
+    assert caps["fields"]["/v1/completions"]["max_tokens"] == "clamped"
+    assert caps["fields"]["/v1/chat/completions"]["chat_template"] == "extension"
+
+
+async def test_template_sources_and_string_content_format(policy_server):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "first"},
+                                          {"type": "text", "text": "second"}]}]
+    joined = [{"role": "user", "content": "first\nsecond"}]
+    _, _, a = await _post(policy_server, "/v1/chat/completions/render",
+                          {"model": MODEL, "messages": parts})
+    _, _, b = await _post(policy_server, "/v1/chat/completions/render",
+                          {"model": MODEL, "messages": joined})
+    a, b = json.loads(a), json.loads(b)
+    assert a["chat_template"]["source"] == "server-flag"
+    assert "first\nsecond" in a["prompt"] and a["prompt_token_ids"] == b["prompt_token_ids"]
+    status, _, payload = await _post(policy_server, "/v1/chat/completions", {
+        "model": MODEL, "messages": joined, "max_tokens": 2,
+        "chat_template": "{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}"})
+    report = json.loads(payload)["candor"]
+    assert status == 200 and report["chat_template"]["source"] == "request"
+    assert report["chat_template"]["origin"] == "request"
+
+
+async def test_body_too_large_is_413(policy_server):
+    big = json.dumps({"model": MODEL, "prompt": "x" * (2 * 2**20)}).encode()
+    status, _, payload = await _post(policy_server, "/v1/completions", big)
+    err = json.loads(payload)["error"]
+    assert status == 413 and set(err) == {"message", "type", "param", "code"}
+    client = openai.OpenAI(base_url=policy_server.base_url + "/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.APIStatusError) as exc:
+        client.completions.create(model=MODEL, prompt="x" * (2 * 2**20))
+    assert exc.value.status_code == 413
+
+
+async def test_failure_after_stream_started_is_an_error_frame_then_done(policy_server):
+    # the first sampled token is forced to FAULT_TOKEN; feeding it back makes the step fail
+    status, headers, payload = await _post(policy_server, "/v1/completions", {
+        "model": MODEL, "prompt": [10, 20, 30], "max_tokens": 5, "stream": True,
+        "logit_bias": {str(FAULT_TOKEN): 100}, "return_token_ids": True})
+    assert status == 200
+    frames = [f[len("data: "):] for f in payload.decode().split("\n\n") if f]
+    assert frames[-1] == "[DONE]"
+    error = json.loads(frames[-2])
+    assert set(error) == {"error"} and error["error"]["type"] == "internal_error"
+    firsts = [json.loads(f) for f in frames[:-2]]
+    assert firsts and firsts[0]["choices"][0]["token_ids"] == [FAULT_TOKEN]
+    policy_server.wait_all_blocks_free()
+    status, _, payload = await _post(policy_server, "/v1/completions", {
+        "model": MODEL, "prompt": [10, 20, 30], "max_tokens": 3})
+    assert status == 200  # the worker survived
