@@ -10,7 +10,13 @@ last. Decodes run in groups of consecutive rows (the runner orders them by lengt
 group pads little); each group gathers its keys block-wise through its block tables
 into a reused scratch buffer and makes one padded, length-masked SDPA call. Groups are
 sized so their gathered K and V stay cache-resident (a few MB): gathering a whole
-32-stream batch at once spills to DRAM and costs ~2x more per layer on CPU. Prefill chunks run one SDPA call each: a chunk
+32-stream batch at once spills to DRAM and costs ~2x more per layer on CPU.
+
+Cascade decode: when every decode's table starts with the same (prefix-cached, hence
+full and immutable) blocks, those are gathered once and attended by all decodes' queries
+in one call; each group then attends only its own suffix, and the two partial results
+merge through their log-sum-exps. torch's CPU flash kernel returns the LSE
+(``_scaled_dot_product_flash_attention_for_cpu``); without it the path stays off. Prefill chunks run one SDPA call each: a chunk
 starting at position 0 attends to its own fresh K/V with ``is_causal``; a later chunk of
 a long prompt gathers its earlier K/V from the cache and uses an explicit causal mask
 offset by ``start_pos`` (SDPA's ``is_causal`` is top-left aligned, which would be wrong).
@@ -38,7 +44,7 @@ class DecodeGroup:
     row_start: int  # row range among the decodes (0 = first decode)
     row_end: int
     block_tables: torch.Tensor  # [rows, max_blocks] long, padded with block 0
-    mask: torch.Tensor  # [rows, 1, 1, max_blocks * block_size] bool, True = attend
+    mask: torch.Tensor  # [rows, 1, 1, keys] bool (True = attend); additive float under cascade
 
 
 class GatherScratch:
@@ -65,6 +71,7 @@ class AttentionMetadata:
     prefills: list[PrefillChunk] = field(default_factory=list)
     num_prefill_tokens: int = 0
     decode_groups: list[DecodeGroup] = field(default_factory=list)
+    shared_blocks: torch.Tensor | None = None  # [P] leading blocks every decode shares (cascade)
     scratch: GatherScratch | None = None  # None: gathers allocate their own output
     impl: object | None = None  # another backend's per-step state (has ``attend``); None: torch
 
@@ -83,6 +90,8 @@ def select_backend(num_heads: int, num_kv_heads: int, head_dim: int, block_size:
                                                 dtype, device)
 
 
+_FLASH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+CASCADE_MIN_BLOCKS = 2  # shared leading blocks worth a separate prefix pass
 DECODE_GROUP_BYTES = 8 * 2**20  # gathered K+V per decode group: well inside a CPU's L3
 
 
@@ -139,8 +148,14 @@ def build_metadata(
     if num_decodes:
         ctx_lens = [start + 1 for start, _, _ in chunks[num_prefills:]]
         tables = [t for _, _, t in chunks[num_prefills:]]
+        shared = _shared_prefix(ctx_lens, tables, block_size) if device.type == "cpu" else 0
+        if shared:
+            meta.shared_blocks = torch.tensor(tables[0][:shared], dtype=torch.long, device=device)
+            ctx_lens = [c - shared * block_size for c in ctx_lens]
+            tables = [t[shared:] for t in tables]
         for lo, hi in _decode_groups(ctx_lens, block_size, group_blocks):
-            meta.decode_groups.append(_decode_group(lo, hi, ctx_lens, tables, block_size, device))
+            meta.decode_groups.append(_decode_group(lo, hi, ctx_lens, tables, block_size, device,
+                                                    additive=bool(shared)))
     return meta
 
 
@@ -160,8 +175,21 @@ def _decode_groups(ctx_lens: list[int], block_size: int, cap: int | None) -> lis
     return groups
 
 
+def _shared_prefix(ctx_lens: list[int], tables: list[list[int]], block_size: int) -> int:
+    """Leading blocks identical in every decode's table, each full for every decode and
+    leaving each at least one own key; 0 when too few to pay for a cascade pass."""
+    if _FLASH_LSE is None or len(tables) < 2:
+        return 0
+    limit = min((c - 1) // block_size for c in ctx_lens)
+    first = tables[0]
+    n = 0
+    while n < limit and all(t[n] == first[n] for t in tables):
+        n += 1
+    return n if n >= CASCADE_MIN_BLOCKS else 0
+
+
 def _decode_group(lo: int, hi: int, ctx_lens: list[int], tables: list[list[int]], block_size: int,
-                  device: torch.device) -> DecodeGroup:
+                  device: torch.device, additive: bool = False) -> DecodeGroup:
     lens = ctx_lens[lo:hi]
     max_blocks = -(-max(lens) // block_size)
     # Pad with block 0: any valid block works, the length mask hides it.
@@ -172,6 +200,8 @@ def _decode_group(lo: int, hi: int, ctx_lens: list[int], tables: list[list[int]]
     lens_t = torch.tensor(lens, dtype=torch.long, device=device)
     key_pos = torch.arange(max_blocks * block_size, device=device)
     mask = (key_pos[None, :] < lens_t[:, None])[:, None, None, :]
+    if additive:  # the LSE-returning kernel wants the mask in the query's dtype
+        mask = torch.zeros(mask.shape, device=device).masked_fill_(~mask, float("-inf"))
     return DecodeGroup(lo, hi, torch.tensor(padded, dtype=torch.long, device=device), mask)
 
 
@@ -241,9 +271,42 @@ def paged_attention(
         out[c.q_start : c.q_end] = o.transpose(0, 1)
 
     p = meta.num_prefill_tokens
+    if meta.shared_blocks is not None:
+        out[p:] = _cascade_decode(q[p:], k_cache, v_cache, meta, scale)
+        return out
     for g in meta.decode_groups:
         qd = q[p + g.row_start : p + g.row_end].unsqueeze(2)  # [b, h, 1, d]
         kd, vd = _gather_kv(k_cache, v_cache, g.block_tables, meta.scratch)  # [b, kvh, L, d]
         o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scale, enable_gqa=gqa)
         out[p + g.row_start : p + g.row_end] = o.squeeze(2)
     return out
+
+
+def _heads_as_queries(q: torch.Tensor, kvh: int) -> torch.Tensor:
+    """[b, h, d] -> [b, kv_heads, h // kv_heads, d]: a KV head's query heads become its
+    query rows, so GQA needs no key repetition (HF maps head i to KV head i // group)."""
+    b, h, d = q.shape
+    return q.view(b, kvh, h // kvh, d)
+
+
+def _cascade_decode(qd: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Decode attention split at the shared prefix; see the module docstring."""
+    b, h, d = qd.shape
+    kvh = k_cache.shape[2]
+    g = h // kvh
+    kp, vp = _gather_kv(k_cache, v_cache, meta.shared_blocks[None], meta.scratch)  # [1, kvh, Lp, d]
+    qp = _heads_as_queries(qd, kvh).permute(1, 0, 2, 3).reshape(1, kvh, b * g, d)
+    op, lse_p = _FLASH_LSE(qp, kp, vp, scale=scale)  # [1, kvh, b*g, d], [1, kvh, b*g]
+    op = op.view(kvh, b, g, d).transpose(0, 1)
+    lse_p = lse_p.view(kvh, b, g).transpose(0, 1)
+    out = torch.empty(b, kvh, g, d, dtype=qd.dtype, device=qd.device)
+    for grp in meta.decode_groups:
+        lo, hi = grp.row_start, grp.row_end
+        ks, vs = _gather_kv(k_cache, v_cache, grp.block_tables, meta.scratch)
+        os_, lse_s = _FLASH_LSE(_heads_as_queries(qd[lo:hi], kvh), ks, vs, attn_mask=grp.mask, scale=scale)
+        m = torch.maximum(lse_p[lo:hi], lse_s)
+        wp = (lse_p[lo:hi] - m).exp_().unsqueeze(-1)
+        ws = (lse_s - m).exp_().unsqueeze(-1)
+        out[lo:hi] = (op[lo:hi] * wp + os_ * ws) / (wp + ws)
+    return out.view(b, h, d)

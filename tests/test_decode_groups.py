@@ -57,3 +57,29 @@ def test_group_split_respects_the_cap():
         for lo, hi in groups:
             widest = max(-(-n // 4) for n in lens[lo:hi])
             assert hi - lo == 1 or widest * (hi - lo) <= cap
+
+
+def test_cascade_over_a_shared_prefix_matches_reference():
+    torch.manual_seed(1)
+    bs, heads, kvh, d, nblocks = 4, 6, 2, 8, 64
+    k_cache = torch.randn(nblocks, bs, kvh, d)
+    v_cache = torch.randn(nblocks, bs, kvh, d)
+    shared = [7, 3, 11]
+    lens = [13, 14, 17, 25]  # every decode has >= 1 key past the 12 shared ones
+    tables, nxt = [], 20
+    for n in lens:
+        own = -(-n // bs) - len(shared)
+        tables.append(shared + list(range(nxt, nxt + own)))
+        nxt += own
+    chunks = [(n - 1, 1, t) for n, t in zip(lens, tables)]
+    q = torch.randn(len(lens), heads, d)
+    k_new = torch.randn(len(lens), kvh, d)
+    v_new = torch.randn(len(lens), kvh, d)
+    for cap in (None, 2):
+        kc, vc = k_cache.clone(), v_cache.clone()
+        meta = build_metadata(chunks, len(lens), bs, torch.device("cpu"), group_blocks=cap,
+                              scratch=GatherScratch())
+        assert meta.shared_blocks is not None and meta.shared_blocks.tolist() == shared
+        out = paged_attention(q, k_new, v_new, kc, vc, meta, d ** -0.5)
+        ref = _reference(q, kc, vc, tables, lens, bs, d ** -0.5)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
