@@ -13,7 +13,9 @@ from protocol.transport import Receiver, Sender, sync_context
 
 
 def _default_threads() -> int:
-    """Leave a core to the other roles when there is more than one."""
+    """Leave a core to the other roles when there is more than one. Measured on a 2-core
+    box under load: 2 worker threads made a 100M-model decode step ~6x slower than 1
+    (the threads fight the frontend, detokenizer and neighbours for the cores)."""
     if os.environ.get("OMP_NUM_THREADS"):
         return int(os.environ["OMP_NUM_THREADS"])
     return max(1, (os.cpu_count() or 1) - 1)

@@ -6,8 +6,17 @@ head_dim]. Viewed as [num_blocks * block_size, kv_heads, head_dim], a token's sl
 writes are a single ``index_copy_`` and a whole block gathers as one contiguous slab.
 
 The flattened batch puts every prefill chunk first and all decodes (one token each)
-last. Decodes share one padded SDPA call whose keys are gathered block-wise through
-their block tables and masked by length. Prefill chunks run one SDPA call each: a chunk
+last. Decodes run in groups of consecutive rows (the runner orders them by length, so a
+group pads little); each group gathers its keys block-wise through its block tables
+into a reused scratch buffer and makes one padded, length-masked SDPA call. Groups are
+sized so their gathered K and V stay cache-resident (a few MB): gathering a whole
+32-stream batch at once spills to DRAM and costs ~2x more per layer on CPU.
+
+Cascade decode: when every decode's table starts with the same (prefix-cached, hence
+full and immutable) blocks, those are gathered once and attended by all decodes' queries
+in one call; each group then attends only its own suffix, and the two partial results
+merge through their log-sum-exps. torch's CPU flash kernel returns the LSE
+(``_scaled_dot_product_flash_attention_for_cpu``); without it the path stays off. Prefill chunks run one SDPA call each: a chunk
 starting at position 0 attends to its own fresh K/V with ``is_causal``; a later chunk of
 a long prompt gathers its earlier K/V from the cache and uses an explicit causal mask
 offset by ``start_pos`` (SDPA's ``is_causal`` is top-left aligned, which would be wrong).
@@ -31,12 +40,39 @@ class PrefillChunk:
 
 
 @dataclass
+class DecodeGroup:
+    row_start: int  # row range among the decodes (0 = first decode)
+    row_end: int
+    block_tables: torch.Tensor  # [rows, max_blocks] long, padded with block 0
+    mask: torch.Tensor  # [rows, 1, 1, keys] bool (True = attend); additive float under cascade
+
+
+class GatherScratch:
+    """Grow-only K and V buffers that gathers write into (``index_select(out=)``).
+
+    A fresh multi-MB tensor per gather costs page faults and a slower allocation path
+    (~6x the copy itself on CPU); one buffer pair lives as long as the runner."""
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def get(self, rows: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        width = like[0].numel()
+        if self.k is None or self.k.shape[0] < rows or self.k.shape[1] != width or self.k.dtype != like.dtype:
+            self.k = torch.empty(rows, width, dtype=like.dtype, device=like.device)
+            self.v = torch.empty_like(self.k)
+        return self.k[:rows], self.v[:rows]
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] long: cache row for each new token
     prefills: list[PrefillChunk] = field(default_factory=list)
     num_prefill_tokens: int = 0
-    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] long, padded
-    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size] bool
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
+    shared_blocks: torch.Tensor | None = None  # [P] leading blocks every decode shares (cascade)
+    scratch: GatherScratch | None = None  # None: gathers allocate their own output
     impl: object | None = None  # another backend's per-step state (has ``attend``); None: torch
 
 
@@ -54,18 +90,34 @@ def select_backend(num_heads: int, num_kv_heads: int, head_dim: int, block_size:
                                                 dtype, device)
 
 
+_FLASH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+CASCADE_MIN_BLOCKS = 2  # shared leading blocks worth a separate prefix pass
+DECODE_GROUP_BYTES = 8 * 2**20  # gathered K+V per decode group: well inside a CPU's L3
+
+
+def decode_group_blocks(k_cache: torch.Tensor, group_bytes: int = DECODE_GROUP_BYTES) -> int | None:
+    """Blocks one decode group may gather (K and V) within ``group_bytes``; None on
+    accelerators, where one big batched call is better."""
+    if k_cache.device.type != "cpu":
+        return None
+    return max(1, group_bytes // (2 * k_cache[0].numel() * k_cache.element_size()))
+
+
 def build_metadata(
     chunks: list[tuple[int, int, list[int]]],
     num_decodes: int,
     block_size: int,
     device: torch.device,
     backend=None,
+    group_blocks: int | None = None,
+    scratch: GatherScratch | None = None,
 ) -> AttentionMetadata:
     """Index tensors for one step.
 
     ``chunks`` lists (start_pos, num_tokens, block_table) in flattened-batch order:
     prefill chunks first, then the ``num_decodes`` single-token decodes. ``backend``
     (from ``select_backend``) plans its own kernels; None builds the torch path's masks.
+    ``group_blocks`` caps the (padded) blocks one decode group gathers (None: one group).
     """
     slots: list[int] = []
     for start, n, table in chunks:
@@ -77,7 +129,7 @@ def build_metadata(
     slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
     if backend is not None:
         return backend.build(chunks, num_decodes, slot_mapping)
-    meta = AttentionMetadata(slot_mapping=slot_mapping)
+    meta = AttentionMetadata(slot_mapping=slot_mapping, scratch=scratch)
 
     num_prefills = len(chunks) - num_decodes
     row = 0
@@ -94,17 +146,63 @@ def build_metadata(
     meta.num_prefill_tokens = row
 
     if num_decodes:
-        decodes = chunks[num_prefills:]
-        ctx_lens = [start + 1 for start, _, _ in decodes]
-        max_blocks = -(-max(ctx_lens) // block_size)
-        # Pad with block 0: any valid block works, the length mask hides it.
-        tables = [t[: -(-c // block_size)] for (_, _, t), c in zip(decodes, ctx_lens)]
-        padded = [t + [0] * (max_blocks - len(t)) for t in tables]
-        meta.decode_block_tables = torch.tensor(padded, dtype=torch.long, device=device)
-        lens = torch.tensor(ctx_lens, dtype=torch.long, device=device)
-        key_pos = torch.arange(max_blocks * block_size, device=device)
-        meta.decode_mask = (key_pos[None, :] < lens[:, None])[:, None, None, :]
+        ctx_lens = [start + 1 for start, _, _ in chunks[num_prefills:]]
+        tables = [t for _, _, t in chunks[num_prefills:]]
+        shared = _shared_prefix(ctx_lens, tables, block_size) if device.type == "cpu" else 0
+        if shared:
+            meta.shared_blocks = torch.tensor(tables[0][:shared], dtype=torch.long, device=device)
+            ctx_lens = [c - shared * block_size for c in ctx_lens]
+            tables = [t[shared:] for t in tables]
+        for lo, hi in _decode_groups(ctx_lens, block_size, group_blocks):
+            meta.decode_groups.append(_decode_group(lo, hi, ctx_lens, tables, block_size, device,
+                                                    additive=bool(shared)))
     return meta
+
+
+def _decode_groups(ctx_lens: list[int], block_size: int, cap: int | None) -> list[tuple[int, int]]:
+    """Split decode rows into consecutive groups whose padded block count stays <= cap."""
+    if cap is None:
+        return [(0, len(ctx_lens))]
+    groups: list[tuple[int, int]] = []
+    lo, widest = 0, 0
+    for i, c in enumerate(ctx_lens):
+        nb = -(-c // block_size)
+        if i > lo and max(widest, nb) * (i + 1 - lo) > cap:
+            groups.append((lo, i))
+            lo, widest = i, 0
+        widest = max(widest, nb)
+    groups.append((lo, len(ctx_lens)))
+    return groups
+
+
+def _shared_prefix(ctx_lens: list[int], tables: list[list[int]], block_size: int) -> int:
+    """Leading blocks identical in every decode's table, each full for every decode and
+    leaving each at least one own key; 0 when too few to pay for a cascade pass."""
+    if _FLASH_LSE is None or len(tables) < 2:
+        return 0
+    limit = min((c - 1) // block_size for c in ctx_lens)
+    first = tables[0]
+    n = 0
+    while n < limit and all(t[n] == first[n] for t in tables):
+        n += 1
+    return n if n >= CASCADE_MIN_BLOCKS else 0
+
+
+def _decode_group(lo: int, hi: int, ctx_lens: list[int], tables: list[list[int]], block_size: int,
+                  device: torch.device, additive: bool = False) -> DecodeGroup:
+    lens = ctx_lens[lo:hi]
+    max_blocks = -(-max(lens) // block_size)
+    # Pad with block 0: any valid block works, the length mask hides it.
+    padded = []
+    for t, c in zip(tables[lo:hi], lens):
+        t = t[: -(-c // block_size)]
+        padded.append(t + [0] * (max_blocks - len(t)))
+    lens_t = torch.tensor(lens, dtype=torch.long, device=device)
+    key_pos = torch.arange(max_blocks * block_size, device=device)
+    mask = (key_pos[None, :] < lens_t[:, None])[:, None, None, :]
+    if additive:  # the LSE-returning kernel wants the mask in the query's dtype
+        mask = torch.zeros(mask.shape, device=device).masked_fill_(~mask, float("-inf"))
+    return DecodeGroup(lo, hi, torch.tensor(padded, dtype=torch.long, device=device), mask)
 
 
 def write_kv(
@@ -115,16 +213,29 @@ def write_kv(
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v)
 
 
-def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """[..., nb] block ids -> [..., kv_heads, nb * block_size, head_dim] for SDPA.
 
     ``index_select`` over flattened ids copies whole blocks as slabs; it is ~3x faster
-    on CPU than advanced indexing (``cache[blocks]``). The final transpose is a view:
+    on CPU than advanced indexing (``cache[blocks]``). The cache is viewed as 2-D
+    [num_blocks, block_elems] first: on the 4-D tensor torch's CPU ``index_select``
+    takes a generic strided loop that is several times slower than its row-copy path.
+    ``out`` (rows = number of ids) avoids allocating. The final transpose is a view:
     SDPA takes the strided keys as they are."""
     bs, kvh, d = cache.shape[1:]
-    g = cache.index_select(0, blocks.reshape(-1))  # [prod(...) * nb, bs, kvh, d]
+    flat = cache.view(cache.shape[0], -1)
+    ids = blocks.reshape(-1)
+    g = flat.index_select(0, ids) if out is None else torch.index_select(flat, 0, ids, out=out)
     g = g.view(*blocks.shape[:-1], blocks.shape[-1] * bs, kvh, d)
     return g.transpose(-3, -2)
+
+
+def _gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
+               scratch: GatherScratch | None) -> tuple[torch.Tensor, torch.Tensor]:
+    if scratch is None:
+        return _gather(k_cache, blocks), _gather(v_cache, blocks)
+    kb, vb = scratch.get(blocks.numel(), k_cache)
+    return _gather(k_cache, blocks, kb), _gather(v_cache, blocks, vb)
 
 
 def paged_attention(
@@ -154,16 +265,48 @@ def paged_attention(
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
             ctx = c.mask.shape[1]
-            ks = _gather(k_cache, c.blocks)[:, :ctx]
-            vs = _gather(v_cache, c.blocks)[:, :ctx]
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=c.mask, scale=scale, enable_gqa=gqa)
+            ks, vs = _gather_kv(k_cache, v_cache, c.blocks, meta.scratch)
+            o = F.scaled_dot_product_attention(qs, ks[:, :ctx], vs[:, :ctx], attn_mask=c.mask, scale=scale,
+                                               enable_gqa=gqa)
         out[c.q_start : c.q_end] = o.transpose(0, 1)
 
-    if meta.decode_block_tables is not None:
-        p = meta.num_prefill_tokens
-        qd = q[p:].unsqueeze(2)  # [b, h, 1, d]
-        kd = _gather(k_cache, meta.decode_block_tables)  # [b, kvh, L, d]
-        vd = _gather(v_cache, meta.decode_block_tables)
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa)
-        out[p:] = o.squeeze(2)
+    p = meta.num_prefill_tokens
+    if meta.shared_blocks is not None:
+        out[p:] = _cascade_decode(q[p:], k_cache, v_cache, meta, scale)
+        return out
+    for g in meta.decode_groups:
+        qd = q[p + g.row_start : p + g.row_end].unsqueeze(2)  # [b, h, 1, d]
+        kd, vd = _gather_kv(k_cache, v_cache, g.block_tables, meta.scratch)  # [b, kvh, L, d]
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scale, enable_gqa=gqa)
+        out[p + g.row_start : p + g.row_end] = o.squeeze(2)
     return out
+
+
+def _heads_as_queries(q: torch.Tensor, kvh: int) -> torch.Tensor:
+    """[b, h, d] -> [b, kv_heads, h // kv_heads, d]: a KV head's query heads become its
+    query rows, so GQA needs no key repetition (HF maps head i to KV head i // group)."""
+    b, h, d = q.shape
+    return q.view(b, kvh, h // kvh, d)
+
+
+def _cascade_decode(qd: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Decode attention split at the shared prefix; see the module docstring."""
+    b, h, d = qd.shape
+    kvh = k_cache.shape[2]
+    g = h // kvh
+    kp, vp = _gather_kv(k_cache, v_cache, meta.shared_blocks[None], meta.scratch)  # [1, kvh, Lp, d]
+    qp = _heads_as_queries(qd, kvh).permute(1, 0, 2, 3).reshape(1, kvh, b * g, d)
+    op, lse_p = _FLASH_LSE(qp, kp, vp, scale=scale)  # [1, kvh, b*g, d], [1, kvh, b*g]
+    op = op.view(kvh, b, g, d).transpose(0, 1)
+    lse_p = lse_p.view(kvh, b, g).transpose(0, 1)
+    out = torch.empty(b, kvh, g, d, dtype=qd.dtype, device=qd.device)
+    for grp in meta.decode_groups:
+        lo, hi = grp.row_start, grp.row_end
+        ks, vs = _gather_kv(k_cache, v_cache, grp.block_tables, meta.scratch)
+        os_, lse_s = _FLASH_LSE(_heads_as_queries(qd[lo:hi], kvh), ks, vs, attn_mask=grp.mask, scale=scale)
+        m = torch.maximum(lse_p[lo:hi], lse_s)
+        wp = (lse_p[lo:hi] - m).exp_().unsqueeze(-1)
+        ws = (lse_s - m).exp_().unsqueeze(-1)
+        out[lo:hi] = (op[lo:hi] * wp + os_ * ws) / (wp + ws)
+    return out.view(b, h, d)

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from gpu_worker.attention import build_metadata, select_backend
+from gpu_worker.attention import GatherScratch, build_metadata, decode_group_blocks, select_backend
 from gpu_worker.llama import LlamaForCausalLM
 from gpu_worker.loader import load_weights
 from gpu_worker.model_config import ModelConfig, load_config
@@ -84,6 +84,8 @@ class ModelRunner:
 
         self.attn_backend = select_backend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                            block_size, self.dtype, self.device)
+        self.decode_group_blocks = decode_group_blocks(self.kv_caches[0][0])
+        self.gather_scratch = GatherScratch()
         self.sampler = Sampler(self.device, seed)
         self.sampling: dict[str, SamplingParams] = {}
         self.generators: dict[str, torch.Generator] = {}
@@ -142,7 +144,8 @@ class ModelRunner:
     def _forward(self, seqs: list[SeqChunk]) -> tuple[list[int], list[SampleLogprobs | None]]:
         # Flattened order: prefill chunks, then decodes (attention batches those).
         prefills = [s for s in seqs if len(s.token_ids) > 1]
-        decodes = [s for s in seqs if len(s.token_ids) == 1]
+        # By length: decode attention runs in groups, and a group pads to its longest.
+        decodes = sorted((s for s in seqs if len(s.token_ids) == 1), key=lambda s: s.start_pos)
         ordered = prefills + decodes
         ids: list[int] = []
         positions: list[int] = []
@@ -161,7 +164,7 @@ class ModelRunner:
         dev = self.device
         meta = build_metadata(
             [(s.start_pos, len(s.token_ids), s.block_table) for s in ordered], len(decodes), self.block_size, dev,
-            backend=self.attn_backend,
+            backend=self.attn_backend, group_blocks=self.decode_group_blocks, scratch=self.gather_scratch,
         )
         hidden = self.model(
             torch.tensor(ids, dtype=torch.long, device=dev),
