@@ -31,14 +31,19 @@ def _configure(sock: zmq.Socket) -> None:
     sock.setsockopt(zmq.RCVHWM, _HWM)
 
 
-def open_socket(ctx: zmq.Context, kind: int, address: str, bind: bool) -> zmq.Socket:
+def open_socket(ctx: zmq.Context, kind: int, addresses: str | list[str],
+                bind: bool) -> zmq.Socket:
+    """One socket bound to (or connected to) every address given."""
     sock = ctx.socket(kind)
     _configure(sock)
-    if bind:
-        _prepare_ipc_path(address)
-        sock.bind(address)
-    else:
-        sock.connect(address)
+    if kind == zmq.SUB:
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+    for addr in [addresses] if isinstance(addresses, str) else addresses:
+        if bind:
+            _prepare_ipc_path(addr)
+            sock.bind(addr)
+        else:
+            sock.connect(addr)
     return sock
 
 
@@ -47,15 +52,7 @@ class Sender:
 
     def __init__(self, ctx: zmq.Context, addresses: str | list[str], bind: bool = False,
                  kind: int = zmq.PUSH) -> None:
-        addrs = [addresses] if isinstance(addresses, str) else list(addresses)
-        self.sock = ctx.socket(kind)
-        _configure(self.sock)
-        for addr in addrs:
-            if bind:
-                _prepare_ipc_path(addr)
-                self.sock.bind(addr)
-            else:
-                self.sock.connect(addr)
+        self.sock = open_socket(ctx, kind, addresses, bind)
         self._encoder = msgspec.msgpack.Encoder()
 
     def send(self, msg: Any) -> Any:
@@ -79,17 +76,7 @@ class Receiver(Generic[T]):
 
     def __init__(self, ctx: zmq.Context, address: str | list[str], msg_type: Any,
                  bind: bool = True, kind: int = zmq.PULL) -> None:
-        addrs = [address] if isinstance(address, str) else list(address)
-        self.sock = ctx.socket(kind)
-        _configure(self.sock)
-        if kind == zmq.SUB:
-            self.sock.setsockopt(zmq.SUBSCRIBE, b"")
-        for addr in addrs:
-            if bind:
-                _prepare_ipc_path(addr)
-                self.sock.bind(addr)
-            else:
-                self.sock.connect(addr)
+        self.sock = open_socket(ctx, kind, address, bind)
         self._decoder = msgspec.msgpack.Decoder(msg_type)
 
     def decode(self, frame: bytes | memoryview) -> T:
