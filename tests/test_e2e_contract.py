@@ -141,3 +141,35 @@ def test_sdk_exception_classes(server):
     with pytest.raises(openai.APIStatusError) as err:
         raw.get("/v1/completions", cast_to=object)
     assert err.value.status_code == 405
+
+
+async def test_chat_echo_prepends_the_final_assistant_message(server):
+    messages = [{"role": "user", "content": "Finish my sentence."},
+                {"role": "assistant", "content": "The sky is"}]
+    base = {"model": "tiny-llama", "messages": messages, "max_tokens": 6, "temperature": 0,
+            "add_generation_prompt": False, "continue_final_message": True}
+    status, _, plain = await _post(server, "/v1/chat/completions", base)
+    assert status == 200
+    status, _, echoed = await _post(server, "/v1/chat/completions", {**base, "echo": True})
+    assert status == 200
+    plain, echoed = json.loads(plain), json.loads(echoed)
+    generated = plain["choices"][0]["message"]["content"]
+    assert echoed["choices"][0]["message"]["content"] == "The sky is" + generated
+    # the echo is not billed as generated tokens (cached_tokens differs: a prefix-cache hit)
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        assert echoed["usage"][key] == plain["usage"][key]
+    # streamed: the echo arrives in the first content frame, then the same generation
+    async with aiohttp.ClientSession() as session:
+        async with session.post(server.base_url + "/v1/chat/completions",
+                                json={**base, "echo": True, "stream": True}) as resp:
+            payload = (await resp.read()).decode()
+    frames = [json.loads(f[6:]) for f in payload.split("\n\n") if f.startswith("data: {")]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in frames if c["choices"])
+    assert text == "The sky is" + generated
+    # no echo when the last message is not the assistant's
+    status, _, user_last = await _post(server, "/v1/chat/completions", {
+        "model": "tiny-llama", "messages": messages[:1], "max_tokens": 3, "temperature": 0,
+        "echo": True})
+    user_last = json.loads(user_last)
+    assert status == 200 and not user_last["choices"][0]["message"]["content"].startswith(
+        "Finish my sentence.")
