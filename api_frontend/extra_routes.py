@@ -16,7 +16,7 @@ from api_frontend.errors import ApiError, from_decode_error
 from api_frontend.generate import complete_report
 from api_frontend.translate import chat_to_generate, completion_to_generate, field_tiers
 from protocol import ipc
-from protocol.openai_api import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+from protocol.openai_api import (ChatCompletionRequest, DetokenizeRequest,
                                  DetokenizeResponse, ModelCard, RenderResponse, TemplateRef,
                                  TokenizeRequest, TokenizeResponse)
 from protocol.topology import ApiSpec

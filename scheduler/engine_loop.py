@@ -19,7 +19,6 @@ import statistics
 import time
 from collections import deque
 
-import msgspec
 import zmq
 
 from protocol import ipc
@@ -226,6 +225,7 @@ class EngineLoop:
         if self.work_after_last_result:
             self.idle_s += msg.idle_s
             self.recent_idle.append(msg.idle_s)
+            self.ops.worker_idle(msg.idle_s)
         self.busy_s += msg.forward_s
         sampled = iter(msg.sampled)
         planner = self.planner
@@ -259,9 +259,8 @@ class EngineLoop:
         self._flush(batches)
 
     def _step_done(self, plan: ipc.StepPlan) -> None:
-        assert self.planner is not None
         prefill = any(len(c.token_ids) > 1 or not c.sample for c in plan.seqs)
-        self.ops.step_done(prefill, bool(self.planner.running or self.planner.waiting))
+        self.ops.step_done(prefill)
 
     def _heartbeat(self, now: float) -> None:
         if now - self.last_heartbeat < HEARTBEAT_S:

@@ -91,7 +91,6 @@ class SchedulerOps:
         self.aborts: dict[str, int] = {cause: 0 for cause in ABORT_CAUSES}
         self._enqueued: dict[str, float] = {}
         self._step_sent = 0.0
-        self._result_at: float | None = None  # last result, if work was pending then
 
     def enqueued(self, rid: str) -> None:
         self._enqueued[rid] = time.monotonic()
@@ -106,19 +105,18 @@ class SchedulerOps:
         now = time.monotonic()
         self._step_sent = now
         self.preemptions += preempted
-        if self._result_at is not None:
-            self.metrics.worker_idle.observe(now - self._result_at)
-            self._result_at = None
         for rid in rids:
             queued = self._enqueued.pop(rid, None)
             if queued is not None:
                 self.metrics.queue_time.observe(now - queued)
 
-    def step_done(self, prefill: bool, work_pending: bool) -> None:
-        now = time.monotonic()
+    def step_done(self, prefill: bool) -> None:
         self.metrics.step_time.labels("prefill" if prefill else "decode").observe(
-            now - self._step_sent)
-        self._result_at = now if work_pending else None
+            time.monotonic() - self._step_sent)
+
+    def worker_idle(self, idle_s: float) -> None:
+        """The gap the worker itself measured between its last result and this plan."""
+        self.metrics.worker_idle.observe(idle_s)
 
     def in_flight_s(self, in_flight: bool) -> float:
         return time.monotonic() - self._step_sent if in_flight else 0.0

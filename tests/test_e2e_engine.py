@@ -5,7 +5,6 @@ transformers whether a request hit the cache, was preempted, or neither."""
 from __future__ import annotations
 
 import asyncio
-import json
 
 import aiohttp
 import pytest
