@@ -96,13 +96,15 @@ class Server:
                 self.proc.wait()
 
 
-def candor_server(model: Path, name: str, threads: int, kv_blocks: int | None) -> Server:
+def candor_server(model: Path, name: str, threads: int, kv_blocks: int | None,
+                  extra: list[str] = ()) -> Server:
     port = _free_port()
     cmd = [sys.executable, "launch_cluster.py", "serve", "--model", str(model),
            "--served-model-name", name, "--port", str(port), "--max-model-len", "2048",
            "--dtype", "float32", "--worker-threads", str(threads)]
     if kv_blocks:
         cmd += ["--num-kv-blocks", str(kv_blocks)]
+    cmd += list(extra)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return Server("candor", cmd, env, port)
 
