@@ -57,7 +57,8 @@ class Sampler:
         generators: list[torch.Generator | None],
         histories: list[History | None] | None = None,
     ) -> tuple[list[int], list[TokenLogprob | None]]:
-        """logits: [rows, vocab]. ``generators[i]`` is row i's own generator, or None;
+        """logits: [rows, vocab], modified in place (bias, masks, penalties): the caller
+        must not reuse them. ``generators[i]`` is row i's own generator, or None;
         ``histories[i]`` row i's token history (needed only where ``needs_history``).
         Returns the sampled ids and, per row, its logprobs (None where not asked for)."""
         lp_rows = [i for i, p in enumerate(params) if p.logprobs >= 0]
@@ -82,9 +83,9 @@ class Sampler:
     def _process(self, logits: torch.Tensor, params: list[SamplingParams],
                  histories: list[History | None]) -> torch.Tensor:
         dev = logits.device
+        # In place: a copy would cost B x V per step whenever one row has a bias, and the
+        # raw log-softmax the logprobs need was taken before processing.
         bias = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias]
-        if bias or any(p.min_tokens for p in params):
-            logits = logits.clone()  # the caller's tensor stays the model's raw output
         if bias:
             rows, ids, values = zip(*bias)
             logits.index_put_((torch.tensor(rows, device=dev), torch.tensor(ids, device=dev)),

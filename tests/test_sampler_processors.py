@@ -66,9 +66,9 @@ def test_logprobs_are_raw_log_softmax_before_processors():
     logits = torch.randn(2, 30)
     params = [SamplingParams(temperature=0.0, logprobs=3, logit_bias=[(7, 100.0)]),
               SamplingParams(temperature=0.5, top_k=2)]
+    ref = torch.log_softmax(logits[0], -1)  # before: the sampler works in place
     tokens, lps = Sampler().sample(logits, params, [None, None])
     assert tokens[0] == 7 and lps[1] is None
-    ref = torch.log_softmax(logits[0], -1)
     assert abs(lps[0].logprob - ref[7].item()) < 1e-5
     top = ref.topk(3)
     assert lps[0].top_ids == top.indices.tolist()
