@@ -12,6 +12,9 @@ into a reused scratch buffer and makes one padded, length-masked SDPA call. Grou
 sized so their gathered K and V stay cache-resident (a few MB): gathering a whole
 32-stream batch at once spills to DRAM and costs ~2x more per layer on CPU.
 
+With the compiled CPU kernel (``cpu_decode``), decodes skip all of that: it reads the
+blocks in place through padded block tables and per-decode lengths.
+
 Cascade decode: when every decode's table starts with the same (prefix-cached, hence
 full and immutable) blocks, those are gathered once and attended by all decodes' queries
 in one call; each group then attends only its own suffix, and the two partial results
@@ -74,6 +77,9 @@ class AttentionMetadata:
     shared_blocks: torch.Tensor | None = None  # [P] leading blocks every decode shares (cascade)
     scratch: GatherScratch | None = None  # None: gathers allocate their own output
     impl: object | None = None  # another backend's per-step state (has ``attend``); None: torch
+    decode_kernel: object | None = None  # cpu_decode kernel; set: decodes skip groups and gathers
+    decode_tables: torch.Tensor | None = None  # [decodes, max_blocks] long, padded (kernel only)
+    decode_lens: torch.Tensor | None = None  # [decodes] long context lengths (kernel only)
 
 
 def select_backend(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
@@ -111,6 +117,7 @@ def build_metadata(
     backend=None,
     group_blocks: int | None = None,
     scratch: GatherScratch | None = None,
+    decode_kernel=None,
 ) -> AttentionMetadata:
     """Index tensors for one step.
 
@@ -118,6 +125,8 @@ def build_metadata(
     prefill chunks first, then the ``num_decodes`` single-token decodes. ``backend``
     (from ``select_backend``) plans its own kernels; None builds the torch path's masks.
     ``group_blocks`` caps the (padded) blocks one decode group gathers (None: one group).
+    ``decode_kernel`` (from ``cpu_decode.load``) attends decodes in place, unless they
+    share a prefix worth a cascade pass.
     """
     slots: list[int] = []
     for start, n, table in chunks:
@@ -149,6 +158,11 @@ def build_metadata(
         ctx_lens = [start + 1 for start, _, _ in chunks[num_prefills:]]
         tables = [t for _, _, t in chunks[num_prefills:]]
         shared = _shared_prefix(ctx_lens, tables, block_size) if device.type == "cpu" else 0
+        if decode_kernel is not None and not shared:
+            meta.decode_kernel = decode_kernel
+            meta.decode_lens = torch.tensor(ctx_lens, dtype=torch.long, device=device)
+            meta.decode_tables = _padded_tables(ctx_lens, tables, block_size, device)
+            return meta
         if shared:
             meta.shared_blocks = torch.tensor(tables[0][:shared], dtype=torch.long, device=device)
             ctx_lens = [c - shared * block_size for c in ctx_lens]
@@ -188,21 +202,29 @@ def _shared_prefix(ctx_lens: list[int], tables: list[list[int]], block_size: int
     return n if n >= CASCADE_MIN_BLOCKS else 0
 
 
+def _padded_tables(lens: list[int], tables: list[list[int]], block_size: int,
+                   device: torch.device) -> torch.Tensor:
+    """[rows, max_blocks] block ids, each table cut to its length and padded with block 0
+    (any valid block works: the length mask hides it)."""
+    max_blocks = -(-max(lens) // block_size)
+    padded = []
+    for t, c in zip(tables, lens):
+        t = t[: -(-c // block_size)]
+        padded.append(t + [0] * (max_blocks - len(t)))
+    return torch.tensor(padded, dtype=torch.long, device=device)
+
+
 def _decode_group(lo: int, hi: int, ctx_lens: list[int], tables: list[list[int]], block_size: int,
                   device: torch.device, additive: bool = False) -> DecodeGroup:
     lens = ctx_lens[lo:hi]
-    max_blocks = -(-max(lens) // block_size)
-    # Pad with block 0: any valid block works, the length mask hides it.
-    padded = []
-    for t, c in zip(tables[lo:hi], lens):
-        t = t[: -(-c // block_size)]
-        padded.append(t + [0] * (max_blocks - len(t)))
+    block_tables = _padded_tables(lens, tables[lo:hi], block_size, device)
+    max_blocks = block_tables.shape[1]
     lens_t = torch.tensor(lens, dtype=torch.long, device=device)
     key_pos = torch.arange(max_blocks * block_size, device=device)
     mask = (key_pos[None, :] < lens_t[:, None])[:, None, None, :]
     if additive:  # the LSE-returning kernel wants the mask in the query's dtype
         mask = torch.zeros(mask.shape, device=device).masked_fill_(~mask, float("-inf"))
-    return DecodeGroup(lo, hi, torch.tensor(padded, dtype=torch.long, device=device), mask)
+    return DecodeGroup(lo, hi, block_tables, mask)
 
 
 def write_kv(
@@ -271,6 +293,10 @@ def paged_attention(
         out[c.q_start : c.q_end] = o.transpose(0, 1)
 
     p = meta.num_prefill_tokens
+    if meta.decode_kernel is not None:
+        out[p:] = meta.decode_kernel(q[p:].contiguous(), k_cache, v_cache, meta.decode_tables,
+                                     meta.decode_lens, scale)
+        return out
     if meta.shared_blocks is not None:
         out[p:] = _cascade_decode(q[p:], k_cache, v_cache, meta, scale)
         return out

@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from gpu_worker import cpu_decode
 from gpu_worker.attention import GatherScratch, build_metadata, decode_group_blocks, select_backend
 from gpu_worker.llama import LlamaForCausalLM
 from gpu_worker.loader import load_weights
@@ -86,6 +87,7 @@ class ModelRunner:
                                            block_size, self.dtype, self.device)
         self.decode_group_blocks = decode_group_blocks(self.kv_caches[0][0])
         self.gather_scratch = GatherScratch()
+        self.decode_kernel = None if self.attn_backend else cpu_decode.load(self.device, self.dtype)
         self.sampler = Sampler(self.device, seed)
         self.sampling: dict[str, SamplingParams] = {}
         self.generators: dict[str, torch.Generator] = {}
@@ -165,6 +167,7 @@ class ModelRunner:
         meta = build_metadata(
             [(s.start_pos, len(s.token_ids), s.block_table) for s in ordered], len(decodes), self.block_size, dev,
             backend=self.attn_backend, group_blocks=self.decode_group_blocks, scratch=self.gather_scratch,
+            decode_kernel=self.decode_kernel,
         )
         hidden = self.model(
             torch.tensor(ids, dtype=torch.long, device=dev),

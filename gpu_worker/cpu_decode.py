@@ -1,0 +1,43 @@
+"""Fused paged decode attention for CPU, built from ``paged_decode.cpp`` on first use.
+
+Why: the torch path gathers each decode's KV blocks into a scratch copy before SDPA,
+so every KV byte is read from DRAM, written, then read again. The kernel reads the
+cache in place, once per pass (~1.7x faster per layer on a (b)-shaped batch: 32
+streams, 12 heads, contexts 128-256). It is compiled with the system C++ compiler via
+``torch.utils.cpp_extension`` (~45 s the first time, then cached under
+``TORCH_EXTENSIONS_DIR``); where that fails, ``load`` returns None and the torch path
+stays in use. ``CANDOR_CPU_DECODE_KERNEL=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+_SOURCE = Path(__file__).with_name("paged_decode.cpp")
+log = logging.getLogger(__name__)
+
+
+def load(device: torch.device, dtype: torch.dtype):
+    """The compiled ``paged_decode(q, k_cache, v_cache, tables, lens, scale)``, or None
+    when it does not apply (not CPU/fp32, disabled) or cannot be built."""
+    if device.type != "cpu" or dtype != torch.float32:
+        return None
+    if os.environ.get("CANDOR_CPU_DECODE_KERNEL", "1") == "0":
+        return None
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        module = load_inline(
+            "candor_paged_decode",
+            cpp_sources=[_SOURCE.read_text()],
+            functions=["paged_decode"],
+            extra_cflags=["-O3", "-fopenmp"],
+        )
+    except Exception as exc:  # no compiler, no headers, ...: the torch path still works
+        log.warning("CPU decode kernel unavailable, using the torch path: %s", exc)
+        return None
+    return module.paged_decode
