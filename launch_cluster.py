@@ -78,6 +78,8 @@ def _spawn(cfg: ProcessConfig, devices: list[int]) -> subprocess.Popen:
     if cfg.metrics_dir is not None:  # read by prometheus_client when a child imports it
         env[METRICS_ENV] = cfg.metrics_dir
     env.setdefault("PYTHONUNBUFFERED", "1")
+    # the environment's own tools first (ninja builds the gpu_worker's CPU decode kernel)
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     here = os.path.dirname(os.path.abspath(__file__))
     env["PYTHONPATH"] = here + os.pathsep + env.get("PYTHONPATH", "")
     return subprocess.Popen([sys.executable, "-m", cfg.role, msgspec.json.encode(cfg).decode()],
