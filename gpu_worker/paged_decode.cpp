@@ -19,7 +19,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kc, torch::Tensor vc,
   tables = tables.contiguous(); lens = lens.contiguous();
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t BS = kc.size(1), KVH = kc.size(2), MB = tables.size(1);
-  TORCH_CHECK(kc.size(3) == D && H % KVH == 0);
+  TORCH_CHECK(kc.size(3) == D && H % KVH == 0 && vc.sizes() == kc.sizes());
   const int64_t G = H / KVH;
   TORCH_CHECK(tables.size(0) == B && lens.size(0) == B);
   if (B == 0) return torch::empty_like(q);
