@@ -27,7 +27,7 @@ serve: model
 	$(VENV)/bin/candor serve --model $(MODEL_DIR) --host $(HOST) --port $(PORT)
 
 test: install
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest -q -p no:cacheprovider tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info
