@@ -15,8 +15,8 @@ from aiohttp import web
 
 from api_frontend import extra_routes
 from api_frontend.engine_client import EngineClient
-from api_frontend.errors import ApiError, from_decode_error
-from api_frontend.generate import RETRY_AFTER_S, run_generation
+from api_frontend.errors import ApiError, check_served_model, from_decode_error
+from api_frontend.generate import run_generation
 from protocol.openai_api import (ChatCompletionRequest, CompletionRequest, ModelCard,
                                  ModelList)
 from protocol.topology import ApiSpec
@@ -72,17 +72,12 @@ def _decode(body: bytes, kind: type) -> tuple[msgspec.Struct, list[str]]:
 
 def _check_model(request: web.Request, name: str) -> ModelCard:
     card = request.app[MODEL_KEY]
-    if name != card.id:
-        raise ApiError(404, f"The model {name!r} does not exist on this deployment. "
-                       f"Served models: [{card.id!r}]", "model", "model_not_found")
+    check_served_model(card, name)
     return card
 
 
 async def _generate(request: web.Request, kind: type) -> web.StreamResponse:
-    engine = request.app[ENGINE_KEY]
-    full = engine.queue_full()  # shed load before parsing or tokenizing anything
-    if full is not None:
-        raise ApiError(503, full, None, "queue_full", headers={"Retry-After": RETRY_AFTER_S})
+    # admission (topology health, queue bound) is ops_middleware's, before this runs
     parsed, keys = _decode(await request.read(), kind)
     card = _check_model(request, parsed.model)
     return await run_generation(request, request.app[ENGINE_KEY], card, request.app[API_KEY],

@@ -7,7 +7,8 @@ import re
 import msgspec
 from aiohttp import web
 
-from protocol.openai_api import ErrorBody, ErrorDetail
+from protocol.ipc import RequestError
+from protocol.openai_api import ErrorBody, ErrorDetail, ModelCard
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error",
           404: "not_found_error", 405: "invalid_request_error",
@@ -15,6 +16,8 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error",
           500: "internal_error"}
 
 _ENCODER = msgspec.json.Encoder()
+
+RETRY_AFTER_S = "1"  # seconds, on a 503 the engine answered (queue full, lost process)
 
 
 class ApiError(Exception):
@@ -34,6 +37,12 @@ class ApiError(Exception):
 
     def encode(self) -> bytes:
         return _ENCODER.encode(self.body())
+
+    @classmethod
+    def from_engine(cls, msg: RequestError) -> "ApiError":
+        """A failure a worker reported for one request; 503s tell the client when to retry."""
+        headers = {"Retry-After": RETRY_AFTER_S} if msg.status == 503 else None
+        return cls(msg.status, msg.message, msg.param, msg.code, msg.type, headers)
 
     def response(self) -> web.Response:
         return web.Response(status=self.status, body=self.encode(),
@@ -61,3 +70,10 @@ def from_decode_error(err: msgspec.MsgspecError) -> ApiError:
         field = missing.group("field")
         param = f"{param}.{field}" if param else field
     return ApiError(400, f"Invalid request: {text}", param, "invalid_value")
+
+
+def check_served_model(card: ModelCard, name: str) -> None:
+    """404 naming what is served when a request asks for another model (no aliases)."""
+    if name != card.id:
+        raise ApiError(404, f"The model {name!r} does not exist on this deployment. "
+                       f"Served models: [{card.id!r}]", "model", "model_not_found")

@@ -12,7 +12,7 @@ import msgspec
 from aiohttp import web
 
 from api_frontend.engine_client import EngineClient
-from api_frontend.errors import ApiError, from_decode_error
+from api_frontend.errors import ApiError, check_served_model, from_decode_error
 from api_frontend.generate import complete_report
 from api_frontend.translate import chat_to_generate, completion_to_generate, field_tiers
 from protocol import ipc
@@ -36,12 +36,6 @@ def _decode(body: bytes, kind: type):
         raise from_decode_error(err) from None
 
 
-def _check_model(card: ModelCard, name: str | None) -> None:
-    if name is not None and name != card.id:
-        raise ApiError(404, f"The model {name!r} does not exist on this deployment. "
-                       f"Served models: [{card.id!r}]", "model", "model_not_found")
-
-
 async def _ask(engine: EngineClient, req: ipc.RenderReq) -> ipc.RenderResult:
     queue = await engine.submit(req)
     try:
@@ -49,7 +43,7 @@ async def _ask(engine: EngineClient, req: ipc.RenderReq) -> ipc.RenderResult:
     finally:
         engine.release(req.rid)
     if isinstance(msg, ipc.RequestError):
-        raise ApiError(msg.status, msg.message, msg.param, msg.code, msg.type)
+        raise ApiError.from_engine(msg)
     return msg
 
 
@@ -74,7 +68,8 @@ async def render(request: web.Request, engine: EngineClient, card: ModelCard, ap
 async def tokenize(request: web.Request, engine: EngineClient, card: ModelCard,
                    api: ApiSpec) -> web.Response:
     body = _decode(await request.read(), TokenizeRequest)
-    _check_model(card, body.model)
+    if body.model is not None:
+        check_served_model(card, body.model)
     if (body.prompt is None) == (body.messages is None):
         raise ApiError(400, "send exactly one of `prompt` or `messages`", "prompt",
                        "invalid_value")
@@ -97,7 +92,8 @@ async def tokenize(request: web.Request, engine: EngineClient, card: ModelCard,
 
 async def detokenize(request: web.Request, engine: EngineClient, card: ModelCard) -> web.Response:
     body = _decode(await request.read(), DetokenizeRequest)
-    _check_model(card, body.model)
+    if body.model is not None:
+        check_served_model(card, body.model)
     rid = f"detok-{uuid.uuid4().hex}"
     result = await _ask(engine, ipc.RenderReq(rid, engine.reply_to, token_ids=body.tokens))
     return _json(DetokenizeResponse(result.prompt_text))

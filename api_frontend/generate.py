@@ -29,14 +29,6 @@ from protocol.topology import ApiSpec
 _JSON = msgspec.json.Encoder()
 
 
-RETRY_AFTER_S = "1"  # seconds, on every 503 (queue full, engine unavailable)
-
-
-def _error_of(msg: ipc.RequestError) -> ApiError:
-    headers = {"Retry-After": RETRY_AFTER_S} if msg.status == 503 else None
-    return ApiError(msg.status, msg.message, msg.param, msg.code, msg.type, headers)
-
-
 def complete_report(report: CandorReport, info: ipc.RequestInfo) -> CandorReport:
     """Fold the tokenizer worker's findings (template, clamps, ignored kwargs) in."""
     for adj in info.adjustments:
@@ -77,7 +69,7 @@ async def run_generation(request: web.Request, engine: EngineClient, card: Model
         while len(infos) < len(reqs):
             msg = await queue.get()
             if isinstance(msg, ipc.RequestError):
-                raise _error_of(msg)
+                raise ApiError.from_engine(msg)
             if isinstance(msg, ipc.RequestInfo):
                 infos[msg.rid] = msg
             else:
@@ -102,7 +94,7 @@ async def run_generation(request: web.Request, engine: EngineClient, card: Model
             while unfinished:
                 msg = await queue.get()
                 if isinstance(msg, ipc.RequestError):
-                    raise _error_of(msg)
+                    raise ApiError.from_engine(msg)
                 if isinstance(msg, ipc.TextDelta):
                     yield msg
 

@@ -18,7 +18,7 @@ import uuid
 from aiohttp import web
 
 from api_frontend.engine_client import EngineClient
-from api_frontend.errors import ApiError
+from api_frontend.errors import RETRY_AFTER_S, ApiError
 from api_frontend.metrics import FrontendMetrics
 from api_frontend.topology_watch import TopologyWatch
 from protocol import ipc
@@ -56,14 +56,23 @@ class Ops:
                        f"{stats.step_in_flight_s:.0f}s")
         return out
 
-    def refuse_generation(self) -> str | None:
-        """Why a new generation request cannot be served now (it would only hang)."""
+    def refuse_generation(self) -> ApiError | None:
+        """The 503 a new generation request gets now, if any: the topology cannot serve
+        it (it would only hang), or the waiting queue is full (shed before tokenizing)."""
+        why = None
         if self.draining:
-            return "this server is shutting down and accepts no new requests"
-        failed = self.watch.failed()
-        if failed is not None:
-            return f"the topology is stopping: {failed}"
-        return self.engine.engine_problem()
+            why = "this server is shutting down and accepts no new requests"
+        elif (failed := self.watch.failed()) is not None:
+            why = f"the topology is stopping: {failed}"
+        else:
+            why = self.engine.engine_problem()
+        if why is not None:
+            return ApiError(503, why, None, "unavailable", headers={"Retry-After": "5"})
+        full = self.engine.queue_full()
+        if full is not None:
+            return ApiError(503, full, None, "queue_full",
+                            headers={"Retry-After": RETRY_AFTER_S})
+        return None
 
     async def drain(self) -> None:
         """Refuse new work, then wait for in-flight requests up to the grace period."""
@@ -88,11 +97,10 @@ async def ops_middleware(request: web.Request, handler):
     ops = request.app[OPS_KEY]
     route = _route_label(request)
     if request.method == "POST" and request.path in GENERATION_ROUTES:
-        why = ops.refuse_generation()
-        if why is not None:
+        refusal = ops.refuse_generation()
+        if refusal is not None:
             ops.metrics.requests.labels(route, "503", "none").inc()
-            return ApiError(503, why, None, "unavailable",
-                            headers={"Retry-After": "5"}).response()
+            return refusal.response()
     try:
         response = await handler(request)
     except (asyncio.CancelledError, ConnectionResetError):

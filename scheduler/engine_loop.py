@@ -15,9 +15,7 @@ and a recent median over steps where work was waiting (``worker_idle_*``).
 from __future__ import annotations
 
 import logging
-import statistics
 import time
-from collections import deque
 
 import zmq
 
@@ -73,10 +71,7 @@ class EngineLoop:
         self.arrivals = 0
         self.last_heartbeat = 0.0
         self.max_waiting = cfg.engine.max_waiting_requests
-        self.idle_s = 0.0  # worker idle between consecutive steps while work was queued
-        self.busy_s = 0.0
-        self.recent_idle: deque[float] = deque(maxlen=256)
-        self.work_after_last_result = False
+        self.work_after_last_result = False  # did the worker's last idle gap have work?
         self.ops = SchedulerOps()
 
     # ------------------------------------------------------------------ helpers
@@ -222,11 +217,7 @@ class EngineLoop:
                     self.ops.aborted("error")
             self._flush(batches)
             return
-        if self.work_after_last_result:
-            self.idle_s += msg.idle_s
-            self.recent_idle.append(msg.idle_s)
-            self.ops.worker_idle(msg.idle_s)
-        self.busy_s += msg.forward_s
+        self.ops.worker_result(msg.idle_s, msg.forward_s, self.work_after_last_result)
         sampled = iter(msg.sampled)
         planner = self.planner
         sampled_lps = iter(msg.logprobs) if msg.logprobs else None
@@ -277,9 +268,8 @@ class EngineLoop:
             max_waiting=self.max_waiting,
             cached_blocks=planner.allocator.num_cached if planner else 0,
             prefix_hit_blocks=planner.allocator.hits if planner else 0,
-            worker_idle_s=self.idle_s, worker_busy_s=self.busy_s,
-            worker_idle_ms_p50=1000 * statistics.median(self.recent_idle)
-            if self.recent_idle else 0.0,
+            worker_idle_s=self.ops.worker_idle_s, worker_busy_s=self.ops.worker_busy_s,
+            worker_idle_ms_p50=self.ops.worker_idle_ms_p50(),
             preemptions=self.ops.preemptions, aborts=dict(self.ops.aborts),
             prefix_cache_queried_tokens=planner.prefix_queried_tokens if planner else 0,
             prefix_cache_hit_tokens=planner.prefix_hit_tokens if planner else 0,

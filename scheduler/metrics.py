@@ -8,7 +8,9 @@ and the heartbeat never disagree. Files land in the host's multiprocess director
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -91,6 +93,9 @@ class SchedulerOps:
         self.aborts: dict[str, int] = {cause: 0 for cause in ABORT_CAUSES}
         self._enqueued: dict[str, float] = {}
         self._step_sent = 0.0
+        self.worker_idle_s = 0.0  # idle between consecutive steps while work was queued
+        self.worker_busy_s = 0.0  # inside steps
+        self._recent_idle: deque[float] = deque(maxlen=256)
 
     def enqueued(self, rid: str) -> None:
         self._enqueued[rid] = time.monotonic()
@@ -114,9 +119,17 @@ class SchedulerOps:
         self.metrics.step_time.labels("prefill" if prefill else "decode").observe(
             time.monotonic() - self._step_sent)
 
-    def worker_idle(self, idle_s: float) -> None:
-        """The gap the worker itself measured between its last result and this plan."""
-        self.metrics.worker_idle.observe(idle_s)
+    def worker_result(self, idle_s: float, forward_s: float, work_was_queued: bool) -> None:
+        """The worker's own timings for one step: ``idle_s`` is the gap it measured
+        between its last result and this plan, which counts only when work was queued."""
+        self.worker_busy_s += forward_s
+        if work_was_queued:
+            self.worker_idle_s += idle_s
+            self._recent_idle.append(idle_s)
+            self.metrics.worker_idle.observe(idle_s)
+
+    def worker_idle_ms_p50(self) -> float:
+        return 1000 * statistics.median(self._recent_idle) if self._recent_idle else 0.0
 
     def in_flight_s(self, in_flight: bool) -> float:
         return time.monotonic() - self._step_sent if in_flight else 0.0

@@ -45,7 +45,6 @@ class Planner:
         self.enable_prefix_caching = enable_prefix_caching
         self.waiting = WaitQueue()
         self.running: list[SchedRequest] = []
-        self.num_preemptions = 0
         # prompt tokens looked up in / served from the prefix cache, cumulative
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
@@ -103,7 +102,6 @@ class Planner:
         self.free(victim)
         victim.num_computed = 0
         victim.preemptions += 1
-        self.num_preemptions += 1
         self.waiting.appendleft(victim)
         step.preempted.append(victim)
 
