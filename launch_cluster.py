@@ -50,6 +50,11 @@ DEFAULT_MODEL_DIR = os.path.expanduser(
 # gpu_worker, which sets its own count.
 _LEAN_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "RAYON_NUM_THREADS": "1",
              "TOKENIZERS_PARALLELISM": "false"}
+# torch's CPU allocator puts tensors of 2 MB and up on transparent huge pages (read once,
+# at its first allocation). Weights and the KV cache are read block by block every step;
+# with 4 KB pages the TLB misses cost ~20% of a 100M-model decode step on CPU (measured:
+# 190 -> 155 ms). An operator's own setting wins.
+_WORKER_ENV = {"THP_MEM_ALLOC_ENABLE": "1"}
 
 
 @dataclass
@@ -73,8 +78,10 @@ def _spawn(cfg: ProcessConfig, devices: list[int]) -> subprocess.Popen:
     env = dict(os.environ)
     if cfg.role != "gpu_worker":
         env.update(_LEAN_ENV)
-    elif devices:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
+    else:
+        env = {**_WORKER_ENV, **env}
+        if devices:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
     if cfg.metrics_dir is not None:  # read by prometheus_client when a child imports it
         env[METRICS_ENV] = cfg.metrics_dir
     env.setdefault("PYTHONUNBUFFERED", "1")

@@ -13,7 +13,8 @@ sized so their gathered K and V stay cache-resident (a few MB): gathering a whol
 32-stream batch at once spills to DRAM and costs ~2x more per layer on CPU.
 
 With the compiled CPU kernel (``cpu_decode``), decodes skip all of that: it reads the
-blocks in place through padded block tables and per-decode lengths.
+blocks in place through padded block tables and per-decode lengths (and, under a
+cascade, attends each decode's own suffix).
 
 Cascade decode: when every decode's table starts with the same (prefix-cached, hence
 full and immutable) blocks, those are gathered once and attended by all decodes' queries
@@ -125,8 +126,8 @@ def build_metadata(
     prefill chunks first, then the ``num_decodes`` single-token decodes. ``backend``
     (from ``select_backend``) plans its own kernels; None builds the torch path's masks.
     ``group_blocks`` caps the (padded) blocks one decode group gathers (None: one group).
-    ``decode_kernel`` (from ``cpu_decode.load``) attends decodes in place, unless they
-    share a prefix worth a cascade pass.
+    ``decode_kernel`` (from ``cpu_decode.load``) attends decodes in place (their own
+    suffix when they share a prefix worth a cascade pass).
     """
     slots: list[int] = []
     for start, n, table in chunks:
@@ -158,15 +159,15 @@ def build_metadata(
         ctx_lens = [start + 1 for start, _, _ in chunks[num_prefills:]]
         tables = [t for _, _, t in chunks[num_prefills:]]
         shared = _shared_prefix(ctx_lens, tables, block_size) if device.type == "cpu" else 0
-        if decode_kernel is not None and not shared:
-            meta.decode_kernel = decode_kernel
-            meta.decode_lens = torch.tensor(ctx_lens, dtype=torch.long, device=device)
-            meta.decode_tables = _padded_tables(ctx_lens, tables, block_size, device)
-            return meta
         if shared:
             meta.shared_blocks = torch.tensor(tables[0][:shared], dtype=torch.long, device=device)
             ctx_lens = [c - shared * block_size for c in ctx_lens]
             tables = [t[shared:] for t in tables]
+        if decode_kernel is not None:
+            meta.decode_kernel = decode_kernel
+            meta.decode_lens = torch.tensor(ctx_lens, dtype=torch.long, device=device)
+            meta.decode_tables = _padded_tables(ctx_lens, tables, block_size, device)
+            return meta
         for lo, hi in _decode_groups(ctx_lens, block_size, group_blocks):
             meta.decode_groups.append(_decode_group(lo, hi, ctx_lens, tables, block_size, device,
                                                     additive=bool(shared)))
@@ -293,9 +294,9 @@ def paged_attention(
         out[c.q_start : c.q_end] = o.transpose(0, 1)
 
     p = meta.num_prefill_tokens
-    if meta.decode_kernel is not None:
+    if meta.decode_kernel is not None and meta.shared_blocks is None:
         out[p:] = meta.decode_kernel(q[p:].contiguous(), k_cache, v_cache, meta.decode_tables,
-                                     meta.decode_lens, scale)
+                                     meta.decode_lens, scale)[0]
         return out
     if meta.shared_blocks is not None:
         out[p:] = _cascade_decode(q[p:], k_cache, v_cache, meta, scale)
@@ -326,13 +327,22 @@ def _cascade_decode(qd: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     op, lse_p = _FLASH_LSE(qp, kp, vp, scale=scale)  # [1, kvh, b*g, d], [1, kvh, b*g]
     op = op.view(kvh, b, g, d).transpose(0, 1)
     lse_p = lse_p.view(kvh, b, g).transpose(0, 1)
+    if meta.decode_kernel is not None:
+        os_, lse_s = meta.decode_kernel(qd.contiguous(), k_cache, v_cache, meta.decode_tables,
+                                        meta.decode_lens, scale)
+        return _merge(op, lse_p, os_.view(b, kvh, g, d), lse_s.view(b, kvh, g)).reshape(b, h, d)
     out = torch.empty(b, kvh, g, d, dtype=qd.dtype, device=qd.device)
     for grp in meta.decode_groups:
         lo, hi = grp.row_start, grp.row_end
         ks, vs = _gather_kv(k_cache, v_cache, grp.block_tables, meta.scratch)
         os_, lse_s = _FLASH_LSE(_heads_as_queries(qd[lo:hi], kvh), ks, vs, attn_mask=grp.mask, scale=scale)
-        m = torch.maximum(lse_p[lo:hi], lse_s)
-        wp = (lse_p[lo:hi] - m).exp_().unsqueeze(-1)
-        ws = (lse_s - m).exp_().unsqueeze(-1)
-        out[lo:hi] = (op[lo:hi] * wp + os_ * ws) / (wp + ws)
+        out[lo:hi] = _merge(op[lo:hi], lse_p[lo:hi], os_, lse_s)
     return out.view(b, h, d)
+
+
+def _merge(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor) -> torch.Tensor:
+    """Attention over two disjoint key sets from each one's output and log-sum-exp."""
+    m = torch.maximum(lse1, lse2)
+    w1 = (lse1 - m).exp_().unsqueeze(-1)
+    w2 = (lse2 - m).exp_().unsqueeze(-1)
+    return (o1 * w1 + o2 * w2) / (w1 + w2)
