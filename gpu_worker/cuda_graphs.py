@@ -35,7 +35,7 @@ makes the graphs' memory use visible before the KV cache is in use. ``enforce_ea
 from __future__ import annotations
 
 import bisect
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -1,9 +1,12 @@
 """Paged attention on CUDA through flashinfer's batch prefill/decode wrappers.
 
 Status: every call here was read against flashinfer-python 0.7.4's source (``decode.py``,
-``prefill.py``, ``jit/utils.py``) and cross-checked with 0.6.13, whose signatures are the
-same for what we use. It has NEVER RUN ON A GPU: the CPU tests cover only the pure
-parts (page tables, support checks); ``bench/gpu_check.sh`` is the prepared GPU check.
+``prefill.py``, ``jit/utils.py``, ``aot.py``) and cross-checked with 0.6.13 (the version
+``bench/gpu_check.sh`` carries: 0.7's wheels are too big to carry), whose signatures are
+the same for what we use. It has NEVER RUN ON A GPU. On CPU, ``tests/test_cuda_graphs.py``
+drives it through ``tests/fake_flashinfer.py`` (0.7.4's signatures, torch arithmetic) to
+greedy parity with HF, graph-mode wrappers included; the real kernels, their numerics
+and CUDA-graph capture are ``bench/gpu_check.sh``'s to check.
 
 What the reading established (and the code follows):
 - ``BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")`` and
@@ -23,8 +26,9 @@ What the reading established (and the code follows):
   ``kv_len - qo_len + i``), which is what a later chunk of a long prompt needs.
 - dtypes: the kernels are instantiated for fp16/bf16 (and fp8 KV); ``jit/utils.py``'s
   dtype map has no float32 at all, so fp32 stays on the torch path.
-- head_dim: 64, 128 and 256 are the sizes flashinfer builds and documents (the tiny
-  test model's 16 is not); others stay on the torch path.
+- head_dim: 64, 128 and 256 are the sizes flashinfer's ahead-of-time build covers
+  (``aot.py``: fa2 (64, 128, 256), fa3 adds (192, 128)); the JIT may build others, but
+  that is unchecked, so they (the tiny test model's 16 among them) stay on the torch path.
 - CUDA graphs: a wrapper built with ``use_cuda_graph=True`` and caller-owned
   ``paged_kv_indptr_buffer`` [batch + 1], ``paged_kv_indices_buffer`` and
   ``paged_kv_last_page_len_buffer`` [batch] has a fixed batch size; ``plan`` (outside the
@@ -165,7 +169,7 @@ class FlashInferBackend:
 
     # ------------------------------------------------------------------ CUDA graphs
 
-    def graph_decode(self, size: int, indices: torch.Tensor) -> "GraphDecodeAttention":
+    def graph_decode(self, size: int, indices: torch.Tensor) -> GraphDecodeAttention:
         """Decode attention for one captured batch size; ``indices`` (int32, on the device)
         is the page-id buffer, shared by all sizes: only one replays at a time, and it
         must hold ``size`` times the most pages one sequence can have."""

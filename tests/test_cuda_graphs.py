@@ -20,7 +20,15 @@ from gpu_worker.model_runner import ModelRunner
 from protocol.ipc import SeqChunk, StepPlan
 from tests import fake_flashinfer
 from tests.test_model_parity import (  # noqa: F401  (pytest fixtures)
-    ARRIVALS, GREEDY, PROMPT_LENS, hf_reference, hf_tiny, prompts, run_continuous, tiny_dir)
+    ARRIVALS,
+    GREEDY,
+    PROMPT_LENS,
+    hf_reference,
+    hf_tiny,
+    prompts,
+    run_continuous,
+    tiny_dir,
+)
 
 # ---------------------------------------------------------------- pure helpers
 
