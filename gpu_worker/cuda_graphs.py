@@ -14,7 +14,8 @@ that size's graph instead of launching the model eagerly:
 - Padding rows: token 0 at position 0, writing its K/V into slot 0 of a scratch block the
   runner reserves past the scheduler's blocks (``ModelRunner.scratch_block``, an index the
   scheduler is never told of, so no request's cache can be touched). Each padding row
-  attends only to that one slot. Their outputs are computed and dropped.
+  attends only to that one slot (which padding row's write lands there does not matter:
+  their outputs are computed and dropped).
 - Attention per size: ``make_attention(size)`` gives an object whose ``meta(chunks,
   slot_mapping)`` plans this step's (padded) batch and returns the metadata the model
   reads. With flashinfer that is a ``use_cuda_graph`` decode wrapper over fixed index
