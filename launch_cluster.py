@@ -300,6 +300,7 @@ def _serve_topology(args: argparse.Namespace) -> Topology:
                    "worker_threads": args.worker_threads,
                    "max_waiting_requests": args.max_waiting_requests,
                    "enable_prefix_caching": not args.no_prefix_caching,
+                   "device": args.device, "enforce_eager": args.enforce_eager,
                    "fault_token_id": args.fault_token_id},
         "http": {"host": args.host, "port": args.port, "max_body_mb": args.max_body_mb},
         "api": {"strict": args.strict, "max_tokens_policy": args.max_tokens_policy,
@@ -330,6 +331,9 @@ def cli(argv: list[str] | None = None) -> int:
     serve.add_argument("--max-waiting-requests", type=int, default=1024,
                        help="waiting-queue bound; past it requests get 503 (0: unbounded)")
     serve.add_argument("--no-prefix-caching", action="store_true")
+    serve.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N for the gpu_worker")
+    serve.add_argument("--enforce-eager", action="store_true",
+                       help="no CUDA graphs for decode steps (they are used only on CUDA with flashinfer)")
     serve.add_argument("--max-body-mb", type=int, default=32)
     serve.add_argument("--fault-token-id", type=int, default=None, help=argparse.SUPPRESS)
     serve.add_argument("--strict", action="store_true",

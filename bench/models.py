@@ -6,12 +6,24 @@ Imports torch/transformers lazily: only the benchmark's own build step needs the
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 LLAMA_100M = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
                   num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=2048,
                   rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True)
+# Llama-3-8B's shapes (random weights via --load-format dummy: only config.json is read).
+LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                 max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
+                 tie_word_embeddings=False)
+# A small GQA model with head_dim 128 and 4 query heads per KV head: flashinfer's
+# tensor-core decode and the 8B's kernel shapes, at a size HF runs in seconds.
+GQA_HD128 = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+                 num_attention_heads=8, num_key_value_heads=2, head_dim=128,
+                 max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0,
+                 tie_word_embeddings=True)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "generation_config.json")
 
@@ -37,6 +49,39 @@ def build_tiny_hd64(root: Path, tiny: Path) -> Path:
 def build_llama_100m(root: Path, tiny: Path) -> Path:
     """Random (seeded) weights in float32 safetensors, the tiny checkpoint's tokenizer."""
     return _build_random(root / "llama-100m", tiny, LLAMA_100M)
+
+
+def build_gqa_hd128(root: Path, tiny: Path) -> Path:
+    return _build_random(root / "gqa-hd128", tiny, GQA_HD128)
+
+
+def build_llama3_8b_dummy(root: Path, tiny: Path) -> Path:
+    """config.json of Llama-3-8B's shape in bf16 (serve it with ``--load-format dummy``)
+    and the tiny tokenizer widened to the 128256-id vocabulary: every id the random model
+    samples then decodes to some text (" w<id>"), so TTFT/ITL, measured on text frames,
+    stay meaningful. Prompts keep tokenizing as before: the merges are unchanged."""
+    path = root / "llama3-8b-dummy"
+    if (path / "config.json").exists():
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    tiny_cfg = json.loads((tiny / "config.json").read_text())
+    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
+               torch_dtype="bfloat16", bos_token_id=tiny_cfg.get("bos_token_id"),
+               eos_token_id=tiny_cfg.get("eos_token_id"), **LLAMA3_8B)
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    for name in TOKENIZER_FILES:
+        if (tiny / name).exists():
+            shutil.copy(tiny / name, path / name)
+    tok = json.loads((tiny / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    for added in tok.get("added_tokens", []):  # else tokenizers renumbers them past the end
+        vocab.setdefault(added["content"], added["id"])
+    taken = set(vocab.values())
+    for i in range(LLAMA3_8B["vocab_size"]):
+        if i not in taken:
+            vocab[f"\u0120w{i}"] = i  # byte-level "Ġ" = a leading space
+    (path / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False))
+    return path
 
 
 def _build_random(path: Path, tiny: Path, shape: dict) -> Path:

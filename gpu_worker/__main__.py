@@ -38,7 +38,8 @@ def main() -> None:
         cfg.model_path, device=eng.device, dtype=cfg.dtype, block_size=eng.block_size,
         num_blocks=eng.num_kv_blocks, kv_cache_memory_bytes=eng.kv_cache_memory_mb * 2**20,
         max_model_len=effective_max_model_len(cfg.model_path, cfg.max_model_len),
-        load_format=cfg.load_format, seed=eng.seed)
+        load_format=cfg.load_format, seed=eng.seed, enforce_eager=eng.enforce_eager,
+        max_num_seqs=eng.max_num_seqs)
     runner.fault_token_id = eng.fault_token_id
     log.info("model loaded in %.2fs, %d threads, %d KV blocks", time.perf_counter() - started,
              torch.get_num_threads(), runner.num_blocks)

@@ -28,10 +28,13 @@ offset by ``start_pos`` (SDPA's ``is_causal`` is top-left aligned, which would b
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -84,17 +87,34 @@ class AttentionMetadata:
 
 
 def select_backend(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                   dtype: torch.dtype, device: torch.device):
-    """flashinfer when the device is CUDA and flashinfer is installed, else None (torch
-    SDPA here). Imported lazily, so CPU-only installs never touch CUDA or flashinfer."""
+                   dtype: torch.dtype, device: torch.device, sm_scale: float | None = None):
+    """flashinfer when the device is CUDA, flashinfer is installed, it supports the
+    dtype and head size, and its start-up self-check agrees with SDPA; else None (the
+    torch SDPA path here), with the reason logged. Imported lazily, so CPU-only installs
+    never touch CUDA or flashinfer."""
     if device.type != "cuda":
         return None
     from gpu_worker import flashinfer_backend
 
+    reason = None
     if not flashinfer_backend.available(device):
-        return None
-    return flashinfer_backend.FlashInferBackend(num_heads, num_kv_heads, head_dim, block_size,
-                                                dtype, device)
+        reason = "flashinfer is not installed (or CUDA is unavailable)"
+    else:
+        reason = flashinfer_backend.unsupported_reason(head_dim, dtype)
+    if reason is None:
+        try:
+            backend = flashinfer_backend.FlashInferBackend(num_heads, num_kv_heads, head_dim, block_size,
+                                                           dtype, device, sm_scale)
+            err = backend.self_check()
+        except Exception as exc:  # JIT build failure (no nvcc), unsupported GPU, API drift
+            reason = f"flashinfer failed its start-up check: {type(exc).__name__}: {exc}"
+        else:
+            if err <= flashinfer_backend.SELF_CHECK_TOLERANCE:
+                log.info("attention: flashinfer (self-check max error %.2e vs SDPA)", err)
+                return backend
+            reason = f"flashinfer disagrees with SDPA by {err:.3g} on the start-up check"
+    log.warning("attention: torch SDPA path on %s: %s", device, reason)
+    return None
 
 
 _FLASH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)

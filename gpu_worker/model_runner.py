@@ -3,15 +3,21 @@
 The runner owns the model, the paged KV cache and per-request sampling state. It keeps
 no notion of sequences beyond that: positions and block tables come from the plan, so
 the scheduler alone decides what lives where in the cache.
+
+The cache has one block more than the scheduler is told of (``scratch_block``, the last
+index): padding rows of a fixed-size decode batch write there (see ``cuda_graphs``).
+Decode-only steps go through ``cuda_graphs.DecodeGraphRunner`` when the attention
+backend can be captured (flashinfer) and ``enforce_eager`` is off.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
 
-from gpu_worker import cpu_decode
+from gpu_worker import cpu_decode, cuda_graphs
 from gpu_worker.attention import GatherScratch, build_metadata, decode_group_blocks, select_backend
 from gpu_worker.llama import LlamaForCausalLM
 from gpu_worker.loader import load_weights
@@ -19,6 +25,8 @@ from gpu_worker.model_config import ModelConfig, load_config
 from gpu_worker.request_state import RequestTracker
 from gpu_worker.sampler import Sampler
 from protocol.ipc import SampleLogprobs, SamplingParams, SeqChunk, StepPlan, StepResult, TokenLogprob
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {
     "float32": torch.float32,
@@ -53,6 +61,8 @@ class ModelRunner:
         max_model_len: int | None = None,
         load_format: str = "auto",
         seed: int = 0,
+        enforce_eager: bool = False,
+        max_num_seqs: int = cuda_graphs.MAX_CAPTURE_SIZE,
     ) -> None:
         self.config = cfg = load_config(model_path)
         self.device = torch.device(device)
@@ -74,17 +84,20 @@ class ModelRunner:
 
         elem = torch.empty((), dtype=self.dtype).element_size()
         self.block_bytes = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
-        self.num_blocks = num_blocks if num_blocks is not None else kv_cache_memory_bytes // self.block_bytes
+        # The budget covers the scratch block too; an explicit count is the scheduler's.
+        self.num_blocks = num_blocks if num_blocks is not None else kv_cache_memory_bytes // self.block_bytes - 1
         if self.num_blocks < 1:
-            raise ValueError(f"KV cache budget too small: one block needs {self.block_bytes} bytes")
-        shape = (self.num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+            raise ValueError(f"KV cache budget too small: two blocks need {2 * self.block_bytes} bytes")
+        self.scratch_block = self.num_blocks  # never in a plan: _check rejects ids >= num_blocks
+        shape = (self.num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
         # Zeros, not empty: padded decode slots are masked but still multiplied, and
         # uninitialised memory could hold NaN/inf.
         zeros = lambda: torch.zeros(shape, dtype=self.dtype, device=self.device)  # noqa: E731
         self.kv_caches = [(zeros(), zeros()) for _ in range(cfg.num_layers)]
 
         self.attn_backend = select_backend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                           block_size, self.dtype, self.device)
+                                           block_size, self.dtype, self.device,
+                                           sm_scale=cfg.head_dim**-0.5)
         self.decode_group_blocks = decode_group_blocks(self.kv_caches[0][0])
         self.gather_scratch = GatherScratch()
         self.decode_kernel = None if self.attn_backend else cpu_decode.load(self.device, self.dtype)
@@ -93,6 +106,37 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.tracker = RequestTracker()  # token history (penalties) and prompt logprobs
         self.fault_token_id: int | None = None  # test hook, see EngineSpec.fault_token_id
+        self.decode_graphs: cuda_graphs.DecodeGraphRunner | None = None
+        if self.attn_backend is not None and not enforce_eager:
+            sizes = cuda_graphs.capture_sizes(max_num_seqs)
+            pages_per_seq = -(-self.max_model_len // block_size)
+            page_ids = torch.zeros(sizes[-1] * pages_per_seq, dtype=torch.int32, device=self.device)
+            self.decode_graphs = self.static_decode(
+                lambda size: self.attn_backend.graph_decode(size, page_ids), sizes)
+            started = time.perf_counter()
+            try:
+                with torch.inference_mode():
+                    n = self.decode_graphs.capture()
+            except Exception:  # said loudly, and decode stays correct: it just runs eagerly
+                log.exception("CUDA graph capture failed; decode-only steps run eagerly")
+                self.decode_graphs = None
+            else:
+                log.info("captured %d decode CUDA graphs (batch sizes %s) in %.1fs", n, sizes,
+                         time.perf_counter() - started)
+
+    def static_decode(self, make_attention, sizes: list[int]) -> cuda_graphs.DecodeGraphRunner:
+        """A padded static-buffer decode path over this runner's model and cache
+        (``make_attention(size)``: see ``cuda_graphs``); assign it to ``decode_graphs``."""
+        cfg = self.config
+        return cuda_graphs.DecodeGraphRunner(
+            self.model, self.kv_caches, make_attention, sizes, scratch_block=self.scratch_block,
+            block_size=self.block_size, hidden_size=cfg.hidden_size, dtype=self.dtype, device=self.device)
+
+    def torch_decode_attention(self) -> cuda_graphs.TorchDecodeAttention:
+        """Torch-path attention for ``static_decode`` (eager; what the CPU tests run)."""
+        return cuda_graphs.TorchDecodeAttention(
+            self.block_size, self.device, group_blocks=self.decode_group_blocks,
+            scratch=self.gather_scratch, decode_kernel=self.decode_kernel)
 
     # ------------------------------------------------------------------ state
 
@@ -164,17 +208,21 @@ class ModelRunner:
             raise RuntimeError(f"injected fault: token {self.fault_token_id} was fed")
 
         dev = self.device
-        meta = build_metadata(
-            [(s.start_pos, len(s.token_ids), s.block_table) for s in ordered], len(decodes), self.block_size, dev,
-            backend=self.attn_backend, group_blocks=self.decode_group_blocks, scratch=self.gather_scratch,
-            decode_kernel=self.decode_kernel,
-        )
-        hidden = self.model(
-            torch.tensor(ids, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev),
-            self.kv_caches,
-            meta,
-        )
+        chunks = [(s.start_pos, len(s.token_ids), s.block_table) for s in ordered]
+        if not prefills and self.decode_graphs is not None and self.decode_graphs.fits(len(decodes)):
+            hidden = self.decode_graphs.run(chunks, ids, positions)
+        else:
+            meta = build_metadata(
+                chunks, len(decodes), self.block_size, dev, backend=self.attn_backend,
+                group_blocks=self.decode_group_blocks, scratch=self.gather_scratch,
+                decode_kernel=self.decode_kernel,
+            )
+            hidden = self.model(
+                torch.tensor(ids, dtype=torch.long, device=dev),
+                torch.tensor(positions, dtype=torch.long, device=dev),
+                self.kv_caches,
+                meta,
+            )
         for s in ordered:
             params = self.sampling.get(s.rid)
             if self.tracker.wants_prompt_logprobs(s, params):

@@ -47,6 +47,9 @@ class EngineSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     seed: int = 0
     max_waiting_requests: Annotated[int, Meta(ge=0)] = 1024  # 0: unbounded
     enable_prefix_caching: bool = True
+    # No CUDA graphs: decode-only steps launch eagerly (vLLM's --enforce-eager). Graphs
+    # are used only with the flashinfer backend on CUDA; elsewhere this changes nothing.
+    enforce_eager: bool = False
     # Test hook: a step that feeds this token id fails in the worker, exercising the
     # "failure after the stream started" path end to end. Never set in production.
     fault_token_id: int | None = None

@@ -266,14 +266,17 @@ def test_dummy_load_format(tiny_dir, tmp_path):
 
 def test_kv_budget_and_limits(tiny_dir):
     runner = ModelRunner(str(tiny_dir), kv_cache_memory_bytes=2**20, max_model_len=100)
-    # 2 (k, v) * 4 layers * 16 slots * 2 kv heads * 16 dims * 4 bytes = 16 KiB per block
-    assert runner.num_blocks == 64 and runner.max_model_len == 100
+    # 2 (k, v) * 4 layers * 16 slots * 2 kv heads * 16 dims * 4 bytes = 16 KiB per block;
+    # the budget's 64 blocks are 63 for the scheduler and the runner's scratch block.
+    assert runner.num_blocks == 63 and runner.scratch_block == 63 and runner.max_model_len == 100
     assert tuple(runner.kv_caches[0][0].shape) == (64, 16, 2, 16)
     assert ModelRunner(str(tiny_dir), num_blocks=4, max_model_len=10**6).max_model_len == 2048
     with pytest.raises(ValueError, match="max_model_len"):
         runner.execute(StepPlan(0, [SeqChunk("a", [1] * 101, 0, list(range(7)), True)], {"a": GREEDY}))
     with pytest.raises(ValueError, match="block_table"):
         runner.execute(StepPlan(0, [SeqChunk("a", [1] * 17, 0, [0], True)], {"a": GREEDY}))
+    with pytest.raises(ValueError, match="out of range"):  # the scratch block is not the scheduler's
+        runner.execute(StepPlan(0, [SeqChunk("a", [1], 0, [63], True)], {"a": GREEDY}))
     with pytest.raises(ValueError, match="SamplingParams"):
         runner.execute(StepPlan(0, [SeqChunk("b", [1, 2], 0, [0], True)]))
 
