@@ -110,6 +110,7 @@ class FlashInferStep:
         if scale != self.sm_scale:
             raise ValueError(f"attention scale {scale} differs from the planned {self.sm_scale}")
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        q = q.contiguous()  # the model hands q as a view of the fused q|k rotation
         p = self.num_prefill_tokens
         if self.prefill is None:
             return self.decode.run(q, (k_cache, v_cache))

@@ -64,10 +64,14 @@ class RotaryEmbedding:
         self.cos = emb.cos().to(device=device, dtype=dtype)
         self.sin = emb.sin().to(device=device, dtype=dtype)
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This step's [num_tokens, 1, head_dim] cos and sin, looked up once for all layers."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    @staticmethod
+    def rotate(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """x: [num_tokens, heads, head_dim] rotated by each token's position."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+        cos, sin = cos_sin
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
@@ -82,11 +86,12 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
 
-    def forward(self, x, positions, rotary: RotaryEmbedding, kv_cache: KVCache, meta: AttentionMetadata):
+    def forward(self, x, cos_sin, kv_cache: KVCache, meta: AttentionMetadata):
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = rotary(q.view(n, self.num_heads, self.head_dim), positions)
-        k = rotary(k.view(n, self.num_kv_heads, self.head_dim), positions)
+        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        # q and k heads side by side: one rotation for both (same elementwise math).
+        qk = RotaryEmbedding.rotate(qk.view(n, self.num_heads + self.num_kv_heads, self.head_dim), cos_sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.view(n, self.q_size))
@@ -112,8 +117,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, positions, rotary, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
+    def forward(self, x, cos_sin, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -144,8 +149,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Final hidden states (before the last norm) for every token: [num_tokens, hidden]."""
         x = self.model.embed_tokens(input_ids)
+        cos_sin = self.rotary.tables(positions)
         for layer, kv in zip(self.model.layers, kv_caches):
-            x = layer(x, positions, self.rotary, kv, meta)
+            x = layer(x, cos_sin, kv, meta)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
