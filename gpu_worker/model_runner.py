@@ -24,7 +24,8 @@ from gpu_worker.loader import load_weights
 from gpu_worker.model_config import ModelConfig, load_config
 from gpu_worker.request_state import RequestTracker
 from gpu_worker.sampler import Sampler
-from protocol.ipc import SampleLogprobs, SamplingParams, SeqChunk, StepPlan, StepResult, TokenLogprob
+from protocol.ipc import (PLACEHOLDER_TOKEN, SampleLogprobs, SamplingParams, SeqChunk, StepPlan,
+                          StepResult, TokenLogprob)
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +105,7 @@ class ModelRunner:
         self.sampler = Sampler(self.device, seed)
         self.sampling: dict[str, SamplingParams] = {}
         self.generators: dict[str, torch.Generator] = {}
+        self.last_sampled: dict[str, int] = {}  # rid -> its latest token (fills placeholders)
         self.tracker = RequestTracker()  # token history (penalties) and prompt logprobs
         self.fault_token_id: int | None = None  # test hook, see EngineSpec.fault_token_id
         self.decode_graphs: cuda_graphs.DecodeGraphRunner | None = None
@@ -145,6 +147,7 @@ class ModelRunner:
         for rid in plan.released:
             self.sampling.pop(rid, None)
             self.generators.pop(rid, None)
+            self.last_sampled.pop(rid, None)
             self.tracker.release(rid)
         for rid, params in plan.new_sampling.items():
             old = self.sampling.get(rid)
@@ -154,6 +157,14 @@ class ModelRunner:
                 self.generators.pop(rid, None)
                 if params.seed is not None:
                     self.generators[rid] = torch.Generator(device=self.device).manual_seed(params.seed)
+
+    def _fill_placeholder(self, seq: SeqChunk) -> None:
+        """A step planned before the previous one returned feeds the token sampled there."""
+        if seq.token_ids and seq.token_ids[-1] == PLACEHOLDER_TOKEN:
+            last = self.last_sampled.pop(seq.rid, None)  # used once: never a stale token
+            if last is None:
+                raise ValueError(f"{seq.rid}: placeholder token but nothing sampled for it yet")
+            seq.token_ids[-1] = last
 
     def _check(self, seq: SeqChunk) -> None:
         n = len(seq.token_ids)
@@ -178,6 +189,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         self._update_requests(plan)
         for seq in plan.seqs:
+            self._fill_placeholder(seq)
             self._check(seq)
         sampled: list[int] = []
         logprobs: list[SampleLogprobs | None] = []
@@ -241,6 +253,8 @@ class ModelRunner:
             [self.generators.get(s.rid) for s in to_sample],
             [self.tracker.history(s.rid, p) for s, p in zip(to_sample, params)],
         )
+        for s, token in zip(to_sample, tokens):
+            self.last_sampled[s.rid] = token
         out: list[SampleLogprobs | None] = []
         for s, p, lp in zip(to_sample, params, token_lps):
             prompt = self.tracker.take_prompt_logprobs(s.rid) if p.prompt_logprobs >= 0 else None

@@ -175,10 +175,16 @@ class Abort(_Message, tag="abort"):
 # ---------------------------------------------------------------- scheduler <-> gpu_worker
 
 
+# In a SeqChunk: "the token you sampled for this request in the previous step" (the
+# scheduler plans a step before the one in flight has returned its samples).
+PLACEHOLDER_TOKEN = -1
+
+
 class SeqChunk(msgspec.Struct, array_like=True):
     """One sequence's work in a step: feed ``token_ids`` at positions
     ``start_pos..start_pos+len-1``; its KV lives in ``block_table``. When ``sample`` is
-    true the worker samples one token from the last position's logits."""
+    true the worker samples one token from the last position's logits. A last token of
+    ``PLACEHOLDER_TOKEN`` stands for the token the worker sampled for ``rid`` last."""
 
     rid: str
     token_ids: list[int]

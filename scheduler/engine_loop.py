@@ -1,21 +1,26 @@
-"""The scheduler's step loop: one step in flight to the worker at a time.
+"""The scheduler's step loop: up to two steps in flight to the worker.
 
 While the worker runs a step, the loop keeps draining new requests and aborts, so
-arrivals never wait on HTTP, tokenization or detokenization. Aborts for requests inside
-the in-flight step are applied as soon as that step returns (blocks freed within one
-step); the worker's writes into those blocks are finished by then.
+arrivals never wait on HTTP, tokenization or detokenization. Aborts are applied as soon
+as a step returns (blocks freed within one step; see ``planner`` for why blocks a later
+queued step still writes may be freed).
 
-Keeping the worker busy: when a step returns, the loop first updates request state,
-frees what finished or was aborted, and sends the next plan, and only then ships the
-tokens to the detokenizers, so that I/O overlaps the worker's next forward pass. The
-worker reports how long it sat idle before each plan; the heartbeat publishes the sum
-and a recent median over steps where work was waiting (``worker_idle_*``).
+Keeping the worker busy: right after sending step N the loop plans step N+1 around N's
+tokens (``Planner.plan(lookahead=True)``: placeholders for the tokens N samples) and sends
+it too, so the worker starts N+1 the moment N ends instead of waiting for a round trip
+through the scheduler. When a step returns, the loop updates request state, frees what
+finished or was aborted, queues the next plan, and only then ships the tokens to the
+detokenizers. The worker reports how long it sat idle before each plan; the heartbeat
+publishes the sum and a recent median over steps where work was waiting
+(``worker_idle_*``).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import deque
+from dataclasses import dataclass
 
 import zmq
 
@@ -32,6 +37,14 @@ HEARTBEAT_S = 0.25
 # An abort can overtake its request (the client left while the prompt was being
 # tokenized); remember such rids this long so the late request is dropped, not run.
 EARLY_ABORT_TTL_S = 60.0
+MAX_STEPS_IN_FLIGHT = 2  # the one running and the one queued behind it
+
+
+@dataclass
+class InFlight:
+    plan: ipc.StepPlan
+    planned: PlannedStep
+    sent: float  # monotonic time the plan was sent
 
 
 def _output(rid: str, ids: list[int], reason: str | None, lp: ipc.SampleLogprobs | None,
@@ -66,7 +79,8 @@ class EngineLoop:
         self.pending_aborts: dict[str, str] = {}
         self.early_aborts: dict[str, float] = {}  # rid -> monotonic time of the abort
         self.released: list[str] = []
-        self.in_flight: tuple[ipc.StepPlan, PlannedStep] | None = None
+        self.in_flight: deque[InFlight] = deque()  # oldest (running on the worker) first
+        self.last_result = 0.0  # monotonic time the last step came back
         self.step_id = 0
         self.arrivals = 0
         self.last_heartbeat = 0.0
@@ -183,15 +197,16 @@ class EngineLoop:
                 self._reject(msg, 503, "the engine is still loading", None, "not_ready")
             else:
                 self._on_tokenized(msg)
-        if self.in_flight is None:
+        if not self.in_flight:
             self._apply_aborts()
 
     # ------------------------------------------------------------------ steps
     def _launch_step(self) -> bool:
-        """Plan and send the next step if none is in flight; False if nothing could run."""
-        if self.planner is None or self.in_flight is not None:
+        """Plan and send another step if fewer than two are in flight; False if nothing
+        could run."""
+        if self.planner is None or len(self.in_flight) >= MAX_STEPS_IN_FLIGHT:
             return False
-        planned = self.planner.plan()
+        planned = self.planner.plan(lookahead=bool(self.in_flight))
         if not planned.chunks:
             return False
         self.step_id += 1
@@ -199,15 +214,24 @@ class EngineLoop:
                             self.released)
         self.released = []
         self.to_worker.send(plan)
-        self.in_flight = (plan, planned)
+        self.in_flight.append(InFlight(plan, planned, time.monotonic()))
         self.ops.step_sent([c.rid for c in planned.chunks], len(planned.preempted))
         return True
 
+    def _running_since(self) -> float | None:
+        """When the worker started the oldest step in flight (it queues behind the last
+        result), or None."""
+        return max(self.in_flight[0].sent, self.last_result) if self.in_flight else None
+
     def _on_result(self, msg: ipc.StepResult | ipc.WorkerError) -> None:
-        assert self.in_flight is not None and self.planner is not None
-        plan, planned = self.in_flight
-        self.in_flight = None
-        self._step_done(plan)
+        assert self.in_flight and self.planner is not None
+        started = self._running_since()
+        done = self.in_flight.popleft()
+        plan, planned = done.plan, done.planned
+        self.last_result = time.monotonic()
+        self._step_done(plan, started)
+        for (sreq, n), chunk in zip(planned.members, plan.seqs):
+            sreq.step_returned(n, chunk.sample)
         batches: dict[int, list[ipc.TokenOutput]] = {}
         if isinstance(msg, ipc.WorkerError):
             self.log.error("step %d failed: %s", msg.step_id, msg.message)
@@ -221,8 +245,7 @@ class EngineLoop:
         sampled = iter(msg.sampled)
         planner = self.planner
         sampled_lps = iter(msg.logprobs) if msg.logprobs else None
-        for (sreq, n), chunk in zip(planned.members, plan.seqs):
-            sreq.num_computed += n
+        for (sreq, _), chunk in zip(planned.members, plan.seqs):
             alive = sreq.rid in self.requests
             if alive:
                 planner.commit(sreq)
@@ -249,9 +272,9 @@ class EngineLoop:
         self.work_after_last_result = bool(planner.running or planner.waiting)
         self._flush(batches)
 
-    def _step_done(self, plan: ipc.StepPlan) -> None:
+    def _step_done(self, plan: ipc.StepPlan, started: float) -> None:
         prefill = any(len(c.token_ids) > 1 or not c.sample for c in plan.seqs)
-        self.ops.step_done(prefill)
+        self.ops.step_done(prefill, started)
 
     def _heartbeat(self, now: float) -> None:
         if now - self.last_heartbeat < HEARTBEAT_S:
@@ -273,16 +296,21 @@ class EngineLoop:
             preemptions=self.ops.preemptions, aborts=dict(self.ops.aborts),
             prefix_cache_queried_tokens=planner.prefix_queried_tokens if planner else 0,
             prefix_cache_hit_tokens=planner.prefix_hit_tokens if planner else 0,
-            step_in_flight_s=self.ops.in_flight_s(self.in_flight is not None))
+            step_in_flight_s=self.ops.in_flight_s(self._running_since()))
         self.stats_pub.send(stats)
         self.ops.metrics.export(stats)
 
     def run(self, should_stop) -> None:
         stalled = False  # work exists but the last plan was empty: do not spin
         while not should_stop():
-            busy = self.in_flight is None and self.planner is not None and bool(
+            busy = len(self.in_flight) < MAX_STEPS_IN_FLIGHT and self.planner is not None and bool(
                 self.planner.running or self.planner.waiting)
-            timeout = (5 if stalled else 0) if busy else int(HEARTBEAT_S * 1000)
+            if busy and not stalled:
+                timeout = 0
+            elif busy and not self.in_flight:
+                timeout = 5
+            else:  # idle, or waiting for a step in flight (its result wakes the poll)
+                timeout = int(HEARTBEAT_S * 1000)
             events = dict(self.poller.poll(timeout))
             if self.from_worker.sock in events:
                 while (msg := self.from_worker.recv_nowait()) is not None:
@@ -293,6 +321,6 @@ class EngineLoop:
             if self.inbound.sock in events or busy:
                 self._drain_inbound()
             launched = self._launch_step()
-            stalled = busy and not launched and self.in_flight is None
+            stalled = busy and not launched
             self._heartbeat(time.monotonic())
         self.to_worker.send_nowait(ipc.Shutdown())  # the worker may be gone already

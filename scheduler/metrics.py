@@ -92,7 +92,6 @@ class SchedulerOps:
         self.preemptions = 0
         self.aborts: dict[str, int] = {cause: 0 for cause in ABORT_CAUSES}
         self._enqueued: dict[str, float] = {}
-        self._step_sent = 0.0
         self.worker_idle_s = 0.0  # idle between consecutive steps while work was queued
         self.worker_busy_s = 0.0  # inside steps
         self._recent_idle: deque[float] = deque(maxlen=256)
@@ -108,16 +107,16 @@ class SchedulerOps:
 
     def step_sent(self, rids: list[str], preempted: int) -> None:
         now = time.monotonic()
-        self._step_sent = now
         self.preemptions += preempted
         for rid in rids:
             queued = self._enqueued.pop(rid, None)
             if queued is not None:
                 self.metrics.queue_time.observe(now - queued)
 
-    def step_done(self, prefill: bool) -> None:
+    def step_done(self, prefill: bool, started: float) -> None:
+        """A step came back; ``started``: when the worker began it (monotonic)."""
         self.metrics.step_time.labels("prefill" if prefill else "decode").observe(
-            time.monotonic() - self._step_sent)
+            time.monotonic() - started)
 
     def worker_result(self, idle_s: float, forward_s: float, work_was_queued: bool) -> None:
         """The worker's own timings for one step: ``idle_s`` is the gap it measured
@@ -131,5 +130,5 @@ class SchedulerOps:
     def worker_idle_ms_p50(self) -> float:
         return 1000 * statistics.median(self._recent_idle) if self._recent_idle else 0.0
 
-    def in_flight_s(self, in_flight: bool) -> float:
-        return time.monotonic() - self._step_sent if in_flight else 0.0
+    def in_flight_s(self, running_since: float | None) -> float:
+        return time.monotonic() - running_since if running_since is not None else 0.0

@@ -10,6 +10,15 @@ Policy, in order:
    slot and KV blocks for their first chunk. A long prompt is chunked by the budget, so
    running streams keep decoding while it prefills.
 
+Running ahead: while a step is in flight the loop plans the next one (``lookahead``), so
+the worker never waits for the scheduler. A request whose token is still being sampled
+feeds ``PLACEHOLDER_TOKEN`` (the worker substitutes the token it sampled for it last),
+and a lookahead plan never preempts: it only takes blocks that are free. If the sampled
+token ends the request, the step already sent computes one wasted token; the request's
+blocks are freed at once all the same, because the worker runs steps in order: any later
+step that reuses them writes after the stray write, and the stray position is never in a
+full (prefix-cached) block.
+
 Prefix caching: when a request is admitted (fresh, or again after preemption) its leading
 full blocks are looked up in the allocator's cache and shared instead of recomputed. At
 least one prompt token is always left to compute, because sampling needs its logits.
@@ -21,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from protocol.ipc import SamplingParams, SeqChunk
+from protocol.ipc import PLACEHOLDER_TOKEN, SamplingParams, SeqChunk
 from scheduler.block_manager import ROOT_HASH, BlockAllocator
 from scheduler.request import SchedRequest
 from scheduler.waiting import WaitQueue
@@ -89,18 +98,18 @@ class Planner:
             alloc.acquire(block)
             req.block_table.append(block)
             parent = block
-        req.num_computed = len(req.block_table) * bs
+        req.reset_computed(len(req.block_table) * bs)
         req.num_registered = len(req.block_table)
 
     def _unmatch(self, req: SchedRequest) -> None:
         """Admission failed after matching: give the shared blocks back."""
         self.free(req)
-        req.num_computed = 0
+        req.reset_computed()
 
     def _preempt(self, victim: SchedRequest, step: PlannedStep) -> None:
         self.running.remove(victim)
         self.free(victim)
-        victim.num_computed = 0
+        victim.reset_computed()
         victim.preemptions += 1
         self.waiting.appendleft(victim)
         step.preempted.append(victim)
@@ -116,22 +125,37 @@ class Planner:
         return True
 
     def _add(self, step: PlannedStep, req: SchedRequest, n: int) -> None:
-        start = req.num_computed
+        start = req.num_scheduled
         tokens = req.token_ids[start:start + n]
-        sample = start + n == len(req.token_ids)
+        if len(tokens) < n:  # the token a step in flight samples
+            tokens.append(PLACEHOLDER_TOKEN)
+        sample = start + n == len(req.token_ids) + req.samples_in_flight
         step.chunks.append(SeqChunk(req.rid, tokens, start, list(req.block_table), sample))
+        req.scheduled(n, sample)
         step.members.append((req, n))
         if not req.seen_by_worker:
             step.new_sampling[req.rid] = req.req.sampling
             req.seen_by_worker = True
 
-    def plan(self) -> PlannedStep:
+    def plan(self, lookahead: bool = False) -> PlannedStep:
+        """The next step. ``lookahead``: a step is still in flight, so plan around its
+        tokens and never preempt (requests in it cannot be rewound)."""
         step = PlannedStep()
         budget = self.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_pending, budget)
+            if n == 0:
+                i += 1
+                continue
+            if lookahead:
+                if not self._grow(req, n):
+                    return step  # out of blocks: preempt later, with nothing in flight
+                self._add(step, req, n)
+                budget -= n
+                i += 1
+                continue
             while not self._grow(req, n):
                 victim = self.running[-1]
                 self._preempt(victim, step)

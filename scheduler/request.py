@@ -14,6 +14,9 @@ class SchedRequest:
     arrival_seq: int
     token_ids: list[int] = field(default_factory=list)  # prompt + generated so far
     num_computed: int = 0      # tokens whose KV is in the cache
+    num_scheduled: int = 0     # tokens handed to the worker: computed, or in a step in flight
+    samples_in_flight: int = 0  # tokens being sampled by steps in flight (0 or 1)
+    steps_in_flight: int = 0   # steps in flight that include this request
     block_table: list[int] = field(default_factory=list)
     num_generated: int = 0
     seen_by_worker: bool = False
@@ -48,12 +51,35 @@ class SchedRequest:
 
     @property
     def num_pending(self) -> int:
-        """Tokens still to feed before the next sample (whole prompt, or the last token)."""
-        return len(self.token_ids) - self.num_computed
+        """Tokens still to feed before the next sample (the rest of the prompt, or the
+        last token). A token a step in flight is sampling counts: the next step can feed
+        it as a placeholder the worker fills in, unless that token is the last one
+        ``max_tokens`` allows."""
+        if self.samples_in_flight and self.num_generated + self.samples_in_flight >= self.req.max_tokens:
+            return 0
+        return len(self.token_ids) + self.samples_in_flight - self.num_scheduled
 
     def blocks_needed(self, num_new_tokens: int, block_size: int) -> int:
-        total = self.num_computed + num_new_tokens
+        total = self.num_scheduled + num_new_tokens
         return max(0, -(-total // block_size) - len(self.block_table))
+
+    def scheduled(self, n: int, sample: bool) -> None:
+        """``n`` more tokens went into a step (sampling one more when ``sample``)."""
+        self.num_scheduled += n
+        self.samples_in_flight += sample
+        self.steps_in_flight += 1
+
+    def step_returned(self, n: int, sampled: bool) -> None:
+        """A step in flight came back: its ``n`` tokens are in the cache now."""
+        self.num_computed += n
+        self.samples_in_flight -= sampled
+        self.steps_in_flight -= 1
+
+    def reset_computed(self, num_computed: int = 0) -> None:
+        """Back to ``num_computed`` cached tokens (preemption, prefix match); only with
+        no step in flight."""
+        assert self.steps_in_flight == 0, "cannot rewind a request a step in flight is computing"
+        self.num_computed = self.num_scheduled = num_computed
 
     def finish_reason_after(self, token_id: int) -> str | None:
         """Why generation ends after this newly sampled token, if it does."""

@@ -17,7 +17,7 @@ def _run_step(planner: Planner, sampled_token: int = 7) -> list:
     """Apply a plan as the engine loop would after the worker answers."""
     step = planner.plan()
     for (req, n), chunk in zip(step.members, step.chunks):
-        req.num_computed += n
+        req.step_returned(n, chunk.sample)
         if chunk.sample:
             req.token_ids.append(sampled_token)
             req.num_generated += 1
@@ -90,3 +90,37 @@ def test_finish_reasons():
     assert r.finish_reason_after(5) is None
     r.num_generated = 3
     assert r.finish_reason_after(5) == "length"
+
+
+def test_lookahead_plan_feeds_a_placeholder_and_never_preempts():
+    """While step N is in flight, step N+1 continues chunked prompts, feeds the token N
+    samples as PLACEHOLDER_TOKEN at the next position, and only uses free blocks."""
+    from protocol.ipc import PLACEHOLDER_TOKEN
+
+    planner = Planner(BlockAllocator(6), block_size=4, max_num_seqs=8, max_num_batched_tokens=6)
+    a, b = _req("a", 3, max_tokens=8, seq=0), _req("b", 9, max_tokens=8, seq=1)
+    planner.waiting.extend([a, b])
+    first = planner.plan()                       # a's prompt (3) + b's first 3 prompt tokens
+    assert [(c.rid, c.start_pos, c.sample) for c in first.chunks] == [("a", 0, True), ("b", 0, False)]
+    ahead = planner.plan(lookahead=True)         # a decodes its in-flight token; b continues
+    assert [(c.rid, c.token_ids, c.start_pos, c.sample) for c in ahead.chunks] == [
+        ("a", [PLACEHOLDER_TOKEN], 3, True), ("b", [4, 5, 6, 7, 8], 3, False)]
+    # a's sample from step 1 arrives: it becomes the real token at position 3
+    for (req, n), chunk in zip(first.members, first.chunks):
+        req.step_returned(n, chunk.sample)
+    a.token_ids.append(42)
+    a.num_generated += 1
+    assert a.num_pending == 1 and a.samples_in_flight == 1  # the placeholder step still flies
+    # out of blocks (a 2, b 2 of 6 ... b needs a third for position 8): no preemption ahead
+    planner.allocator.allocate(planner.allocator.num_free)
+    third = planner.plan(lookahead=True)
+    assert third.chunks == [] and third.preempted == [] and a in planner.running and b in planner.running
+    assert a.block_table and b.block_table
+
+
+def test_lookahead_skips_a_request_whose_last_token_is_in_flight():
+    planner = Planner(BlockAllocator(16), block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    a = _req("a", 3, max_tokens=1)
+    planner.waiting.append(a)
+    assert [c.rid for c in planner.plan().chunks] == ["a"]
+    assert planner.plan(lookahead=True).chunks == []

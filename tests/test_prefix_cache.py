@@ -21,7 +21,7 @@ def _step(planner, token=7):
     """Plan one step and apply it as the engine loop does (commit after the 'worker')."""
     step = planner.plan()
     for (req, n), chunk in zip(step.members, step.chunks):
-        req.num_computed += n
+        req.step_returned(n, chunk.sample)
         planner.commit(req)
         if chunk.sample:
             req.token_ids.append(token)
