@@ -230,6 +230,7 @@ class EngineLoop:
         plan, planned = done.plan, done.planned
         self.last_result = time.monotonic()
         self._step_done(plan, started)
+        self.planner.step_returned(planned)
         for (sreq, n), chunk in zip(planned.members, plan.seqs):
             sreq.step_returned(n, chunk.sample)
         batches: dict[int, list[ipc.TokenOutput]] = {}

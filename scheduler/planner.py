@@ -23,11 +23,14 @@ Prefix caching: when a request is admitted (fresh, or again after preemption) it
 full blocks are looked up in the allocator's cache and shared instead of recomputed. At
 least one prompt token is always left to compute, because sampling needs its logits.
 Blocks become findable only after the step that wrote them has returned (``commit``), so
-no request ever reads a block the worker has not finished writing.
+no request ever reads a block the worker has not finished writing. A waiting request whose
+next block a planned step is filling (the same shared prefix, admitted a step earlier)
+waits for that step instead of recomputing the block: one step later it is a hit.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 from protocol.ipc import PLACEHOLDER_TOKEN, SamplingParams, SeqChunk
@@ -42,6 +45,7 @@ class PlannedStep:
     members: list[tuple[SchedRequest, int]] = field(default_factory=list)  # (req, n tokens)
     new_sampling: dict[str, SamplingParams] = field(default_factory=dict)
     preempted: list[SchedRequest] = field(default_factory=list)
+    writing: list[int] = field(default_factory=list)  # chained hashes of the full blocks it fills
 
 
 class Planner:
@@ -57,6 +61,9 @@ class Planner:
         # prompt tokens looked up in / served from the prefix cache, cumulative
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
+        # full blocks that planned steps are still filling (chained hash -> count): a
+        # request about to recompute one waits a step and then hits it in the cache
+        self.blocks_being_written: Counter[int] = Counter()
 
     def free(self, req: SchedRequest) -> None:
         self.allocator.free(req.block_table)
@@ -79,6 +86,32 @@ class Planner:
             key = (hashes[i - 1] if i else ROOT_HASH, salt, tuple(req.token_ids[i * bs:(i + 1) * bs]))
             self.allocator.register(table[i], key, table[i - 1] if i else -1)
         req.num_registered = full
+
+    def step_returned(self, step: PlannedStep) -> None:
+        """A planned step came back (or failed): its blocks are no longer being written."""
+        self.blocks_being_written.subtract(step.writing)
+        self.blocks_being_written += Counter()  # drop zero counts
+
+    def _note_writes(self, step: PlannedStep, req: SchedRequest, start: int, n: int) -> None:
+        """Record the full blocks of known tokens that this chunk completes."""
+        bs = self.block_size
+        end = min(start + n, len(req.token_ids)) // bs  # a placeholder's block is unknown
+        if not self.enable_prefix_caching or end <= start // bs:
+            return
+        hashes = req.full_block_hashes(end, bs)
+        written = hashes[start // bs:end]
+        step.writing.extend(written)
+        self.blocks_being_written.update(written)
+
+    def _waits_for_prefix(self, req: SchedRequest) -> bool:
+        """True when the block after ``req``'s cache hit is being written by a planned
+        step: waiting one step turns its recompute into a hit."""
+        if not self.blocks_being_written:
+            return False
+        i = len(req.block_table)
+        if i >= (len(req.token_ids) - 1) // self.block_size:
+            return False
+        return req.full_block_hashes(i + 1, self.block_size)[i] in self.blocks_being_written
 
     def _match_prefix(self, req: SchedRequest) -> None:
         """Share the longest cached run of leading full blocks (never the whole prompt)."""
@@ -131,6 +164,7 @@ class Planner:
             tokens.append(PLACEHOLDER_TOKEN)
         sample = start + n == len(req.token_ids) + req.samples_in_flight
         step.chunks.append(SeqChunk(req.rid, tokens, start, list(req.block_table), sample))
+        self._note_writes(step, req, start, n)
         req.scheduled(n, sample)
         step.members.append((req, n))
         if not req.seen_by_worker:
@@ -172,6 +206,9 @@ class Planner:
             if step.preempted and req in step.preempted:
                 break  # do not re-admit what this very step had to evict
             self._match_prefix(req)
+            if self._waits_for_prefix(req):
+                self._unmatch(req)
+                break
             n = min(req.num_pending, budget)
             if not self._grow(req, n):
                 self._unmatch(req)

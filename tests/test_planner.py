@@ -16,6 +16,7 @@ def _req(rid: str, prompt_len: int, max_tokens: int = 8, seq: int = 0) -> SchedR
 def _run_step(planner: Planner, sampled_token: int = 7) -> list:
     """Apply a plan as the engine loop would after the worker answers."""
     step = planner.plan()
+    planner.step_returned(step)
     for (req, n), chunk in zip(step.members, step.chunks):
         req.step_returned(n, chunk.sample)
         if chunk.sample:

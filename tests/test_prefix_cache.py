@@ -20,6 +20,7 @@ def _req(rid, prompt, seq=0, salt=None, priority=0, max_tokens=4):
 def _step(planner, token=7):
     """Plan one step and apply it as the engine loop does (commit after the 'worker')."""
     step = planner.plan()
+    planner.step_returned(step)
     for (req, n), chunk in zip(step.members, step.chunks):
         req.step_returned(n, chunk.sample)
         planner.commit(req)
@@ -115,6 +116,10 @@ def test_hash_collisions_are_checked_not_assumed(monkeypatch):
     planner.waiting.extend([b, c])
     _step(planner)
     assert b.cached_tokens == 0
+    # c waited a step: b's blocks hash alike, so c's block 1 looked like one being written
+    # (a collision can delay a request, never share a wrong block)
+    assert c.cached_tokens is None
+    _step(planner)
     assert c.cached_tokens == 4 and c.block_table[0] == a.block_table[0]
     assert c.block_table[1] != a.block_table[1]
 
@@ -144,3 +149,28 @@ def test_priority_orders_waiting_fcfs_within_a_priority():
     assert [r.rid for r in planner.waiting] == ["hi0", "hi1", "mid", "low0"]
     chunks = _step(planner)
     assert [c.rid for c in chunks] == ["hi0", "hi1"]
+
+
+def test_request_waits_a_step_for_a_prefix_block_being_written():
+    """Two requests with one long shared prefix arriving together: the second does not
+    recompute the blocks the first is filling; it waits one step and hits them."""
+    planner = _planner(blocks=32, bs=4, budget=64)
+    prefix = list(range(100, 116))  # 4 full blocks
+    a, b = _req("a", prefix + [1, 2], seq=0), _req("b", prefix + [3, 4], seq=1)
+    planner.waiting.extend([a, b])
+    first = planner.plan()
+    assert [c.rid for c in first.chunks] == ["a"] and len(first.writing) == 4
+    ahead = planner.plan(lookahead=True)  # a's blocks still being written: b keeps waiting
+    assert [c.rid for c in ahead.chunks] == ["a"] and b in planner.waiting
+    for step in (first, ahead):
+        planner.step_returned(step)
+        for (req, n), chunk in zip(step.members, step.chunks):
+            req.step_returned(n, chunk.sample)
+            planner.commit(req)
+            if chunk.sample:
+                req.token_ids.append(7)
+                req.num_generated += 1
+    third = planner.plan()
+    assert [c.rid for c in third.chunks] == ["a", "b"]
+    assert b.cached_tokens == 16 and b.block_table[:4] == a.block_table[:4]
+    assert sum(planner.blocks_being_written.values()) == len(third.writing)
