@@ -16,7 +16,7 @@ import torch
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.sampler import Sampler
 from gpu_worker.tiny_model import build_tiny_model, init_weights
-from protocol.ipc import SamplingParams, SeqChunk, StepPlan
+from protocol.ipc import PLACEHOLDER_TOKEN, SamplingParams, SeqChunk, StepPlan
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPT_LENS = [1, 7, 16, 17, 64, 100, 190, 300]
@@ -80,8 +80,10 @@ def run_continuous(
     chunk: int = 64,
     max_prefill_chunks: int = 2,
     seed: int = 0,
+    placeholders: bool = False,
 ) -> list[list[int]]:
-    """Mini scheduler: reserve blocks at admission, chunk prefills, batch decodes."""
+    """Mini scheduler: reserve blocks at admission, chunk prefills, batch decodes.
+    ``placeholders``: decodes feed PLACEHOLDER_TOKEN, as a run-ahead scheduler does."""
     rng = random.Random(seed)
     bs = runner.block_size
     free = list(range(runner.num_blocks))
@@ -114,7 +116,8 @@ def run_continuous(
                 prefilling += 1
             else:
                 pos = plen + len(r["out"]) - 1
-                seqs.append(SeqChunk(r["rid"], [r["out"][-1]], pos, r["blocks"], True))
+                fed = PLACEHOLDER_TOKEN if placeholders else r["out"][-1]
+                seqs.append(SeqChunk(r["rid"], [fed], pos, r["blocks"], True))
         rng.shuffle(seqs)  # plan order must not matter
         result = runner.execute(StepPlan(step, seqs, new_sampling, released))
         assert result.step_id == step and result.forward_s >= 0
@@ -151,6 +154,16 @@ def test_greedy_matches_hf_continuous_batch(tiny_dir, prompts, hf_reference):
         assert got == want, f"prompt of {plen} tokens diverged"
     for want in hf_reference:  # the random model is not degenerate
         assert len(set(want)) >= 8
+
+
+def test_placeholder_decodes_match_hf(tiny_dir, prompts, hf_reference):
+    """Every decode fed as PLACEHOLDER_TOKEN (the worker fills in its own last sample)."""
+    runner = ModelRunner(str(tiny_dir), block_size=16, num_blocks=64)
+    assert run_continuous(runner, prompts, [GREEDY] * len(prompts), placeholders=True) == hf_reference
+    runner.execute(StepPlan(10_000, [], released=[f"r{i}" for i in range(len(prompts))]))
+    assert runner.last_sampled == {}  # dropped with the released requests
+    with pytest.raises(ValueError, match="placeholder"):  # nothing sampled for "z" yet
+        runner.execute(StepPlan(0, [SeqChunk("z", [PLACEHOLDER_TOKEN], 0, [0], True)], {"z": GREEDY}))
 
 
 def test_greedy_matches_hf_other_block_size(tiny_dir, prompts, hf_reference):
