@@ -73,54 +73,58 @@ inline __m256 exp256(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
-// Scores of every query head against one KV head's keys; V = D / 8 vectors per row.
-template <int V>
-void k_pass(const float* q, const float* kc, const int64_t* tab, int64_t n, int64_t BS,
-            int64_t KVH, int64_t G, float sc, float* s) {
+// Walks rows 0..n-1 of a cache in memory order (a row holds every KV head) and calls
+// f(t, kh, x) with KV head kh's V = D / 8 vectors of row t loaded in x.
+template <int V, class F>
+inline void for_each_head_row(const float* cache, const int64_t* tab, int64_t n, int64_t BS,
+                              int64_t KVH, F&& f) {
   const int64_t width = KVH * V * 8;
   for (int64_t t = 0; t < n; ++t) {
-    prefetch_row(kc, tab, t + AHEAD, n, BS, width);
-    const float* kt = row(kc, tab, t, BS, width);
+    prefetch_row(cache, tab, t + AHEAD, n, BS, width);
+    const float* r = row(cache, tab, t, BS, width);
     for (int64_t kh = 0; kh < KVH; ++kh) {
-      __m256 k[V];
-      for (int i = 0; i < V; ++i) k[i] = _mm256_loadu_ps(kt + kh * V * 8 + i * 8);
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t hq = kh * G + g;
-        const float* qh = q + hq * V * 8;
-        __m256 a0 = _mm256_mul_ps(k[0], _mm256_loadu_ps(qh));
-        __m256 a1 = _mm256_setzero_ps();
-        for (int i = 1; i < V; ++i) {
-          if (i & 1) a1 = _mm256_fmadd_ps(k[i], _mm256_loadu_ps(qh + i * 8), a1);
-          else a0 = _mm256_fmadd_ps(k[i], _mm256_loadu_ps(qh + i * 8), a0);
-        }
-        s[hq * n + t] = hsum(_mm256_add_ps(a0, a1)) * sc;
-      }
+      __m256 x[V];
+      for (int i = 0; i < V; ++i) x[i] = _mm256_loadu_ps(r + kh * V * 8 + i * 8);
+      f(t, kh, x);
     }
   }
 }
 
-// out[hq] = sum_t p[hq, t] * v[t, hq / G], reading V rows in memory order (a row holds
-// every KV head) with the H x D accumulators in L1: a strided per-head walk instead
-// defeats the prefetchers and costs ~1.5x on a DRAM-resident cache.
+// Scores of every query head against its KV head's keys: s[hq * n + t].
+template <int V>
+void k_pass(const float* q, const float* kc, const int64_t* tab, int64_t n, int64_t BS,
+            int64_t KVH, int64_t G, float sc, float* s) {
+  for_each_head_row<V>(kc, tab, n, BS, KVH, [&](int64_t t, int64_t kh, const __m256* k) {
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t hq = kh * G + g;
+      const float* qh = q + hq * V * 8;
+      __m256 a0 = _mm256_mul_ps(k[0], _mm256_loadu_ps(qh));
+      __m256 a1 = _mm256_setzero_ps();
+      for (int i = 1; i < V; ++i) {
+        if (i & 1) a1 = _mm256_fmadd_ps(k[i], _mm256_loadu_ps(qh + i * 8), a1);
+        else a0 = _mm256_fmadd_ps(k[i], _mm256_loadu_ps(qh + i * 8), a0);
+      }
+      s[hq * n + t] = hsum(_mm256_add_ps(a0, a1)) * sc;
+    }
+  });
+}
+
+// out[hq] = sum_t p[hq, t] * v[t, hq / G], V rows in memory order with the H x D
+// accumulators in L1: a strided per-head walk instead defeats the prefetchers and costs
+// ~1.5x on a DRAM-resident cache.
 template <int V>
 void v_pass(const float* vc, const int64_t* tab, int64_t n, int64_t BS, int64_t KVH, int64_t G,
             const float* p, const float* inv_sum, float* out) {
-  const int64_t H = KVH * G, width = KVH * V * 8;
+  const int64_t H = KVH * G;
   std::fill(out, out + H * V * 8, 0.f);
-  for (int64_t t = 0; t < n; ++t) {
-    prefetch_row(vc, tab, t + AHEAD, n, BS, width);
-    const float* vt = row(vc, tab, t, BS, width);
-    for (int64_t kh = 0; kh < KVH; ++kh) {
-      __m256 v[V];
-      for (int i = 0; i < V; ++i) v[i] = _mm256_loadu_ps(vt + kh * V * 8 + i * 8);
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t hq = kh * G + g;
-        const __m256 w = _mm256_set1_ps(p[hq * n + t]);
-        float* o = out + hq * V * 8;
-        for (int i = 0; i < V; ++i) _mm256_storeu_ps(o + i * 8, _mm256_fmadd_ps(w, v[i], _mm256_loadu_ps(o + i * 8)));
-      }
+  for_each_head_row<V>(vc, tab, n, BS, KVH, [&](int64_t t, int64_t kh, const __m256* v) {
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t hq = kh * G + g;
+      const __m256 w = _mm256_set1_ps(p[hq * n + t]);
+      float* o = out + hq * V * 8;
+      for (int i = 0; i < V; ++i) _mm256_storeu_ps(o + i * 8, _mm256_fmadd_ps(w, v[i], _mm256_loadu_ps(o + i * 8)));
     }
-  }
+  });
   for (int64_t hq = 0; hq < H; ++hq) {
     const __m256 inv = _mm256_set1_ps(inv_sum[hq]);
     float* o = out + hq * V * 8;
