@@ -106,6 +106,7 @@ class ModelRunner:
         self.sampling: dict[str, SamplingParams] = {}
         self.generators: dict[str, torch.Generator] = {}
         self.last_sampled: dict[str, int] = {}  # rid -> its latest token (fills placeholders)
+        self.failed_last_step: set[str] = set()  # rids of the previous step, if it failed
         self.tracker = RequestTracker()  # token history (penalties) and prompt logprobs
         self.fault_token_id: int | None = None  # test hook, see EngineSpec.fault_token_id
         self.decode_graphs: cuda_graphs.DecodeGraphRunner | None = None
@@ -158,10 +159,16 @@ class ModelRunner:
                 if params.seed is not None:
                     self.generators[rid] = torch.Generator(device=self.device).manual_seed(params.seed)
 
-    def _fill_placeholder(self, seq: SeqChunk) -> None:
-        """A step planned before the previous one returned feeds the token sampled there."""
+    def _fill_placeholder(self, seq: SeqChunk, failed_before: set[str]) -> None:
+        """A step planned before the previous one returned feeds the token sampled there.
+
+        When that step failed, it sampled nothing, and its requests fail with it: their
+        placeholders get token 0 (the scheduler discards what it yields) rather than
+        failing this step's other requests too."""
         if seq.token_ids and seq.token_ids[-1] == PLACEHOLDER_TOKEN:
             last = self.last_sampled.pop(seq.rid, None)  # used once: never a stale token
+            if last is None and seq.rid in failed_before:
+                last = 0
             if last is None:
                 raise ValueError(f"{seq.rid}: placeholder token but nothing sampled for it yet")
             seq.token_ids[-1] = last
@@ -187,15 +194,20 @@ class ModelRunner:
 
     def execute(self, plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
-        self._update_requests(plan)
-        for seq in plan.seqs:
-            self._fill_placeholder(seq)
-            self._check(seq)
-        sampled: list[int] = []
-        logprobs: list[SampleLogprobs | None] = []
-        if plan.seqs:
-            with torch.inference_mode():
-                sampled, logprobs = self._forward(plan.seqs)
+        failed_before, self.failed_last_step = self.failed_last_step, set()
+        try:
+            self._update_requests(plan)
+            for seq in plan.seqs:
+                self._fill_placeholder(seq, failed_before)
+                self._check(seq)
+            sampled: list[int] = []
+            logprobs: list[SampleLogprobs | None] = []
+            if plan.seqs:
+                with torch.inference_mode():
+                    sampled, logprobs = self._forward(plan.seqs)
+        except Exception:
+            self.failed_last_step = {s.rid for s in plan.seqs}
+            raise
         return StepResult(step_id=plan.step_id, sampled=sampled, forward_s=time.perf_counter() - t0,
                           logprobs=logprobs)
 

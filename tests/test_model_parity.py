@@ -166,6 +166,18 @@ def test_placeholder_decodes_match_hf(tiny_dir, prompts, hf_reference):
         runner.execute(StepPlan(0, [SeqChunk("z", [PLACEHOLDER_TOKEN], 0, [0], True)], {"z": GREEDY}))
 
 
+def test_failed_step_does_not_fail_the_next_steps_other_requests(tiny_dir, prompts, hf_reference):
+    """Step 1 fails (fault hook) after step 2 was planned with a placeholder for its
+    request: step 2 still runs, and its other request gets HF's token."""
+    runner = ModelRunner(str(tiny_dir), num_blocks=64)
+    runner.fault_token_id = 999
+    with pytest.raises(RuntimeError, match="injected fault"):
+        runner.execute(StepPlan(0, [SeqChunk("bad", [5, 999, 6], 0, [0], True)], {"bad": GREEDY}))
+    step2 = StepPlan(1, [SeqChunk("bad", [PLACEHOLDER_TOKEN], 3, [0], True),
+                         SeqChunk("good", prompts[0], 0, list(range(1, 40)), True)], {"good": GREEDY})
+    assert runner.execute(step2).sampled[1] == hf_reference[0][0]
+
+
 def test_greedy_matches_hf_other_block_size(tiny_dir, prompts, hf_reference):
     runner = ModelRunner(str(tiny_dir), block_size=8, num_blocks=200)
     ours = run_continuous(runner, prompts, [GREEDY] * len(prompts), chunk=23, max_prefill_chunks=8, seed=3)
