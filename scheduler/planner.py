@@ -183,14 +183,9 @@ class Planner:
             if n == 0:
                 i += 1
                 continue
-            if lookahead:
-                if not self._grow(req, n):
-                    return step  # out of blocks: preempt later, with nothing in flight
-                self._add(step, req, n)
-                budget -= n
-                i += 1
-                continue
             while not self._grow(req, n):
+                if lookahead:
+                    return step  # out of blocks: preempt later, with nothing in flight
                 victim = self.running[-1]
                 self._preempt(victim, step)
                 if victim is req:
