@@ -48,7 +48,7 @@ def load(device: torch.device, dtype: torch.dtype):
         module = load_inline(
             f"candor_paged_decode_{isa}",
             cpp_sources=[_SOURCE.read_text()],
-            functions=["paged_decode", "vectorized"],
+            functions=["paged_decode"],
             extra_cflags=["-O3", "-fopenmp", *flags],
         )
     except Exception as exc:  # no compiler, no headers, ...: the torch path still works

@@ -257,11 +257,3 @@ std::tuple<torch::Tensor, torch::Tensor> paged_decode(torch::Tensor q, torch::Te
   });
   return {out, lse};
 }
-
-bool vectorized() {
-#ifdef CANDOR_AVX2
-  return true;
-#else
-  return false;
-#endif
-}

@@ -41,15 +41,6 @@ class Sampler:
         # Shared by every unseeded request.
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
 
-    def __call__(
-        self,
-        logits: torch.Tensor,
-        params: list[SamplingParams],
-        generators: list[torch.Generator | None],
-        histories: list[History | None] | None = None,
-    ) -> list[int]:
-        return self.sample(logits, params, generators, histories)[0]
-
     def sample(
         self,
         logits: torch.Tensor,

@@ -261,13 +261,13 @@ def test_sampler_filters():
     assert p[2].tolist() == [0.0, 1.0, 0.0, 0.0]
     seen = set()
     for _ in range(200):
-        seen.update(sampler(logits[:2], params[:2], [None, None]))
+        seen.update(sampler.sample(logits[:2], params[:2], [None, None])[0])
     assert seen == {1, 2}
     # Seeded rows: same generator seed, same draws, whatever rows surround them.
     g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
     p_open = SamplingParams(temperature=1.0)
-    a = [sampler(logits[:1], [p_open], [g1])[0] for _ in range(20)]
-    b = [sampler(logits, [p_open, p_open, GREEDY], [None, g2, None])[1] for _ in range(20)]
+    a = [sampler.sample(logits[:1], [p_open], [g1])[0][0] for _ in range(20)]
+    b = [sampler.sample(logits, [p_open, p_open, GREEDY], [None, g2, None])[0][1] for _ in range(20)]
     assert a == b
 
 

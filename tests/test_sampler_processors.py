@@ -57,7 +57,7 @@ def test_min_tokens_suppresses_stop_ids_until_reached():
 def test_min_p_keeps_only_tokens_near_the_top():
     logits = torch.tensor([[5.0, 4.99, 0.0, -1.0]])
     sampler = Sampler(seed=1)
-    seen = {sampler(logits, [SamplingParams(min_p=0.5)], [None])[0] for _ in range(200)}
+    seen = {sampler.sample(logits, [SamplingParams(min_p=0.5)], [None])[0][0] for _ in range(200)}
     assert seen == {0, 1}
 
 
