@@ -61,6 +61,29 @@ class HttpSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_body_mb: Annotated[int, Meta(ge=1)] = 32
 
 
+class RequestLimits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Bounds on every fan-out a request can ask for, checked in the frontend before any
+    work (400 naming the field and the limit) and published by GET /v1/capabilities.
+
+    ``max_request_share`` is the fraction of the engine's waiting queue one request's
+    choices (n x prompts) may take, so one client cannot fill the queue for everyone.
+    The template bounds cover request-supplied and server templates alike: source size,
+    wall time of one render (the rendered text itself is bounded by the context)."""
+
+    max_n: Annotated[int, Meta(ge=1)] = 128
+    max_prompts: Annotated[int, Meta(ge=1)] = 256
+    max_logprobs: Annotated[int, Meta(ge=0)] = 20
+    max_stop_strings: Annotated[int, Meta(ge=0)] = 64
+    max_stop_string_chars: Annotated[int, Meta(ge=1)] = 1024
+    max_stop_token_ids: Annotated[int, Meta(ge=0)] = 1024
+    max_logit_bias: Annotated[int, Meta(ge=0)] = 1024
+    max_messages: Annotated[int, Meta(ge=1)] = 4096
+    max_tools: Annotated[int, Meta(ge=0)] = 128
+    max_request_share: Annotated[float, Meta(gt=0.0, le=1.0)] = 0.25
+    max_template_bytes: Annotated[int, Meta(ge=1024)] = 1 << 20
+    template_render_timeout_s: Annotated[float, Meta(gt=0.0, le=600.0)] = 2.0
+
+
 class ApiSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """The deployment's API policy (issue 4); published by GET /v1/capabilities.
 
@@ -74,6 +97,7 @@ class ApiSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_tokens_policy: Literal["reject", "clamp"] = "reject"
     chat_template: str | None = None
     allow_request_chat_template: bool = False
+    limits: RequestLimits = msgspec.field(default_factory=RequestLimits)
 
 
 class RoleCounts(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
