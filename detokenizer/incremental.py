@@ -2,9 +2,9 @@
 
 Text comes from ``tokenizers``' DecodeStream, which buffers ids until they form whole
 UTF-8 characters, so no stream delta ever carries half a character. Stop strings are
-matched on the accumulated text; while stop strings are active, the last
-``longest_stop - 1`` characters are held back, because they could be the start of a
-stop string that the next token completes (and stop strings are trimmed from output).
+matched by ``StopMatcher`` (cost per token independent of how many there are); a stream
+holds back exactly the tail that could still be the start of a stop string the next
+token completes (stop strings are trimmed from output), and nothing else.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
+from detokenizer.stops import StopMatcher
 from protocol.ipc import DetokParams
 
 # Prompt ids fed to the stream first, so the first generated token decodes in context
@@ -28,8 +29,7 @@ class RequestDetokenizer:
         self._params = params
         self._stream = DecodeStream(ids=list(prompt_tail or [])[-_CONTEXT_IDS:],
                                     skip_special_tokens=params.skip_special_tokens)
-        self._stops = [s for s in params.stop if s]
-        self._holdback = max((len(s) for s in self._stops), default=1) - 1
+        self._stops = StopMatcher(params.stop)
         self.text = ""          # all text produced so far (after trimming, once stopped)
         self._emitted = 0       # characters of self.text already sent
         self.num_tokens = 0     # generated tokens consumed (usage.completion_tokens)
@@ -43,21 +43,16 @@ class RequestDetokenizer:
         piece = self._stream.step(self._tokenizer, token_id)
         if not piece:
             return
-        search_from = max(0, len(self.text) - self._holdback)
         self.text += piece
-        if self._stops:
-            self._check_stops(search_from)
+        if self._stops.active:
+            self._check_stops()
 
-    def _check_stops(self, search_from: int) -> None:
-        best: tuple[int, str] | None = None
-        for stop in self._stops:
-            at = self.text.find(stop, search_from)
-            if at != -1 and (best is None or at < best[0]):
-                best = (at, stop)
-        if best is None:
+    def _check_stops(self) -> None:
+        found = self._stops.feed(self.text)
+        if found is None:
             return
-        at, stop = best
-        end = at + len(stop) if self._params.include_stop_str_in_output else at
+        at, stop_end = found
+        end = stop_end if self._params.include_stop_str_in_output else at
         self.text = self.text[:end]
         self._emitted = min(self._emitted, end)
         self.stopped = True
@@ -65,8 +60,8 @@ class RequestDetokenizer:
     def take_delta(self, final: bool) -> str:
         """Text not yet sent. Holds back a possible stop-string prefix unless final."""
         limit = len(self.text)
-        if not final and not self.stopped and self._stops:
-            limit = max(self._emitted, len(self.text) - self._holdback)
+        if not final and not self.stopped and self._stops.active:
+            limit = max(self._emitted, self._stops.hold_from)
         delta = self.text[self._emitted:limit]
         self._emitted = limit
         return delta

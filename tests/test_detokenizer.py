@@ -3,10 +3,14 @@ even when they straddle tokens, and held-back text released at the end."""
 
 from __future__ import annotations
 
+import random
+import time
+
 import pytest
 from tokenizers import Tokenizer
 
 from detokenizer.incremental import RequestDetokenizer
+from detokenizer.stops import StopMatcher
 from protocol.ipc import DetokParams
 
 TEXT = "Über café — 中文 and 🙂🙂 emoji, then plain words at the end."
@@ -58,10 +62,74 @@ def test_earliest_of_several_stop_strings_wins(tokenizer):
 
 
 def test_holdback_released_when_no_stop_matches(tokenizer):
-    deltas, detok = _run(tokenizer, TEXT, DetokParams(stop=["never appears anywhere"]))
+    # the text ends with "end.", the start of this stop string: held back until final
+    deltas, detok = _run(tokenizer, TEXT, DetokParams(stop=["end. And then more"]))
     assert not detok.stopped and "".join(deltas) == TEXT
-    # while streaming, the possible start of a stop string was held back
-    assert len(deltas[-1]) > 0
+    assert deltas[-1].endswith("end.")
+
+
+def test_only_a_possible_stop_start_is_held_back(tokenizer):
+    """Text that cannot begin a stop string streams at once, however long the stops."""
+    detok = RequestDetokenizer(tokenizer, DetokParams(stop=["x" * 500, "plain wordy"]))
+    sent = ""
+    for token_id in tokenizer.encode(TEXT, add_special_tokens=False).ids:
+        detok.add_token(token_id)
+        sent += detok.take_delta(final=False)
+        if detok.text.endswith("then "):
+            assert sent == detok.text  # no tail starts "x..." or "plain wordy"
+        if detok.text.endswith("plain word"):
+            assert sent == detok.text[:-len("plain word")]  # this tail might still stop
+    assert not detok.stopped
+    assert sent + detok.take_delta(final=True) == TEXT
+
+
+def _naive_stop(text: str, stops: list[str]) -> tuple[int, int] | None:
+    """The reference: earliest start, ties to the stop listed first."""
+    hits = [(text.find(s), i, s) for i, s in enumerate(stops) if s and s in text]
+    if not hits:
+        return None
+    at, _, s = min(hits)
+    return at, at + len(s)
+
+
+def test_stop_matcher_agrees_with_naive_search_on_random_streams():
+    rng = random.Random(7)
+    for _ in range(300):
+        stops = ["".join(rng.choice("abc") for _ in range(rng.randint(1, 5)))
+                 for _ in range(rng.randint(1, 6))]
+        pieces = ["".join(rng.choice("abcd") for _ in range(rng.randint(1, 3)))
+                  for _ in range(12)]
+        matcher, text, expected = StopMatcher(stops), "", None
+        for piece in pieces:
+            text += piece
+            got = matcher.feed(text)
+            expected = _naive_stop(text, stops)
+            assert got == expected, (stops, text)
+            if got is not None:
+                break
+            # nothing before hold_from can start a stop; the held tail can
+            assert not any(text[i:] and any(s.startswith(text[i:]) for s in stops)
+                           for i in range(matcher.hold_from))
+            tail = text[matcher.hold_from:]
+            assert not tail or any(s.startswith(tail) for s in stops)
+
+
+def test_many_stop_strings_cost_per_token_stays_flat(tokenizer):
+    """10k stop strings: a token's matching time is within a small factor of one stop's."""
+    ids = tokenizer.encode(TEXT * 20, add_special_tokens=False).ids
+
+    def per_token(stops: list[str]) -> float:
+        detok = RequestDetokenizer(tokenizer, DetokParams(stop=stops))
+        started = time.perf_counter()
+        for token_id in ids:
+            detok.add_token(token_id)
+            detok.take_delta(final=False)
+        assert not detok.stopped
+        return (time.perf_counter() - started) / len(ids)
+
+    many = [f"zq{i:05d} never" for i in range(10_000)]
+    one, lots = min(per_token(many[:1]) for _ in range(3)), min(per_token(many) for _ in range(3))
+    assert lots < 5 * one + 20e-6, (one, lots)
 
 
 def test_special_tokens_skipped_or_kept(tokenizer):
