@@ -13,13 +13,13 @@ import asyncio
 import os
 import platform
 import time
-import uuid
 
 from aiohttp import web
 
 from api_frontend.engine_client import EngineClient
 from api_frontend.errors import RETRY_AFTER_S, ApiError
 from api_frontend.metrics import FrontendMetrics
+from api_frontend.probe import PROBE_KEY, GenerationProbe
 from api_frontend.topology_watch import TopologyWatch
 from protocol import ipc
 from protocol.metrics import render
@@ -142,7 +142,8 @@ def _stats_dict(stats: ipc.SchedulerStats | None) -> dict | None:
 
 
 async def health_generate_route(request: web.Request) -> web.Response:
-    """One real token through tokenizer, scheduler, worker and detokenizer."""
+    """One real token through tokenizer, scheduler, worker and detokenizer; concurrent
+    callers share one probe (``GenerationProbe``)."""
     ops = request.app[OPS_KEY]
     engine = ops.engine
     timeout = PROBE_TIMEOUT_S
@@ -156,34 +157,15 @@ async def health_generate_route(request: web.Request) -> web.Response:
     if problems:
         ops.metrics.probes.labels("generate", "fail").inc()
         raise ApiError(503, "unhealthy: " + "; ".join(problems), None, "unhealthy")
-    rid = f"probe-{uuid.uuid4().hex}"
-    started = time.monotonic()
-    queue = await engine.submit(ipc.GenerateReq(
-        rid=rid, reply_to=engine.reply_to, sampling=ipc.SamplingParams(temperature=0.0),
-        detok=ipc.DetokParams(), prompt="health", max_tokens=1, ignore_eos=True,
-        arrival_time=time.time(), probe=True))
-    try:
-        while True:
-            msg = await asyncio.wait_for(queue.get(), timeout - (time.monotonic() - started))
-            if isinstance(msg, ipc.RequestError):
-                raise ApiError(503, f"generation probe failed: {msg.message}", None,
-                               "probe_failed")
-            if isinstance(msg, ipc.TextDelta) and msg.finish_reason is not None:
-                break
-    except (asyncio.TimeoutError, TimeoutError):
-        await engine.abort(rid, "error")
-        ops.metrics.probes.labels("generate", "timeout").inc()
-        raise ApiError(503, f"generation probe got no token within {timeout:g}s", None,
-                       "probe_timeout") from None
-    except ApiError:
-        engine.release(rid)
-        ops.metrics.probes.labels("generate", "fail").inc()
-        raise
-    engine.release(rid)
-    engine.finish_reasons.pop(rid, None)
-    ops.metrics.probes.labels("generate", "ok").inc()
-    return web.json_response({"status": "ok", "tokens": msg.completion_tokens,
-                              "latency_s": round(time.monotonic() - started, 4)})
+    result = await request.app[PROBE_KEY].check(timeout)
+    ops.metrics.probes.labels("generate", result.outcome).inc()
+    if result.outcome == "timeout":
+        raise ApiError(503, f"generation probe got {result.message}", None, "probe_timeout")
+    if result.outcome != "ok":
+        raise ApiError(503, f"generation probe failed: {result.message}", None,
+                       "probe_failed")
+    return web.json_response({"status": "ok", "tokens": result.tokens,
+                              "latency_s": result.latency_s})
 
 
 async def version_route(request: web.Request) -> web.Response:
@@ -197,6 +179,7 @@ async def version_route(request: web.Request) -> web.Response:
 def install_ops(app: web.Application, ops: Ops) -> None:
     """Mount the ops routes (replacing the plain /health) and the counting middleware."""
     app[OPS_KEY] = ops
+    app[PROBE_KEY] = GenerationProbe(ops.engine)
     app.middlewares.insert(0, ops_middleware)
     app.router.add_get("/metrics", metrics_route)
     app.router.add_get("/health", health_route)

@@ -161,10 +161,7 @@ class EngineLoop:
             req.rid, req.reply_to, len(req.prompt_token_ids), req.detok,
             req.prompt_token_ids[-8:],
             req.prompt_token_ids if req.detok.return_token_ids else None))
-        if req.probe:  # a /health/generate probe does not queue behind traffic
-            self.planner.waiting.appendleft(sreq)
-        else:
-            self.planner.waiting.append(sreq)
+        self.planner.waiting.push(sreq)  # a /health/generate probe goes to the head
         self.ops.enqueued(req.rid)
 
     def _apply_aborts(self, batches: dict[int, list[ipc.TokenOutput]] | None = None) -> None:

@@ -144,7 +144,7 @@ class Planner:
         self.free(victim)
         victim.reset_computed()
         victim.preemptions += 1
-        self.waiting.appendleft(victim)
+        self.waiting.push(victim)
         step.preempted.append(victim)
 
     def _grow(self, req: SchedRequest, n: int) -> bool:

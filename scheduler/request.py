@@ -34,9 +34,10 @@ class SchedRequest:
         return self.req.rid
 
     @property
-    def sort_key(self) -> tuple[int, int]:
-        """Waiting-queue order: lower priority value first, then arrival (FCFS)."""
-        return (self.req.priority, self.arrival_seq)
+    def sort_key(self) -> tuple[bool, int, int]:
+        """Waiting-queue order: health probes first, then lower priority value, then
+        arrival (FCFS)."""
+        return (not self.req.probe, self.req.priority, self.arrival_seq)
 
     def full_block_hashes(self, num_blocks: int, block_size: int) -> list[int]:
         """Chained hashes of the first ``num_blocks`` full blocks (memoised: token ids

@@ -1,4 +1,4 @@
-"""The waiting queue: ordered by (priority, arrival), bounded by the engine's limit."""
+"""The waiting queue: probes first, then by (priority, arrival)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,14 @@ from scheduler.request import SchedRequest
 
 
 class WaitQueue:
-    """Lower ``priority`` first, FCFS within a priority. A preempted request keeps its
-    original arrival number, so it goes back ahead of everything that arrived after it."""
+    """``/health/generate`` probes first (FCFS among themselves: a probe measures whether
+    the engine serves, so it must not wait behind traffic), then lower ``priority``
+    first, FCFS within a priority. A preempted request keeps its original arrival number,
+    so it goes back ahead of everything that arrived after it."""
 
     def __init__(self) -> None:
         self._items: list[SchedRequest] = []
-        self._keys: list[tuple[int, int]] = []
+        self._keys: list[tuple[bool, int, int]] = []
 
     def __len__(self) -> int:
         return len(self._items)
@@ -36,9 +38,7 @@ class WaitQueue:
         self._keys.insert(i, key)
         self._items.insert(i, req)
 
-    # deque-compatible names used by callers and tests
-    append = push
-    appendleft = push
+    append = push  # the order is the key's, wherever a caller would put it
 
     def extend(self, reqs) -> None:
         for r in reqs:
