@@ -26,5 +26,5 @@ class TokenTexts:
             return None
         return [DecodedLogprob(e.token_id, self.text(e.token_id), e.logprob,
                                [TopLogprob(i, self.text(i), v)
-                                for i, v in zip(e.top_ids, e.top_logprobs)])
+                                for i, v in zip(e.top_ids, e.top_logprobs)], e.rank)
                 for e in entries]

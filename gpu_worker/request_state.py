@@ -3,8 +3,10 @@
 The worker sees every token a sequence is fed (prompt chunks, then each sampled token as
 the next decode input), so it rebuilds the history from the plan itself instead of having
 the scheduler resend it: penalties and min_tokens read it. Only requests whose sampling
-needs it pay for it. Prompt logprobs (completions ``echo`` + ``logprobs``) are collected
-chunk by chunk and handed out once, with the request's first sampled token.
+needs it pay for it. Prompt logprobs (``echo`` + ``logprobs``, or ``prompt_logprobs``) are
+collected chunk by chunk and handed out once, with the request's first sampled token; the
+scheduler never serves such a request's prompt from the prefix cache, so every position
+is fed and has logits.
 """
 
 from __future__ import annotations
@@ -51,7 +53,10 @@ class RequestTracker:
         if start == 0:
             self._prompt_lp[rid] = [TokenLogprob(ids[0], None)]
             self._pending.pop(rid, None)
-        entries = self._prompt_lp.setdefault(rid, [])
+        entries = self._prompt_lp.get(rid)
+        if entries is None:  # never a short list that looks complete
+            raise ValueError(f"{rid}: prompt logprobs asked for, but its prompt was not fed "
+                             f"from position 0 (first chunk at {start})")
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         prev = self._pending.pop(rid, None)
         if prev is not None:  # the previous chunk's last row predicts this chunk's first id
@@ -63,7 +68,8 @@ class RequestTracker:
             rows = logprobs[:len(ids) - 1]
         if targets:
             chosen = torch.tensor(targets, dtype=torch.long, device=logprobs.device)
-            entries.extend(top_logprobs(rows, chosen, [params.prompt_logprobs] * len(targets)))
+            entries.extend(top_logprobs(rows, chosen, [params.prompt_logprobs] * len(targets),
+                                        with_rank=True))
         end = start + len(ids)
         if end < params.num_prompt_tokens:
             self._pending[rid] = logprobs[-1]

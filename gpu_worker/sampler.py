@@ -128,18 +128,24 @@ class Sampler:
         return (probs / noise).argmax(dim=-1)
 
 
-def top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, ks: list[int]) -> list[TokenLogprob]:
-    """Per row: the chosen id's logprob and the row's ``k`` most likely ids."""
-    chosen_lp = logprobs.gather(1, chosen[:, None])[:, 0].tolist()
+def top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, ks: list[int],
+                 with_rank: bool = False) -> list[TokenLogprob]:
+    """Per row: the chosen id's logprob and the row's ``k`` most likely ids; with
+    ``with_rank``, also the chosen id's rank (ids at least as likely, itself included)."""
+    chosen_col = logprobs.gather(1, chosen[:, None])
+    chosen_lp = chosen_col[:, 0].tolist()
+    ranks = (logprobs >= chosen_col).sum(dim=-1).tolist() if with_rank else None
     k_max = max(ks)
     top_v, top_i = (logprobs.topk(k_max, dim=-1) if k_max > 0 else (None, None))
     ids = chosen.tolist()
     out = []
     for r, k in enumerate(ks):
+        rank = ranks[r] if ranks is not None else None
         if k > 0:
-            out.append(TokenLogprob(ids[r], chosen_lp[r], top_i[r, :k].tolist(), top_v[r, :k].tolist()))
+            out.append(TokenLogprob(ids[r], chosen_lp[r], top_i[r, :k].tolist(),
+                                    top_v[r, :k].tolist(), rank))
         else:
-            out.append(TokenLogprob(ids[r], chosen_lp[r]))
+            out.append(TokenLogprob(ids[r], chosen_lp[r], rank=rank))
     return out
 
 

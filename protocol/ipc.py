@@ -224,6 +224,7 @@ class TokenLogprob(msgspec.Struct, array_like=True):
     logprob: float | None
     top_ids: list[int] = []
     top_logprobs: list[float] = []
+    rank: int | None = None  # 1 + ids at least as likely; prompt logprobs only (vLLM's rank)
 
 
 class SampleLogprobs(msgspec.Struct, array_like=True):
@@ -312,6 +313,7 @@ class DecodedLogprob(msgspec.Struct, array_like=True):
     token: str
     logprob: float | None
     top: list[TopLogprob] = []
+    rank: int | None = None
 
 
 class TextDeltas(_Message, tag="deltas"):

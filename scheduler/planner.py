@@ -21,7 +21,9 @@ full (prefix-cached) block.
 
 Prefix caching: when a request is admitted (fresh, or again after preemption) its leading
 full blocks are looked up in the allocator's cache and shared instead of recomputed. At
-least one prompt token is always left to compute, because sampling needs its logits.
+least one prompt token is always left to compute, because sampling needs its logits. A
+request that asks for prompt logprobs needs the logits of every prompt position, so it
+never takes a hit (as vLLM); its blocks are still offered to the cache for others.
 Blocks become findable only after the step that wrote them has returned (``commit``), so
 no request ever reads a block the worker has not finished writing. A waiting request whose
 next block a planned step is filling (the same shared prefix, admitted a step earlier)
@@ -106,16 +108,20 @@ class Planner:
     def _waits_for_prefix(self, req: SchedRequest) -> bool:
         """True when the block after ``req``'s cache hit is being written by a planned
         step: waiting one step turns its recompute into a hit."""
-        if not self.blocks_being_written:
+        if not self.blocks_being_written or not self._reads_cache(req):
             return False
         i = len(req.block_table)
         if i >= (len(req.token_ids) - 1) // self.block_size:
             return False
         return req.full_block_hashes(i + 1, self.block_size)[i] in self.blocks_being_written
 
+    def _reads_cache(self, req: SchedRequest) -> bool:
+        """Whether ``req`` may be served from the prefix cache."""
+        return self.enable_prefix_caching and req.req.sampling.prompt_logprobs < 0
+
     def _match_prefix(self, req: SchedRequest) -> None:
         """Share the longest cached run of leading full blocks (never the whole prompt)."""
-        if not self.enable_prefix_caching or req.num_computed or req.block_table:
+        if not self._reads_cache(req) or req.num_computed or req.block_table:
             return
         bs = self.block_size
         limit = (len(req.token_ids) - 1) // bs
@@ -210,7 +216,7 @@ class Planner:
                 break
             if req.cached_tokens is None:
                 req.cached_tokens = req.num_computed
-                if self.enable_prefix_caching:
+                if self._reads_cache(req):
                     self.prefix_queried_tokens += len(req.req.prompt_token_ids)
                     self.prefix_hit_tokens += req.num_computed
             self.waiting.popleft()

@@ -174,3 +174,32 @@ def test_request_waits_a_step_for_a_prefix_block_being_written():
     assert [c.rid for c in third.chunks] == ["a", "b"]
     assert b.cached_tokens == 16 and b.block_table[:4] == a.block_table[:4]
     assert sum(planner.blocks_being_written.values()) == len(third.writing)
+
+
+def test_prompt_logprobs_request_computes_its_whole_prompt_but_shares_its_blocks():
+    import msgspec
+
+    planner = _planner()
+    prompt = list(range(1, 11))
+    a = _req("a", prompt)
+    planner.waiting.append(a)
+    _step(planner)
+    wants = _req("wants", prompt + [99], seq=1)
+    wants.req = msgspec.structs.replace(
+        wants.req, sampling=SamplingParams(temperature=0.0, prompt_logprobs=0))
+    planner.waiting.append(wants)
+    got = {c.rid: c for c in _step(planner)}
+    assert got["wants"].start_pos == 0 and len(got["wants"].token_ids) == 11
+    assert wants.cached_tokens == 0
+    _finish(planner, a)
+    # its own full blocks (of a prompt nobody cached before) serve later requests
+    fresh = list(range(50, 61))
+    first = _req("first", fresh, seq=2)
+    first.req = wants.req.__class__(**{**msgspec.structs.asdict(wants.req), "rid": "first",
+                                       "prompt_token_ids": fresh})
+    planner.waiting.append(first)
+    _step(planner)
+    c = _req("c", fresh + [5], seq=3)
+    planner.waiting.append(c)
+    got = {ch.rid: ch for ch in _step(planner)}
+    assert got["c"].start_pos == 8 and c.block_table[:2] == first.block_table[:2]
