@@ -79,7 +79,9 @@ async def run_generation(request: web.Request, engine: EngineClient, card: Model
         headers = {"x-request-id": rid,
                    "x-candor-adjustments": _JSON.encode(report).decode()}
         logprobs = (parsed.logprobs if is_chat else parsed.logprobs is not None)
-        common = dict(n=parsed.n, report=report, logprobs=bool(logprobs))
+        common = dict(n=parsed.n, report=report, logprobs=bool(logprobs),
+                      logprobs_k=tr.gen.sampling.logprobs,
+                      prompt_logprobs_k=parsed.prompt_logprobs)
         if is_chat:
             assembler = ChatAssembler(rid, int(arrival), card.id, parsed.return_token_ids,
                                       echo_text=_chat_echo(parsed), **common)

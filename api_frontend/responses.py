@@ -16,7 +16,8 @@ from protocol.openai_api import (AssistantMessage, CandorReport, ChatChoice, Cha
                                  ChatCompletionChunk, ChatCompletionResponse, ChatDelta,
                                  ChatLogprobEntry, ChatLogprobs, CompletionChoice,
                                  CompletionChunk, CompletionLogprobs, CompletionResponse,
-                                 PromptTokensDetails, TopLogprobEntry, Usage)
+                                 PromptLogprob, PromptLogprobs, PromptTokensDetails,
+                                 TopLogprobEntry, Usage)
 
 _ENCODER = msgspec.json.Encoder()
 DONE_FRAME = b"data: [DONE]\n\n"
@@ -87,16 +88,45 @@ def completion_logprobs(entries: list[ipc.DecodedLogprob], offset: int) -> Compl
     return out
 
 
+def _top(entries: list[ipc.DecodedLogprob], k: int) -> list[ipc.DecodedLogprob]:
+    """Entries with at most ``k`` alternatives (one prompt computation serves two k's)."""
+    return [msgspec.structs.replace(e, top=e.top[:k]) if len(e.top) > k else e
+            for e in entries]
+
+
+def prompt_logprobs(entries: list[ipc.DecodedLogprob] | None, k: int) -> PromptLogprobs:
+    """vLLM's ``prompt_logprobs``: per prompt token, its own entry then the top ``k``
+    (ranked 1..k), keyed by token id; None for the first token."""
+    out: PromptLogprobs = []
+    for e in entries or []:
+        if e.logprob is None:
+            out.append(None)
+            continue
+        row = {e.token_id: PromptLogprob(e.logprob, e.rank, e.token)}
+        for rank, t in enumerate(e.top[:k], start=1):
+            row.setdefault(t.token_id, PromptLogprob(t.logprob, rank, t.token))
+        out.append(row)
+    return out
+
+
 class _Assembler:
     def __init__(self, response_id: str, created: int, model: str, with_ids: bool,
                  n: int = 1, report: CandorReport | None = None,
-                 logprobs: bool = False) -> None:
+                 logprobs: bool = False, logprobs_k: int = 0,
+                 prompt_logprobs_k: int | None = None) -> None:
         self.id, self.created, self.model = response_id, created, model
         self.with_ids = with_ids
         self.n = n
         self.report = report
         self.logprobs = logprobs
+        self.logprobs_k = logprobs_k  # alternatives per token in ``logprobs``
+        self.prompt_logprobs_k = prompt_logprobs_k  # the extension, when asked for
         self._report_sent = False
+
+    def _prompt_logprobs(self, got: "Collected"):
+        if self.prompt_logprobs_k is None:
+            return UNSET
+        return prompt_logprobs(got.prompt_logprobs, self.prompt_logprobs_k)
 
     def _ids(self, ids: list[int] | None):
         return list(ids or []) if self.with_ids else UNSET
@@ -127,10 +157,12 @@ class CompletionAssembler(_Assembler):
             prefix = self.echo_text or ""
             lp = None
             if self.logprobs:  # with echo, the prompt's entries come first (offset 0)
-                entries = list(got.prompt_logprobs or []) if self.echo_text is not None else []
+                entries = (_top(got.prompt_logprobs or [], self.logprobs_k)
+                           if self.echo_text is not None else [])
                 lp = completion_logprobs(entries + got.logprobs, 0)
             out.append(CompletionChoice(i, prefix + got.text, got.last.finish_reason, lp,
-                                        token_ids=self._ids(got.token_ids)))
+                                        token_ids=self._ids(got.token_ids),
+                                        prompt_logprobs=self._prompt_logprobs(got)))
         return CompletionResponse(self.id, self.created, self.model, out, self.usage(choices),
                                   prompt_token_ids=self._ids(choices[0].prompt_token_ids),
                                   candor=self._candor())
@@ -184,6 +216,7 @@ class ChatAssembler(_Assembler):
                for i, got in enumerate(choices)]
         return ChatCompletionResponse(self.id, self.created, self.model, out, self.usage(choices),
                                       prompt_token_ids=self._ids(choices[0].prompt_token_ids),
+                                      prompt_logprobs=self._prompt_logprobs(choices[0]),
                                       candor=self._candor())
 
     def role_chunk(self, index: int = 0) -> ChatCompletionChunk:

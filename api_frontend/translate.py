@@ -25,7 +25,7 @@ _COMMON_HONOURED = ("model", "max_tokens", "temperature", "top_p", "n", "stream"
                     "logit_bias")
 _COMMON_EXTENSIONS = ("top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens",
                       "stop_token_ids", "skip_special_tokens", "include_stop_str_in_output",
-                      "return_token_ids", "strict")
+                      "return_token_ids", "strict", "prompt_logprobs")
 _REASONS = {
     "user": "accepted for compatibility; Candor does not use it (no per-user policy)",
     "suffix": "accepted for compatibility; insertion (fill-in-the-middle) is not implemented",
@@ -138,14 +138,31 @@ def _logit_bias(req: CompletionRequest | ChatCompletionRequest) -> list[tuple[in
 
 
 def _logprobs(req: CompletionRequest | ChatCompletionRequest) -> tuple[int, int]:
-    """(logprobs, prompt_logprobs) for the sampler: -1 = none, k = top-k alternatives."""
+    """(logprobs, prompt_logprobs) for the sampler: -1 = none, k = top-k alternatives.
+    Completions' echo + logprobs and ``prompt_logprobs`` share one prompt computation
+    at the larger k; the response trims each to its own."""
+    prompt_k = -1 if req.prompt_logprobs is None else req.prompt_logprobs
     if isinstance(req, ChatCompletionRequest):
         if req.top_logprobs is not None and not req.logprobs:
             raise ApiError(400, "`top_logprobs` requires `logprobs: true`", "top_logprobs",
                            "invalid_value")
-        return (req.top_logprobs or 0) if req.logprobs else -1, -1
+        return (req.top_logprobs or 0) if req.logprobs else -1, prompt_k
     k = -1 if req.logprobs is None else req.logprobs
-    return k, (k if req.echo and k >= 0 else -1)
+    return k, max(prompt_k, k if req.echo and k >= 0 else -1)
+
+
+def _check_prompt_logprobs(req: CompletionRequest | ChatCompletionRequest,
+                           api: ApiSpec) -> None:
+    """vLLM's ``prompt_logprobs``: bounded like logprobs, and only in a whole response."""
+    k, limit = req.prompt_logprobs, api.limits.max_logprobs
+    if k is None:
+        return
+    if k > limit:
+        raise ApiError(400, f"`prompt_logprobs` is {k}; this deployment allows at most "
+                       f"{limit} (limits.max_logprobs)", "prompt_logprobs", "limit_exceeded")
+    if req.stream:
+        raise ApiError(400, "`prompt_logprobs` is not available with `stream: true`",
+                       "prompt_logprobs", "invalid_value")
 
 
 def _sampling(req: CompletionRequest | ChatCompletionRequest) -> ipc.SamplingParams:
@@ -190,6 +207,7 @@ def completion_to_generate(req: CompletionRequest, rid: str, reply_to: str, arri
                            raw_keys: list[str] = (), api: ApiSpec | None = None) -> Translated:
     api = api or ApiSpec()
     report = _report(list(raw_keys), req, api)
+    _check_prompt_logprobs(req, api)
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and not all(isinstance(p, int) for p in prompt):
         kinds = {type(p) for p in prompt}
@@ -213,6 +231,7 @@ def chat_to_generate(req: ChatCompletionRequest, rid: str, reply_to: str, arriva
                      raw_keys: list[str] = (), api: ApiSpec | None = None) -> Translated:
     api = api or ApiSpec()
     report = _report(list(raw_keys), req, api)
+    _check_prompt_logprobs(req, api)
     if req.chat_template is not None and not api.allow_request_chat_template:
         raise ApiError(400, "`chat_template` in a request is disabled on this deployment "
                        "(start the server with --allow-request-chat-template)",

@@ -84,6 +84,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     return_token_ids: bool = False  # extension: ids of the prompt and of each choice
     priority: int = 0  # extension: lower runs first when requests wait; FCFS within one
     cache_salt: str | None = None  # extension: prefix-cache sharing only within one salt
+    prompt_logprobs: NonNegativeInt | None = None  # extension (vLLM): top-k per prompt token
     strict: bool = False  # extension: every ignored or clamped field becomes a 400
 
 
@@ -167,6 +168,18 @@ class CompletionLogprobs(msgspec.Struct):
     text_offset: list[int]
 
 
+class PromptLogprob(msgspec.Struct):
+    """vLLM's per-token entry in ``prompt_logprobs`` (keyed by token id)."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str
+
+
+# vLLM's shape: one entry per prompt token, the first None (nothing predicts it)
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class Usage(msgspec.Struct):
     prompt_tokens: int
     completion_tokens: int
@@ -180,6 +193,7 @@ class CompletionChoice(msgspec.Struct):
     finish_reason: str | None
     logprobs: CompletionLogprobs | None = None
     token_ids: list[int] | UnsetType = UNSET
+    prompt_logprobs: PromptLogprobs | UnsetType = UNSET  # extension, per choice as vLLM
 
 
 class CompletionResponse(msgspec.Struct):
@@ -216,6 +230,7 @@ class ChatCompletionResponse(msgspec.Struct):
     object: str = "chat.completion"
     system_fingerprint: str | None = None
     prompt_token_ids: list[int] | UnsetType = UNSET
+    prompt_logprobs: PromptLogprobs | UnsetType = UNSET  # extension, top level as vLLM
     candor: CandorReport | UnsetType = UNSET
 
 

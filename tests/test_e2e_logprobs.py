@@ -91,3 +91,89 @@ def test_logprobs_validation(client):
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=MODEL, prompt="x", logprobs=6)
     assert err.value.body["param"] == "logprobs"
+
+
+_LONG_PROMPT = ("Prompt logprobs score every token of a prompt, which is how evaluation "
+                "harnesses compute loglikelihoods; a prefix-cache hit must not shorten them. ") * 2
+
+
+def _check_prompt_entry(entry: dict, token_id: int, row: torch.Tensor, k: int, tok) -> None:
+    """One vLLM-shaped prompt_logprobs entry against HF's log-softmax row."""
+    own = entry[str(token_id)]
+    assert math.isclose(own["logprob"], row[token_id].item(), abs_tol=1e-3)
+    assert own["rank"] == int((row >= row[token_id]).sum())
+    assert own["decoded_token"] == tok.decode([token_id])
+    best = row.topk(k)
+    for r, (i, v) in enumerate(zip(best.indices.tolist(), best.values.tolist()), start=1):
+        assert math.isclose(entry[str(i)]["logprob"], v, abs_tol=1e-3)
+        if i != token_id:
+            assert entry[str(i)]["rank"] == r
+    assert len(entry) in (k, k + 1)
+
+
+def test_echo_logprobs_are_whole_on_a_prefix_cache_hit(client, hf_model):
+    model, tok = hf_model
+    prompt_ids = tok(_LONG_PROMPT)["input_ids"]
+    assert len(prompt_ids) > 40  # several full KV blocks: the second request could hit them
+    outs = [client.completions.create(model=MODEL, prompt=_LONG_PROMPT, max_tokens=3,
+                                      temperature=0, logprobs=1, echo=True,
+                                      extra_body={"ignore_eos": True})
+            for _ in range(2)]
+    ref = _hf_logprobs(model, prompt_ids)
+    for out in outs:
+        lp = out.choices[0].logprobs
+        assert len(lp.tokens) == len(prompt_ids) + 3
+        assert lp.token_logprobs[0] is None
+        for pos in range(1, len(prompt_ids)):
+            assert math.isclose(lp.token_logprobs[pos], ref[pos - 1, prompt_ids[pos]].item(),
+                                abs_tol=1e-3)
+    assert outs[0].choices[0].logprobs == outs[1].choices[0].logprobs
+    # the request that needs every prompt position computes them: no hit reported
+    assert outs[1].usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_prompt_logprobs_extension_on_completions_matches_hf(client, hf_model):
+    model, tok = hf_model
+    prompt_ids = tok(_LONG_PROMPT)["input_ids"]
+    ref = _hf_logprobs(model, prompt_ids)
+    bodies = [client.completions.create(model=MODEL, prompt=_LONG_PROMPT, max_tokens=2,
+                                        temperature=0, extra_body={"prompt_logprobs": 3})
+              .choices[0].model_extra["prompt_logprobs"] for _ in range(2)]
+    assert bodies[0] == bodies[1]
+    entries = bodies[0]
+    assert len(entries) == len(prompt_ids) and entries[0] is None
+    for pos in range(1, len(prompt_ids)):
+        _check_prompt_entry(entries[pos], prompt_ids[pos], ref[pos - 1], 3, tok)
+
+
+def test_prompt_logprobs_extension_on_chat_is_top_level(client, hf_model):
+    model, tok = hf_model
+    messages = [{"role": "user", "content": _LONG_PROMPT}]
+    prompt_ids = list(tok.apply_chat_template(messages, add_generation_prompt=True,
+                                              tokenize=True, return_dict=False))
+    ref = _hf_logprobs(model, prompt_ids)
+    outs = [client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+                                           temperature=0, extra_body={"prompt_logprobs": 0})
+            for _ in range(2)]
+    entries = outs[0].model_extra["prompt_logprobs"]
+    assert entries == outs[1].model_extra["prompt_logprobs"]
+    assert len(entries) == len(prompt_ids) and entries[0] is None
+    assert "prompt_logprobs" not in outs[0].choices[0].model_extra
+    for pos in range(1, len(prompt_ids)):
+        assert list(entries[pos]) == [str(prompt_ids[pos])]
+        _check_prompt_entry(entries[pos], prompt_ids[pos], ref[pos - 1], 0, tok)
+    assert "prompt_logprobs" in outs[0].model_extra["candor"]["extensions"]
+
+
+def test_prompt_logprobs_validation(client):
+    for body, stream in (({"prompt_logprobs": 21}, False), ({"prompt_logprobs": -1}, False),
+                         ({"prompt_logprobs": 1}, True)):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model=MODEL, prompt="x", max_tokens=1, stream=stream,
+                                      extra_body=body)
+        assert err.value.body["param"] == "prompt_logprobs", err.value.body
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=MODEL, max_tokens=1, stream=stream,
+                                           messages=[{"role": "user", "content": "x"}],
+                                           extra_body=body)
+        assert err.value.body["param"] == "prompt_logprobs", err.value.body
