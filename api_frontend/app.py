@@ -17,6 +17,7 @@ from api_frontend import extra_routes
 from api_frontend.engine_client import EngineClient
 from api_frontend.errors import ApiError, check_served_model, from_decode_error
 from api_frontend.generate import run_generation
+from api_frontend.openapi import build_openapi
 from protocol.openai_api import (ChatCompletionRequest, CompletionRequest, ModelCard,
                                  ModelList)
 from protocol.topology import ApiSpec
@@ -132,6 +133,10 @@ async def get_model(request: web.Request) -> web.Response:
     return json_response(_check_model(request, request.match_info["model_id"]))
 
 
+async def openapi(request: web.Request) -> web.Response:
+    return json_response(build_openapi())
+
+
 def build_app(engine: EngineClient, card: ModelCard, max_body_bytes: int,
               api: ApiSpec | None = None) -> web.Application:
     app = web.Application(middlewares=[error_middleware], client_max_size=max_body_bytes)
@@ -148,4 +153,5 @@ def build_app(engine: EngineClient, card: ModelCard, max_body_bytes: int,
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/v1/capabilities", capabilities)
     app.router.add_post("/v1/embeddings", embeddings)
+    app.router.add_get("/openapi.json", openapi)
     return app

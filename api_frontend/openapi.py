@@ -1,0 +1,56 @@
+"""GET /openapi.json: the HTTP surface as an OpenAPI 3.1 document, generated from the same
+msgspec structs that decode the requests, so the published schema cannot drift from what
+the server accepts. Clients generate SDKs from it; the fuzz tests generate requests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from protocol.openai_api import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                 ErrorBody, TokenizeRequest)
+from protocol.version import VERSION
+
+_REF = "#/components/schemas/{name}"
+
+# POST route -> the struct its body decodes into
+REQUEST_BODIES: dict[str, type] = {
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/completions": CompletionRequest,
+    "/v1/chat/completions/render": ChatCompletionRequest,
+    "/v1/completions/render": CompletionRequest,
+    "/tokenize": TokenizeRequest,
+    "/detokenize": DetokenizeRequest,
+}
+GET_ROUTES = ("/v1/models", "/v1/models/{model_id}", "/v1/capabilities", "/health",
+              "/health/generate", "/metrics", "/version")
+
+
+def _error_responses() -> dict[str, Any]:
+    err = {"description": "OpenAI error shape",
+           "content": {"application/json": {"schema": {"$ref": _REF.format(name="ErrorBody")}}}}
+    return {str(code): err for code in (400, 401, 404, 413, 415, 503)}
+
+
+def build_openapi() -> dict[str, Any]:
+    bodies = list(dict.fromkeys(REQUEST_BODIES.values()))
+    refs, components = msgspec.json.schema_components([*bodies, ErrorBody], ref_template=_REF)
+    ref_of = dict(zip(bodies, refs))
+    paths: dict[str, Any] = {}
+    for route, struct in REQUEST_BODIES.items():
+        paths[route] = {"post": {
+            "requestBody": {"required": True,
+                            "content": {"application/json": {"schema": ref_of[struct]}}},
+            "responses": {"200": {"description": "OK"}, **_error_responses()}}}
+    for route in GET_ROUTES:
+        op: dict[str, Any] = {"responses": {"200": {"description": "OK"},
+                                            **_error_responses()}}
+        if "{model_id}" in route:
+            op["parameters"] = [{"name": "model_id", "in": "path", "required": True,
+                                 "schema": {"type": "string"}}]
+        paths[route] = {"get": op}
+    return {"openapi": "3.1.0",
+            "info": {"title": "Candor", "version": VERSION},
+            "paths": paths,
+            "components": {"schemas": components}}
