@@ -132,6 +132,10 @@ class RenderReq(_Message, tag="render", omit_defaults=True):
     gen: GenerateReq | None = None
     token_ids: list[int] | None = None  # detokenize
     with_token_strs: bool = False
+    # /tokenize: counts texts past the context (up to a bound), and may override whether
+    # the tokenizer's special tokens are added (None: the endpoint's default)
+    tokenize_only: bool = False
+    add_special_tokens: bool | None = None
 
 
 class RenderResult(_Message, tag="render_result", omit_defaults=True):
