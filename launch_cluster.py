@@ -357,7 +357,7 @@ def cli(argv: list[str] | None = None) -> int:
                        help="prompt + max_tokens beyond the context: 400 (reject) or clamp")
     serve.add_argument("--chat-template", default=None, metavar="PATH_OR_TEMPLATE",
                        help="a Jinja chat template (a file, or the template itself) that "
-                            "replaces the checkpoint's",
+                            "replaces the checkpoint's")
     serve.add_argument("--allow-request-chat-template", action="store_true",
                        help="accept a chat_template field in request bodies")
 
