@@ -7,7 +7,9 @@ goes back to the frontend; in strict mode each of those is a 400 instead.
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
+from pathlib import Path
 
 import msgspec
 
@@ -32,6 +34,14 @@ _RESERVED_KWARGS = {
     "continue_final_message": "continue_final_message", "chat_template": "chat_template",
     "special_tokens": None, "max_output_bytes": None,
 }
+
+
+def _read_json_object(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 class _Rejected(Exception):
@@ -276,9 +286,26 @@ class RequestPreparer:
                                prompt_text)
         return tokenized, info
 
+    def tokenizer_info(self) -> ipc.TokenizerInfo:
+        tok = self.tokenizer
+        config = _read_json_object(tok.directory / "tokenizer_config.json")
+        plain = {k: v for k, v in config.items()
+                 if isinstance(v, (str, int, float, bool)) and k != "chat_template"}
+        try:
+            template = self.server_template or tok.chat_template(False)
+        except ChatTemplateError:  # several checkpoint templates, none the default
+            template = None
+        return ipc.TokenizerInfo(
+            tokenizer_class=str(config.get("tokenizer_class") or "PreTrainedTokenizerFast"),
+            model_max_length=self.max_model_len, vocab_size=tok.vocab_size,
+            special_tokens=dict(tok.special_tokens_map), eos_token_ids=list(tok.eos_token_ids),
+            chat_template=template.source if template is not None else None, config=plain)
+
     def render(self, req: ipc.RenderReq) -> ipc.RenderResult | ipc.RequestError:
         """Template + tokenize (or decode) without scheduling anything."""
         try:
+            if req.tokenizer_info:
+                return ipc.RenderResult(req.rid, "", [], tokenizer_info=self.tokenizer_info())
             if req.token_ids is not None:
                 bad = [i for i in req.token_ids if not 0 <= i < self.vocab_size]
                 if bad:
