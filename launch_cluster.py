@@ -251,6 +251,16 @@ class NodeSupervisor:
         self.ctx.destroy(linger=0)
 
 
+def _check_chat_template(topology: Topology) -> None:
+    """A broken --chat-template fails here, in one line, before any process starts."""
+    from tokenizer_worker.chat_template import ChatTemplateError
+    from tokenizer_worker.template_source import load_server_template
+    try:
+        load_server_template(topology.api.chat_template, topology.api.limits.max_template_bytes)
+    except ChatTemplateError as err:
+        raise SystemExit("candor: " + " ".join(str(err).split())) from None
+
+
 def launch(topology: Topology, node: str | None = None) -> int:
     """Run this node's part of the topology until a signal (exit 0, after draining) or a
     child's fatal death (exit 1, naming it)."""
@@ -265,6 +275,8 @@ def launch(topology: Topology, node: str | None = None) -> int:
                              "start each with --node NAME on its machine")
         node = nodes[0].name
     spec = next(n for n in nodes if n.name == node)
+    if topology.api.chat_template is not None and "tokenizer_worker" in spec.roles:
+        _check_chat_template(topology)
     run_dir = tempfile.mkdtemp(prefix="candor-")
     stop_requested = False
 
@@ -306,6 +318,9 @@ def _serve_topology(args: argparse.Namespace) -> Topology:
         "api": {"strict": args.strict, "max_tokens_policy": args.max_tokens_policy,
                 "chat_template": args.chat_template,
                 "allow_request_chat_template": args.allow_request_chat_template},
+        # tokenizer workers hold no state: one that dies (or that its watchdog stops
+        # because a request got stuck) comes back, and only its requests fail
+        "supervision": {"restart": ["tokenizer_worker"]},
     }, Topology)
 
 
@@ -340,8 +355,9 @@ def cli(argv: list[str] | None = None) -> int:
                        help="every ignored or clamped request field is a 400 naming it")
     serve.add_argument("--max-tokens-policy", default="reject", choices=["reject", "clamp"],
                        help="prompt + max_tokens beyond the context: 400 (reject) or clamp")
-    serve.add_argument("--chat-template", default=None,
-                       help="a Jinja chat template file that replaces the checkpoint's")
+    serve.add_argument("--chat-template", default=None, metavar="PATH_OR_TEMPLATE",
+                       help="a Jinja chat template (a file, or the template itself) that "
+                            "replaces the checkpoint's")
     serve.add_argument("--allow-request-chat-template", action="store_true",
                        help="accept a chat_template field in request bodies")
 

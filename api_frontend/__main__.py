@@ -35,6 +35,11 @@ async def serve() -> None:
             n = engine.fail_requests(f"request lost: {why}", "detokenizer_lost", index)
             if n:
                 log.warning("failed %d requests: %s", n, why)
+        elif role == "tokenizer_worker":  # stateless, but what it held is gone
+            n = engine.fail_requests(f"request lost: {why} before preparing it; retry",
+                                     "tokenizer_lost", tokenizer=index)
+            if n:
+                log.warning("failed %d requests: %s", n, why)
 
     def on_failed(why: str) -> None:
         n = engine.fail_requests(f"the topology is stopping: {why}", "topology_stopping")

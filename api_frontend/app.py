@@ -117,6 +117,10 @@ async def detokenize(request: web.Request) -> web.Response:
     return await extra_routes.detokenize(request, request.app[ENGINE_KEY], request.app[MODEL_KEY])
 
 
+async def tokenizer_info(request: web.Request) -> web.Response:
+    return await extra_routes.tokenizer_info(request.app[ENGINE_KEY])
+
+
 async def capabilities(request: web.Request) -> web.Response:
     return extra_routes.capabilities(request.app[MODEL_KEY], request.app[API_KEY])
 
@@ -151,6 +155,7 @@ def build_app(engine: EngineClient, card: ModelCard, max_body_bytes: int,
     app.router.add_post("/v1/completions/render", completions_render)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/tokenizer_info", tokenizer_info)
     app.router.add_get("/v1/capabilities", capabilities)
     app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_get("/openapi.json", openapi)

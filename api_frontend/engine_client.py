@@ -1,16 +1,20 @@
 """The frontend's side of the ZeroMQ pipeline.
 
-Requests go out to the tokenizer workers (PUSH round-robins across them); every reply
-for this process comes back on its own PULL socket, and one reader task routes each
-message to the waiting request's queue. The scheduler's heartbeat arrives on a SUB
-socket and backs /health.
+Each request goes to one tokenizer worker (the one with the fewest of this frontend's
+requests still unanswered, over its own PUSH socket), which is remembered until the
+worker answers: if that worker dies, exactly its requests are failed. Every reply for this
+process comes back on its own PULL socket, and one reader task routes each message to the
+waiting request's queue. The scheduler's heartbeat arrives on a SUB socket and backs
+/health.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -31,7 +35,12 @@ class EngineClient:
         self._results: Receiver = Receiver(self.ctx, self.reply_to, ipc.FrontendInbound)
         self._stats: Receiver = Receiver(self.ctx, a.scheduler_pub, ipc.SchedulerBroadcast,
                                          bind=False, kind=zmq.SUB)
-        self._to_tokenizers = Sender(self.ctx, a.tokenizer_in)
+        self._to_tokenizers = [Sender(self.ctx, addr) for addr in a.tokenizer_in]
+        self._encoder = msgspec.msgpack.Encoder()
+        # rid -> index of the tokenizer worker holding it, until that worker answers
+        self._at_tokenizer: dict[str, int] = {}
+        self._tokenizer_load = [0] * len(a.tokenizer_in)
+        self._next_tokenizer = itertools.cycle(range(len(a.tokenizer_in)))
         self._to_scheduler = Sender(self.ctx, a.scheduler_in)
         self._queues: dict[str, asyncio.Queue] = {}
         self.stats: ipc.SchedulerStats | None = None
@@ -58,12 +67,14 @@ class EngineClient:
             msg = await self._results.recv_async()
             if isinstance(msg, ipc.TextDeltas):
                 for item in msg.items:
+                    self._tokenizer_answered(item.rid)
                     self._unanswered.pop(item.rid, None)
                     queue = self._queues.get(item.rid)
                     if queue is not None:
                         self._observe(item)
                         queue.put_nowait(item)
             else:  # RequestInfo, RenderResult or RequestError: one rid each
+                self._tokenizer_answered(msg.rid)
                 self._unanswered.pop(msg.rid, None)
                 queue = self._queues.get(msg.rid)
                 if queue is not None:
@@ -86,13 +97,32 @@ class EngineClient:
         if timer is not None and timer.tokens > 0 and self.metrics is not None:
             self.metrics.stream_errors.labels(err.code or "none").inc()
 
-    def fail_requests(self, message: str, code: str, detokenizer: int | None = None) -> int:
-        """Fail in-flight requests (all, or those a lost detokenizer owned) with a 503
-        instead of leaving them to hang; the scheduler frees their KV blocks."""
+    def _tokenizer_answered(self, rid: str) -> None:
+        worker = self._at_tokenizer.pop(rid, None)
+        if worker is not None:
+            self._tokenizer_load[worker] -= 1
+
+    def _pick_tokenizer(self) -> int:
+        """Fewest unanswered requests first; ties go round-robin."""
+        low = min(self._tokenizer_load)
+        for _ in range(len(self._tokenizer_load)):
+            i = next(self._next_tokenizer)
+            if self._tokenizer_load[i] == low:
+                return i
+        return 0
+
+    def fail_requests(self, message: str, code: str, detokenizer: int | None = None,
+                      tokenizer: int | None = None) -> int:
+        """Fail in-flight requests (all, those a lost detokenizer owned, or those a lost
+        tokenizer worker had not answered yet) with a 503 instead of leaving them to hang;
+        the scheduler frees their KV blocks."""
         failed = 0
         for rid, queue in list(self._queues.items()):
             if detokenizer is not None and detokenizer_index(rid, self._num_detok) != detokenizer:
                 continue
+            if tokenizer is not None and self._at_tokenizer.get(rid) != tokenizer:
+                continue
+            self._tokenizer_answered(rid)
             err = ipc.RequestError(rid, 503, message, type="service_unavailable_error",
                                    code=code)
             self._observe_error(err)
@@ -140,23 +170,32 @@ class EngineClient:
 
     async def submit(self, req: ipc.GenerateReq | ipc.RenderReq,
                      queue: asyncio.Queue | None = None) -> asyncio.Queue:
-        """Send ``req``; its replies arrive on ``queue`` (several rids may share one)."""
+        """Send ``req``; its replies arrive on ``queue`` (several rids may share one).
+
+        The message is encoded before anything is registered, so a request that cannot be
+        encoded raises here and leaves nothing behind."""
+        frame = self._encoder.encode(req)
         queue = queue if queue is not None else asyncio.Queue()
+        worker = self._pick_tokenizer()
         self._queues[req.rid] = queue
+        self._at_tokenizer[req.rid] = worker
+        self._tokenizer_load[worker] += 1
         is_generation = isinstance(req, ipc.GenerateReq)
         if is_generation:
             self._unanswered[req.rid] = time.monotonic()
         if self.metrics is not None and is_generation and not req.probe:
             self._timers[req.rid] = RequestTimer(self.metrics, time.monotonic())
-        await self._to_tokenizers.send(req)
+        await self._to_tokenizers[worker].sock.send(frame, copy=False)
         return queue
 
     def release(self, rid: str) -> None:
+        self._tokenizer_answered(rid)
         self._queues.pop(rid, None)
         self._unanswered.pop(rid, None)
         self._timers.pop(rid, None)
 
     async def abort(self, rid: str, reason: str = "disconnect") -> None:
+        self._tokenizer_answered(rid)
         self._queues.pop(rid, None)
         self._unanswered.pop(rid, None)
         self._timers.pop(rid, None)

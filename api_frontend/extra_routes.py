@@ -18,7 +18,7 @@ from api_frontend.translate import chat_to_generate, completion_to_generate, fie
 from protocol import ipc
 from protocol.openai_api import (ChatCompletionRequest, DetokenizeRequest,
                                  DetokenizeResponse, ModelCard, RenderResponse, TemplateRef,
-                                 TokenizeRequest, TokenizeResponse)
+                                 TokenizeRequest, TokenizeResponse, TokenizerInfoResponse)
 from protocol.topology import ApiSpec
 
 _JSON = msgspec.json.Encoder()
@@ -75,19 +75,37 @@ async def tokenize(request: web.Request, engine: EngineClient, card: ModelCard,
                        "invalid_value")
     rid = f"tok-{uuid.uuid4().hex}"
     if body.messages is not None:
+        add_generation_prompt = body.add_generation_prompt
+        continue_final = bool(body.continue_final_message)
+        if add_generation_prompt is None:
+            add_generation_prompt = not continue_final
+        if add_generation_prompt and continue_final:
+            raise ApiError(400, "`add_generation_prompt` and `continue_final_message` cannot "
+                           "both be true", "continue_final_message", "invalid_value")
+        if body.chat_template is not None and not api.allow_request_chat_template:
+            raise ApiError(400, "`chat_template` in a request is disabled on this deployment "
+                           "(start the server with --allow-request-chat-template)",
+                           "chat_template", "unsupported_field")
         gen = ipc.GenerateReq(rid, engine.reply_to, ipc.SamplingParams(), ipc.DetokParams(),
                               messages=[msgspec.to_builtins(m) for m in body.messages],
-                              add_generation_prompt=body.add_generation_prompt,
-                              continue_final_message=body.continue_final_message,
+                              tools=body.tools, add_generation_prompt=add_generation_prompt,
+                              continue_final_message=continue_final,
                               chat_template_kwargs=dict(body.chat_template_kwargs or {}),
-                              strict=api.strict)
+                              chat_template=body.chat_template, strict=api.strict)
     else:
+        chat_only = [name for name in ("add_generation_prompt", "continue_final_message",
+                                       "chat_template", "chat_template_kwargs", "tools")
+                     if getattr(body, name) is not None]
+        if chat_only:
+            raise ApiError(400, f"`{chat_only[0]}` applies to the chat form (`messages`), not "
+                           "to `prompt`", chat_only[0], "invalid_value")
         gen = ipc.GenerateReq(rid, engine.reply_to, ipc.SamplingParams(), ipc.DetokParams(),
                               prompt=body.prompt)
-    result = await _ask(engine, ipc.RenderReq(rid, engine.reply_to, gen=gen,
-                                              with_token_strs=body.return_token_strs))
-    return _json(TokenizeResponse(result.token_ids, len(result.token_ids), card.max_model_len,
-                                  result.token_strs))
+    result = await _ask(engine, ipc.RenderReq(
+        rid, engine.reply_to, gen=gen, with_token_strs=bool(body.return_token_strs),
+        tokenize_only=True, add_special_tokens=body.add_special_tokens))
+    return _json(TokenizeResponse(len(result.token_ids), card.max_model_len,
+                                  result.token_ids, result.token_strs))
 
 
 async def detokenize(request: web.Request, engine: EngineClient, card: ModelCard) -> web.Response:
@@ -97,6 +115,25 @@ async def detokenize(request: web.Request, engine: EngineClient, card: ModelCard
     rid = f"detok-{uuid.uuid4().hex}"
     result = await _ask(engine, ipc.RenderReq(rid, engine.reply_to, token_ids=body.tokens))
     return _json(DetokenizeResponse(result.prompt_text))
+
+
+async def tokenizer_info(engine: EngineClient) -> web.Response:
+    """vLLM's GET /tokenizer_info: tokenizer_config.json's settings overlaid with what this
+    server actually applies (context, chat template, special tokens)."""
+    rid = f"tokinfo-{uuid.uuid4().hex}"
+    result = await _ask(engine, ipc.RenderReq(rid, engine.reply_to, tokenizer_info=True))
+    info = result.tokenizer_info
+    if info is None:
+        raise ApiError(500, "the tokenizer worker sent no tokenizer description", None,
+                       "tokenizer_error", type="internal_error")
+    special = info.special_tokens
+    effective = TokenizerInfoResponse(
+        tokenizer_class=info.tokenizer_class, model_max_length=info.model_max_length,
+        vocab_size=info.vocab_size, eos_token_ids=info.eos_token_ids,
+        bos_token=special.get("bos_token"), eos_token=special.get("eos_token"),
+        pad_token=special.get("pad_token"), unk_token=special.get("unk_token"),
+        chat_template=info.chat_template)
+    return _json({**info.config, **special, **msgspec.to_builtins(effective)})
 
 
 def capabilities(card: ModelCard, api: ApiSpec) -> web.Response:
@@ -114,7 +151,7 @@ def capabilities(card: ModelCard, api: ApiSpec) -> web.Response:
                    "/v1/completions": field_tiers("completions", api)},
         "endpoints": ["/v1/models", "/v1/completions", "/v1/chat/completions",
                       "/v1/completions/render", "/v1/chat/completions/render", "/tokenize",
-                      "/detokenize", "/v1/capabilities", "/health"],
+                      "/detokenize", "/tokenizer_info", "/v1/capabilities", "/health"],
     })
 
 

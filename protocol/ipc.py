@@ -132,6 +132,24 @@ class RenderReq(_Message, tag="render", omit_defaults=True):
     gen: GenerateReq | None = None
     token_ids: list[int] | None = None  # detokenize
     with_token_strs: bool = False
+    # /tokenize: counts texts past the context (up to a bound), and may override whether
+    # the tokenizer's special tokens are added (None: the endpoint's default)
+    tokenize_only: bool = False
+    add_special_tokens: bool | None = None
+    tokenizer_info: bool = False  # reply with the tokenizer's description instead
+
+
+class TokenizerInfo(msgspec.Struct, omit_defaults=True):
+    """What a client-side tokenizer needs to mirror the server's (GET /tokenizer_info).
+    ``chat_template`` is the one the server applies (flag over checkpoint)."""
+
+    tokenizer_class: str
+    model_max_length: int
+    vocab_size: int
+    special_tokens: dict[str, str] = {}
+    eos_token_ids: list[int] = []
+    chat_template: str | None = None
+    config: dict[str, Any] = {}  # tokenizer_config.json's plain settings (flags, names)
 
 
 class RenderResult(_Message, tag="render_result", omit_defaults=True):
@@ -141,6 +159,7 @@ class RenderResult(_Message, tag="render_result", omit_defaults=True):
     token_strs: list[str] | None = None
     template: TemplateInfo | None = None
     adjustments: list[Adjustment] = []
+    tokenizer_info: TokenizerInfo | None = None
 
 
 # ---------------------------------------------------------------- tokenizer -> scheduler

@@ -296,22 +296,26 @@ class ErrorBody(msgspec.Struct):
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """POST /tokenize: exactly one of ``prompt`` (tokenized with special tokens, as
-    /v1/completions does) or ``messages`` (rendered with the chat template first)."""
+    """POST /tokenize, vLLM's two forms in one: exactly one of ``prompt`` (special tokens
+    added by default, as /v1/completions does) or ``messages`` (rendered with the chat
+    template; special tokens not added by default, the template writes them)."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = None  # None (or absent): true
+    continue_final_message: bool | None = None
+    chat_template: str | None = None  # only with --allow-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
-    return_token_strs: bool = False
+    tools: list[dict[str, Any]] | None = None
+    return_token_strs: bool | None = None
 
 
 class TokenizeResponse(msgspec.Struct, omit_defaults=True):
-    tokens: list[int]
     count: int
     max_model_len: int
+    tokens: list[int]
     token_strs: list[str] | None = None
 
 
@@ -322,6 +326,21 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
 
 class DetokenizeResponse(msgspec.Struct):
     prompt: str
+
+
+class TokenizerInfoResponse(msgspec.Struct, omit_defaults=True):
+    """GET /tokenizer_info (vLLM's shape: tokenizer_config.json's settings, then the
+    server's effective values); lm-eval's remote tokenizer reads it."""
+
+    tokenizer_class: str
+    model_max_length: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    bos_token: str | None = None
+    eos_token: str | None = None
+    pad_token: str | None = None
+    unk_token: str | None = None
+    chat_template: str | None = None
 
 
 class RenderResponse(msgspec.Struct, omit_defaults=True):

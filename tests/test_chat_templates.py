@@ -353,3 +353,33 @@ def test_caller_messages_are_not_mutated():
 def test_strftime_now_uses_injected_clock():
     template = ChatTemplate("{{ strftime_now('%Y-%m-%d') }}", origin="t", now=lambda: FROZEN_NOW)
     assert template.render([{"role": "user"}], special_tokens={}) == "2025-03-14"
+
+
+def test_render_stops_once_output_passes_the_byte_limit():
+    template = ChatTemplate("{% for i in range(100000) %}{{ messages[0].content }}{% endfor %}",
+                            origin="test")
+    chat = [{"role": "user", "content": "x" * 100}]
+    with pytest.raises(ChatTemplateError) as err:
+        template.render(chat, special_tokens={}, max_output_bytes=10_000)
+    assert err.value.limit == "output"
+    assert len(template.render(chat[:1] * 1, special_tokens={}, max_output_bytes=None)) == 10**7
+
+
+def test_output_limit_with_continue_final_message_applies_after_the_cut():
+    source = ("{% for m in messages %}{{ m.content }}|{% endfor %}"
+              "{% for i in range(1000) %}trailer{% endfor %}")
+    template = ChatTemplate(source, origin="test")
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure"}]
+    text = template.render(chat, special_tokens={}, continue_final_message=True,
+                           max_output_bytes=64)
+    assert text == "hi|Sure"
+
+
+def test_time_limit_interrupts_a_render_in_the_main_thread():
+    from tokenizer_worker.deadline import time_limit
+
+    template = ChatTemplate("{% for a in range(100000) %}{% for b in range(100000) %}"
+                            "{% endfor %}{% endfor %}", origin="test")
+    with pytest.raises(ChatTemplateError) as err, time_limit(0.2):
+        template.render([{"role": "user", "content": "x"}], special_tokens={})
+    assert err.value.limit == "time"

@@ -2,15 +2,47 @@
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 
 from protocol import ipc
 from protocol.checkpoint import effective_max_model_len, read_model_config
 from protocol.lifecycle import StopFlag, die_with_parent, read_config, setup_logging
 from protocol.transport import Receiver, Sender, SenderPool, sync_context
+from tokenizer_worker.deadline import Watchdog
+from tokenizer_worker.memory import TRIM_AFTER_BYTES, release_memory
 from tokenizer_worker.metrics import TokenizerMetrics
 from tokenizer_worker.prepare import RequestPreparer
 from tokenizer_worker.tokenizer_files import CheckpointTokenizer
+
+
+def watchdog_limit_s(render_timeout_s: float) -> float:
+    """Far past anything a request may legitimately take: a render is cut at its timeout and
+    tokenizing a context's worth of text takes well under a second."""
+    return 3 * render_timeout_s + 10.0
+
+
+def _serve_one(req: ipc.GenerateReq | ipc.RenderReq, preparer: RequestPreparer,
+               watchdog: Watchdog, replies: SenderPool, to_scheduler: Sender,
+               metrics: TokenizerMetrics, log: logging.Logger) -> None:
+    preparer.last_text_bytes = 0
+    try:
+        with watchdog.guard():
+            out = (preparer.render(req) if isinstance(req, ipc.RenderReq)
+                   else preparer.prepare(req))
+    except Exception as exc:  # one bad request must not take the worker down
+        log.exception("preparing %s failed", req.rid)
+        out = ipc.RequestError(req.rid, 500, f"tokenizer worker error: {exc}",
+                               type="internal_error", code="tokenizer_error")
+    if isinstance(out, tuple):
+        metrics.requests.labels("ok").inc()
+        tokenized, info = out
+        replies.send(req.reply_to, info)  # before the scheduler can produce a token
+        to_scheduler.send(tokenized)
+    else:
+        if isinstance(out, ipc.RequestError):
+            metrics.requests.labels("error" if out.status >= 500 else "rejected").inc()
+        replies.send(req.reply_to, out)
 
 
 def main() -> None:
@@ -31,33 +63,22 @@ def main() -> None:
     # Received requests wait here rather than in the socket, so the backlog is visible
     # (a metric) and health probes can go first.
     backlog: deque[ipc.GenerateReq | ipc.RenderReq] = deque()
+    watchdog = Watchdog(watchdog_limit_s(cfg.api.limits.template_render_timeout_s))
     log.info("ready")
     while not stop.is_set():
         if not backlog:
-            first = inbound.recv(timeout_ms=200)
-            if first is None:
+            if not inbound.sock.poll(200):
                 continue
-            backlog.append(first)
         while (more := inbound.recv_nowait()) is not None:
             probe = isinstance(more, ipc.GenerateReq) and more.probe
             (backlog.appendleft if probe else backlog.append)(more)
-        req = backlog.popleft()
-        metrics.queue_depth.set(len(backlog))
-        try:
-            out = preparer.render(req) if isinstance(req, ipc.RenderReq) else preparer.prepare(req)
-        except Exception as exc:  # one bad request must not take the worker down
-            log.exception("preparing %s failed", req.rid)
-            out = ipc.RequestError(req.rid, 500, f"tokenizer worker error: {exc}",
-                                   type="internal_error", code="tokenizer_error")
-        if isinstance(out, tuple):
-            metrics.requests.labels("ok").inc()
-            tokenized, info = out
-            replies.send(req.reply_to, info)  # before the scheduler can produce a token
-            to_scheduler.send(tokenized)
-        else:
-            if isinstance(out, ipc.RequestError):
-                metrics.requests.labels("error" if out.status >= 500 else "rejected").inc()
-            replies.send(req.reply_to, out)
+        more = None
+        if not backlog:
+            continue
+        metrics.queue_depth.set(len(backlog) - 1)
+        _serve_one(backlog.popleft(), preparer, watchdog, replies, to_scheduler, metrics, log)
+        if preparer.last_text_bytes > TRIM_AFTER_BYTES:
+            release_memory()  # the request's text is garbage by now
     replies.close()
     ctx.destroy(linger=0)
 

@@ -33,7 +33,7 @@ import jinja2.nodes
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-__all__ = ["ChatTemplate", "ChatTemplateError", "REASONING_FIELDS"]
+__all__ = ["ChatTemplate", "ChatTemplateError", "RenderTimeout", "REASONING_FIELDS"]
 
 # Names a message's reasoning may arrive under; HF fills `thinking` and `reasoning_content` from the first present.
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -48,11 +48,18 @@ class ChatTemplateError(Exception):
 
     ``raised_by_template`` is true when the template itself called ``raise_exception`` (e.g. "System role not
     supported"), i.e. the conversation is invalid for this model rather than the template being broken.
+
+    ``limit`` names the bound a render ran into ("time" or "output"), None otherwise.
     """
 
-    def __init__(self, message: str, *, raised_by_template: bool = False) -> None:
+    def __init__(self, message: str, *, raised_by_template: bool = False, limit: str | None = None) -> None:
         super().__init__(message)
         self.raised_by_template = raised_by_template
+        self.limit = limit
+
+
+class RenderTimeout(Exception):
+    """Raised (from a timer signal) inside a render that ran past its wall-time limit."""
 
 
 class _TemplateRaised(jinja2.TemplateError):
@@ -196,12 +203,15 @@ class ChatTemplate:
         add_generation_prompt: bool = False,
         special_tokens: Mapping[str, str],
         continue_final_message: bool | str = False,
+        max_output_bytes: int | None = None,
         **kwargs: Any,
     ) -> str:
         """Render ``messages`` exactly as ``apply_chat_template(..., tokenize=False)`` would.
 
         ``special_tokens`` is the tokenizer's ``special_tokens_map``; ``kwargs`` (chat_template_kwargs) override it.
         ``continue_final_message`` may be ``True`` (continue ``content``) or the name of the field to continue.
+        ``max_output_bytes`` stops the render as soon as its UTF-8 output grows past that many bytes (a template's
+        loops can otherwise build any amount of text); with ``continue_final_message`` it applies after the cut.
         Raises :class:`ChatTemplateError` for anything that goes wrong.
         """
         if not messages:
@@ -221,19 +231,41 @@ class ChatTemplate:
         context = _plain({**special_tokens, **kwargs})
         try:
             final_text = self._mark_final_message(chat, continue_final_message) if continue_final_message else None
-            rendered = self._template.render(
+            pieces = self._template.generate(
                 messages=chat, tools=_plain(tools), documents=_plain(documents),
                 add_generation_prompt=add_generation_prompt, **context,
             )
+            rendered = self._collect(pieces, None if final_text is not None else max_output_bytes)
             if final_text is not None:
                 rendered = self._cut_after_final_message(rendered, final_text)
+                if max_output_bytes is not None and len(rendered.encode("utf-8")) > max_output_bytes:
+                    raise self._too_long(max_output_bytes)
         except ChatTemplateError:
             raise
+        except RenderTimeout as exc:
+            raise ChatTemplateError(f"chat template ({self.origin}) {exc}", limit="time") from exc
         except _TemplateRaised as exc:
             raise ChatTemplateError(f"chat template error: {exc.message}", raised_by_template=True) from exc
         except Exception as exc:  # the template is untrusted code: TypeError, UndefinedError, SecurityError, ...
             raise ChatTemplateError(f"chat template failed to render: {type(exc).__name__}: {exc}") from exc
         return rendered
+
+    def _too_long(self, max_output_bytes: int) -> ChatTemplateError:
+        return ChatTemplateError(f"chat template ({self.origin}) rendered more than {max_output_bytes} bytes",
+                                 limit="output")
+
+    def _collect(self, pieces: Any, max_output_bytes: int | None) -> str:
+        if max_output_bytes is None:
+            return "".join(pieces)
+        out: list[str] = []
+        size = 0
+        for piece in pieces:
+            size += len(piece) if piece.isascii() else len(piece.encode("utf-8"))
+            if size > max_output_bytes:
+                pieces.close()
+                raise self._too_long(max_output_bytes)
+            out.append(piece)
+        return "".join(out)
 
     def _mark_final_message(self, chat: list[dict], continue_final_message: bool | str) -> str:
         """Append the continue marker to the text being continued; return that text (before the marker)."""

@@ -7,6 +7,7 @@ goes back to the frontend; in strict mode each of those is a 400 instead.
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
 from pathlib import Path
 
@@ -17,9 +18,30 @@ from protocol.topology import ApiSpec
 from tokenizer_worker.budget import resolve_max_tokens
 from tokenizer_worker.chat_template import ChatTemplate, ChatTemplateError
 from tokenizer_worker.content_format import detect_content_format, flatten_content
+from tokenizer_worker.deadline import time_limit
+from tokenizer_worker.length_bound import TokenLengthBound, utf8_len
+from tokenizer_worker.template_source import load_server_template
 from tokenizer_worker.tokenizer_files import CheckpointTokenizer
 
 _REQUEST_TEMPLATE_CACHE = 32
+# /tokenize counts documents longer than the context (lm-eval's rolling windows), up to this
+# many contexts' worth; past it the text is refused before it is tokenized.
+TOKENIZE_CONTEXTS = 16
+# Names the renderer binds itself; a chat_template_kwargs entry may not override them.
+# ``documents`` has no top-level field here, so the kwarg is passed through as the argument.
+_RESERVED_KWARGS = {
+    "messages": "messages", "tools": "tools", "add_generation_prompt": "add_generation_prompt",
+    "continue_final_message": "continue_final_message", "chat_template": "chat_template",
+    "special_tokens": None, "max_output_bytes": None,
+}
+
+
+def _read_json_object(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 class _Rejected(Exception):
@@ -43,11 +65,14 @@ class RequestPreparer:
         self.api = api or ApiSpec()
         # ids must exist both in the tokenizer and in the model's embedding
         self.vocab_size = min(tokenizer.vocab_size, model_vocab_size or tokenizer.vocab_size)
+        self.bound = TokenLengthBound(tokenizer.backend)
         self.server_template: ChatTemplate | None = None
         if self.api.chat_template:
-            path = Path(self.api.chat_template)
-            self.server_template = ChatTemplate(path.read_text(encoding="utf-8"),
-                                                origin=f"server-flag:{path.name}")
+            self.server_template = load_server_template(self.api.chat_template,
+                                                        self.api.limits.max_template_bytes)
+        # UTF-8 bytes of the text the last request rendered or tokenized, so the caller can
+        # hand memory back to the OS after a big one.
+        self.last_text_bytes = 0
         self._request_templates: OrderedDict[str, ChatTemplate] = OrderedDict()
         self._formats: dict[str, str] = {}
 
@@ -60,6 +85,11 @@ class RequestPreparer:
         """Request template > server flag > checkpoint (HF's tool_use / default choice)."""
         if req.chat_template is not None:
             template = self._request_templates.get(req.chat_template)
+            size = utf8_len(req.chat_template)
+            if template is None and size > self.api.limits.max_template_bytes:
+                self._fail(req, f"chat_template is {size} bytes; this deployment accepts at most "
+                           f"{self.api.limits.max_template_bytes} (limits.max_template_bytes)",
+                           "chat_template", "chat_template_too_large")
             if template is None:
                 try:
                     template = ChatTemplate(req.chat_template, origin="request")
@@ -79,9 +109,41 @@ class RequestPreparer:
             fmt = self._formats[template.sha256] = detect_content_format(template.source)
         return fmt
 
-    def _render(self, req: ipc.GenerateReq) -> _Prompt:
+    def _prompt_token_room(self, req: ipc.GenerateReq, tokenize_only: bool) -> int:
+        """The most prompt tokens this request could have and still pass the budget check."""
+        if tokenize_only:
+            return TOKENIZE_CONTEXTS * self.max_model_len
+        requested = req.max_tokens
+        if requested is None or (self.api.max_tokens_policy == "clamp" and not req.strict):
+            return self.max_model_len - 1
+        return self.max_model_len - max(1, requested)
+
+    def _too_long(self, req: ipc.GenerateReq, text_bytes: int, room: int,
+                  tokenize_only: bool) -> None:
+        field = "messages" if req.messages is not None else "prompt"
+        what = "the rendered chat" if req.messages is not None else "the prompt"
+        floor = self.bound.min_tokens(text_bytes)
+        longest = self.bound.longest_token_bytes
+        if tokenize_only:
+            limit = (f"/tokenize counts at most {room} tokens ({TOKENIZE_CONTEXTS} times the "
+                     f"context of {self.max_model_len})")
+        elif req.max_tokens is not None and room != self.max_model_len - 1:
+            limit = (f"This model's maximum context length is {self.max_model_len} tokens and "
+                     f"`{req.max_tokens_field}` asks for {req.max_tokens}, which leaves "
+                     f"{max(room, 0)} for the prompt")
+        else:
+            limit = (f"This model's maximum context length is {self.max_model_len} tokens, "
+                     "which must leave room to generate")
+        self._fail(req, f"{limit}; {what} has at least {floor} tokens ({text_bytes} bytes, and "
+                   f"no token covers more than {longest} bytes). Shorten `{field}`.",
+                   field, "context_length_exceeded")
+
+    def _render(self, req: ipc.GenerateReq, tokenize_only: bool = False,
+                add_special_tokens: bool | None = None) -> _Prompt:
         tok = self.tokenizer
         adjustments: list[ipc.Adjustment] = []
+        room = self._prompt_token_room(req, tokenize_only)
+        max_bytes = self.bound.max_bytes(room)
         if req.messages is not None:
             try:
                 template, source = self._template(req)
@@ -91,6 +153,12 @@ class RequestPreparer:
                 self._fail(req, "this model has no chat template; start the server with "
                            "--chat-template", "messages", "no_chat_template")
             kwargs = dict(req.chat_template_kwargs)
+            for key in sorted(kwargs.keys() & _RESERVED_KWARGS.keys()):
+                top = _RESERVED_KWARGS[key]
+                self._fail(req, f"chat_template_kwargs.{key} is set by the server"
+                           + (f"; use the top-level `{top}` field instead" if top else
+                              " and may not be overridden"),
+                           f"chat_template_kwargs.{key}", "invalid_value")
             unknown = sorted(k for k in kwargs if k not in template.declared_variables)
             if unknown:
                 declared = sorted(template.declared_variables - {"messages", "tools", "documents",
@@ -107,24 +175,50 @@ class RequestPreparer:
             messages = req.messages
             if self._content_format(template) == "string":
                 messages = flatten_content(messages)
+            documents = kwargs.pop("documents", None)
             try:
-                text, _ = tok.render_chat(
-                    messages, tools=req.tools, add_generation_prompt=req.add_generation_prompt,
-                    continue_final_message=req.continue_final_message, chat_template=template,
-                    **kwargs)
+                with time_limit(self.api.limits.template_render_timeout_s):
+                    text, _ = tok.render_chat(
+                        messages, tools=req.tools, documents=documents,
+                        add_generation_prompt=req.add_generation_prompt,
+                        continue_final_message=req.continue_final_message,
+                        chat_template=template, max_output_bytes=max_bytes, **kwargs)
             except ChatTemplateError as err:
-                self._fail(req, f"the chat template could not render these messages: {err}",
-                           "messages", "chat_template_error")
+                self._template_failed(req, source, err, room)
+            self.last_text_bytes = utf8_len(text)
             info = ipc.TemplateInfo(source, template.origin, template.sha256)
-            return _Prompt(tok.encode(text, add_special_tokens=False), text, info, adjustments)
+            special = False if add_special_tokens is None else add_special_tokens
+            return _Prompt(tok.encode(text, add_special_tokens=special), text, info, adjustments)
         if isinstance(req.prompt, str):
-            return _Prompt(tok.encode(req.prompt, add_special_tokens=True), req.prompt, None, [])
+            size = self.last_text_bytes = utf8_len(req.prompt)
+            if max_bytes is not None and size > max_bytes:
+                self._too_long(req, size, room, tokenize_only)
+            special = True if add_special_tokens is None else add_special_tokens
+            return _Prompt(tok.encode(req.prompt, add_special_tokens=special), req.prompt, None, [])
         ids = list(req.prompt or [])
         bad = [i for i in ids if not 0 <= i < self.vocab_size]
         if bad:
             self._fail(req, f"prompt token ids {bad[:5]} are outside the vocabulary "
                        f"(0..{self.vocab_size - 1})", "prompt", "invalid_token_id")
         return _Prompt(ids, None, None, [])
+
+    def _template_failed(self, req: ipc.GenerateReq, source: str, err: ChatTemplateError,
+                         room: int) -> None:
+        param = "chat_template" if source == "request" else "messages"
+        owner = {"request": "the request's chat_template",
+                 "server-flag": "the server's chat template (--chat-template)",
+                 "checkpoint": "the model's chat template"}.get(source, "the chat template")
+        if err.limit == "time":
+            self._fail(req, f"{owner} took longer than "
+                       f"{self.api.limits.template_render_timeout_s:g}s to render "
+                       "(limits.template_render_timeout_s)", param, "chat_template_timeout")
+        if err.limit == "output":
+            self._fail(req, f"{owner} rendered more text than fits the context: past "
+                       f"{self.bound.max_bytes(room)} bytes the prompt has more than {room} "
+                       f"tokens (no token covers more than {self.bound.longest_token_bytes} "
+                       "bytes)", param, "context_length_exceeded")
+        self._fail(req, f"the chat template could not render these messages: {err}",
+                   "messages", "chat_template_error")
 
     def _max_tokens(self, req: ipc.GenerateReq, n_prompt: int,
                     adjustments: list[ipc.Adjustment]) -> int:
@@ -192,9 +286,26 @@ class RequestPreparer:
                                prompt_text)
         return tokenized, info
 
+    def tokenizer_info(self) -> ipc.TokenizerInfo:
+        tok = self.tokenizer
+        config = _read_json_object(tok.directory / "tokenizer_config.json")
+        plain = {k: v for k, v in config.items()
+                 if isinstance(v, (str, int, float, bool)) and k != "chat_template"}
+        try:
+            template = self.server_template or tok.chat_template(False)
+        except ChatTemplateError:  # several checkpoint templates, none the default
+            template = None
+        return ipc.TokenizerInfo(
+            tokenizer_class=str(config.get("tokenizer_class") or "PreTrainedTokenizerFast"),
+            model_max_length=self.max_model_len, vocab_size=tok.vocab_size,
+            special_tokens=dict(tok.special_tokens_map), eos_token_ids=list(tok.eos_token_ids),
+            chat_template=template.source if template is not None else None, config=plain)
+
     def render(self, req: ipc.RenderReq) -> ipc.RenderResult | ipc.RequestError:
         """Template + tokenize (or decode) without scheduling anything."""
         try:
+            if req.tokenizer_info:
+                return ipc.RenderResult(req.rid, "", [], tokenizer_info=self.tokenizer_info())
             if req.token_ids is not None:
                 bad = [i for i in req.token_ids if not 0 <= i < self.vocab_size]
                 if bad:
@@ -202,9 +313,10 @@ class RequestPreparer:
                                             f"vocabulary (0..{self.vocab_size - 1})", param="tokens",
                                             code="invalid_token_id")
                 text = self.tokenizer.decode(req.token_ids, skip_special_tokens=False)
+                self.last_text_bytes = utf8_len(text)
                 return ipc.RenderResult(req.rid, text, list(req.token_ids))
             assert req.gen is not None
-            prompt = self._render(req.gen)
+            prompt = self._render(req.gen, req.tokenize_only, req.add_special_tokens)
             text = (prompt.text if prompt.text is not None
                     else self.tokenizer.decode(prompt.ids, skip_special_tokens=False))
             strs = ([self.tokenizer.backend.id_to_token(i) or "" for i in prompt.ids]
