@@ -51,6 +51,7 @@ def _tables_settle(srv, timeout: float = 10.0) -> dict[str, float]:
     deadline = time.monotonic() + timeout
     while True:
         scraped = scrape(srv)
+        assert "candor_frontend_request_state_entries" in scraped.families, "no such gauge"
         state = {t: scraped.value("candor_frontend_request_state_entries", table=t)
                  for t in ("queues", "unanswered", "timers", "finish_reasons")}
         state["inflight"] = scraped.value("candor_frontend_inflight_requests")
