@@ -3,8 +3,8 @@
 Requests aiohttp's own parser refuses (an over-long request line or header, a malformed
 request) never reach the app's middlewares: aiohttp answers them itself in text/plain and
 logs a traceback. A client that disconnects while its stream is being written surfaces
-there too. This handler answers the former in OpenAI's error shape and logs each case as
-one line.
+there too (a generation route logs that one line itself). This handler answers the
+former in OpenAI's error shape, in one log line, with no traceback.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ log = logging.getLogger("api_frontend")
 class JsonErrorRequestHandler(RequestHandler):
     def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
-        if isinstance(exc, ConnectionError):
-            log.info("client %s went away during %s %s: %s", request.remote, request.method,
-                     request.path, exc.__class__.__name__)
+        if isinstance(exc, ConnectionError):  # generation routes already logged it
+            log.debug("client %s went away during %s %s: %s", request.remote, request.method,
+                      request.path, exc.__class__.__name__)
             raise ConnectionError("the client went away")
         if request.writer.output_size > 0:  # a response already started: cannot answer
             log.warning("error after the response started on %s: %r", request.path, exc)

@@ -142,8 +142,10 @@ async def test_integers_past_int64_are_400_and_release_the_request(srv, path, ex
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/tokenize"])
 async def test_deeply_nested_json_is_400(srv, path):
-    deep = b"[" * 5000 + b"]" * 5000
-    body = b'{"model":"%s","prompt":"x","messages":[],"tool_choice":%s}' % (MODEL.encode(), deep)
+    deep = b"[" * 5000 + b"]" * 5000  # inside fields that any request may carry
+    fields = (b'"prompt":"x","tool_choice":%s' if path == "/v1/completions" else
+              b'"messages":[{"role":"user","content":"x"}],"chat_template_kwargs":{"x":%s}')
+    body = b'{"model":"%s",%s}' % (MODEL.encode(), fields % deep)
     status, _, payload = await _post(srv, path, None, raw=body,
                                      headers={"Content-Type": "application/json"})
     err = _error(payload)
