@@ -317,7 +317,11 @@ def _serve_topology(args: argparse.Namespace) -> Topology:
         "http": {"host": args.host, "port": args.port, "max_body_mb": args.max_body_mb},
         "api": {"strict": args.strict, "max_tokens_policy": args.max_tokens_policy,
                 "chat_template": args.chat_template,
-                "allow_request_chat_template": args.allow_request_chat_template},
+                "allow_request_chat_template": args.allow_request_chat_template,
+                "limits": {name: value for name, value in (
+                    ("max_n", args.max_n), ("max_logprobs", args.max_logprobs),
+                    ("max_prompts", args.max_prompts),
+                    ("max_request_share", args.max_request_share)) if value is not None}},
         # tokenizer workers hold no state: one that dies (or that its watchdog stops
         # because a request got stuck) comes back, and only its requests fail
         "supervision": {"restart": ["tokenizer_worker"]},
@@ -360,6 +364,14 @@ def cli(argv: list[str] | None = None) -> int:
                             "replaces the checkpoint's")
     serve.add_argument("--allow-request-chat-template", action="store_true",
                        help="accept a chat_template field in request bodies")
+    serve.add_argument("--max-logprobs", type=int, default=None,
+                       help="most logprobs / top_logprobs alternatives per token (default 20); "
+                            "other request limits: the topology YAML's api.limits")
+    serve.add_argument("--max-n", type=int, default=None, help="most choices per request")
+    serve.add_argument("--max-prompts", type=int, default=None,
+                       help="most prompts in one /v1/completions request")
+    serve.add_argument("--max-request-share", type=float, default=None,
+                       help="largest fraction of the waiting queue one request may fill")
 
     tiny = sub.add_parser("make-tiny-model", help="build the deterministic tiny checkpoint")
     tiny.add_argument("dir", nargs="?", default=DEFAULT_MODEL_DIR)

@@ -15,6 +15,7 @@ from aiohttp import web
 
 from api_frontend.app import build_app
 from api_frontend.engine_client import EngineClient
+from api_frontend.http_server import JsonErrorAppRunner
 from api_frontend.metrics import FrontendMetrics
 from api_frontend.ops import Ops, install_ops
 from api_frontend.topology_watch import TopologyWatch
@@ -54,8 +55,8 @@ async def serve() -> None:
     ops = Ops(cfg, engine, watch, metrics)
     install_ops(app, ops)
     lag = asyncio.create_task(metrics.watch_loop_lag())
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                           shutdown_timeout=2.0)
+    runner = JsonErrorAppRunner(app, handler_cancellation=True, access_log=None,
+                                shutdown_timeout=2.0)
     await runner.setup()
     site = web.TCPSite(runner, cfg.http.host, cfg.http.port, reuse_port=True)
     await site.start()

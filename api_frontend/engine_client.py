@@ -18,6 +18,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from api_frontend.errors import ApiError
 from api_frontend.metrics import FrontendMetrics, RequestTimer
 from protocol import ipc
 from protocol.routing import detokenizer_index
@@ -50,7 +51,9 @@ class EngineClient:
         self._unanswered: dict[str, float] = {}
         self.metrics = metrics
         self._timers: dict[str, RequestTimer] = {}
-        self.finish_reasons: dict[str, str] = {}  # rid -> reason, read by the metrics
+        # response x-request-id -> finish reason of a generation just answered; the ops
+        # middleware pops it to label candor_http_requests
+        self.finish_reasons: dict[str, str] = {}
         self._num_detok = len(a.detokenizer_in)
 
     def start(self) -> None:
@@ -89,7 +92,6 @@ class EngineClient:
         timer.on_delta(item.completion_tokens)
         if item.finish_reason is not None:
             timer.finished(item.prompt_tokens, item.completion_tokens)
-            self.finish_reasons[item.rid] = item.finish_reason
             del self._timers[item.rid]
 
     def _observe_error(self, err: ipc.RequestError) -> None:
@@ -135,10 +137,22 @@ class EngineClient:
     def inflight(self) -> int:
         return len(self._queues)
 
+    def tracked(self) -> dict[str, int]:
+        """Sizes of the per-request tables; all 0 once every request is answered."""
+        return {"queues": len(self._queues), "unanswered": len(self._unanswered),
+                "timers": len(self._timers), "finish_reasons": len(self.finish_reasons)}
+
+    def _track(self) -> None:
+        if self.metrics is not None:
+            self.metrics.inflight.set(len(self._queues))
+            for table, size in self.tracked().items():
+                self.metrics.request_state.labels(table).set(size)
+
     async def _read_stats(self) -> None:
         while True:
             self.stats = await self._stats.recv_async()
             self.stats_received_at = time.monotonic()
+            self._track()  # finish_reasons is popped by the ops middleware, not here
 
     def engine_problem(self) -> str | None:
         """None when the step loop's heartbeat is fresh and the worker is loaded."""
@@ -151,8 +165,9 @@ class EngineClient:
             return "the gpu_worker is still loading the model"
         return None
 
-    def queue_full(self) -> str | None:
-        """Why a new request should be shed now (None: admit it).
+    def queue_full(self, sequences: int = 1) -> str | None:
+        """Why a new request of ``sequences`` queued sequences (n x prompts) should be shed
+        now (None: admit it).
 
         Conservative: the scheduler's last reported waiting count plus every request this
         frontend sent since that report that has had no reply yet. The scheduler enforces
@@ -163,9 +178,10 @@ class EngineClient:
             return None
         since = self.stats_received_at
         fresh = sum(1 for t in self._unanswered.values() if t >= since)
-        if stats.waiting + fresh >= stats.max_waiting:
+        if stats.waiting + fresh + sequences > stats.max_waiting:
             return (f"the engine's waiting queue is full ({stats.waiting} waiting, "
-                    f"{fresh} on their way, bound {stats.max_waiting}); retry shortly")
+                    f"{fresh} on their way, this request needs {sequences}, bound "
+                    f"{stats.max_waiting}); retry shortly")
         return None
 
     async def submit(self, req: ipc.GenerateReq | ipc.RenderReq,
@@ -174,7 +190,11 @@ class EngineClient:
 
         The message is encoded before anything is registered, so a request that cannot be
         encoded raises here and leaves nothing behind."""
-        frame = self._encoder.encode(req)
+        try:
+            frame = self._encoder.encode(req)
+        except (msgspec.EncodeError, OverflowError) as exc:
+            raise ApiError(400, f"the request cannot be encoded: {exc}", None,
+                           "invalid_value") from None
         queue = queue if queue is not None else asyncio.Queue()
         worker = self._pick_tokenizer()
         self._queues[req.rid] = queue
@@ -185,19 +205,25 @@ class EngineClient:
             self._unanswered[req.rid] = time.monotonic()
         if self.metrics is not None and is_generation and not req.probe:
             self._timers[req.rid] = RequestTimer(self.metrics, time.monotonic())
-        await self._to_tokenizers[worker].sock.send(frame, copy=False)
+        try:
+            await self._to_tokenizers[worker].sock.send(frame, copy=False)
+        except BaseException:  # nothing was sent: nothing may stay registered
+            self.release(req.rid)
+            raise
+        self._track()
         return queue
+
+    def record_finish(self, key: str, reason: str) -> None:
+        """The finish reason the ops middleware labels this response's count with."""
+        self.finish_reasons[key] = reason
 
     def release(self, rid: str) -> None:
         self._tokenizer_answered(rid)
         self._queues.pop(rid, None)
         self._unanswered.pop(rid, None)
         self._timers.pop(rid, None)
+        self._track()
 
     async def abort(self, rid: str, reason: str = "disconnect") -> None:
-        self._tokenizer_answered(rid)
-        self._queues.pop(rid, None)
-        self._unanswered.pop(rid, None)
-        self._timers.pop(rid, None)
-        self.finish_reasons.pop(rid, None)
+        self.release(rid)
         await self._to_scheduler.send(ipc.Abort(rid, reason))

@@ -144,6 +144,7 @@ def capabilities(card: ModelCard, api: ApiSpec) -> web.Response:
         "max_model_len": card.max_model_len,
         "serves": ["chat.completions", "completions"],
         "policy": msgspec.to_builtins(api),
+        "limits": msgspec.to_builtins(api.limits),
         "tiers": {"honoured": "maps onto sampling/decoding", "clamped": "accepted, rewritten "
                   "and reported", "ignored": "accepted, not acted on, reported",
                   "extension": "not an OpenAI field, honoured", "rejected": "400 naming it"},

@@ -10,6 +10,7 @@ delta that overtakes it on the socket is buffered until it arrives.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 
@@ -17,7 +18,8 @@ import msgspec
 from aiohttp import web
 
 from api_frontend.engine_client import EngineClient
-from api_frontend.errors import ApiError
+from api_frontend.errors import RETRY_AFTER_S, ApiError
+from api_frontend.limits import check_share
 from api_frontend.responses import (DONE_FRAME, ChatAssembler, Collected,
                                    CompletionAssembler, sse)
 from api_frontend.translate import Translated, chat_to_generate, completion_to_generate
@@ -27,6 +29,15 @@ from protocol.openai_api import (CandorReport, ChatCompletionRequest, FieldNote,
 from protocol.topology import ApiSpec
 
 _JSON = msgspec.json.Encoder()
+log = logging.getLogger("api_frontend")
+
+
+REQUEST_ID_KEY = "client_request_id"  # request[...]: the client's X-Request-Id, if sent
+
+
+def client_request_id(request: web.Request) -> str | None:
+    """The client's X-Request-Id header, if it sent one (echoed, and named in logs)."""
+    return request.get(REQUEST_ID_KEY)
 
 
 def complete_report(report: CandorReport, info: ipc.RequestInfo) -> CandorReport:
@@ -50,20 +61,37 @@ def _chat_echo(req: ChatCompletionRequest) -> str | None:
     return content or ""
 
 
+def _fold_reports(report: CandorReport, infos: list[ipc.RequestInfo]) -> CandorReport:
+    """Every prompt's findings, each distinct note once (several prompts share most)."""
+    for info in infos:
+        before = (len(report.clamped), len(report.ignored))
+        complete_report(report, info)
+        for notes, start in ((report.clamped, before[0]), (report.ignored, before[1])):
+            fresh = notes[start:]
+            del notes[start:]
+            notes.extend(n for n in fresh if n not in notes)
+    return report
+
+
 async def run_generation(request: web.Request, engine: EngineClient, card: ModelCard,
-                         api: ApiSpec, parsed, keys: list[str]) -> web.StreamResponse:
+                         api: ApiSpec, parsed, keys) -> web.StreamResponse:
     is_chat = isinstance(parsed, ChatCompletionRequest)
     rid = f"{'chatcmpl' if is_chat else 'cmpl'}-{uuid.uuid4().hex}"
     arrival = time.time()
     tr: Translated = (chat_to_generate if is_chat else completion_to_generate)(
         parsed, rid, engine.reply_to, arrival, keys, api)
     reqs = tr.choice_reqs()
-    index = {r.rid: i for i, r in enumerate(reqs)}
+    max_waiting = engine.stats.max_waiting if engine.stats is not None else 0
+    check_share(len(reqs), api.limits, max_waiting, "n" if len(tr.gens) == 1 else "prompt")
+    full = engine.queue_full(len(reqs))
+    if full is not None:
+        raise ApiError(503, full, None, "queue_full", headers={"Retry-After": RETRY_AFTER_S})
+    response_key = client_request_id(request) or rid
     queue: asyncio.Queue = asyncio.Queue()
-    for r in reqs:
-        await engine.submit(r, queue)
-    unfinished = set(index)
+    unfinished = set(tr.choices)
     try:
+        for r in reqs:
+            await engine.submit(r, queue)
         infos: dict[str, ipc.RequestInfo] = {}
         early: list[ipc.TextDelta] = []
         while len(infos) < len(reqs):
@@ -74,21 +102,23 @@ async def run_generation(request: web.Request, engine: EngineClient, card: Model
                 infos[msg.rid] = msg
             else:
                 early.append(msg)
-        info = infos[reqs[0].rid]
-        report = complete_report(tr.report, info)
-        headers = {"x-request-id": rid,
+        firsts = [r.rid for r in reqs if tr.choices[r.rid][0] % tr.n == 0]  # one per prompt
+        report = _fold_reports(tr.report, [infos[f] for f in firsts])
+        headers = {"X-Request-Id": response_key,
                    "x-candor-adjustments": _JSON.encode(report).decode()}
         logprobs = (parsed.logprobs if is_chat else parsed.logprobs is not None)
-        common = dict(n=parsed.n, report=report, logprobs=bool(logprobs),
+        common = dict(n=tr.n, report=report, logprobs=bool(logprobs),
                       logprobs_k=tr.gen.sampling.logprobs,
                       prompt_logprobs_k=parsed.prompt_logprobs)
         if is_chat:
             assembler = ChatAssembler(rid, int(arrival), card.id, parsed.return_token_ids,
                                       echo_text=_chat_echo(parsed), **common)
         else:
+            echo = None
+            if parsed.echo:
+                echo = [infos[f].prompt_text or "" for f in firsts]
             assembler = CompletionAssembler(rid, int(arrival), card.id, parsed.return_token_ids,
-                                            echo_text=info.prompt_text if parsed.echo else None,
-                                            **common)
+                                            echo_texts=echo, prompts=len(tr.gens), **common)
 
         async def deltas():
             for d in early:
@@ -101,47 +131,51 @@ async def run_generation(request: web.Request, engine: EngineClient, card: Model
                     yield msg
 
         if not parsed.stream:
-            got = [Collected() for _ in reqs]
+            got: list[Collected | None] = [None] * tr.num_choices
+            for sub, idxs in tr.choices.items():
+                shared = Collected()  # n identical choices computed once share one
+                for i in idxs:
+                    got[i] = shared
             async for d in deltas():
-                got[index[d.rid]].add(d)
+                got[tr.choices[d.rid][0]].add(d)
                 if d.finish_reason is not None:
                     unfinished.discard(d.rid)
-            if tr.compute_once:
-                got = got * tr.n
-            return web.Response(body=_JSON.encode(assembler.final(got)),
-                                content_type="application/json", headers=headers)
-        return await _stream(request, parsed, tr, assembler, deltas(), index, unfinished,
-                             headers)
+            body = _JSON.encode(assembler.final(got))
+            engine.record_finish(response_key, got[0].last.finish_reason or "none")
+            return web.Response(body=body, content_type="application/json", headers=headers)
+        return await _stream(request, engine, parsed, tr, assembler, deltas(), unfinished,
+                             headers, response_key)
+    except (asyncio.CancelledError, ConnectionResetError):
+        log.info("client went away: %s (X-Request-Id %s); aborting %d of %d sequences", rid,
+                 client_request_id(request), len(unfinished), len(tr.choices))
+        raise
     finally:
-        for sub in index:
+        for sub in tr.choices:
             if sub in unfinished:  # client went away, or an error: stop and free KV blocks
                 await engine.abort(sub, "disconnect")
             else:
                 engine.release(sub)
 
 
-async def _stream(request: web.Request, parsed, tr: Translated, assembler, deltas,
-                  index: dict[str, int], unfinished: set[str],
-                  headers: dict[str, str]) -> web.StreamResponse:
+async def _stream(request: web.Request, engine: EngineClient, parsed, tr: Translated,
+                  assembler, deltas, unfinished: set[str], headers: dict[str, str],
+                  response_key: str) -> web.StreamResponse:
     opts = parsed.stream_options
     include_usage = bool(opts and opts.include_usage)
     continuous = bool(opts and opts.continuous_usage_stats)
     response = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
     await response.prepare(request)
-    copies = tr.n if tr.compute_once else 1  # n identical choices computed once
     is_chat = isinstance(assembler, ChatAssembler)
     if is_chat:
-        for i in range(tr.n):
+        for i in range(tr.num_choices):
             await response.write(sse(assembler.role_chunk(i)))
     started: set[int] = set()
     lasts: dict[int, ipc.TextDelta] = {}
     try:
         async for delta in deltas:
-            i = index[delta.rid]
-            for c in range(copies):
-                choice = i + c
-                if not is_chat and assembler.echo_text is not None and choice not in started:
+            for choice in tr.choices[delta.rid]:
+                if not is_chat and assembler.echo_texts is not None and choice not in started:
                     started.add(choice)
                     await response.write(sse(assembler.echo_chunk(choice, delta)))
                 if delta.text or delta.finish_reason is not None or (
@@ -154,9 +188,11 @@ async def _stream(request: web.Request, parsed, tr: Translated, assembler, delta
     except ApiError as err:  # after the first frame: an error frame, then [DONE]
         await response.write(b"data: " + err.encode() + b"\n\n")
         await response.write(DONE_FRAME)
+        engine.record_finish(response_key, "error")
         return response
     if include_usage:
         await response.write(sse(assembler.usage_chunk([lasts[i] for i in sorted(lasts)])))
     await response.write(DONE_FRAME)
     await response.write_eof()
+    engine.record_finish(response_key, lasts[0].finish_reason or "none")
     return response

@@ -43,8 +43,14 @@ class FrontendMetrics:
             "candor_stream_errors", "Streams that failed after the first frame was sent "
             "(answered with an error frame, then [DONE])", ["code"], registry=None)
         self.inflight = Gauge(
-            "candor_frontend_inflight_requests", "Generation requests the frontends are "
-            "serving now", multiprocess_mode="livesum", registry=None)
+            "candor_frontend_inflight_requests", "Requests the frontends are waiting on "
+            "the engine for now (each sampled choice of an n>1 request counts; render and "
+            "tokenize calls too)", multiprocess_mode="livesum", registry=None)
+        self.request_state = Gauge(
+            "candor_frontend_request_state_entries", "Entries in a frontend's per-request "
+            "tables (reply queues, unanswered submits, latency timers, finish reasons not "
+            "yet counted); every one returns to 0 when no request is in flight",
+            ["table"], multiprocess_mode="livesum", registry=None)
         self.loop_lag = Gauge(
             "candor_frontend_event_loop_lag_seconds", "How late a 100 ms timer fired on a "
             "frontend's event loop, latest sample (max over frontends)",

@@ -138,38 +138,47 @@ class _Assembler:
         self._report_sent = True
         return self.report
 
-    @staticmethod
-    def usage(choices: list[Collected]) -> Usage:
-        return _sum_usage([c.last for c in choices])
+    def usage(self, choices: list[Collected]) -> Usage:
+        return _sum_usage([c.last for c in choices], self.n)
 
 
 class CompletionAssembler(_Assembler):
-    """Builds /v1/completions bodies and chunks for one request."""
+    """Builds /v1/completions bodies and chunks for one request: ``prompts`` prompts of
+    ``n`` choices each, choice ``p * n + i`` for the i-th sample of prompt p."""
 
-    def __init__(self, *args, echo_text: str | None = None, **kwargs) -> None:
+    def __init__(self, *args, echo_texts: list[str] | None = None, prompts: int = 1,
+                 **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.echo_text = echo_text  # the prompt, when echo is on
+        self.echo_texts = echo_texts  # each prompt's text, when echo is on
+        self.prompts = prompts
         self._offsets: dict[int, int] = {}
+
+    def _echo(self, choice: int) -> str | None:
+        return None if self.echo_texts is None else self.echo_texts[choice // self.n]
 
     def final(self, choices: list[Collected]) -> CompletionResponse:
         out = []
+        several = self.prompts > 1
         for i, got in enumerate(choices):
-            prefix = self.echo_text or ""
+            echo = self._echo(i)
             lp = None
             if self.logprobs:  # with echo, the prompt's entries come first (offset 0)
                 entries = (_top(got.prompt_logprobs or [], self.logprobs_k)
-                           if self.echo_text is not None else [])
+                           if echo is not None else [])
                 lp = completion_logprobs(entries + got.logprobs, 0)
-            out.append(CompletionChoice(i, prefix + got.text, got.last.finish_reason, lp,
-                                        token_ids=self._ids(got.token_ids),
-                                        prompt_logprobs=self._prompt_logprobs(got)))
-        return CompletionResponse(self.id, self.created, self.model, out, self.usage(choices),
-                                  prompt_token_ids=self._ids(choices[0].prompt_token_ids),
-                                  candor=self._candor())
+            out.append(CompletionChoice(
+                i, (echo or "") + got.text, got.last.finish_reason, lp,
+                token_ids=self._ids(got.token_ids),
+                prompt_token_ids=self._ids(got.prompt_token_ids) if several else UNSET,
+                prompt_logprobs=self._prompt_logprobs(got)))
+        return CompletionResponse(
+            self.id, self.created, self.model, out, self.usage(choices),
+            prompt_token_ids=UNSET if several else self._ids(choices[0].prompt_token_ids),
+            candor=self._candor())
 
     def echo_chunk(self, index: int, delta: ipc.TextDelta) -> CompletionChunk:
         """The prompt (and its logprobs) as a choice's first streamed text."""
-        text = self.echo_text or ""
+        text = self._echo(index) or ""
         lp = None
         if self.logprobs and delta.prompt_logprobs:
             lp = completion_logprobs(delta.prompt_logprobs, 0)
@@ -190,14 +199,17 @@ class CompletionAssembler(_Assembler):
                                usage_of(delta) if with_usage else None, candor=self._candor())
 
     def usage_chunk(self, choices_last: list[ipc.TextDelta]) -> CompletionChunk:
-        return CompletionChunk(self.id, self.created, self.model, [], _sum_usage(choices_last))
+        return CompletionChunk(self.id, self.created, self.model, [],
+                               _sum_usage(choices_last, self.n))
 
 
-def _sum_usage(lasts: list[ipc.TextDelta]) -> Usage:
-    """n choices share one prompt: it (and its prefix-cache hit) is counted once."""
-    prompt = lasts[0].prompt_tokens
+def _sum_usage(lasts: list[ipc.TextDelta], n: int) -> Usage:
+    """Summed over prompts; the n choices of one prompt share it, so each prompt (and its
+    prefix-cache hit) is counted once. ``lasts`` is in choice order (p * n + i)."""
+    groups = [lasts[p:p + n] for p in range(0, len(lasts), n)]
+    prompt = sum(g[0].prompt_tokens for g in groups)
     completion = sum(d.completion_tokens for d in lasts)
-    cached = max(d.cached_tokens for d in lasts)
+    cached = sum(max(d.cached_tokens for d in g) for g in groups)
     return Usage(prompt, completion, prompt + completion, PromptTokensDetails(cached))
 
 
@@ -235,4 +247,5 @@ class ChatAssembler(_Assembler):
             usage_of(delta) if with_usage else None, candor=self._candor())
 
     def usage_chunk(self, choices_last: list[ipc.TextDelta]) -> ChatCompletionChunk:
-        return ChatCompletionChunk(self.id, self.created, self.model, [], _sum_usage(choices_last))
+        return ChatCompletionChunk(self.id, self.created, self.model, [],
+                                   _sum_usage(choices_last, self.n))

@@ -9,15 +9,17 @@ the ignored and extension fields the client actually sent.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import msgspec
 
+from api_frontend import limits
 from api_frontend.errors import ApiError
 from protocol import ipc
-from protocol.openai_api import (CandorReport, ChatCompletionRequest, CompletionRequest,
-                                 FieldNote)
+from protocol.openai_api import (INT64_MAX, INT64_MIN, TOKEN_ID_MAX, CandorReport,
+                                 ChatCompletionRequest, CompletionRequest, FieldNote)
 from protocol.topology import ApiSpec
 
 _COMMON_HONOURED = ("model", "max_tokens", "temperature", "top_p", "n", "stream",
@@ -29,6 +31,61 @@ _COMMON_EXTENSIONS = ("top_k", "min_p", "repetition_penalty", "ignore_eos", "min
 _REASONS = {
     "user": "accepted for compatibility; Candor does not use it (no per-user policy)",
     "suffix": "accepted for compatibility; insertion (fill-in-the-middle) is not implemented",
+}
+
+
+class Foreign(NamedTuple):
+    """A vLLM or SGLang extension field Candor does not implement. ``tier`` rejected: a
+    400 ``unsupported_field`` unless the value is one of ``harmless`` (values that ask for
+    what Candor does anyway, reported as ignored); ignored: it cannot change the output."""
+
+    tier: str
+    reason: str
+    harmless: tuple[Any, ...] = ()
+
+
+_NO_GUIDED = "guided / structured decoding is not implemented"
+_NO_BEAM = "beam search is not implemented"
+FOREIGN_FIELDS: dict[str, Foreign] = {
+    "guided_json": Foreign("rejected", _NO_GUIDED),
+    "guided_regex": Foreign("rejected", _NO_GUIDED),
+    "guided_choice": Foreign("rejected", _NO_GUIDED),
+    "guided_grammar": Foreign("rejected", _NO_GUIDED),
+    "structured_outputs": Foreign("rejected", _NO_GUIDED),
+    "regex": Foreign("rejected", _NO_GUIDED + " (SGLang `regex`)"),
+    "ebnf": Foreign("rejected", _NO_GUIDED + " (SGLang `ebnf`)"),
+    "json_schema": Foreign("rejected", _NO_GUIDED + " (SGLang `json_schema`)"),
+    "guided_decoding_backend": Foreign("ignored", "only picks the engine for guided_* "
+                                       "fields, which Candor rejects"),
+    "guided_whitespace_pattern": Foreign("ignored", "only applies to guided_json, which "
+                                         "Candor rejects"),
+    "use_beam_search": Foreign("rejected", _NO_BEAM, (False,)),
+    "best_of": Foreign("rejected", "best_of > 1 (sample several, return the best) is not "
+                       "implemented", (1,)),
+    "length_penalty": Foreign("ignored", "only applies to beam search, which Candor rejects"),
+    "early_stopping": Foreign("ignored", "only applies to beam search, which Candor rejects"),
+    "lora_request": Foreign("rejected", "LoRA adapters are not served"),
+    "lora_path": Foreign("rejected", "LoRA adapters are not served"),
+    "spaces_between_special_tokens": Foreign(
+        "rejected", "only the default (true) detokenization is implemented", (True,)),
+    "truncate_prompt_tokens": Foreign("rejected", "prompt truncation is not implemented"),
+    "logits_processors": Foreign("rejected", "custom logits processors are not implemented"),
+    "custom_logit_processor": Foreign("rejected", "custom logits processors are not "
+                                      "implemented"),
+    "bad_words": Foreign("rejected", "bad_words is not implemented", ([],)),
+    "allowed_token_ids": Foreign("rejected", "allowed_token_ids is not implemented"),
+    "vllm_xargs": Foreign("rejected", "vLLM's extra sampling arguments are not implemented"),
+    "return_hidden_states": Foreign("rejected", "hidden states are not returned", (False,)),
+    "return_tokens_as_token_ids": Foreign("rejected", "logprob tokens are always returned "
+                                          "as text", (False,)),
+    "min_new_tokens": Foreign("rejected", "SGLang's name; Candor's field is `min_tokens`"),
+    "no_stop_trim": Foreign("rejected", "SGLang's name; Candor's field is "
+                            "`include_stop_str_in_output`", (False,)),
+    "stop_regex": Foreign("rejected", "regular-expression stops are not implemented"),
+    "typical_p": Foreign("rejected", "typical sampling is not implemented", (1, 1.0)),
+    "documents": Foreign("rejected", "chat documents (RAG templates) are not implemented"),
+    "request_id": Foreign("ignored", "send the X-Request-Id header instead; it is echoed"),
+    "kv_transfer_params": Foreign("ignored", "disaggregated prefill is not part of Candor"),
 }
 
 
@@ -51,44 +108,97 @@ def field_tiers(kind: str, api: ApiSpec) -> dict[str, str]:
                                                 "chat_template_kwargs", "echo")})
         tiers["chat_template"] = "extension" if api.allow_request_chat_template else "rejected"
     else:
-        tiers.update(prompt="honoured", echo="honoured", logprobs="honoured",
-                     suffix=ignored, best_of="rejected")
+        tiers.update(prompt="honoured", echo="honoured", logprobs="honoured", suffix=ignored)
+    tiers.update({f: "rejected" if spec.tier == "rejected" else ignored
+                  for f, spec in FOREIGN_FIELDS.items() if f not in tiers})
     tiers["<unknown field>"] = ignored
     return tiers
 
 
+def _choice_seed(seed: int, i: int) -> int:
+    """seed + i, wrapped into int64 so the sum still crosses the process boundary."""
+    return (seed + i - INT64_MIN) % 2**64 + INT64_MIN
+
+
 @dataclass
 class Translated:
-    """A request ready to submit: the GenerateReq of choice 0, how many choices, whether
-    one computation serves all of them (n > 1 at temperature 0), and the report so far."""
+    """A request ready to submit: one GenerateReq per prompt, ``n`` choices per prompt,
+    whether one computation serves a prompt's n choices (n > 1 at temperature 0), and the
+    report so far. Choice ``p * n + i`` is the i-th sample of prompt p."""
 
-    gen: ipc.GenerateReq
+    gens: list[ipc.GenerateReq]
     n: int
     compute_once: bool
     report: CandorReport
     echo: bool = False  # chat echo / completions echo
+    choices: dict[str, list[int]] = field(default_factory=dict)  # rid -> its choice indexes
+
+    @property
+    def gen(self) -> ipc.GenerateReq:
+        return self.gens[0]
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.gens) * self.n
 
     def choice_reqs(self) -> list[ipc.GenerateReq]:
-        """One GenerateReq per computed choice; seeded choices get seed + index so the n
-        samples differ yet stay reproducible."""
-        if self.n == 1 or self.compute_once:
+        """One GenerateReq per computed sequence (fills ``choices``); seeded choices get
+        seed + index so the n samples differ yet stay reproducible."""
+        self.choices = {}
+        if self.num_choices == 1:
+            self.choices[self.gen.rid] = [0]
             return [self.gen]
         out = []
-        for i in range(self.n):
-            sampling = self.gen.sampling
-            if sampling.seed is not None:
-                sampling = msgspec.structs.replace(sampling, seed=sampling.seed + i)
-            out.append(msgspec.structs.replace(self.gen, rid=f"{self.gen.rid}-{i}",
-                                               sampling=sampling))
+        for p, gen in enumerate(self.gens):
+            first = p * self.n
+            if self.compute_once:
+                req = msgspec.structs.replace(gen, rid=f"{gen.rid}-{first}")
+                self.choices[req.rid] = list(range(first, first + self.n))
+                out.append(req)
+                continue
+            for i in range(self.n):
+                sampling = gen.sampling
+                if sampling.seed is not None:
+                    sampling = msgspec.structs.replace(sampling,
+                                                       seed=_choice_seed(sampling.seed, i))
+                req = msgspec.structs.replace(gen, rid=f"{gen.rid}-{first + i}",
+                                              sampling=sampling)
+                self.choices[req.rid] = [first + i]
+                out.append(req)
         return out
 
 
-def _report(raw_keys: list[str], req: CompletionRequest | ChatCompletionRequest,
-            api: ApiSpec) -> CandorReport:
+_VALUE = msgspec.json.Decoder()
+
+
+def _foreign_notes(raw: Mapping[str, Any], known: set[str]) -> list[FieldNote]:
+    """400 for a foreign field that would change the output; notes for the harmless ones."""
+    notes = []
+    for key in raw:
+        spec = FOREIGN_FIELDS.get(key)
+        if spec is None or key in known:
+            continue
+        if spec.tier == "rejected":
+            value = _VALUE.decode(raw[key]) if isinstance(raw, dict) else None
+            if not any(value == h and type(value) is type(h) for h in spec.harmless):
+                raise ApiError(400, f"`{key}` is not supported by Candor ({spec.reason}); "
+                               "remove it rather than have it ignored", key,
+                               "unsupported_field")
+            notes.append(FieldNote(key, f"the value asks for Candor's own behaviour "
+                                   f"({spec.reason})"))
+        else:
+            notes.append(FieldNote(key, spec.reason))
+    return notes
+
+
+def _report(raw_keys: Mapping[str, Any] | list[str],
+            req: CompletionRequest | ChatCompletionRequest, api: ApiSpec) -> CandorReport:
     known = set(req.__struct_fields__)
     ignored = [FieldNote(f, _REASONS[f]) for f in ("user", "suffix")
                if f in known and getattr(req, f) is not None]
-    ignored += [FieldNote(k, "not a field Candor knows") for k in raw_keys if k not in known]
+    ignored += _foreign_notes(raw_keys, known)
+    ignored += [FieldNote(k, "not a field Candor knows") for k in raw_keys
+                if k not in known and k not in FOREIGN_FIELDS]
     kind = "chat" if isinstance(req, ChatCompletionRequest) else "completions"
     tiers = field_tiers(kind, ApiSpec())
     extensions = [k for k in raw_keys if tiers.get(k) == "extension"]
@@ -110,8 +220,6 @@ def _reject_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
             ("parallel_tool_calls", req.parallel_tool_calls is not None),
             ("response_format", req.response_format not in (None, {"type": "text"})),
         ]
-    else:
-        checks += [("best_of", req.best_of not in (None, 1))]
     for field, used in checks:
         if used:
             raise ApiError(400, f"`{field}` is not supported by this Candor deployment "
@@ -130,8 +238,10 @@ def _logit_bias(req: CompletionRequest | ChatCompletionRequest) -> list[tuple[in
         try:
             token_id = int(key)
         except ValueError:
-            raise ApiError(400, f"`logit_bias` keys must be token ids, got {key!r}",
-                           "logit_bias", "invalid_value") from None
+            token_id = -1
+        if not 0 <= token_id <= TOKEN_ID_MAX:
+            raise ApiError(400, f"`logit_bias` keys must be token ids (0..{TOKEN_ID_MAX}), "
+                           f"got {key[:40]!r}", "logit_bias", "invalid_value")
         if bias != 0.0:
             out.append((token_id, float(bias)))
     return out
@@ -194,8 +304,29 @@ def _common(req: CompletionRequest | ChatCompletionRequest, rid: str, reply_to: 
                 cache_salt=req.cache_salt, strict=strict)
 
 
-def _translated(gen: ipc.GenerateReq, req, report: CandorReport, echo: bool) -> Translated:
-    return Translated(gen, req.n, req.n > 1 and gen.sampling.temperature == 0, report, echo)
+def _translated(gens: list[ipc.GenerateReq], req, report: CandorReport,
+                echo: bool) -> Translated:
+    return Translated(gens, req.n, req.n > 1 and gens[0].sampling.temperature == 0, report,
+                      echo)
+
+
+def prompt_list(req: CompletionRequest) -> list[str | list[int]]:
+    """``prompt`` as a list of prompts: a string, a list of token ids, a list of strings
+    or a list of token-id lists (one kind, every prompt non-empty)."""
+    prompt = req.prompt
+    if isinstance(prompt, str) or not prompt or all(isinstance(p, int) for p in prompt):
+        prompts = [prompt]
+    else:
+        if len({type(p) for p in prompt}) != 1:
+            raise ApiError(400, "`prompt` must be a string, a list of token ids, a list of "
+                           "strings or a list of token-id lists, not a mix", "prompt",
+                           "invalid_value")
+        prompts = list(prompt)
+    for i, p in enumerate(prompts):
+        if not p:
+            where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            raise ApiError(400, f"`{where}` must not be empty", where, "invalid_value")
+    return prompts
 
 
 # The legacy completions contract documents a default of 16 tokens; chat's default is
@@ -206,31 +337,22 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 def completion_to_generate(req: CompletionRequest, rid: str, reply_to: str, arrival: float,
                            raw_keys: list[str] = (), api: ApiSpec | None = None) -> Translated:
     api = api or ApiSpec()
-    report = _report(list(raw_keys), req, api)
+    limits.check_fields(req, api.limits)
+    report = _report(raw_keys, req, api)
     _check_prompt_logprobs(req, api)
-    prompt = req.prompt
-    if isinstance(prompt, list) and prompt and not all(isinstance(p, int) for p in prompt):
-        kinds = {type(p) for p in prompt}
-        if len(kinds) != 1:
-            raise ApiError(400, "`prompt` must be a string, a list of token ids, a list of "
-                           "strings or a list of token-id lists, not a mix", "prompt",
-                           "invalid_value")
-        if len(prompt) != 1:
-            raise ApiError(400, "a list of several prompts is not supported yet; send one "
-                           "prompt per request", "prompt", "unsupported_field")
-        prompt = prompt[0]
-    if not prompt:
-        raise ApiError(400, "`prompt` must not be empty", "prompt", "invalid_value")
+    prompts = prompt_list(req)
     max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-    gen = ipc.GenerateReq(prompt=prompt, max_tokens=max_tokens, echo_prompt=req.echo,
-                          **_common(req, rid, reply_to, arrival, report.strict))
-    return _translated(gen, req, report, req.echo)
+    common = _common(req, rid, reply_to, arrival, report.strict)
+    gens = [ipc.GenerateReq(prompt=p, max_tokens=max_tokens, echo_prompt=req.echo, **common)
+            for p in prompts]
+    return _translated(gens, req, report, req.echo)
 
 
 def chat_to_generate(req: ChatCompletionRequest, rid: str, reply_to: str, arrival: float,
                      raw_keys: list[str] = (), api: ApiSpec | None = None) -> Translated:
     api = api or ApiSpec()
-    report = _report(list(raw_keys), req, api)
+    limits.check_fields(req, api.limits)
+    report = _report(raw_keys, req, api)
     _check_prompt_logprobs(req, api)
     if req.chat_template is not None and not api.allow_request_chat_template:
         raise ApiError(400, "`chat_template` in a request is disabled on this deployment "
@@ -243,6 +365,10 @@ def chat_to_generate(req: ChatCompletionRequest, rid: str, reply_to: str, arriva
         raise ApiError(400, "`add_generation_prompt` and `continue_final_message` cannot "
                        "both be true", "continue_final_message", "invalid_value")
     for i, message in enumerate(req.messages):
+        if message.role in ("system", "developer", "user") and not (
+                message.content or message.content == ""):
+            raise ApiError(400, f"a {message.role} message needs `content` (a string or a "
+                           "list of text parts)", f"messages[{i}].content", "invalid_value")
         if isinstance(message.content, list):
             for j, part in enumerate(message.content):
                 if part.type != "text" or part.text is None:
@@ -260,4 +386,4 @@ def chat_to_generate(req: ChatCompletionRequest, rid: str, reply_to: str, arriva
         chat_template_kwargs=dict(req.chat_template_kwargs or {}),
         max_tokens=max_tokens, max_tokens_field=field, chat_template=req.chat_template,
         **_common(req, rid, reply_to, arrival, report.strict))
-    return _translated(gen, req, report, req.echo)
+    return _translated([gen], req, report, req.echo)

@@ -15,9 +15,15 @@ from msgspec import UNSET, Meta, UnsetType
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
-PositiveInt = Annotated[int, Meta(ge=1)]
-NonNegativeInt = Annotated[int, Meta(ge=0)]
-TopK = Annotated[int, Meta(ge=-1)]
+# Every integer is bounded to int64 at decode: a larger one would fail later, in the
+# msgpack encoding between processes, as a 500 instead of a 400 naming the field.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+TOKEN_ID_MAX = 2**31 - 1  # token ids travel as int32
+Int64 = Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)]
+PositiveInt = Annotated[int, Meta(ge=1, le=INT64_MAX)]
+NonNegativeInt = Annotated[int, Meta(ge=0, le=INT64_MAX)]
+TopK = Annotated[int, Meta(ge=-1, le=INT64_MAX)]
+TokenId = Annotated[int, Meta(ge=0, le=TOKEN_ID_MAX)]
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -67,7 +73,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
     logit_bias: dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]] | None = None
@@ -78,11 +84,11 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     repetition_penalty: Annotated[float, Meta(gt=0.0, le=2.0)] = 1.0
     ignore_eos: bool = False
     min_tokens: NonNegativeInt = 0
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False  # extension: ids of the prompt and of each choice
-    priority: int = 0  # extension: lower runs first when requests wait; FCFS within one
+    priority: Int64 = 0  # extension: lower runs first when requests wait; FCFS within one
     cache_salt: str | None = None  # extension: prefix-cache sharing only within one salt
     prompt_logprobs: NonNegativeInt | None = None  # extension (vLLM): top-k per prompt token
     strict: bool = False  # extension: every ignored or clamped field becomes a 400
@@ -91,18 +97,17 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
 class CompletionRequest(_SamplingFields, kw_only=True):
     # str | list[int] | list[str] | list[list[int]]; msgspec cannot express that union,
     # so the element kinds are checked when the request is translated
-    prompt: str | list[str | int | list[int]]
+    prompt: str | list[str | TokenId | list[TokenId]]
     echo: bool = False
-    logprobs: Annotated[int, Meta(ge=0, le=5)] | None = None
+    logprobs: NonNegativeInt | None = None  # bounded by the deployment's max_logprobs
     suffix: str | None = None
-    best_of: PositiveInt | None = None
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    top_logprobs: NonNegativeInt | None = None  # bounded by max_logprobs
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
@@ -194,6 +199,7 @@ class CompletionChoice(msgspec.Struct):
     logprobs: CompletionLogprobs | None = None
     token_ids: list[int] | UnsetType = UNSET
     prompt_logprobs: PromptLogprobs | UnsetType = UNSET  # extension, per choice as vLLM
+    prompt_token_ids: list[int] | UnsetType = UNSET  # several prompts: this choice's prompt
 
 
 class CompletionResponse(msgspec.Struct):
@@ -321,7 +327,7 @@ class TokenizeResponse(msgspec.Struct, omit_defaults=True):
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 class DetokenizeResponse(msgspec.Struct):

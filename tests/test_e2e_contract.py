@@ -113,7 +113,8 @@ async def test_embeddings_404_says_what_is_served(server):
     ("temperature", -0.1), ("temperature", 2.01), ("top_p", 0), ("top_p", 1.1), ("n", 0),
     ("max_tokens", 0), ("presence_penalty", 2.5), ("frequency_penalty", -2.1),
     ("repetition_penalty", 0), ("top_k", -2), ("min_p", 1.5), ("min_tokens", -1),
-    ("logprobs", 6), ("logit_bias", {"1": 200}), ("seed", "x"), ("stop", 3),
+    ("logprobs", 21), ("logit_bias", {"1": 200}), ("seed", "x"), ("stop", 3),
+    ("seed", 2**64), ("max_tokens", 2**63),
 ])
 async def test_out_of_range_values_are_400_naming_the_field(server, field, value):
     status, _, payload = await _post(server, "/v1/completions",

@@ -14,7 +14,8 @@ MODEL = "tiny-llama"
 
 async def _post(server, path: str, body, raw: bool = False):
     async with aiohttp.ClientSession() as session:
-        kwargs = {"data": body} if raw else {"json": body}
+        kwargs = ({"data": body, "headers": {"Content-Type": "application/json"}} if raw
+                  else {"json": body})
         async with session.post(server.base_url + path, **kwargs) as resp:
             return resp.status, dict(resp.headers), await resp.read()
 

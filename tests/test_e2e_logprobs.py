@@ -89,7 +89,7 @@ def test_logprobs_validation(client):
                                        logprobs=True, top_logprobs=21)
     assert err.value.body["param"] == "top_logprobs"
     with pytest.raises(openai.BadRequestError) as err:
-        client.completions.create(model=MODEL, prompt="x", logprobs=6)
+        client.completions.create(model=MODEL, prompt="x", logprobs=21)  # max_logprobs 20
     assert err.value.body["param"] == "logprobs"
 
 

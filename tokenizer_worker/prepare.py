@@ -114,7 +114,10 @@ class RequestPreparer:
         if tokenize_only:
             return TOKENIZE_CONTEXTS * self.max_model_len
         requested = req.max_tokens
-        if requested is None or (self.api.max_tokens_policy == "clamp" and not req.strict):
+        if (requested is None or requested >= self.max_model_len
+                or (self.api.max_tokens_policy == "clamp" and not req.strict)):
+            # a max_tokens that alone fills the context is the error to name: the budget
+            # check after tokenizing reports it with both counts
             return self.max_model_len - 1
         return self.max_model_len - max(1, requested)
 
