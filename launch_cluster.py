@@ -355,11 +355,11 @@ def launch(topology: Topology, node: str | None = None,
                              "start each with --node NAME on its machine")
         node = nodes[0].name
     spec = next(n for n in nodes if n.name == node)
+    for path in clean_stale_run_dirs():
+        _say(f"removed {path}: its launcher is gone")
     keys = resolve_api_keys(topology, api_keys or [])
     if "api_frontend" in spec.roles:
         check_port_free(topology.http)
-    for path in clean_stale_run_dirs():
-        _say(f"removed {path}: its launcher is gone")
     run_dir = _make_run_dir()
     stop_requested = False
 

@@ -131,9 +131,10 @@ def body_timeout_middleware(timeout_s: float):
             try:
                 await asyncio.wait_for(request.read(), timeout_s)
             except (asyncio.TimeoutError, TimeoutError):
-                return ApiError(408, f"the request body did not arrive within "
-                                f"{timeout_s:g}s", None, "request_timeout",
-                                headers={"Connection": "close"}).response()
+                response = ApiError(408, f"the request body did not arrive within "
+                                    f"{timeout_s:g}s", None, "request_timeout").response()
+                response.force_close()
+                return response
         return await handler(request)
     return read_body_in_time
 
