@@ -402,3 +402,23 @@ def test_curve_two_node_topology_serves_and_refuses_plain_clients(tiny_model_dir
     finally:
         assert gateway.stop() == 0
         engine.stop()
+
+
+def test_shipped_multi_node_deployments_use_curve():
+    import yaml
+
+    from protocol.topology import Topology, load_topology
+
+    deploy = REPO / "deploy"
+    two_node = load_topology(str(deploy / "topologies" / "two-node.yaml"))
+    assert two_node.security.curve is not None
+    docs = list(yaml.safe_load_all((deploy / "kubernetes" / "candor.yaml").read_text()))
+    config = next(d for d in docs if d["kind"] == "ConfigMap")
+    topology = msgspec.yaml.decode(config["data"]["topology.yaml"], type=Topology)
+    key_dir = topology.security.curve.key_dir
+    for sts in (d for d in docs if d["kind"] == "StatefulSet"):
+        pod = sts["spec"]["template"]["spec"]
+        (mount,) = [m for m in pod["containers"][0]["volumeMounts"]
+                    if m["mountPath"] == key_dir]
+        (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+        assert volume["secret"]["secretName"] == "candor-zmq-keys"
