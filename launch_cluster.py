@@ -301,8 +301,10 @@ def clean_stale_run_dirs(parent: str | None = None) -> list[str]:
 
 def _make_run_dir() -> str:
     run_dir = tempfile.mkdtemp(prefix=RUN_DIR_PREFIX)
-    with open(os.path.join(run_dir, PID_FILE), "w") as fh:
+    partial = os.path.join(run_dir, PID_FILE + ".partial")
+    with open(partial, "w") as fh:
         fh.write(f"{os.getpid()}\n")
+    os.replace(partial, os.path.join(run_dir, PID_FILE))  # never read half-written
     return run_dir
 
 
