@@ -4,22 +4,28 @@
     python launch_cluster.py deploy/topologies/two-node.yaml --node engine   # per machine
     candor serve --model PATH [--port 8000] [--tokenizer-workers N]
     candor make-tiny-model DIR
+    candor keygen DIR                  # CURVE keys for the tcp:// sockets between nodes
 
 Both start paths build a ``Topology``, validate it whole (every problem named), and hand
 it to ``launch``: one OS process per role instance of this node, each given its
 ``ProcessConfig`` as JSON. The launcher owns every child and publishes their liveness
 for /health; a dead child is restarted when the topology marks its role restartable,
 otherwise the launcher stops the rest and exits non-zero naming the role and exit code.
-SIGTERM drains (frontends refuse new work and finish what they hold) and exits 0;
-children also die with the launcher through PR_SET_PDEATHSIG.
+SIGTERM and SIGINT drain (frontends refuse new work and finish what they hold) and exit
+0; children also die with the launcher through PR_SET_PDEATHSIG. The run directory (ipc
+sockets, metrics) holds the launcher's pid, so a later launcher removes the directories
+of launchers that were killed outright.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
+import glob
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -40,7 +46,7 @@ from protocol.node_http import serve_node_http
 from protocol.topology import (HttpSpec, NodeSpec, ProcessConfig, Topology, load_topology,
                                process_configs)
 from protocol.topology_check import TopologyError, check_topology
-from protocol.transport import Sender
+from protocol.transport import Sender, sync_context
 
 GRACE_S = 10.0
 DEFAULT_MODEL_DIR = os.path.expanduser(
@@ -74,8 +80,17 @@ class Child:
                            code if code is not None else self.last_exit, self.restarts)
 
 
-def _spawn(cfg: ProcessConfig, devices: list[int]) -> subprocess.Popen:
-    env = dict(os.environ)
+RUN_DIR_PREFIX = "candor-"
+PID_FILE = "launcher.pid"
+# API keys reach the frontends only, in this variable (see api_frontend/auth.py)
+KEYS_ENV = "CANDOR_API_KEYS"
+_KEY_ENVS = (KEYS_ENV, "CANDOR_API_KEY", "VLLM_API_KEY")
+
+
+def _spawn(cfg: ProcessConfig, devices: list[int], api_keys: list[str]) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k not in _KEY_ENVS}
+    if cfg.role == "api_frontend" and api_keys:
+        env[KEYS_ENV] = "\n".join(api_keys)
     if cfg.role != "gpu_worker":
         env.update(_LEAN_ENV)
     else:
@@ -124,8 +139,10 @@ class NodeSupervisor:
     liveness (NodeStatus) for the frontends' /health, restarts the roles the topology
     marks restartable, and on a fatal death or a signal stops everything in order."""
 
-    def __init__(self, topology: Topology, node: NodeSpec, run_dir: str) -> None:
+    def __init__(self, topology: Topology, node: NodeSpec, run_dir: str,
+                 api_keys: list[str] | None = None) -> None:
         self.topology = topology
+        self.api_keys = api_keys or []
         self.node = node
         self.sup = topology.supervision
         self.metrics_dir = os.path.join(run_dir, "metrics")
@@ -135,7 +152,7 @@ class NodeSupervisor:
         index = [n.name for n in topology.effective_nodes()].index(node.name)
         self.status_address = self.configs[0].addresses.node_status[index] if self.configs \
             else None
-        self.ctx = zmq.Context()
+        self.ctx = sync_context(topology.security)
         self.pub = Sender(self.ctx, self.status_address, bind=True, kind=zmq.PUB)
         self.children: list[Child] = []
         self.state = "starting"
@@ -180,7 +197,7 @@ class NodeSupervisor:
         process_exited(self.metrics_dir, child.proc.pid)
         child.last_exit = code
         child.restarts += 1
-        child.proc = _spawn(child.config, self.node.devices)
+        child.proc = _spawn(child.config, self.node.devices, self.api_keys)
         self.restarts.labels(self.node.name, child.config.role).inc()
         self.publish(force=True)
 
@@ -192,7 +209,8 @@ class NodeSupervisor:
         if self.node.metrics_port is not None:
             serve_node_http(self.node.host, self.node.metrics_port, self.metrics_dir,
                             self.local_problems)
-        self.children = [Child(cfg, _spawn(cfg, self.node.devices)) for cfg in self.configs]
+        self.children = [Child(cfg, _spawn(cfg, self.node.devices, self.api_keys))
+                         for cfg in self.configs]
         _say(f"node {self.node.name}: started {len(self.children)} processes: "
              + ", ".join(c.name for c in self.children))
         serves_http = "api_frontend" in self.node.roles
@@ -261,7 +279,82 @@ def _check_chat_template(topology: Topology) -> None:
         raise SystemExit("candor: " + " ".join(str(err).split())) from None
 
 
-def launch(topology: Topology, node: str | None = None) -> int:
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def clean_stale_run_dirs(parent: str | None = None) -> list[str]:
+    """Remove run directories whose launcher is gone (killed with -9, or a crash): each
+    holds its launcher's pid. A directory without a pid file is left alone (it may be a
+    launcher between mkdtemp and writing it, or not ours)."""
+    removed = []
+    for path in glob.glob(os.path.join(parent or tempfile.gettempdir(),
+                                       RUN_DIR_PREFIX + "*")):
+        try:
+            with open(os.path.join(path, PID_FILE)) as fh:
+                pid = int(fh.read().strip())
+            if os.stat(path).st_uid != os.getuid():
+                continue
+        except (OSError, ValueError):
+            continue
+        if not _pid_alive(pid):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _make_run_dir() -> str:
+    run_dir = tempfile.mkdtemp(prefix=RUN_DIR_PREFIX)
+    partial = os.path.join(run_dir, PID_FILE + ".partial")
+    with open(partial, "w") as fh:
+        fh.write(f"{os.getpid()}\n")
+    os.replace(partial, os.path.join(run_dir, PID_FILE))  # never read half-written
+    return run_dir
+
+
+def check_port_free(http: HttpSpec) -> None:
+    """Fail in one line when something already listens on the HTTP port.
+
+    The frontends bind with SO_REUSEPORT so that they can share the port, and a second
+    server doing the same would silently split the traffic with the first. This probe
+    binds without SO_REUSEPORT, which any existing listener on the port refuses."""
+    try:
+        infos = socket.getaddrinfo(http.host or None, http.port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except socket.gaierror as err:
+        raise SystemExit(f"candor: cannot resolve http.host {http.host!r}: {err}") from None
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is fine
+        try:
+            probe.bind(addr)
+            probe.listen(1)
+        except OSError as err:
+            why = "is already in use" if err.errno == errno.EADDRINUSE else f"fails: {err}"
+            raise SystemExit(f"candor: port {http.port} on {http.host} {why} (another "
+                             "server listens there); choose another --port / http.port") \
+                from None
+
+
+def resolve_api_keys(topology: Topology, flag_keys: list[str]) -> list[str]:
+    """Keys from flags, CANDOR_API_KEY / VLLM_API_KEY and ``http.api_key_file``."""
+    from api_frontend.auth import collect_keys
+    files = [topology.http.api_key_file] if topology.http.api_key_file else []
+    try:
+        return collect_keys(flag_keys, files, dict(os.environ))
+    except OSError as err:
+        raise SystemExit(f"candor: cannot read the API key file: {err}") from None
+
+
+def launch(topology: Topology, node: str | None = None,
+           api_keys: list[str] | None = None) -> int:
     """Run this node's part of the topology until a signal (exit 0, after draining) or a
     child's fatal death (exit 1, naming it)."""
     try:
@@ -277,7 +370,12 @@ def launch(topology: Topology, node: str | None = None) -> int:
     spec = next(n for n in nodes if n.name == node)
     if topology.api.chat_template is not None and "tokenizer_worker" in spec.roles:
         _check_chat_template(topology)
-    run_dir = tempfile.mkdtemp(prefix="candor-")
+    for path in clean_stale_run_dirs():
+        _say(f"removed {path}: its launcher is gone")
+    keys = resolve_api_keys(topology, api_keys or [])
+    if "api_frontend" in spec.roles:
+        check_port_free(topology.http)
+    run_dir = _make_run_dir()
     stop_requested = False
 
     def on_signal(signum, frame):  # noqa: ARG001 - signal handler signature
@@ -288,7 +386,7 @@ def launch(topology: Topology, node: str | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     supervisor = None
     try:
-        supervisor = NodeSupervisor(topology, spec, run_dir)
+        supervisor = NodeSupervisor(topology, spec, run_dir, keys)
         return supervisor.run(lambda: stop_requested)
     finally:
         if supervisor is not None and supervisor.children:
@@ -314,7 +412,14 @@ def _serve_topology(args: argparse.Namespace) -> Topology:
                    "enable_prefix_caching": not args.no_prefix_caching,
                    "device": args.device, "enforce_eager": args.enforce_eager,
                    "fault_token_id": args.fault_token_id},
-        "http": {"host": args.host, "port": args.port, "max_body_mb": args.max_body_mb},
+        "http": {"host": args.host, "port": args.port, "max_body_mb": args.max_body_mb,
+                 "keepalive_timeout_s": args.keepalive_timeout_s,
+                 "body_read_timeout_s": args.body_read_timeout_s,
+                 "api_key_file": args.api_key_file, "protect_ops": args.protect_ops},
+        # tokenizer workers hold no state: one that dies (or that its watchdog stops
+        # because a request got stuck) comes back, and only its requests fail
+        "supervision": {"drain_timeout_s": args.drain_timeout_s,
+                        "restart": ["tokenizer_worker"]},
         "api": {"strict": args.strict, "max_tokens_policy": args.max_tokens_policy,
                 "chat_template": args.chat_template,
                 "allow_request_chat_template": args.allow_request_chat_template,
@@ -322,9 +427,6 @@ def _serve_topology(args: argparse.Namespace) -> Topology:
                     ("max_n", args.max_n), ("max_logprobs", args.max_logprobs),
                     ("max_prompts", args.max_prompts),
                     ("max_request_share", args.max_request_share)) if value is not None}},
-        # tokenizer workers hold no state: one that dies (or that its watchdog stops
-        # because a request got stuck) comes back, and only its requests fail
-        "supervision": {"restart": ["tokenizer_worker"]},
     }, Topology)
 
 
@@ -373,6 +475,24 @@ def cli(argv: list[str] | None = None) -> int:
     serve.add_argument("--max-request-share", type=float, default=None,
                        help="largest fraction of the waiting queue one request may fill")
 
+    serve.add_argument("--api-key", action="append", default=[],
+                       help="require 'Authorization: Bearer KEY' (repeat or comma-separate "
+                            "for several; also CANDOR_API_KEY / VLLM_API_KEY)")
+    serve.add_argument("--api-key-file", default=None, help="a file of API keys, one a line")
+    serve.add_argument("--protect-ops", action="store_true",
+                       help="/health, /metrics and /version need an API key too")
+    serve.add_argument("--keepalive-timeout-s", type=float, default=75.0,
+                       help="close idle connections (and ones that never finish their "
+                            "request headers) after this long")
+    serve.add_argument("--body-read-timeout-s", type=float, default=60.0,
+                       help="a request body must arrive within this long (408)")
+    serve.add_argument("--drain-timeout-s", type=float, default=30.0,
+                       help="SIGTERM/Ctrl-C: how long in-flight requests may finish")
+
+    keygen = sub.add_parser("keygen", help="write CURVE keys for the tcp:// sockets "
+                            "(security.curve.key_dir)")
+    keygen.add_argument("dir")
+
     tiny = sub.add_parser("make-tiny-model", help="build the deterministic tiny checkpoint")
     tiny.add_argument("dir", nargs="?", default=DEFAULT_MODEL_DIR)
     tiny.add_argument("--if-missing", action="store_true",
@@ -391,6 +511,11 @@ def cli(argv: list[str] | None = None) -> int:
         from bench.loadgen import main as bench_main
         return bench_main(argv[1:])
     args = parser.parse_args(argv)
+    if args.command == "keygen":
+        write_curve_keys(args.dir)
+        print(f"candor: CURVE keys written to {args.dir} (server.key, server.key_secret, "
+              "client.key, client.key_secret); name it in security.curve.key_dir")
+        return 0
     if args.command == "make-tiny-model":
         if args.if_missing and os.path.isfile(os.path.join(args.dir, "config.json")):
             print(f"candor: tiny model already present in {args.dir}")
@@ -406,7 +531,16 @@ def cli(argv: list[str] | None = None) -> int:
         topology = _serve_topology(args)
     except msgspec.ValidationError as err:
         parser.error(str(err))
-    return launch(topology)
+    return launch(topology, api_keys=args.api_key)
+
+
+def write_curve_keys(directory: str) -> None:
+    """A server and a client key pair (zmq certificate files); secrets are 0600."""
+    import zmq.auth
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    for name in ("server", "client"):
+        _, secret_file = zmq.auth.create_certificates(directory, name)
+        os.chmod(secret_file, 0o600)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -444,5 +578,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    _SUBCOMMANDS = {"serve", "make-tiny-model", "launch", "bench", "-h", "--help"}
+    _SUBCOMMANDS = {"serve", "make-tiny-model", "keygen", "launch", "bench", "-h",
+                    "--help"}
     sys.exit(cli() if sys.argv[1:2] and sys.argv[1] in _SUBCOMMANDS else main())

@@ -1,12 +1,16 @@
-"""api_frontend process: aiohttp on uvloop. Several can share one port (SO_REUSEPORT).
+"""api_frontend process: aiohttp on uvloop. Several can share one port (SO_REUSEPORT);
+the launcher checked that no other server holds it before starting them.
 
 SIGTERM drains: new generation requests and /health get 503 (so a load balancer moves
-away) while in-flight requests finish, up to the topology's drain_timeout_s.
+away) while in-flight requests finish, up to the topology's drain_timeout_s; streams
+still open then end with an error frame and [DONE]. SIGINT is the launcher's to handle
+(Ctrl-C reaches the whole process group; the launcher turns it into this drain).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import time
 
@@ -14,10 +18,11 @@ import uvloop
 from aiohttp import web
 
 from api_frontend.app import build_app
+from api_frontend.auth import ApiKeys, keys_from_env
 from api_frontend.engine_client import EngineClient
 from api_frontend.http_server import JsonErrorAppRunner
 from api_frontend.metrics import FrontendMetrics
-from api_frontend.ops import Ops, install_ops
+from api_frontend.ops import Ops, body_timeout_middleware, install_ops
 from api_frontend.topology_watch import TopologyWatch
 from protocol.checkpoint import effective_max_model_len
 from protocol.lifecycle import die_with_parent, read_config, setup_logging
@@ -50,28 +55,34 @@ async def serve() -> None:
     watch.start()
     card = ModelCard(id=cfg.served_model_name, created=int(time.time()),
                      max_model_len=effective_max_model_len(cfg.model_path, cfg.max_model_len),
-                     root=cfg.model_path)
+                     root=cfg.served_model_name)
     app = build_app(engine, card, cfg.http.max_body_mb * 2**20, cfg.api)
     ops = Ops(cfg, engine, watch, metrics)
+    # outermost first: API key, ops counting, then the body read under its time limit
+    # before any middleware or handler reads the body without one
+    app.middlewares.insert(0, body_timeout_middleware(cfg.http.body_read_timeout_s))
     install_ops(app, ops)
+    keys = ApiKeys(keys_from_env(os.environ), cfg.http.protect_ops)
+    if keys.enabled:
+        app.middlewares.insert(0, keys.middleware())
     lag = asyncio.create_task(metrics.watch_loop_lag())
     runner = JsonErrorAppRunner(app, handler_cancellation=True, access_log=None,
-                                shutdown_timeout=2.0)
+                                shutdown_timeout=2.0,
+                                keepalive_timeout=cfg.http.keepalive_timeout_s)
     await runner.setup()
     site = web.TCPSite(runner, cfg.http.host, cfg.http.port, reuse_port=True)
     await site.start()
     log.info("listening on http://%s:%d", cfg.http.host, cfg.http.port)
     stopped = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stopped.set)
+    loop.add_signal_handler(signal.SIGTERM, stopped.set)
     await stopped.wait()
     inflight = engine.inflight
     log.info("draining: %d requests in flight, up to %.0fs", inflight,
              cfg.supervision.drain_timeout_s)
-    await ops.drain()
-    if engine.inflight:
-        log.warning("drain timeout: %d requests still in flight", engine.inflight)
+    cut = await ops.drain()
+    if cut:
+        log.warning("drain timeout: ended %d requests with an error", cut)
     lag.cancel()
     watch.stop()
     await runner.cleanup()
@@ -79,7 +90,7 @@ async def serve() -> None:
 
 
 def main() -> None:
-    die_with_parent()
+    die_with_parent()  # also ignores SIGINT: the launcher drives the shutdown
     uvloop.run(serve())
 
 

@@ -5,32 +5,47 @@ requests still unanswered, over its own PUSH socket), which is remembered until 
 worker answers: if that worker dies, exactly its requests are failed. Every reply for this
 process comes back on its own PULL socket, and one reader task routes each message to the
 waiting request's queue. The scheduler's heartbeat arrives on a SUB socket and backs
-/health.
+/health. Without its reader tasks this process can only hang, so a reader that ends for
+any reason but shutdown ends the process (the launcher sees it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
+import os
 import time
 
 import msgspec
 import zmq
-import zmq.asyncio
 
 from api_frontend.errors import ApiError
 from api_frontend.metrics import FrontendMetrics, RequestTimer
 from protocol import ipc
 from protocol.routing import detokenizer_index
 from protocol.topology import ProcessConfig
-from protocol.transport import Receiver, Sender
+from protocol.transport import Receiver, Sender, async_context
 
 HEARTBEAT_STALE_S = 2.0
+READER_DIED_EXIT = 70  # EX_SOFTWARE: an internal failure the launcher reports
+log = logging.getLogger("api_frontend")
+
+
+def _exit_if_reader_died(task: asyncio.Task) -> None:
+    """Done-callback of a reader task: anything but a cancellation is fatal."""
+    if task.cancelled():
+        return
+    exc = task.exception()
+    log.critical("reader task %s stopped (%r); exiting so the launcher notices",
+                 task.get_name(), exc, exc_info=exc)
+    logging.shutdown()
+    os._exit(READER_DIED_EXIT)
 
 
 class EngineClient:
     def __init__(self, cfg: ProcessConfig, metrics: FrontendMetrics | None = None) -> None:
-        self.ctx = zmq.asyncio.Context()
+        self.ctx = async_context(cfg.security)
         a = cfg.addresses
         self.reply_to = a.frontend_results[cfg.index]
         self._results: Receiver = Receiver(self.ctx, self.reply_to, ipc.FrontendInbound)
@@ -57,8 +72,10 @@ class EngineClient:
         self._num_detok = len(a.detokenizer_in)
 
     def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._read_results()),
-                       asyncio.create_task(self._read_stats())]
+        self._tasks = [asyncio.create_task(self._read_results(), name="results"),
+                       asyncio.create_task(self._read_stats(), name="stats")]
+        for task in self._tasks:
+            task.add_done_callback(_exit_if_reader_died)
 
     async def close(self) -> None:
         for task in self._tasks:

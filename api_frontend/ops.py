@@ -1,5 +1,5 @@
 """Operations routes and middleware: /metrics, /health, /health/generate, /version,
-request counting, and draining on SIGTERM.
+request counting, the body-read timeout, and draining on SIGTERM.
 
 /health answers from state already in memory (the scheduler's heartbeat and the
 launchers' NodeStatus), never through the request pipeline, so it cannot queue behind
@@ -10,7 +10,6 @@ tokenizer worker and the scheduler put at the head of their queues.
 from __future__ import annotations
 
 import asyncio
-import os
 import platform
 import time
 
@@ -27,6 +26,7 @@ from protocol.topology import ProcessConfig
 from protocol.version import VERSION
 
 PROBE_TIMEOUT_S = 10.0
+FLUSH_S = 1.0  # after the drain limit: time for cut streams to write their last frames
 GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
 
 
@@ -74,12 +74,21 @@ class Ops:
                             headers={"Retry-After": RETRY_AFTER_S})
         return None
 
-    async def drain(self) -> None:
-        """Refuse new work, then wait for in-flight requests up to the grace period."""
+    async def drain(self) -> int:
+        """Refuse new work, wait for in-flight requests up to the grace period, then
+        fail the rest so each stream ends with an error frame and [DONE] (not a cut
+        connection). Returns how many were cut."""
         self.draining = True
         deadline = time.monotonic() + self.cfg.supervision.drain_timeout_s
         while self.engine.inflight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        cut = self.engine.fail_requests(
+            f"the server is shutting down and stopped this request at its drain limit "
+            f"({self.cfg.supervision.drain_timeout_s:g}s)", "server_shutdown")
+        flush_deadline = time.monotonic() + FLUSH_S  # let the handlers write the frames
+        while self.engine.inflight and time.monotonic() < flush_deadline:
+            await asyncio.sleep(0.02)
+        return cut
 
 
 OPS_KEY = web.AppKey("ops", Ops)
@@ -110,6 +119,24 @@ async def ops_middleware(request: web.Request, handler):
     finish = ops.engine.finish_reasons.pop(response.headers.get("x-request-id", ""), "none")
     ops.metrics.requests.labels(route, str(response.status), finish).inc()
     return response
+
+
+def body_timeout_middleware(timeout_s: float):
+    """Read a request's body within ``timeout_s`` (a client trickling bytes holds a
+    connection and a handler for ever otherwise); 408 in the error shape. The body is
+    cached, so handlers read it again for free."""
+    @web.middleware
+    async def read_body_in_time(request: web.Request, handler):
+        if request.can_read_body:
+            try:
+                await asyncio.wait_for(request.read(), timeout_s)
+            except (asyncio.TimeoutError, TimeoutError):
+                response = ApiError(408, f"the request body did not arrive within "
+                                    f"{timeout_s:g}s", None, "request_timeout").response()
+                response.force_close()
+                return response
+        return await handler(request)
+    return read_body_in_time
 
 
 async def metrics_route(request: web.Request) -> web.Response:
@@ -172,8 +199,8 @@ async def version_route(request: web.Request) -> web.Response:
     ops = request.app[OPS_KEY]
     return web.json_response({
         "version": VERSION, "model": ops.cfg.served_model_name,
-        "python": platform.python_version(), "node": ops.cfg.node, "pid": os.getpid(),
-        "started": int(ops.started)})
+        "python": platform.python_version(), "node": ops.cfg.node,
+        "frontend": ops.cfg.index, "started": int(ops.started)})
 
 
 def install_ops(app: web.Application, ops: Ops) -> None:

@@ -31,7 +31,7 @@ def main() -> None:
     log = setup_logging(cfg)
     stop = StopFlag()
     tokenizer = Tokenizer.from_file(os.path.join(cfg.model_path, "tokenizer.json"))
-    ctx = sync_context()
+    ctx = sync_context(cfg.security)
     inbound: Receiver = Receiver(ctx, cfg.addresses.detokenizer_in[cfg.index],
                                  ipc.DetokenizerInbound)
     to_scheduler = Sender(ctx, cfg.addresses.scheduler_in)

@@ -44,7 +44,7 @@ def main() -> None:
     log.info("model loaded in %.2fs, %d threads, %d KV blocks", time.perf_counter() - started,
              torch.get_num_threads(), runner.num_blocks)
 
-    ctx = sync_context()
+    ctx = sync_context(cfg.security)
     plans: Receiver = Receiver(ctx, cfg.addresses.worker_in, ipc.WorkerInbound, bind=False)
     results = Sender(ctx, cfg.addresses.worker_out)
     results.send(ipc.WorkerReady(runner.num_blocks, runner.block_size, runner.max_model_len))

@@ -1,7 +1,9 @@
 """Start-up and shutdown plumbing shared by every role's process main.
 
-Children die with the launcher (PR_SET_PDEATHSIG), turn SIGTERM/SIGINT into a clean
-stop flag, and read their config from argv, so a role never depends on hidden state.
+Children die with the launcher (PR_SET_PDEATHSIG), turn SIGTERM into a clean stop flag,
+ignore SIGINT (Ctrl-C in a terminal reaches the whole process group; the launcher alone
+turns it into an orderly drain, so no child may stop on its own), and read their config
+from argv, so a role never depends on hidden state.
 """
 
 from __future__ import annotations
@@ -21,10 +23,12 @@ _PR_SET_PDEATHSIG = 1
 
 
 def die_with_parent() -> None:
-    """Ask Linux to SIGKILL us when the launcher goes away, so no child outlives it.
+    """Ask Linux to SIGKILL us when the launcher goes away, so no child outlives it, and
+    leave SIGINT to the launcher.
 
     The launcher stops children with SIGTERM (graceful) itself; this signal only fires
     when the launcher died without doing so, and then the topology is gone anyway."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -35,12 +39,11 @@ def die_with_parent() -> None:
 
 
 class StopFlag:
-    """Set by SIGTERM/SIGINT; loops poll it between units of work."""
+    """Set by SIGTERM (the launcher's stop); loops poll it between units of work."""
 
     def __init__(self) -> None:
         self._event = threading.Event()
         signal.signal(signal.SIGTERM, self._set)
-        signal.signal(signal.SIGINT, self._set)
 
     def _set(self, signum, frame) -> None:  # noqa: ARG002 - signal handler signature
         self._event.set()

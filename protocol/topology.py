@@ -56,9 +56,62 @@ class EngineSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class HttpSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The HTTP listener. ``keepalive_timeout_s`` also bounds how long a new connection
+    may take to send its request headers (slowloris); ``body_read_timeout_s`` bounds
+    reading one request body. API keys never live here (the topology travels on the
+    children's command lines): ``api_key_file`` names a file of keys, one per line, and
+    the launcher hands the keys to the frontends through their environment.
+    ``protect_ops``: /health, /metrics and /version need a key too."""
+
     host: str = "127.0.0.1"
     port: Port = 8000
     max_body_mb: Annotated[int, Meta(ge=1)] = 32
+    keepalive_timeout_s: Annotated[float, Meta(gt=0, le=3600)] = 75.0
+    body_read_timeout_s: Annotated[float, Meta(gt=0, le=3600)] = 60.0
+    api_key_file: str | None = None
+    protect_ops: bool = False
+
+
+class CurveSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """ZeroMQ CURVE keys for every tcp:// socket (``candor keygen DIR`` writes a key
+    directory: server.key(_secret), client.key(_secret)). Binders need the server's
+    secret key and admit only the public keys in ``authorized_keys_dir``; connectors
+    need the server's public key and a client key pair. A file named explicitly wins
+    over ``key_dir``."""
+
+    key_dir: str | None = None
+    server_secret_key_file: str | None = None
+    server_public_key_file: str | None = None
+    client_secret_key_file: str | None = None
+    authorized_keys_dir: str | None = None
+
+    def _path(self, explicit: str | None, name: str) -> str:
+        if explicit is not None:
+            return os.path.expanduser(explicit)
+        if self.key_dir is None:
+            raise ValueError(f"security.curve names neither {name!r} nor a key_dir")
+        return os.path.join(os.path.expanduser(self.key_dir), name)
+
+    def server_secret_path(self) -> str:
+        return self._path(self.server_secret_key_file, "server.key_secret")
+
+    def server_public_path(self) -> str:
+        return self._path(self.server_public_key_file, "server.key")
+
+    def client_secret_path(self) -> str:
+        return self._path(self.client_secret_key_file, "client.key_secret")
+
+    def authorized_keys_path(self) -> str:
+        if self.authorized_keys_dir is not None:
+            return os.path.expanduser(self.authorized_keys_dir)
+        return self._path(None, "")
+
+
+class SecuritySpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """How the internal sockets authenticate. ``curve`` unset: tcp sockets are plain
+    (only for a private network you trust)."""
+
+    curve: CurveSpec | None = None
 
 
 class RequestLimits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -152,6 +205,7 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     addresses: Addresses = msgspec.field(default_factory=Addresses)
     nodes: list[NodeSpec] = []  # empty: one node "local" on 127.0.0.1 running every role
     supervision: SupervisionSpec = msgspec.field(default_factory=SupervisionSpec)
+    security: SecuritySpec = msgspec.field(default_factory=SecuritySpec)
 
     def effective_nodes(self) -> list[NodeSpec]:
         if self.nodes:
@@ -195,6 +249,7 @@ class ProcessConfig(msgspec.Struct, kw_only=True):
     supervision: SupervisionSpec = msgspec.field(default_factory=SupervisionSpec)
     metrics_dir: str | None = None  # prometheus multiprocess directory of this host
     api: ApiSpec = msgspec.field(default_factory=ApiSpec)
+    security: SecuritySpec = msgspec.field(default_factory=SecuritySpec)
 
 
 def load_topology(path: str) -> Topology:
@@ -275,5 +330,5 @@ def process_configs(topology: Topology, run_dir: str, node: str | None = None,
                 dtype=model.dtype, load_format=model.load_format, engine=topology.engine,
                 http=topology.http, addresses=addresses, node=placed_on,
                 nodes=[n.name for n in nodes], supervision=topology.supervision,
-                metrics_dir=metrics_dir, api=topology.api))
+                metrics_dir=metrics_dir, api=topology.api, security=topology.security))
     return configs

@@ -123,6 +123,28 @@ def _model(topology: Topology, problems: list[str]) -> None:
             return
 
 
+def _security(topology: Topology, problems: list[str]) -> None:
+    """CURVE key files must exist where the topology says (checked with the model, on
+    the machine that starts a node)."""
+    curve = topology.security.curve
+    if curve is None:
+        return
+    try:
+        files = [curve.server_secret_path(), curve.server_public_path(),
+                 curve.client_secret_path()]
+        keys_dir = curve.authorized_keys_path()
+    except ValueError as err:
+        problems.append(str(err))
+        return
+    for path in files:
+        if not os.path.isfile(path):
+            problems.append(f"security.curve: key file {path!r} does not exist "
+                            "(candor keygen DIR writes a key directory)")
+    if not os.path.isdir(keys_dir):
+        problems.append(f"security.curve: authorized keys directory {keys_dir!r} does "
+                        "not exist")
+
+
 def check_topology(topology: Topology, node: str | None = None,
                    check_model: bool = True) -> None:
     """Raise ``TopologyError`` naming every problem found, or return quietly."""
@@ -137,5 +159,7 @@ def check_topology(topology: Topology, node: str | None = None,
             _sockets(topology, resolved, problems)
     if check_model:
         _model(topology, problems)
+        if node is not None or len(names) == 1:  # key files are per machine
+            _security(topology, problems)
     if problems:
         raise TopologyError(problems)

@@ -10,7 +10,7 @@ def main() -> None:
     cfg = read_config()
     log = setup_logging(cfg)
     stop = StopFlag()
-    ctx = sync_context()
+    ctx = sync_context(cfg.security)
     loop = EngineLoop(cfg, ctx, log)
     log.info("ready")
     loop.run(stop.is_set)

@@ -115,7 +115,7 @@ def test_two_frontends_count_once_then_sigterm_drains(tiny_model_dir):
         for i in range(12):
             status, payload = _post(srv.base_url, {"prompt": f"n{i}", "max_tokens": 2})
             assert status == 200, payload
-            pids.add(json.loads(srv.get("/version")[1])["pid"])
+            pids.add(json.loads(srv.get("/version")[1])["frontend"])
         assert len(pids) == 2, "SO_REUSEPORT should spread connections over both frontends"
         for _ in range(4):  # every frontend's scrape shows the same merged totals
             after = scrape(srv)

@@ -54,7 +54,7 @@ def main() -> None:
     preparer = RequestPreparer(CheckpointTokenizer(cfg.model_path),
                                effective_max_model_len(cfg.model_path, cfg.max_model_len),
                                cfg.api, int(vocab) if vocab else None)
-    ctx = sync_context()
+    ctx = sync_context(cfg.security)
     inbound: Receiver = Receiver(ctx, cfg.addresses.tokenizer_in[cfg.index],
                                  ipc.TokenizerInbound)
     to_scheduler = Sender(ctx, cfg.addresses.scheduler_in)
