@@ -251,6 +251,20 @@ class NodeSupervisor:
         self.ctx.destroy(linger=0)
 
 
+def check_model_config(topology: Topology) -> None:
+    """Refuse a checkpoint the gpu_worker cannot serve exactly, in one line naming the
+    field and value, before any process starts (the parser is torch-free)."""
+    from gpu_worker.model_config import UnsupportedConfig, load_config
+
+    path = topology.model.resolved_path()
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        return  # another node holds the checkpoint; its launcher checks it
+    try:
+        load_config(path)
+    except UnsupportedConfig as err:
+        raise SystemExit(f"candor: cannot serve {path}: {err}") from None
+
+
 def launch(topology: Topology, node: str | None = None) -> int:
     """Run this node's part of the topology until a signal (exit 0, after draining) or a
     child's fatal death (exit 1, naming it)."""
@@ -258,6 +272,7 @@ def launch(topology: Topology, node: str | None = None) -> int:
         check_topology(topology, node)
     except TopologyError as err:
         raise SystemExit("candor: invalid topology:\n  " + "\n  ".join(err.problems)) from None
+    check_model_config(topology)
     nodes = topology.effective_nodes()
     if node is None:
         if len(nodes) > 1:

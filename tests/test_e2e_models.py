@@ -73,3 +73,22 @@ async def test_greedy_matches_hf_past_the_window(arch_server):
     ids = result["prompt_token_ids"]
     assert result["choices"][0]["token_ids"] == model_zoo.hf_greedy(hf, ids, MAX_NEW)
     srv.wait_all_blocks_free()
+
+
+def test_unsupported_config_is_refused_before_any_process_starts(tmp_path, tiny_model_dir):
+    """One line naming the field and value, exit non-zero, and no role ever started
+    (a started role would log its own start-up lines)."""
+    import shutil
+    import subprocess
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["hidden_act"] = "relu2"
+    (model / "config.json").write_text(json.dumps(cfg))
+    srv = CandorServer(model)
+    proc = subprocess.run(srv.cmd, env=srv.env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "hidden_act='relu2'" in lines[0] and "not supported" in lines[0]

@@ -126,3 +126,26 @@ def test_flashinfer_per_layer_window_and_softcap(built, monkeypatch):
     assert sorted(runner.attn_backend.kinds, key=repr) == sorted({(24, 2.0), (None, 2.0)}, key=repr)
     got = run_continuous(runner, _prompts(), [GREEDY] * len(PROMPT_LENS), new_tokens=NEW, chunk=32)
     assert got == want
+
+
+@pytest.mark.parametrize("arch", ["phi3", "llama-yarn-gelu", "gemma3_text"])
+def test_rope_tables_equal_hf_rotary(arch, built):
+    """cos/sin per position equal HF's rotary module's, past longrope's original context
+    too (HF's generate re-encodes the whole sequence there with the long factors, which
+    a paged cache cannot; positions from there on get the long factors, as vLLM does)."""
+    from gpu_worker.models.blocks import RotaryEmbedding
+
+    path, _ = built(arch)
+    cfg = load_config(path)
+    hf = model_zoo.hf_model(path)
+    rotary = hf.model.rotary_emb
+    x = torch.zeros(1, 1, cfg.head_dim)
+    kinds = sorted({layer.rope for layer in cfg.layers if layer.rope is not None})
+    layer_types = sorted(set(getattr(hf.config, "layer_types", None) or [None]))
+    for rope_index in kinds:
+        ours = RotaryEmbedding(cfg.head_dim, cfg.ropes[rope_index], 512, "cpu", torch.float32,
+                               cfg.max_position_embeddings)
+        kwargs = {} if len(cfg.ropes) == 1 else {"layer_type": layer_types[rope_index]}
+        for pos in (0, 7, 255, 256, 300, 511):
+            cos, sin = rotary(x, torch.tensor([[pos]]), **kwargs)
+            assert torch.equal(cos[0, 0], ours.cos[pos]) and torch.equal(sin[0, 0], ours.sin[pos]), (rope_index, pos)
