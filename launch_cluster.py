@@ -334,7 +334,9 @@ def cli(argv: list[str] | None = None) -> int:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--max-model-len", type=int, default=None)
-    serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    serve.add_argument("--dtype", default="auto",
+                       choices=["auto", "half", "float16", "bfloat16", "float", "float32"],
+                       help="auto: the checkpoint's dtype on CUDA, float32 on CPU")
     serve.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     serve.add_argument("--frontends", type=int, default=1)
     serve.add_argument("--tokenizer-workers", type=int, default=1)

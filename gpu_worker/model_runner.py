@@ -24,29 +24,19 @@ from gpu_worker.model_config import ModelConfig, load_config
 from gpu_worker.models.registry import model_class
 from gpu_worker.request_state import RequestTracker
 from gpu_worker.sampler import Sampler
+from protocol import checkpoint
 from protocol.ipc import (PLACEHOLDER_TOKEN, SampleLogprobs, SamplingParams, SeqChunk, StepPlan,
                           StepResult, TokenLogprob)
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-}
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def resolve_dtype(name: str, cfg: ModelConfig) -> torch.dtype:
-    """``auto`` takes the checkpoint's dtype (fp32 if it names none we know)."""
-    if name == "auto":
-        return _DTYPES.get(cfg.dtype, torch.float32)
-    if name not in _DTYPES:
-        raise ValueError(f"unknown dtype {name!r}")
-    return _DTYPES[name]
+def resolve_dtype(name: str, model_path: str, device: torch.device) -> tuple[torch.dtype, str]:
+    """(torch dtype, why) for ``--dtype name`` (see ``protocol.checkpoint.resolve_dtype``)."""
+    canonical, why = checkpoint.resolve_dtype(name, device.type, model_path)
+    return _DTYPES[canonical], why
 
 
 class ModelRunner:
@@ -67,7 +57,7 @@ class ModelRunner:
     ) -> None:
         self.config = cfg = load_config(model_path)
         self.device = torch.device(device)
-        self.dtype = resolve_dtype(dtype, cfg)
+        self.dtype, self.dtype_reason = resolve_dtype(dtype, model_path, self.device)
         self.block_size = block_size
 
         # The context limit is settled before this process starts (protocol.checkpoint's

@@ -149,3 +149,16 @@ def test_rope_tables_equal_hf_rotary(arch, built):
         for pos in (0, 7, 255, 256, 300, 511):
             cos, sin = rotary(x, torch.tensor([[pos]]), **kwargs)
             assert torch.equal(cos[0, 0], ours.cos[pos]) and torch.equal(sin[0, 0], ours.sin[pos]), (rope_index, pos)
+
+
+def test_dtype_auto_follows_the_checkpoint_on_cuda_and_is_fp32_on_cpu(tmp_path):
+    from protocol.checkpoint import resolve_dtype
+
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "torch_dtype": "bfloat16"}')
+    assert resolve_dtype("auto", "cuda:0", str(tmp_path))[0] == "bfloat16"
+    name, why = resolve_dtype("auto", "cpu", str(tmp_path))
+    assert name == "float32" and "bfloat16" in why  # says what it did instead
+    assert resolve_dtype("half", "cpu", str(tmp_path))[0] == "float16"
+    assert resolve_dtype("float", "cuda", str(tmp_path))[0] == "float32"
+    with pytest.raises(ValueError, match="choices"):
+        resolve_dtype("fp8", "cpu", str(tmp_path))
