@@ -279,7 +279,6 @@ def _check_chat_template(topology: Topology) -> None:
         raise SystemExit("candor: " + " ".join(str(err).split())) from None
 
 
-
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -353,6 +352,20 @@ def resolve_api_keys(topology: Topology, flag_keys: list[str]) -> list[str]:
         raise SystemExit(f"candor: cannot read the API key file: {err}") from None
 
 
+def check_model_config(topology: Topology) -> None:
+    """Refuse a checkpoint the gpu_worker cannot serve exactly, in one line naming the
+    field and value, before any process starts (the parser is torch-free)."""
+    from gpu_worker.model_config import UnsupportedConfig, load_config
+
+    path = topology.model.resolved_path()
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        return  # another node holds the checkpoint; its launcher checks it
+    try:
+        load_config(path)
+    except UnsupportedConfig as err:
+        raise SystemExit(f"candor: cannot serve {path}: {err}") from None
+
+
 def launch(topology: Topology, node: str | None = None,
            api_keys: list[str] | None = None) -> int:
     """Run this node's part of the topology until a signal (exit 0, after draining) or a
@@ -361,6 +374,7 @@ def launch(topology: Topology, node: str | None = None,
         check_topology(topology, node)
     except TopologyError as err:
         raise SystemExit("candor: invalid topology:\n  " + "\n  ".join(err.problems)) from None
+    check_model_config(topology)
     nodes = topology.effective_nodes()
     if node is None:
         if len(nodes) > 1:
@@ -440,7 +454,9 @@ def cli(argv: list[str] | None = None) -> int:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--max-model-len", type=int, default=None)
-    serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    serve.add_argument("--dtype", default="auto",
+                       choices=["auto", "half", "float16", "bfloat16", "float", "float32"],
+                       help="auto: the checkpoint's dtype on CUDA, float32 on CPU")
     serve.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     serve.add_argument("--frontends", type=int, default=1)
     serve.add_argument("--tokenizer-workers", type=int, default=1)

@@ -41,8 +41,9 @@ def main() -> None:
         load_format=cfg.load_format, seed=eng.seed, enforce_eager=eng.enforce_eager,
         max_num_seqs=eng.max_num_seqs)
     runner.fault_token_id = eng.fault_token_id
-    log.info("model loaded in %.2fs, %d threads, %d KV blocks", time.perf_counter() - started,
-             torch.get_num_threads(), runner.num_blocks)
+    log.info("model loaded in %.2fs, %d threads, %d KV blocks, dtype %s (%s)", time.perf_counter() - started,
+             torch.get_num_threads(), runner.num_blocks, str(runner.dtype).removeprefix("torch."),
+             runner.dtype_reason)
 
     ctx = sync_context(cfg.security)
     plans: Receiver = Receiver(ctx, cfg.addresses.worker_in, ipc.WorkerInbound, bind=False)

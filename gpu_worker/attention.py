@@ -24,6 +24,14 @@ merge through their log-sum-exps. torch's CPU flash kernel returns the LSE
 starting at position 0 attends to its own fresh K/V with ``is_causal``; a later chunk of
 a long prompt gathers its earlier K/V from the cache and uses an explicit causal mask
 offset by ``start_pos`` (SDPA's ``is_causal`` is top-left aligned, which would be wrong).
+
+Per-layer switches: a sliding ``window`` (a query at position p sees keys p - window + 1
+.. p, as HF's sliding-window mask) and Gemma 2's score ``softcap``. Masks are built once
+per step for each window a layer asks for (``PrefillChunk.mask`` / ``DecodeGroup.mask``)
+and shared by the layers that use it; the compiled kernel takes the window itself. A
+soft-capped layer computes scores explicitly (SDPA has no soft-cap), as HF's eager path.
+The cascade pass is off for models with windows or soft-caps (``build_metadata``'s
+``cascade``): the shared prefix may lie outside a window, and the LSE kernel has no cap.
 """
 
 from __future__ import annotations
@@ -37,13 +45,33 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 
+def _window_mask(q_pos: torch.Tensor, ctx: int, window: int | None) -> torch.Tensor:
+    """[n, ctx] bool, True = attend: causal, and within ``window`` when there is one."""
+    k_pos = torch.arange(ctx, device=q_pos.device)[None, :]
+    mask = k_pos <= q_pos[:, None]
+    if window is not None:
+        mask &= k_pos > q_pos[:, None] - window
+    return mask
+
+
 @dataclass
 class PrefillChunk:
     q_start: int  # row range of this chunk in the flattened batch
     q_end: int
     start_pos: int
     blocks: torch.Tensor | None = None  # block ids covering the context; None when start_pos == 0
-    mask: torch.Tensor | None = None  # [n, ctx_len] bool, True = attend; None when start_pos == 0
+    masks: dict = field(default_factory=dict)  # window -> mask, built on first use
+
+    def mask(self, window: int | None, device: torch.device) -> torch.Tensor | None:
+        """[n, ctx_len] bool (True = attend); None where SDPA's ``is_causal`` says the same
+        (a chunk from position 0 whose rows all fit in the window)."""
+        n = self.q_end - self.q_start
+        if self.start_pos == 0 and (window is None or n <= window):
+            return None
+        if window not in self.masks:
+            q_pos = torch.arange(self.start_pos, self.start_pos + n, device=device)
+            self.masks[window] = _window_mask(q_pos, self.start_pos + n, window)
+        return self.masks[window]
 
 
 @dataclass
@@ -51,7 +79,23 @@ class DecodeGroup:
     row_start: int  # row range among the decodes (0 = first decode)
     row_end: int
     block_tables: torch.Tensor  # [rows, max_blocks] long, padded with block 0
-    mask: torch.Tensor  # [rows, 1, 1, keys] bool (True = attend); additive float under cascade
+    lens: torch.Tensor  # [rows] long: keys each row attends (its context in these tables)
+    block_size: int
+    additive: bool = False  # the LSE kernel (cascade) wants float masks
+    masks: dict = field(default_factory=dict)  # window -> mask, built on first use
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        """[rows, 1, 1, keys]: True (or 0.0 when additive) where a row attends."""
+        if window not in self.masks:
+            key_pos = torch.arange(self.block_tables.shape[1] * self.block_size, device=self.lens.device)
+            mask = key_pos[None, :] < self.lens[:, None]
+            if window is not None:
+                mask &= key_pos[None, :] >= self.lens[:, None] - window
+            mask = mask[:, None, None, :]
+            if self.additive:
+                mask = torch.zeros(mask.shape, device=mask.device).masked_fill_(~mask, float("-inf"))
+            self.masks[window] = mask
+        return self.masks[window]
 
 
 class GatherScratch:
@@ -87,8 +131,9 @@ class AttentionMetadata:
 
 
 def select_backend(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                   dtype: torch.dtype, device: torch.device, sm_scale: float | None = None):
-    """flashinfer when the device is CUDA, flashinfer is installed, it supports the
+                   dtype: torch.dtype, device: torch.device, sm_scale: float | None = None,
+                   layer_kinds: list[tuple[int | None, float | None]] | None = None):
+    """flashinfer (planned once per distinct ``(window, softcap)`` of ``layer_kinds``) when the device is CUDA, flashinfer is installed, it supports the
     dtype and head size, and its start-up self-check agrees with SDPA; else None (the
     torch SDPA path here), with the reason logged. Imported lazily, so CPU-only installs
     never touch CUDA or flashinfer."""
@@ -104,7 +149,7 @@ def select_backend(num_heads: int, num_kv_heads: int, head_dim: int, block_size:
     if reason is None:
         try:
             backend = flashinfer_backend.FlashInferBackend(num_heads, num_kv_heads, head_dim, block_size,
-                                                           dtype, device, sm_scale)
+                                                           dtype, device, sm_scale, layer_kinds)
             err = backend.self_check()
         except Exception as exc:  # JIT build failure (no nvcc), unsupported GPU, API drift
             reason = f"flashinfer failed its start-up check: {type(exc).__name__}: {exc}"
@@ -139,6 +184,7 @@ def build_metadata(
     group_blocks: int | None = None,
     scratch: GatherScratch | None = None,
     decode_kernel=None,
+    cascade: bool = True,
 ) -> AttentionMetadata:
     """Index tensors for one step.
 
@@ -147,7 +193,8 @@ def build_metadata(
     (from ``select_backend``) plans its own kernels; None builds the torch path's masks.
     ``group_blocks`` caps the (padded) blocks one decode group gathers (None: one group).
     ``decode_kernel`` (from ``cpu_decode.load``) attends decodes in place (their own
-    suffix when they share a prefix worth a cascade pass).
+    suffix when they share a prefix worth a cascade pass). ``cascade`` False: never split
+    decodes at a shared prefix (models with windows or soft-caps).
     """
     slots: list[int] = []
     for start, n, table in chunks:
@@ -166,11 +213,8 @@ def build_metadata(
     for start, n, table in chunks[:num_prefills]:
         chunk = PrefillChunk(q_start=row, q_end=row + n, start_pos=start)
         if start > 0:
-            ctx = start + n
-            nb = -(-ctx // block_size)
+            nb = -(-(start + n) // block_size)
             chunk.blocks = torch.tensor(table[:nb], dtype=torch.long, device=device)
-            q_pos = torch.arange(start, ctx, device=device)
-            chunk.mask = torch.arange(ctx, device=device)[None, :] <= q_pos[:, None]
         meta.prefills.append(chunk)
         row += n
     meta.num_prefill_tokens = row
@@ -178,7 +222,7 @@ def build_metadata(
     if num_decodes:
         ctx_lens = [start + 1 for start, _, _ in chunks[num_prefills:]]
         tables = [t for _, _, t in chunks[num_prefills:]]
-        shared = _shared_prefix(ctx_lens, tables, block_size) if device.type == "cpu" else 0
+        shared = _shared_prefix(ctx_lens, tables, block_size) if cascade and device.type == "cpu" else 0
         if shared:
             meta.shared_blocks = torch.tensor(tables[0][:shared], dtype=torch.long, device=device)
             ctx_lens = [c - shared * block_size for c in ctx_lens]
@@ -239,13 +283,8 @@ def _decode_group(lo: int, hi: int, ctx_lens: list[int], tables: list[list[int]]
                   device: torch.device, additive: bool = False) -> DecodeGroup:
     lens = ctx_lens[lo:hi]
     block_tables = _padded_tables(lens, tables[lo:hi], block_size, device)
-    max_blocks = block_tables.shape[1]
     lens_t = torch.tensor(lens, dtype=torch.long, device=device)
-    key_pos = torch.arange(max_blocks * block_size, device=device)
-    mask = (key_pos[None, :] < lens_t[:, None])[:, None, None, :]
-    if additive:  # the LSE-returning kernel wants the mask in the query's dtype
-        mask = torch.zeros(mask.shape, device=device).masked_fill_(~mask, float("-inf"))
-    return DecodeGroup(lo, hi, block_tables, mask)
+    return DecodeGroup(lo, hi, block_tables, lens_t, block_size, additive)
 
 
 def write_kv(
@@ -289,44 +328,70 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q: [T, heads, d]; k, v: [T, kv_heads, d] (already rotated). Returns [T, heads, d].
 
     Writes the new K/V into the cache first, so later chunks and decodes see them.
     """
     if meta.impl is not None:
-        return meta.impl.attend(q, k, v, k_cache, v_cache, meta, scale)
+        return meta.impl.attend(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-    gqa = q.shape[1] != k.shape[1]
     out = torch.empty_like(q)
 
     for c in meta.prefills:
         qs = q[c.q_start : c.q_end].transpose(0, 1)  # [h, n, d]
+        mask = c.mask(window, q.device)
         if c.blocks is None:
             ks = k[c.q_start : c.q_end].transpose(0, 1)
             vs = v[c.q_start : c.q_end].transpose(0, 1)
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
-            ctx = c.mask.shape[1]
+            ctx = c.start_pos + c.q_end - c.q_start
             ks, vs = _gather_kv(k_cache, v_cache, c.blocks, meta.scratch)
-            o = F.scaled_dot_product_attention(qs, ks[:, :ctx], vs[:, :ctx], attn_mask=c.mask, scale=scale,
-                                               enable_gqa=gqa)
+            ks, vs = ks[:, :ctx], vs[:, :ctx]
+        o = _sdpa(qs, ks, vs, mask, scale, softcap)
         out[c.q_start : c.q_end] = o.transpose(0, 1)
 
     p = meta.num_prefill_tokens
     if meta.decode_kernel is not None and meta.shared_blocks is None:
         out[p:] = meta.decode_kernel(q[p:].contiguous(), k_cache, v_cache, meta.decode_tables,
-                                     meta.decode_lens, scale)[0]
+                                     meta.decode_lens, scale, window, softcap)[0]
         return out
     if meta.shared_blocks is not None:
+        if window is not None or softcap is not None:
+            raise ValueError("cascade decode has no window or soft-cap (build_metadata cascade=False)")
         out[p:] = _cascade_decode(q[p:], k_cache, v_cache, meta, scale)
         return out
     for g in meta.decode_groups:
         qd = q[p + g.row_start : p + g.row_end].unsqueeze(2)  # [b, h, 1, d]
         kd, vd = _gather_kv(k_cache, v_cache, g.block_tables, meta.scratch)  # [b, kvh, L, d]
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scale, enable_gqa=gqa)
+        o = _sdpa(qd, kd, vd, g.mask(window), scale, softcap)
         out[p + g.row_start : p + g.row_end] = o.squeeze(2)
     return out
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+          softcap: float | None) -> torch.Tensor:
+    """SDPA over [..., heads, n, d] queries and [..., kv_heads, L, d] keys; ``mask`` None
+    means causal. With ``softcap``: HF's eager attention (scores, cap, mask, fp32 softmax)."""
+    gqa = q.shape[-3] != k.shape[-3]
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                              enable_gqa=gqa)
+    if gqa:
+        rep = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        n, L = scores.shape[-2:]
+        mask = torch.ones(n, L, dtype=torch.bool, device=q.device).tril(L - n)
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    else:
+        scores = scores + mask
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
 def _heads_as_queries(q: torch.Tensor, kvh: int) -> torch.Tensor:
@@ -355,7 +420,7 @@ def _cascade_decode(qd: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     for grp in meta.decode_groups:
         lo, hi = grp.row_start, grp.row_end
         ks, vs = _gather_kv(k_cache, v_cache, grp.block_tables, meta.scratch)
-        os_, lse_s = _FLASH_LSE(_heads_as_queries(qd[lo:hi], kvh), ks, vs, attn_mask=grp.mask, scale=scale)
+        os_, lse_s = _FLASH_LSE(_heads_as_queries(qd[lo:hi], kvh), ks, vs, attn_mask=grp.mask(None), scale=scale)
         out[lo:hi] = _merge(op[lo:hi], lse_p[lo:hi], os_, lse_s)
     return out.view(b, h, d)
 

@@ -14,6 +14,7 @@ stays in use. ``CANDOR_CPU_DECODE_KERNEL=0`` turns it off.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from pathlib import Path
@@ -35,8 +36,10 @@ def _isa_flags() -> tuple[str, list[str]]:
 
 
 def load(device: torch.device, dtype: torch.dtype):
-    """The compiled ``paged_decode(q, k_cache, v_cache, tables, lens, scale) -> (out, lse)``,
-    or None when it does not apply (not CPU/fp32, disabled) or cannot be built."""
+    """The compiled ``paged_decode(q, k_cache, v_cache, tables, lens, scale, window=None,
+    softcap=None) -> (out, lse)``, or None when it does not apply (not CPU/fp32, disabled)
+    or cannot be built. ``window``: each decode attends its last ``window`` keys only;
+    ``softcap``: scores pass through ``softcap * tanh(score / softcap)`` first."""
     if device.type != "cpu" or dtype != torch.float32:
         return None
     if os.environ.get("CANDOR_CPU_DECODE_KERNEL", "1") == "0":
@@ -45,13 +48,22 @@ def load(device: torch.device, dtype: torch.dtype):
         from torch.utils.cpp_extension import load_inline
 
         isa, flags = _isa_flags()
+        source = _SOURCE.read_text()
+        # The source's hash is in the name too: checkouts with different kernels sharing one
+        # build cache must never load each other's binary (the signature may differ).
+        digest = hashlib.sha256(source.encode()).hexdigest()[:12]
         module = load_inline(
-            f"candor_paged_decode_{isa}",
-            cpp_sources=[_SOURCE.read_text()],
+            f"candor_paged_decode_{isa}_{digest}",
+            cpp_sources=[source],
             functions=["paged_decode"],
             extra_cflags=["-O3", "-fopenmp", *flags],
         )
     except Exception as exc:  # no compiler, no headers, ...: the torch path still works
         log.warning("CPU decode kernel unavailable, using the torch path: %s", exc)
         return None
-    return module.paged_decode
+    kernel = module.paged_decode
+
+    def paged_decode(q, k_cache, v_cache, tables, lens, scale, window=None, softcap=None):
+        return kernel(q, k_cache, v_cache, tables, lens, scale, window or 0, softcap or 0.0)
+
+    return paged_decode

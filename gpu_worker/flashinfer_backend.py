@@ -37,6 +37,12 @@ What the reading established (and the code follows):
 
 New K/V rows are written with the torch ``write_kv`` (one ``index_copy_``), then one
 wrapper call per layer reads the pages; the wrappers are planned once per step.
+
+Per-layer attention: ``window_left`` and ``logits_soft_cap`` are ``plan`` arguments, so
+each distinct ``(window, softcap)`` among the layers (``layer_kinds``: e.g. Gemma 2's
+sliding and global layers) has its own prefill and decode wrapper, all planned over the
+same page table and sharing the float workspace (they run one after another). HF's
+window w (a query sees keys p - w + 1 .. p) is flashinfer's ``window_left = w - 1``.
 ``select_backend`` (in ``attention``) imports this module lazily, and this module
 imports flashinfer only inside functions: importing Candor needs neither CUDA nor it.
 """
@@ -95,36 +101,46 @@ def qo_indptr(chunks) -> torch.Tensor:
     return torch.tensor(out, dtype=torch.int32)
 
 
+Kind = tuple  # (window | None, softcap | None): one attention variant among the layers
+
+
+def window_left(window: int | None) -> int:
+    return -1 if window is None else window - 1
+
+
 @dataclass
 class FlashInferStep:
-    """Per-step state handed to every layer: the planned wrappers and the row split."""
+    """Per-step state handed to every layer: the planned wrappers (per layer kind) and
+    the row split."""
 
-    prefill: object | None  # planned prefill wrapper, None: no prefill rows
-    decode: object | None  # planned decode wrapper, None: no decode rows
+    prefill: dict | None  # kind -> planned prefill wrapper; None: no prefill rows
+    decode: dict | None  # kind -> planned decode wrapper; None: no decode rows
     num_prefill_tokens: int
     sm_scale: float
 
     def attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata,
-               scale: float) -> torch.Tensor:
+               scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         """Same contract as ``attention.paged_attention``."""
         if scale != self.sm_scale:
             raise ValueError(f"attention scale {scale} differs from the planned {self.sm_scale}")
+        kind = (window, softcap)
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         q = q.contiguous()  # the model hands q as a view of the fused q|k rotation
         p = self.num_prefill_tokens
         if self.prefill is None:
-            return self.decode.run(q, (k_cache, v_cache))
+            return self.decode[kind].run(q, (k_cache, v_cache))
         if self.decode is None:
-            return self.prefill.run(q, (k_cache, v_cache))
+            return self.prefill[kind].run(q, (k_cache, v_cache))
         out = torch.empty_like(q)
-        out[:p] = self.prefill.run(q[:p], (k_cache, v_cache))
-        out[p:] = self.decode.run(q[p:], (k_cache, v_cache))
+        out[:p] = self.prefill[kind].run(q[:p], (k_cache, v_cache))
+        out[p:] = self.decode[kind].run(q[p:], (k_cache, v_cache))
         return out
 
 
 class FlashInferBackend:
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device, sm_scale: float | None = None) -> None:
+                 dtype: torch.dtype, device: torch.device, sm_scale: float | None = None,
+                 layer_kinds: list[Kind] | None = None) -> None:
         import flashinfer
 
         reason = unsupported_reason(head_dim, dtype)
@@ -135,33 +151,37 @@ class FlashInferBackend:
         self.sm_scale = head_dim**-0.5 if sm_scale is None else sm_scale
         self.tensor_core_decode = num_heads // num_kv_heads >= 4
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
-        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_tensor_cores=self.tensor_core_decode)
+        self.kinds: list[Kind] = sorted(set(layer_kinds or [(None, None)]), key=repr)
+        self.prefill = {kind: flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+                        for kind in self.kinds}
+        self.decode = {kind: flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=self.tensor_core_decode) for kind in self.kinds}
 
     # ------------------------------------------------------------------ planning
 
-    def plan_prefill(self, wrapper, chunks) -> None:
+    def plan_prefill(self, wrapper, chunks, kind: Kind = (None, None)) -> None:
         indptr, indices, last = paged_indices(chunks, self.block_size)
         wrapper.plan(qo_indptr(chunks), indptr, indices, last, self.num_heads, self.num_kv_heads,
                      self.head_dim, self.block_size, causal=True, sm_scale=self.sm_scale,
+                     window_left=window_left(kind[0]), logits_soft_cap=kind[1] or 0.0,
                      q_data_type=self.dtype, kv_data_type=self.dtype)
 
-    def plan_decode(self, wrapper, chunks) -> None:
+    def plan_decode(self, wrapper, chunks, kind: Kind = (None, None)) -> None:
         indptr, indices, last = paged_indices(chunks, self.block_size)
         wrapper.plan(indptr, indices, last, self.num_heads, self.num_kv_heads, self.head_dim,
-                     self.block_size, sm_scale=self.sm_scale, q_data_type=self.dtype,
-                     kv_data_type=self.dtype)
+                     self.block_size, sm_scale=self.sm_scale, window_left=window_left(kind[0]),
+                     logits_soft_cap=kind[1] or 0.0, q_data_type=self.dtype, kv_data_type=self.dtype)
 
     def build(self, chunks: list[tuple[int, int, list[int]]], num_decodes: int,
               slot_mapping: torch.Tensor) -> AttentionMetadata:
         """Plan the wrappers for this step; ``chunks`` as in ``attention.build_metadata``."""
         num_prefills = len(chunks) - num_decodes
         prefills, decodes = chunks[:num_prefills], chunks[num_prefills:]
-        if prefills:
-            self.plan_prefill(self.prefill, prefills)
-        if decodes:
-            self.plan_decode(self.decode, decodes)
+        for kind in self.kinds:
+            if prefills:
+                self.plan_prefill(self.prefill[kind], prefills, kind)
+            if decodes:
+                self.plan_decode(self.decode[kind], decodes, kind)
         num_prefill_tokens = sum(n for _, n, _ in prefills)
         meta = AttentionMetadata(slot_mapping=slot_mapping, num_prefill_tokens=num_prefill_tokens)
         meta.impl = FlashInferStep(self.prefill if prefills else None,
@@ -206,12 +226,17 @@ class FlashInferBackend:
         # A 3-token chunk at the end of a (bs + 3)-token context, then two decodes.
         pre = [(bs, 3, table_a)]
         dec = [(bs + 2, 1, table_b), (1, 1, table_c)]
-        self.plan_prefill(self.prefill, pre)
+        import flashinfer
+
+        prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD",
+                                                               use_tensor_cores=self.tensor_core_decode)
+        self.plan_prefill(prefill, pre)
         qp = rnd(3, h, d)
-        err = (self.prefill.run(qp, (k_cache, v_cache)).float() - reference(qp, table_a, bs + 3)).abs().max()
-        self.plan_decode(self.decode, dec)
+        err = (prefill.run(qp, (k_cache, v_cache)).float() - reference(qp, table_a, bs + 3)).abs().max()
+        self.plan_decode(decode, dec)
         qd = rnd(2, h, d)
-        out = self.decode.run(qd, (k_cache, v_cache)).float()
+        out = decode.run(qd, (k_cache, v_cache)).float()
         for i, (start, _, table) in enumerate(dec):
             err = torch.maximum(err, (out[i:i + 1] - reference(qd[i:i + 1], table, start + 1)).abs().max())
         return float(err)
@@ -233,20 +258,22 @@ class GraphDecodeAttention:
         self.indptr = torch.zeros(size + 1, dtype=torch.int32, device=dev)
         self.indices = indices
         self.last_page_len = torch.ones(size, dtype=torch.int32, device=dev)
-        self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        # one wrapper per layer kind over the same page-table buffers (same values)
+        self.wrappers = {kind: flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             backend.workspace, "NHD", use_cuda_graph=True,
             use_tensor_cores=backend.tensor_core_decode,
             paged_kv_indptr_buffer=self.indptr, paged_kv_indices_buffer=self.indices,
-            paged_kv_last_page_len_buffer=self.last_page_len)
+            paged_kv_last_page_len_buffer=self.last_page_len) for kind in backend.kinds}
         self._meta: AttentionMetadata | None = None
 
     def meta(self, chunks, slot_mapping: torch.Tensor) -> AttentionMetadata:
         if len(chunks) != self.size:
             raise ValueError(f"{len(chunks)} rows planned on the size-{self.size} graph")
-        self.backend.plan_decode(self.wrapper, chunks)
+        for kind, wrapper in self.wrappers.items():
+            self.backend.plan_decode(wrapper, chunks, kind)
         if self._meta is None:
             self._meta = AttentionMetadata(slot_mapping=slot_mapping)
-            self._meta.impl = FlashInferStep(None, self.wrapper, 0, self.backend.sm_scale)
+            self._meta.impl = FlashInferStep(None, self.wrappers, 0, self.backend.sm_scale)
         elif self._meta.slot_mapping.data_ptr() != slot_mapping.data_ptr():
             raise ValueError("a captured graph's slot mapping must stay the same buffer")
         return self._meta

@@ -1,8 +1,10 @@
-"""Fill a ``llama.LlamaForCausalLM`` from HF safetensors, or with seeded random weights.
+"""Fill a model from HF safetensors, or with seeded random weights.
 
 The model is expected to be freshly materialised (e.g. built on the meta device then
 ``to_empty``), so every parameter must be written exactly once: missing or unknown
-checkpoint tensors are errors rather than silently left uninitialised.
+checkpoint tensors are errors rather than silently left uninitialised. Where a tensor
+goes is the model class's business (``map_weight``: fused q/k/v, gate/up, stacked
+experts; see ``models/registry.py``).
 """
 
 from __future__ import annotations
@@ -12,17 +14,6 @@ from pathlib import Path
 
 import torch
 from torch import nn
-
-# HF name fragment -> (our fused parameter fragment, shard index within it)
-_FUSED = {
-    "self_attn.q_proj.": ("self_attn.qkv_proj.", 0),
-    "self_attn.k_proj.": ("self_attn.qkv_proj.", 1),
-    "self_attn.v_proj.": ("self_attn.qkv_proj.", 2),
-    "mlp.gate_proj.": ("mlp.gate_up_proj.", 0),
-    "mlp.up_proj.": ("mlp.gate_up_proj.", 1),
-}
-# Checkpoint tensors that carry no weights we use.
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
@@ -40,13 +31,6 @@ def safetensors_files(path: str | Path) -> list[Path]:
     return files
 
 
-def _shard_sizes(model: nn.Module, fused_name: str) -> list[int]:
-    cfg = model.config
-    if "qkv_proj" in fused_name:
-        return [cfg.q_size, cfg.kv_size, cfg.kv_size]
-    return [cfg.intermediate_size, cfg.intermediate_size]
-
-
 def load_weights(model: nn.Module, path: str | Path | None, load_format: str = "auto", *, seed: int = 0) -> None:
     """Load weights into ``model`` in place (see module docstring)."""
     if load_format == "dummy":
@@ -57,42 +41,31 @@ def load_weights(model: nn.Module, path: str | Path | None, load_format: str = "
     from safetensors import safe_open
 
     params = dict(model.named_parameters())
-    # Rows written so far per parameter, so we can prove full coverage at the end.
+    # Elements written so far per parameter, so we can prove full coverage at the end.
     written: dict[str, int] = {name: 0 for name in params}
-    tied = model.config.tie_word_embeddings
     unknown: list[str] = []
     with torch.no_grad():
         for file in safetensors_files(path):
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for hf_name in f.keys():
-                    if hf_name.endswith(_IGNORED_SUFFIXES) or (tied and hf_name == "lm_head.weight"):
+                    mapped = model.map_weight(hf_name)
+                    if mapped is None:
                         continue
-                    target, rows = _map_name(model, hf_name)
+                    target, index = mapped
                     if target not in params:
                         unknown.append(hf_name)
                         continue
                     tensor = f.get_tensor(hf_name)
-                    dst = params[target] if rows is None else params[target][rows[0] : rows[1]]
+                    dst = params[target][index] if index else params[target]
                     if dst.shape != tensor.shape:
                         raise ValueError(f"{hf_name}: checkpoint shape {tuple(tensor.shape)} != {tuple(dst.shape)}")
                     dst.copy_(tensor)
-                    written[target] += tensor.shape[0]
+                    written[target] += tensor.numel()
     if unknown:
         raise ValueError(f"checkpoint tensors with no matching parameter: {unknown[:10]}")
-    missing = [n for n, p in params.items() if written[n] != p.shape[0]]
+    missing = [n for n, p in params.items() if written[n] != p.numel()]
     if missing:
         raise ValueError(f"parameters not (fully) loaded from checkpoint: {missing[:10]}")
-
-
-def _map_name(model: nn.Module, hf_name: str) -> tuple[str, tuple[int, int] | None]:
-    """HF tensor name -> (our parameter name, row range inside a fused parameter or None)."""
-    for frag, (fused, shard) in _FUSED.items():
-        if frag in hf_name:
-            name = hf_name.replace(frag, fused)
-            sizes = _shard_sizes(model, fused)
-            start = sum(sizes[:shard])
-            return name, (start, start + sizes[shard])
-    return hf_name, None
 
 
 def _fill_dummy(model: nn.Module, seed: int) -> None:
@@ -104,7 +77,7 @@ def _fill_dummy(model: nn.Module, seed: int) -> None:
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):
             if "norm" in name:
-                p.fill_(1.0)
+                p.fill_(0.0 if model.config.norm == "rms_1p" or name.endswith(".bias") else 1.0)
             else:
                 gen = torch.Generator(device=p.device).manual_seed(seed)
                 seed += 1

@@ -19,34 +19,24 @@ import torch
 
 from gpu_worker import cpu_decode, cuda_graphs
 from gpu_worker.attention import GatherScratch, build_metadata, decode_group_blocks, select_backend
-from gpu_worker.llama import LlamaForCausalLM
 from gpu_worker.loader import load_weights
 from gpu_worker.model_config import ModelConfig, load_config
+from gpu_worker.models.registry import model_class
 from gpu_worker.request_state import RequestTracker
 from gpu_worker.sampler import Sampler
+from protocol import checkpoint
 from protocol.ipc import (PLACEHOLDER_TOKEN, SampleLogprobs, SamplingParams, SeqChunk, StepPlan,
                           StepResult, TokenLogprob)
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-}
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def resolve_dtype(name: str, cfg: ModelConfig) -> torch.dtype:
-    """``auto`` takes the checkpoint's dtype (fp32 if it names none we know)."""
-    if name == "auto":
-        return _DTYPES.get(cfg.dtype, torch.float32)
-    if name not in _DTYPES:
-        raise ValueError(f"unknown dtype {name!r}")
-    return _DTYPES[name]
+def resolve_dtype(name: str, model_path: str, device: torch.device) -> tuple[torch.dtype, str]:
+    """(torch dtype, why) for ``--dtype name`` (see ``protocol.checkpoint.resolve_dtype``)."""
+    canonical, why = checkpoint.resolve_dtype(name, device.type, model_path)
+    return _DTYPES[canonical], why
 
 
 class ModelRunner:
@@ -67,18 +57,18 @@ class ModelRunner:
     ) -> None:
         self.config = cfg = load_config(model_path)
         self.device = torch.device(device)
-        self.dtype = resolve_dtype(dtype, cfg)
+        self.dtype, self.dtype_reason = resolve_dtype(dtype, model_path, self.device)
         self.block_size = block_size
 
+        # The context limit is settled before this process starts (protocol.checkpoint's
+        # effective_max_model_len, which every role uses); windows do not shorten it.
         limit = cfg.max_position_embeddings
-        if cfg.sliding_window is not None:
-            # Within the window, sliding-window attention equals full attention.
-            limit = min(limit, cfg.sliding_window)
         self.max_model_len = min(limit, max_model_len) if max_model_len else limit
 
         # Build on meta (no init cost), then materialise; the loader writes every weight.
         with torch.device("meta"):
-            model = LlamaForCausalLM(cfg, max_positions=self.max_model_len, device=self.device, dtype=self.dtype)
+            model = model_class(cfg.model_type)(cfg, max_positions=self.max_model_len, device=self.device,
+                                                dtype=self.dtype)
         model = model.to_empty(device=self.device).to(self.dtype)
         load_weights(model, model_path, load_format, seed=seed)
         self.model = model.eval()
@@ -96,9 +86,12 @@ class ModelRunner:
         zeros = lambda: torch.zeros(shape, dtype=self.dtype, device=self.device)  # noqa: E731
         self.kv_caches = [(zeros(), zeros()) for _ in range(cfg.num_layers)]
 
+        # Layers whose attention differs (window, soft-cap) get their own backend plan.
+        self.layer_kinds = [(layer.window, cfg.attn_softcap) for layer in cfg.layers]
+        self.cascade = all(kind == (None, None) for kind in self.layer_kinds)
         self.attn_backend = select_backend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                            block_size, self.dtype, self.device,
-                                           sm_scale=cfg.head_dim**-0.5)
+                                           sm_scale=cfg.scale, layer_kinds=self.layer_kinds)
         self.decode_group_blocks = decode_group_blocks(self.kv_caches[0][0])
         self.gather_scratch = GatherScratch()
         self.decode_kernel = None if self.attn_backend else cpu_decode.load(self.device, self.dtype)
@@ -139,7 +132,7 @@ class ModelRunner:
         """Torch-path attention for ``static_decode`` (eager; what the CPU tests run)."""
         return cuda_graphs.TorchDecodeAttention(
             self.block_size, self.device, group_blocks=self.decode_group_blocks,
-            scratch=self.gather_scratch, decode_kernel=self.decode_kernel)
+            scratch=self.gather_scratch, decode_kernel=self.decode_kernel, cascade=self.cascade)
 
     # ------------------------------------------------------------------ state
 
@@ -239,7 +232,7 @@ class ModelRunner:
             meta = build_metadata(
                 chunks, len(decodes), self.block_size, dev, backend=self.attn_backend,
                 group_blocks=self.decode_group_blocks, scratch=self.gather_scratch,
-                decode_kernel=self.decode_kernel,
+                decode_kernel=self.decode_kernel, cascade=self.cascade,
             )
             hidden = self.model(
                 torch.tensor(ids, dtype=torch.long, device=dev),

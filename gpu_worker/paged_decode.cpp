@@ -11,7 +11,9 @@
 
 // Decode attention straight off the paged KV cache (CPU, fp32); see cpu_decode.py.
 //
-// q [B, H, D]; caches [NB, BS, KVH, D]; tables [B, MB] int64; lens [B] int64
+// q [B, H, D]; caches [NB, BS, KVH, D]; tables [B, MB] int64; lens [B] int64;
+// window (0: none; else each query sees only its last `window` keys, itself included);
+// softcap (0: none; else scores become softcap * tanh(score / softcap), as Gemma 2's)
 //   -> (out [B, H, D], lse [B, H]).
 // One sequence per task: a K pass in memory order (each token's row holds every KV
 // head, so a block is read as one contiguous slab) writes scores for all query heads,
@@ -23,6 +25,12 @@
 // the portable loops below are the fallback and the reference for the vector code.
 
 namespace {
+
+// Gemma 2's attention soft-capping, applied to the scaled scores before the softmax.
+inline void soft_cap(float* s, int64_t count, float cap) {
+  if (cap <= 0.f) return;
+  for (int64_t i = 0; i < count; ++i) s[i] = std::tanh(s[i] / cap) * cap;
+}
 
 inline const float* row(const float* cache, const int64_t* tab, int64_t t, int64_t BS, int64_t width) {
   return cache + (tab[t / BS] * BS + t % BS) * width;
@@ -73,28 +81,29 @@ inline __m256 exp256(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
-// Walks rows 0..n-1 of a cache in memory order (a row holds every KV head) and calls
-// f(t, kh, x) with KV head kh's V = D / 8 vectors of row t loaded in x.
+// Walks rows lo..n-1 of a cache in memory order (a row holds every KV head) and calls
+// f(t - lo, kh, x) with KV head kh's V = D / 8 vectors of row t loaded in x.
 template <int V, class F>
-inline void for_each_head_row(const float* cache, const int64_t* tab, int64_t n, int64_t BS,
-                              int64_t KVH, F&& f) {
+inline void for_each_head_row(const float* cache, const int64_t* tab, int64_t lo, int64_t n,
+                              int64_t BS, int64_t KVH, F&& f) {
   const int64_t width = KVH * V * 8;
-  for (int64_t t = 0; t < n; ++t) {
+  for (int64_t t = lo; t < n; ++t) {
     prefetch_row(cache, tab, t + AHEAD, n, BS, width);
     const float* r = row(cache, tab, t, BS, width);
     for (int64_t kh = 0; kh < KVH; ++kh) {
       __m256 x[V];
       for (int i = 0; i < V; ++i) x[i] = _mm256_loadu_ps(r + kh * V * 8 + i * 8);
-      f(t, kh, x);
+      f(t - lo, kh, x);
     }
   }
 }
 
-// Scores of every query head against its KV head's keys: s[hq * n + t].
+// Scores of every query head against its KV head's keys lo..n-1: s[hq * m + t - lo].
 template <int V>
-void k_pass(const float* q, const float* kc, const int64_t* tab, int64_t n, int64_t BS,
+void k_pass(const float* q, const float* kc, const int64_t* tab, int64_t lo, int64_t n, int64_t BS,
             int64_t KVH, int64_t G, float sc, float* s) {
-  for_each_head_row<V>(kc, tab, n, BS, KVH, [&](int64_t t, int64_t kh, const __m256* k) {
+  const int64_t m = n - lo;
+  for_each_head_row<V>(kc, tab, lo, n, BS, KVH, [&](int64_t t, int64_t kh, const __m256* k) {
     for (int64_t g = 0; g < G; ++g) {
       const int64_t hq = kh * G + g;
       const float* qh = q + hq * V * 8;
@@ -104,7 +113,7 @@ void k_pass(const float* q, const float* kc, const int64_t* tab, int64_t n, int6
         if (i & 1) a1 = _mm256_fmadd_ps(k[i], _mm256_loadu_ps(qh + i * 8), a1);
         else a0 = _mm256_fmadd_ps(k[i], _mm256_loadu_ps(qh + i * 8), a0);
       }
-      s[hq * n + t] = hsum(_mm256_add_ps(a0, a1)) * sc;
+      s[hq * m + t] = hsum(_mm256_add_ps(a0, a1)) * sc;
     }
   });
 }
@@ -113,14 +122,14 @@ void k_pass(const float* q, const float* kc, const int64_t* tab, int64_t n, int6
 // accumulators in L1: a strided per-head walk instead defeats the prefetchers and costs
 // ~1.5x on a DRAM-resident cache.
 template <int V>
-void v_pass(const float* vc, const int64_t* tab, int64_t n, int64_t BS, int64_t KVH, int64_t G,
-            const float* p, const float* inv_sum, float* out) {
-  const int64_t H = KVH * G;
+void v_pass(const float* vc, const int64_t* tab, int64_t lo, int64_t n, int64_t BS, int64_t KVH,
+            int64_t G, const float* p, const float* inv_sum, float* out) {
+  const int64_t H = KVH * G, m = n - lo;
   std::fill(out, out + H * V * 8, 0.f);
-  for_each_head_row<V>(vc, tab, n, BS, KVH, [&](int64_t t, int64_t kh, const __m256* v) {
+  for_each_head_row<V>(vc, tab, lo, n, BS, KVH, [&](int64_t t, int64_t kh, const __m256* v) {
     for (int64_t g = 0; g < G; ++g) {
       const int64_t hq = kh * G + g;
-      const __m256 w = _mm256_set1_ps(p[hq * n + t]);
+      const __m256 w = _mm256_set1_ps(p[hq * m + t]);
       float* o = out + hq * V * 8;
       for (int i = 0; i < V; ++i) _mm256_storeu_ps(o + i * 8, _mm256_fmadd_ps(w, v[i], _mm256_loadu_ps(o + i * 8)));
     }
@@ -157,50 +166,52 @@ inline float row_max(const float* s, int64_t n) {
 }
 
 template <int V>
-void decode_one(const float* q, const float* kc, const float* vc, const int64_t* tab, int64_t n,
-                int64_t BS, int64_t KVH, int64_t G, float sc, float* s, float* sum, float* out,
-                float* lse) {
-  const int64_t H = KVH * G;
-  k_pass<V>(q, kc, tab, n, BS, KVH, G, sc, s);
+void decode_one(const float* q, const float* kc, const float* vc, const int64_t* tab, int64_t lo,
+                int64_t n, int64_t BS, int64_t KVH, int64_t G, float sc, float cap, float* s,
+                float* sum, float* out, float* lse) {
+  const int64_t H = KVH * G, m = n - lo;
+  k_pass<V>(q, kc, tab, lo, n, BS, KVH, G, sc, s);
+  soft_cap(s, H * m, cap);
   for (int64_t hq = 0; hq < H; ++hq) {
-    const float mx = row_max(s + hq * n, n);
-    sum[hq] = softmax_row(s + hq * n, n, mx);
+    const float mx = row_max(s + hq * m, m);
+    sum[hq] = softmax_row(s + hq * m, m, mx);
     lse[hq] = mx + std::log(sum[hq]);
     sum[hq] = 1.f / sum[hq];
   }
-  v_pass<V>(vc, tab, n, BS, KVH, G, s, sum, out);
+  v_pass<V>(vc, tab, lo, n, BS, KVH, G, s, sum, out);
 }
 #endif
 
 // Portable path: any head_dim, no vector ISA assumed.
 void decode_one_generic(const float* q, const float* kc, const float* vc, const int64_t* tab,
-                        int64_t n, int64_t BS, int64_t KVH, int64_t G, int64_t D, float sc,
-                        float* s, float* sum, float* out, float* lse) {
-  const int64_t H = KVH * G, width = KVH * D;
-  for (int64_t t = 0; t < n; ++t) {
+                        int64_t lo, int64_t n, int64_t BS, int64_t KVH, int64_t G, int64_t D,
+                        float sc, float cap, float* s, float* sum, float* out, float* lse) {
+  const int64_t H = KVH * G, width = KVH * D, m = n - lo;
+  for (int64_t t = lo; t < n; ++t) {
     const float* kt = row(kc, tab, t, BS, width);
     for (int64_t hq = 0; hq < H; ++hq) {
       const float* kr = kt + (hq / G) * D;
       const float* qr = q + hq * D;
       float dot = 0.f;
       for (int64_t i = 0; i < D; ++i) dot += qr[i] * kr[i];
-      s[hq * n + t] = dot * sc;
+      s[hq * m + t - lo] = dot * sc;
     }
   }
+  soft_cap(s, H * m, cap);
   for (int64_t hq = 0; hq < H; ++hq) {
-    float* sh = s + hq * n;
-    const float mx = *std::max_element(sh, sh + n);
+    float* sh = s + hq * m;
+    const float mx = *std::max_element(sh, sh + m);
     float total = 0.f;
-    for (int64_t t = 0; t < n; ++t) total += (sh[t] = std::exp(sh[t] - mx));
+    for (int64_t t = 0; t < m; ++t) total += (sh[t] = std::exp(sh[t] - mx));
     lse[hq] = mx + std::log(total);
     sum[hq] = 1.f / total;
   }
   std::fill(out, out + H * D, 0.f);
-  for (int64_t t = 0; t < n; ++t) {
+  for (int64_t t = lo; t < n; ++t) {
     const float* vt = row(vc, tab, t, BS, width);
     for (int64_t hq = 0; hq < H; ++hq) {
       const float* vr = vt + (hq / G) * D;
-      const float p = s[hq * n + t];
+      const float p = s[hq * m + t - lo];
       float* o = out + hq * D;
       for (int64_t i = 0; i < D; ++i) o[i] += p * vr[i];
     }
@@ -212,7 +223,8 @@ void decode_one_generic(const float* q, const float* kc, const float* vc, const 
 }  // namespace
 
 std::tuple<torch::Tensor, torch::Tensor> paged_decode(torch::Tensor q, torch::Tensor kc, torch::Tensor vc,
-                                                      torch::Tensor tables, torch::Tensor lens, double scale) {
+                                                      torch::Tensor tables, torch::Tensor lens, double scale,
+                                                      int64_t window, double softcap) {
   TORCH_CHECK(q.dtype() == torch::kFloat32 && kc.dtype() == torch::kFloat32 && vc.dtype() == torch::kFloat32);
   TORCH_CHECK(q.is_contiguous() && kc.is_contiguous() && vc.is_contiguous());
   TORCH_CHECK(tables.dtype() == torch::kInt64 && lens.dtype() == torch::kInt64);
@@ -236,23 +248,24 @@ std::tuple<torch::Tensor, torch::Tensor> paged_decode(torch::Tensor q, torch::Te
   const int64_t* lp = lens.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   float* lsep = lse.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
+  const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> s, sum(H);
     for (int64_t b = begin; b < end; ++b) {
       const int64_t n = lp[b];
-      s.resize(n * H);
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, n - window) : 0;
+      s.resize((n - lo) * H);
       const float* qb = qp + b * H * D;
       const int64_t* tab = tp + b * MB;
       float* ob = op + b * H * D;
       float* lb = lsep + b * H;
 #ifdef CANDOR_AVX2
-      if (D == 64) { decode_one<8>(qb, kp, vp, tab, n, BS, KVH, G, sc, s.data(), sum.data(), ob, lb); continue; }
-      if (D == 128) { decode_one<16>(qb, kp, vp, tab, n, BS, KVH, G, sc, s.data(), sum.data(), ob, lb); continue; }
-      if (D == 32) { decode_one<4>(qb, kp, vp, tab, n, BS, KVH, G, sc, s.data(), sum.data(), ob, lb); continue; }
-      if (D == 16) { decode_one<2>(qb, kp, vp, tab, n, BS, KVH, G, sc, s.data(), sum.data(), ob, lb); continue; }
+      if (D == 64) { decode_one<8>(qb, kp, vp, tab, lo, n, BS, KVH, G, sc, cap, s.data(), sum.data(), ob, lb); continue; }
+      if (D == 128) { decode_one<16>(qb, kp, vp, tab, lo, n, BS, KVH, G, sc, cap, s.data(), sum.data(), ob, lb); continue; }
+      if (D == 32) { decode_one<4>(qb, kp, vp, tab, lo, n, BS, KVH, G, sc, cap, s.data(), sum.data(), ob, lb); continue; }
+      if (D == 16) { decode_one<2>(qb, kp, vp, tab, lo, n, BS, KVH, G, sc, cap, s.data(), sum.data(), ob, lb); continue; }
 #endif
-      decode_one_generic(qb, kp, vp, tab, n, BS, KVH, G, D, sc, s.data(), sum.data(), ob, lb);
+      decode_one_generic(qb, kp, vp, tab, lo, n, BS, KVH, G, D, sc, cap, s.data(), sum.data(), ob, lb);
     }
   });
   return {out, lse};

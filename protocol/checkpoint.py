@@ -23,3 +23,24 @@ def effective_max_model_len(model_path: str, requested: int | None) -> int:
         raise ValueError(f"max_model_len {requested} exceeds the checkpoint's "
                          f"max_position_embeddings {limit}")
     return requested
+
+
+DTYPE_CHOICES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+_CANONICAL = {"half": "float16", "float16": "float16", "fp16": "float16", "bfloat16": "bfloat16",
+              "bf16": "bfloat16", "float": "float32", "float32": "float32", "fp32": "float32"}
+
+
+def resolve_dtype(requested: str, device: str, model_path: str) -> tuple[str, str]:
+    """(the compute dtype, why): ``auto`` follows the checkpoint's ``torch_dtype`` on an
+    accelerator and computes in fp32 on CPU (faster there than bf16/fp16 emulation)."""
+    if requested != "auto":
+        if requested not in _CANONICAL:
+            raise ValueError(f"unknown dtype {requested!r} (choices: {', '.join(DTYPE_CHOICES)})")
+        return _CANONICAL[requested], f"--dtype {requested}"
+    cfg = read_model_config(model_path)
+    saved = _CANONICAL.get(str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"), "float32")
+    if not device.startswith("cuda"):
+        if saved == "float32":
+            return "float32", "auto: the checkpoint's float32"
+        return "float32", f"auto on {device}: float32 (the checkpoint is {saved})"
+    return saved, f"auto: the checkpoint's {saved}"

@@ -26,7 +26,7 @@ class ModelSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     path: str
     served_model_name: str | None = None
     max_model_len: Annotated[int, Meta(ge=16)] | None = None
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["auto", "half", "float16", "bfloat16", "float", "float32"] = "auto"
     load_format: Literal["auto", "dummy"] = "auto"
 
     def resolved_path(self) -> str:

@@ -38,16 +38,31 @@ def _record(kind: str, **tensors: torch.Tensor) -> None:
     PLANS.append({"kind": kind, "devices": {n: t.device.type for n, t in tensors.items()}})
 
 
-def _attend(q, k_cache, v_cache, pages: list[int], kv_len: int, scale: float) -> torch.Tensor:
-    """q: [n, h, d], the last n positions of a kv_len context; causal bottom-right."""
+def _attend(q, k_cache, v_cache, pages: list[int], kv_len: int, scale: float, window_left: int = -1,
+            soft_cap: float = 0.0) -> torch.Tensor:
+    """q: [n, h, d], the last n positions of a kv_len context; causal bottom-right; a query
+    at position p sees keys p - window_left .. p when window_left >= 0; scores pass through
+    soft_cap * tanh(s / soft_cap) when soft_cap > 0 (flashinfer's documented semantics)."""
     kvh, d = k_cache.shape[2], k_cache.shape[3]
     keys = k_cache[pages].reshape(-1, kvh, d)[:kv_len].transpose(0, 1)
     vals = v_cache[pages].reshape(-1, kvh, d)[:kv_len].transpose(0, 1)
     n = q.shape[0]
-    mask = torch.arange(kv_len)[None, :] <= torch.arange(kv_len - n, kv_len)[:, None]
-    o = F.scaled_dot_product_attention(q.transpose(0, 1), keys, vals, attn_mask=mask, scale=scale,
-                                       enable_gqa=q.shape[1] != kvh)
-    return o.transpose(0, 1)
+    k_pos, q_pos = torch.arange(kv_len)[None, :], torch.arange(kv_len - n, kv_len)[:, None]
+    mask = k_pos <= q_pos
+    if window_left >= 0:
+        mask &= k_pos >= q_pos - window_left
+    qh = q.transpose(0, 1)
+    if not soft_cap or soft_cap <= 0:
+        o = F.scaled_dot_product_attention(qh, keys, vals, attn_mask=mask, scale=scale,
+                                           enable_gqa=q.shape[1] != kvh)
+        return o.transpose(0, 1)
+    keys = keys.repeat_interleave(q.shape[1] // kvh, 0)
+    vals = vals.repeat_interleave(q.shape[1] // kvh, 0)
+    scores = torch.matmul(qh, keys.transpose(-1, -2)) * scale
+    if soft_cap and soft_cap > 0:
+        scores = torch.tanh(scores / soft_cap) * soft_cap
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1, dtype=torch.float32)
+    return torch.matmul(probs.to(q.dtype), vals).transpose(0, 1)
 
 
 def _unpack(paged_kv_cache, kv_layout: str):
@@ -160,6 +175,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_Paged):
         self._store(indptr, indices, last_page_len, page_size)
         self._q_data_type = _dtype(q_data_type)
         self._sm_scale = head_dim**-0.5 if sm_scale is None else sm_scale
+        self._window_left, self._soft_cap = window_left, logits_soft_cap or 0.0
 
     def run(self, q: torch.Tensor, paged_kv_cache, *args, out=None, lse=None, return_lse=False,
             enable_pdl=None, **kwargs) -> torch.Tensor:
@@ -168,7 +184,8 @@ class BatchDecodeWithPagedKVCacheWrapper(_Paged):
         seqs = list(self._sequences())
         if len(seqs) != q.shape[0]:
             raise ValueError(f"planned {len(seqs)} requests, q has {q.shape[0]} rows")
-        rows = [_attend(q[i:i + 1], k_cache, v_cache, p, n, self._sm_scale) for i, (p, n) in enumerate(seqs)]
+        rows = [_attend(q[i:i + 1], k_cache, v_cache, p, n, self._sm_scale, self._window_left, self._soft_cap)
+                for i, (p, n) in enumerate(seqs)]
         return torch.cat(rows).to(q.dtype)
 
 
@@ -242,6 +259,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_Paged):
         self._qo_indptr = qo_indptr.tolist()
         self._q_data_type = _dtype(q_data_type)
         self._sm_scale = head_dim_qk**-0.5 if sm_scale is None else sm_scale
+        self._window_left, self._soft_cap = window_left, logits_soft_cap or 0.0
 
     def run(self, q: torch.Tensor, paged_kv_cache, *args, out=None, lse=None, return_lse=False,
             enable_pdl=None, **kwargs) -> torch.Tensor:
@@ -254,7 +272,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_Paged):
         for i, (pages, kv_len) in enumerate(self._sequences()):
             if qo[i + 1] - qo[i] > kv_len:
                 raise ValueError("more query rows than keys")
-            rows.append(_attend(q[qo[i]:qo[i + 1]], k_cache, v_cache, pages, kv_len, self._sm_scale))
+            rows.append(_attend(q[qo[i]:qo[i + 1]], k_cache, v_cache, pages, kv_len, self._sm_scale,
+                                self._window_left, self._soft_cap))
         return torch.cat(rows).to(q.dtype)
 
 

@@ -145,6 +145,6 @@ def test_parse_config_variants():
     c = parse_config({**base, "model_type": "llama", "attention_bias": True, "rope_scaling": None})
     assert c.qkv_bias and c.o_bias and c.rope.type == "default"
     with pytest.raises(ValueError):
-        parse_config({**base, "model_type": "llama", "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+        parse_config({**base, "model_type": "llama", "rope_scaling": {"rope_type": "mrope", "factor": 4.0}})
     with pytest.raises(ValueError):
         parse_config({**base, "model_type": "gpt2"})

@@ -1,0 +1,1 @@
+"""Model code: shared blocks, one switchable decoder, and the architecture registry."""
