@@ -1,6 +1,6 @@
 """RSS of every Candor process across many mixed requests: does anything leak?
 
-    python -m bench.rss_soak [--requests 10000] [--concurrency 16]
+    python -m bench.rss_soak [--requests 10000] [--concurrency 16] [candor serve flags...]
 
 Starts `candor serve` on the deterministic tiny model, sends a mix of whole and streamed
 completions and chats, n > 1 sampling, echo + logprobs, stop strings, requests that are
@@ -144,9 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=10_000)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args(argv)
+    args, serve_flags = parser.parse_known_args(argv)  # the rest goes to `candor serve`
     model = build_tiny(Path(tempfile.mkdtemp(prefix="candor-soak-")) / "tiny")
-    server = candor_server(model, MODEL, args.threads, None)
+    server = candor_server(model, MODEL, args.threads, None, serve_flags)
     server.start()
     try:
         server.wait_ready(300)
