@@ -22,7 +22,7 @@ from api_frontend.auth import ApiKeys, keys_from_env
 from api_frontend.engine_client import EngineClient
 from api_frontend.http_server import JsonErrorAppRunner
 from api_frontend.metrics import FrontendMetrics
-from api_frontend.ops import Ops, body_timeout_middleware, install_ops
+from api_frontend.ops import Ops, install_ops
 from api_frontend.topology_watch import TopologyWatch
 from protocol.checkpoint import effective_max_model_len
 from protocol.lifecycle import die_with_parent, read_config, setup_logging
@@ -56,11 +56,9 @@ async def serve() -> None:
     card = ModelCard(id=cfg.served_model_name, created=int(time.time()),
                      max_model_len=effective_max_model_len(cfg.model_path, cfg.max_model_len),
                      root=cfg.served_model_name)
-    app = build_app(engine, card, cfg.http.max_body_mb * 2**20, cfg.api)
+    app = build_app(engine, card, cfg.http.max_body_mb * 2**20, cfg.api,
+                    cfg.http.body_read_timeout_s)
     ops = Ops(cfg, engine, watch, metrics)
-    # outermost first: API key, ops counting, then the body read under its time limit
-    # before any middleware or handler reads the body without one
-    app.middlewares.insert(0, body_timeout_middleware(cfg.http.body_read_timeout_s))
     install_ops(app, ops)
     keys = ApiKeys(keys_from_env(os.environ), cfg.http.protect_ops)
     if keys.enabled:

@@ -36,6 +36,7 @@ _DECODERS = {ChatCompletionRequest: msgspec.json.Decoder(ChatCompletionRequest),
 ENGINE_KEY = web.AppKey("engine", EngineClient)
 MODEL_KEY = web.AppKey("model", ModelCard)
 API_KEY = web.AppKey("api", ApiSpec)
+BODY_TIMEOUT_KEY = web.AppKey("body_read_timeout_s", float)
 
 
 def json_response(obj, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -62,6 +63,18 @@ def check_json_body(request: web.Request, body: bytes) -> None:
         pass  # the route's own decoder names what is wrong
 
 
+async def _read_body(request: web.Request) -> bytes:
+    """The whole body within the deployment's time limit: a client trickling bytes would
+    otherwise hold a connection and a handler for ever. Read once, here; handlers get the
+    cached bytes."""
+    timeout = request.app[BODY_TIMEOUT_KEY]
+    try:
+        return await asyncio.wait_for(request.read(), timeout)
+    except (asyncio.TimeoutError, TimeoutError):
+        raise ApiError(408, f"the request body did not arrive within {timeout:g}s", None,
+                       "request_timeout") from None
+
+
 @web.middleware
 async def error_middleware(request: web.Request, handler):
     rid = request.headers.get(REQUEST_ID_HEADER)
@@ -69,13 +82,15 @@ async def error_middleware(request: web.Request, handler):
         request[REQUEST_ID_KEY] = rid[:MAX_REQUEST_ID_CHARS]
     try:
         if request.method == "POST" and request.can_read_body:
-            check_json_body(request, await request.read())
+            check_json_body(request, await _read_body(request))
         response = await handler(request)
         if rid and not response.prepared:
             response.headers[REQUEST_ID_HEADER] = request[REQUEST_ID_KEY]
         return response
     except ApiError as err:
         response = err.response()
+        if err.status == 408:  # the connection's framing is lost with the half-read body
+            response.force_close()
         if rid:
             response.headers[REQUEST_ID_HEADER] = request[REQUEST_ID_KEY]
         return response
@@ -189,8 +204,10 @@ async def openapi(request: web.Request) -> web.Response:
 
 
 def build_app(engine: EngineClient, card: ModelCard, max_body_bytes: int,
-              api: ApiSpec | None = None) -> web.Application:
+              api: ApiSpec | None = None, body_read_timeout_s: float = 60.0
+              ) -> web.Application:
     app = web.Application(middlewares=[error_middleware], client_max_size=max_body_bytes)
+    app[BODY_TIMEOUT_KEY] = body_read_timeout_s
     app[ENGINE_KEY] = engine
     app[MODEL_KEY] = card
     app[API_KEY] = api or ApiSpec()

@@ -121,24 +121,6 @@ async def ops_middleware(request: web.Request, handler):
     return response
 
 
-def body_timeout_middleware(timeout_s: float):
-    """Read a request's body within ``timeout_s`` (a client trickling bytes holds a
-    connection and a handler for ever otherwise); 408 in the error shape. The body is
-    cached, so handlers read it again for free."""
-    @web.middleware
-    async def read_body_in_time(request: web.Request, handler):
-        if request.can_read_body:
-            try:
-                await asyncio.wait_for(request.read(), timeout_s)
-            except (asyncio.TimeoutError, TimeoutError):
-                response = ApiError(408, f"the request body did not arrive within "
-                                    f"{timeout_s:g}s", None, "request_timeout").response()
-                response.force_close()
-                return response
-        return await handler(request)
-    return read_body_in_time
-
-
 async def metrics_route(request: web.Request) -> web.Response:
     ops = request.app[OPS_KEY]
     if ops.cfg.metrics_dir is None:
