@@ -102,6 +102,44 @@ def _build_random(path: Path, tiny: Path, shape: dict) -> Path:
     return path
 
 
+# Same width and depth for the architecture comparison: a dense Llama, a Qwen3 (q/k norms)
+# and a Qwen3-MoE whose 8 experts (top-2) each have a quarter of the dense MLP's width, so a
+# token's active MLP FLOPs are half the dense model's while the weights are 2x.
+ARCH_WIDTH = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=4, head_dim=32, max_position_embeddings=2048,
+                  rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True)
+ARCH_SHAPES = {
+    "llama-256": ("LlamaConfig", "LlamaForCausalLM", dict(intermediate_size=1024)),
+    "qwen3-256": ("Qwen3Config", "Qwen3ForCausalLM", dict(intermediate_size=1024)),
+    "qwen3moe-256": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                     dict(intermediate_size=1024, moe_intermediate_size=256, num_experts=8,
+                          num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1)),
+}
+
+
+def build_arch(root: Path, tiny: Path, name: str) -> Path:
+    """One of ``ARCH_SHAPES`` with random (seeded) weights and the tiny tokenizer."""
+    path = root / name
+    if (path / "config.json").exists():
+        return path
+    import torch
+    import transformers
+
+    cfg_cls, model_cls, extra = ARCH_SHAPES[name]
+    tiny_cfg = json.loads((tiny / "config.json").read_text())
+    cfg = getattr(transformers, cfg_cls)(vocab_size=tiny_cfg["vocab_size"],
+                                         bos_token_id=tiny_cfg.get("bos_token_id"),
+                                         eos_token_id=tiny_cfg.get("eos_token_id"),
+                                         **ARCH_WIDTH, **extra)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(cfg).to(torch.float32)
+    model.save_pretrained(path, safe_serialization=True)
+    for name_ in TOKENIZER_FILES:
+        if (tiny / name_).exists() and not (path / name_).exists():
+            shutil.copy(tiny / name_, path / name_)
+    return path
+
+
 def num_params(path: Path) -> int:
     from safetensors import safe_open
 
