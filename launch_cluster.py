@@ -42,6 +42,7 @@ from protocol.health import STATUS_INTERVAL_S, ChildStatus, NodeStatus
 from protocol.metrics import ENV as METRICS_ENV
 from protocol.metrics import prepare_dir as prepare_metrics_dir
 from protocol.metrics import process_exited
+from protocol.metrics_view import NodeMetricsInfo, ProcessEntry, write_node_info
 from protocol.node_http import serve_node_http
 from protocol.topology import (HttpSpec, NodeSpec, ProcessConfig, Topology, load_topology,
                                process_configs)
@@ -167,6 +168,16 @@ class NodeSupervisor:
         self.restarts = Counter("candor_process_restarts", "Processes the launcher "
                                 "restarted after they died", ["node", "role"], registry=None)
 
+    def write_metrics_info(self) -> None:
+        """node.json in the metrics directory: the model's name, the compat mode and
+        the pid of every child (and of this launcher), for /metrics' labels and
+        process_* series; rewritten whenever a child is restarted."""
+        procs = [ProcessEntry(os.getpid(), "launcher", 0)] + [
+            ProcessEntry(c.proc.pid, c.config.role, c.config.index) for c in self.children]
+        write_node_info(self.metrics_dir, NodeMetricsInfo(
+            model_name=self.topology.model.name(), node=self.node.name,
+            compat=self.topology.http.metrics_compat, processes=procs))
+
     def publish(self, force: bool = False) -> None:
         now = time.monotonic()
         if not force and now - self.last_publish < STATUS_INTERVAL_S:
@@ -200,6 +211,7 @@ class NodeSupervisor:
         child.last_exit = code
         child.restarts += 1
         child.proc = _spawn(child.config, self.node.devices, self.api_keys)
+        self.write_metrics_info()
         self.restarts.labels(self.node.name, child.config.role).inc()
         self.publish(force=True)
 
@@ -213,6 +225,7 @@ class NodeSupervisor:
                             self.local_problems)
         self.children = [Child(cfg, _spawn(cfg, self.node.devices, self.api_keys))
                          for cfg in self.configs]
+        self.write_metrics_info()
         _say(f"node {self.node.name}: started {len(self.children)} processes: "
              + ", ".join(c.name for c in self.children))
         serves_http = "api_frontend" in self.node.roles

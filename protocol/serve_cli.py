@@ -188,6 +188,10 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     g.add_argument("--drain-timeout-s", type=float, default=30.0,
                    help="SIGTERM/Ctrl-C: how long in-flight requests may finish")
 
+    g.add_argument("--metrics-compat", default="vllm", choices=["vllm", "none"],
+                   help="vllm (default): /metrics also exports vLLM's metric names, so "
+                        "vLLM dashboards and alerts work; none: Candor's names only")
+
     g = serve.add_argument_group("logging")
     g.add_argument("--log-level", default=None, choices=LOG_LEVELS,
                    help="every process's log level (default info; CANDOR_LOG_LEVEL)")
@@ -287,7 +291,8 @@ def serve_topology(args: argparse.Namespace, model_path: str, default_name: str,
                           "allowed_headers": args.allowed_headers,
                           "allow_credentials": args.allow_credentials},
                  "server_log_level": args.uvicorn_log_level,
-                 "log_requests": args.log_requests},
+                 "log_requests": args.log_requests,
+                 "metrics_compat": args.metrics_compat},
         # tokenizer workers hold no state: one that dies (or that its watchdog stops
         # because a request got stuck) comes back, and only its requests fail
         "supervision": {"drain_timeout_s": args.drain_timeout_s,

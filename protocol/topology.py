@@ -105,6 +105,8 @@ class HttpSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     server_log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = \
         "warning"
     log_requests: bool = False  # one log line per generation request (--enable-log-requests)
+    # /metrics also exports vLLM's metric names (vllm:...) derived at scrape time
+    metrics_compat: Literal["vllm", "none"] = "vllm"
 
 
 class CurveSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
