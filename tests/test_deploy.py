@@ -362,3 +362,58 @@ def test_a_live_scrape_carries_what_the_endpoint_picker_reads(server):
         assert values and all(v >= 0 for v in values), name
     usage = now.value("vllm:kv_cache_usage_perc")
     assert 0.0 <= usage <= 1.0
+
+
+# ------------------------------------------------------------------ grafana variables
+def _balanced(expr: str) -> bool:
+    pairs, stack = {")": "(", "]": "[", "}": "{"}, []
+    in_string = False
+    for ch in expr:
+        if ch == '"':
+            in_string = not in_string
+        elif in_string:
+            continue
+        elif ch in "([{":
+            stack.append(ch)
+        elif ch in pairs:
+            if not stack or stack.pop() != pairs[ch]:
+                return False
+    return not stack and not in_string
+
+
+def test_dashboard_filters_by_datasource_instance_and_model():
+    dash = json.loads((DEPLOY / "grafana" / "candor-dashboard.json").read_text())
+    variables = {v["name"]: v for v in dash["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+    for name in ("instance", "model_name"):
+        assert variables[name]["type"] == "query" and variables[name]["includeAll"]
+        assert variables[name]["datasource"]["uid"] == "${datasource}"
+    for panel in dash["panels"]:
+        assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
+        for target in panel["targets"]:
+            expr = target["expr"]
+            assert _balanced(expr), expr
+            for selector in re.findall(r"\bcandor_[a-z0-9_]+(\{[^}]*\})?", expr):
+                assert 'instance=~"$instance"' in selector, expr
+                assert 'model_name=~"$model_name"' in selector, expr
+
+
+def test_panels_over_failure_counters_show_zero_not_no_data():
+    """Counters with a label appear only after their first event (a mid-stream error, a
+    restart); until then the panel shows 0 rather than "no data"."""
+    dash = json.loads((DEPLOY / "grafana" / "candor-dashboard.json").read_text())
+    for panel in dash["panels"]:
+        for target in panel["targets"]:
+            if re.search(r"candor_(stream_errors|process_restarts|aborts)_total",
+                         target["expr"]):
+                assert target["expr"].rstrip().endswith("or vector(0)"), panel["title"]
+
+
+def test_alert_rules_parse():
+    rules = yaml.safe_load((DEPLOY / "prometheus" / "candor-alerts.yml").read_text())
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            assert _balanced(rule["expr"]), rule["alert"]
+            assert rule["labels"]["severity"] in ("page", "ticket", "warning", "critical")
+            assert rule["annotations"]["summary"], rule["alert"]
+            assert re.fullmatch(r"\d+[smh]", str(rule.get("for", "0s"))), rule["alert"]
