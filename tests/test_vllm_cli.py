@@ -284,3 +284,17 @@ def test_second_doc_command_line_serves(tmp_path, tiny_model_dir):
         assert scrape(srv).total("candor_prefix_cache_queried_tokens_total") == 0
     finally:
         assert srv.stop() == 0
+
+
+def test_bench_says_why_requests_failed(capsys):
+    """`candor bench` against a port where nothing listens: every request fails, and the
+    table says why, counted by reason."""
+    from bench.loadgen import main as bench_main
+    from tests.server import free_port
+
+    code = bench_main(["--base-url", f"http://127.0.0.1:{free_port()}", "--num-requests",
+                       "3", "--concurrency", "3", "--prompt-len", "4", "--output-len", "2"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "why 3 requests failed:" in out
+    assert re.search(r"\s3 x .*(Connect|refused)", out), out
