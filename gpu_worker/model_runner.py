@@ -23,6 +23,7 @@ from gpu_worker.kv_budget import auto_kv_bytes
 from gpu_worker.loader import load_weights
 from gpu_worker.model_config import ModelConfig, load_config
 from gpu_worker.models.registry import model_class
+from gpu_worker.progress import Progress
 from gpu_worker.request_state import RequestTracker
 from gpu_worker.sampler import Sampler
 from protocol import checkpoint
@@ -95,7 +96,13 @@ class ModelRunner:
         # Zeros, not empty: padded decode slots are masked but still multiplied, and
         # uninitialised memory could hold NaN/inf.
         zeros = lambda: torch.zeros(shape, dtype=self.dtype, device=self.device)  # noqa: E731
-        self.kv_caches = [(zeros(), zeros()) for _ in range(cfg.num_layers)]
+        kv_bytes = (self.num_blocks + 1) * self.block_bytes  # every layer's K and V
+        progress = Progress("allocating the KV cache", kv_bytes)
+        self.kv_caches = []
+        for _ in range(cfg.num_layers):
+            self.kv_caches.append((zeros(), zeros()))
+            progress.advance(kv_bytes // cfg.num_layers)
+        progress.finish()
 
         # Layers whose attention differs (window, soft-cap) get their own backend plan.
         self.layer_kinds = [(layer.window, cfg.attn_softcap) for layer in cfg.layers]

@@ -298,3 +298,21 @@ def test_bench_says_why_requests_failed(capsys):
     assert code == 1
     assert "why 3 requests failed:" in out
     assert re.search(r"\s3 x .*(Connect|refused)", out), out
+
+
+def test_weight_loading_and_kv_allocation_report_progress(tiny_model_dir, caplog, monkeypatch):
+    """Periodic lines with percent and MB/s while weights load and the KV cache is
+    allocated (interval 0 here, so every tensor and layer logs), and a final line."""
+    import logging
+
+    from gpu_worker import progress
+    from gpu_worker.model_runner import ModelRunner
+
+    monkeypatch.setattr(progress.Progress.__init__, "__defaults__", (0.0, None))
+    with caplog.at_level(logging.INFO, logger="gpu_worker.progress"):
+        ModelRunner(str(tiny_model_dir), num_blocks=64)
+    lines = [r.getMessage() for r in caplog.records if r.name == "gpu_worker.progress"]
+    loading = [m for m in lines if m.startswith("loading weights")]
+    assert len(loading) > 2 and loading[-1].startswith("loading weights done: 100%")
+    assert all(re.search(r"\d+% \(\d+ of \d+ MB\) at \d+ MB/s", m) for m in loading)
+    assert any(m.startswith("allocating the KV cache done: 100%") for m in lines)
