@@ -42,15 +42,18 @@ from protocol.health import STATUS_INTERVAL_S, ChildStatus, NodeStatus
 from protocol.metrics import ENV as METRICS_ENV
 from protocol.metrics import prepare_dir as prepare_metrics_dir
 from protocol.metrics import process_exited
+from protocol.metrics_view import NodeMetricsInfo, ProcessEntry, write_node_info
 from protocol.node_http import serve_node_http
 from protocol.topology import (HttpSpec, NodeSpec, ProcessConfig, Topology, load_topology,
                                process_configs)
+from protocol.generation_config import GenerationConfigError, sampling_defaults
+from protocol.hf_cache import ModelNotFound, resolve_model
+from protocol.serve_cli import (DEFAULT_MODEL_DIR, ServeArgsError, model_argument,
+                                normalize_argv, serve_parser, serve_topology)
 from protocol.topology_check import TopologyError, check_topology
 from protocol.transport import Sender, sync_context
 
 GRACE_S = 10.0
-DEFAULT_MODEL_DIR = os.path.expanduser(
-    os.environ.get("CANDOR_MODEL_DIR", "~/.cache/candor/models/tiny-llama"))
 
 # Roles that never load a model get one BLAS/tokenizers thread: the cores belong to the
 # gpu_worker, which sets its own count.
@@ -165,6 +168,16 @@ class NodeSupervisor:
         self.restarts = Counter("candor_process_restarts", "Processes the launcher "
                                 "restarted after they died", ["node", "role"], registry=None)
 
+    def write_metrics_info(self) -> None:
+        """node.json in the metrics directory: the model's name, the compat mode and
+        the pid of every child (and of this launcher), for /metrics' labels and
+        process_* series; rewritten whenever a child is restarted."""
+        procs = [ProcessEntry(os.getpid(), "launcher", 0)] + [
+            ProcessEntry(c.proc.pid, c.config.role, c.config.index) for c in self.children]
+        write_node_info(self.metrics_dir, NodeMetricsInfo(
+            model_name=self.topology.model.name(), node=self.node.name,
+            compat=self.topology.http.metrics_compat, processes=procs))
+
     def publish(self, force: bool = False) -> None:
         now = time.monotonic()
         if not force and now - self.last_publish < STATUS_INTERVAL_S:
@@ -198,6 +211,7 @@ class NodeSupervisor:
         child.last_exit = code
         child.restarts += 1
         child.proc = _spawn(child.config, self.node.devices, self.api_keys)
+        self.write_metrics_info()
         self.restarts.labels(self.node.name, child.config.role).inc()
         self.publish(force=True)
 
@@ -211,6 +225,7 @@ class NodeSupervisor:
                             self.local_problems)
         self.children = [Child(cfg, _spawn(cfg, self.node.devices, self.api_keys))
                          for cfg in self.configs]
+        self.write_metrics_info()
         _say(f"node {self.node.name}: started {len(self.children)} processes: "
              + ", ".join(c.name for c in self.children))
         serves_http = "api_frontend" in self.node.roles
@@ -366,6 +381,47 @@ def check_model_config(topology: Topology) -> None:
         raise SystemExit(f"candor: cannot serve {path}: {err}") from None
 
 
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def settle_defaults(topology: Topology, node: NodeSpec) -> Topology:
+    """Fill what the operator left to the machine, saying what was chosen and why:
+    the gpu_worker's threads (the cores left after this node's other processes; an
+    operator's OMP_NUM_THREADS wins) and the sampling defaults of
+    ``model.generation_config``. The device and the KV cache size are the gpu_worker's
+    to settle (it sees the device and the memory left after loading); it logs them."""
+    engine, api = topology.engine, topology.api
+    if "gpu_worker" in node.roles and engine.worker_threads is None:
+        cores = _usable_cores()
+        if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+            threads = int(os.environ["OMP_NUM_THREADS"])
+            why = "OMP_NUM_THREADS"
+        else:
+            others = sum(1 for c in process_configs(topology, "run-dir", node.name)
+                         if c.role != "gpu_worker")
+            threads = max(1, cores - others)
+            why = (f"{cores} usable cores less {others} for this node's other processes; "
+                   "--worker-threads to choose")
+        engine = msgspec.structs.replace(engine, worker_threads=threads)
+        _say(f"gpu_worker threads: {threads} ({why})")
+    model_dir = topology.model.resolved_path()
+    if not api.sampling_defaults.items() and os.path.isdir(model_dir):
+        try:
+            defaults = sampling_defaults(topology.model.generation_config, model_dir)
+        except GenerationConfigError as err:
+            raise SystemExit(f"candor: {err}") from None
+        if defaults.items():
+            _say("sampling defaults for requests that omit them, from "
+                 f"{defaults.source}: " + ", ".join(f"{k}={v}" for k, v in
+                                                    defaults.items().items()))
+        api = msgspec.structs.replace(api, sampling_defaults=defaults)
+    return msgspec.structs.replace(topology, engine=engine, api=api)
+
+
 def launch(topology: Topology, node: str | None = None,
            api_keys: list[str] | None = None) -> int:
     """Run this node's part of the topology until a signal (exit 0, after draining) or a
@@ -383,7 +439,8 @@ def launch(topology: Topology, node: str | None = None,
         node = nodes[0].name
     spec = next(n for n in nodes if n.name == node)
     if topology.api.chat_template is not None and "tokenizer_worker" in spec.roles:
-        _check_chat_template(topology)
+        _check_chat_template(topology)  # a refusal stays one line: check before settling
+    topology = settle_defaults(topology, spec)
     for path in clean_stale_run_dirs():
         _say(f"removed {path}: its launcher is gone")
     keys = resolve_api_keys(topology, api_keys or [])
@@ -411,99 +468,12 @@ def launch(topology: Topology, node: str | None = None,
 # ---------------------------------------------------------------- command line
 
 
-def _serve_topology(args: argparse.Namespace) -> Topology:
-    """The flags as a topology, validated by the same constraints as a YAML file."""
-    return msgspec.convert({
-        "model": {"path": args.model, "served_model_name": args.served_model_name,
-                  "max_model_len": args.max_model_len, "dtype": args.dtype,
-                  "load_format": args.load_format},
-        "roles": {"api_frontend": args.frontends, "tokenizer_worker": args.tokenizer_workers,
-                  "detokenizer": args.detokenizers},
-        "engine": {"num_kv_blocks": args.num_kv_blocks, "max_num_seqs": args.max_num_seqs,
-                   "max_num_batched_tokens": args.max_num_batched_tokens,
-                   "worker_threads": args.worker_threads,
-                   "max_waiting_requests": args.max_waiting_requests,
-                   "enable_prefix_caching": not args.no_prefix_caching,
-                   "device": args.device, "enforce_eager": args.enforce_eager,
-                   "fault_token_id": args.fault_token_id},
-        "http": {"host": args.host, "port": args.port, "max_body_mb": args.max_body_mb,
-                 "keepalive_timeout_s": args.keepalive_timeout_s,
-                 "body_read_timeout_s": args.body_read_timeout_s,
-                 "api_key_file": args.api_key_file, "protect_ops": args.protect_ops},
-        # tokenizer workers hold no state: one that dies (or that its watchdog stops
-        # because a request got stuck) comes back, and only its requests fail
-        "supervision": {"drain_timeout_s": args.drain_timeout_s,
-                        "restart": ["tokenizer_worker"]},
-        "api": {"strict": args.strict, "max_tokens_policy": args.max_tokens_policy,
-                "chat_template": args.chat_template,
-                "allow_request_chat_template": args.allow_request_chat_template,
-                "limits": {name: value for name, value in (
-                    ("max_n", args.max_n), ("max_logprobs", args.max_logprobs),
-                    ("max_prompts", args.max_prompts),
-                    ("max_request_share", args.max_request_share)) if value is not None}},
-    }, Topology)
-
-
 def cli(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="candor", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="serve a HF checkpoint directory")
-    serve.add_argument("--model", default=DEFAULT_MODEL_DIR)
-    serve.add_argument("--served-model-name", default=None)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--max-model-len", type=int, default=None)
-    serve.add_argument("--dtype", default="auto",
-                       choices=["auto", "half", "float16", "bfloat16", "float", "float32"],
-                       help="auto: the checkpoint's dtype on CUDA, float32 on CPU")
-    serve.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
-    serve.add_argument("--frontends", type=int, default=1)
-    serve.add_argument("--tokenizer-workers", type=int, default=1)
-    serve.add_argument("--detokenizers", type=int, default=1)
-    serve.add_argument("--num-kv-blocks", type=int, default=None)
-    serve.add_argument("--max-num-seqs", type=int, default=64)
-    serve.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    serve.add_argument("--worker-threads", type=int, default=None)
-    serve.add_argument("--max-waiting-requests", type=int, default=1024,
-                       help="waiting-queue bound; past it requests get 503 (0: unbounded)")
-    serve.add_argument("--no-prefix-caching", action="store_true")
-    serve.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N for the gpu_worker")
-    serve.add_argument("--enforce-eager", action="store_true",
-                       help="no CUDA graphs for decode steps (they are used only on CUDA with flashinfer)")
-    serve.add_argument("--max-body-mb", type=int, default=32)
-    serve.add_argument("--fault-token-id", type=int, default=None, help=argparse.SUPPRESS)
-    serve.add_argument("--strict", action="store_true",
-                       help="every ignored or clamped request field is a 400 naming it")
-    serve.add_argument("--max-tokens-policy", default="reject", choices=["reject", "clamp"],
-                       help="prompt + max_tokens beyond the context: 400 (reject) or clamp")
-    serve.add_argument("--chat-template", default=None, metavar="PATH_OR_TEMPLATE",
-                       help="a Jinja chat template (a file, or the template itself) that "
-                            "replaces the checkpoint's")
-    serve.add_argument("--allow-request-chat-template", action="store_true",
-                       help="accept a chat_template field in request bodies")
-    serve.add_argument("--max-logprobs", type=int, default=None,
-                       help="most logprobs / top_logprobs alternatives per token (default 20); "
-                            "other request limits: the topology YAML's api.limits")
-    serve.add_argument("--max-n", type=int, default=None, help="most choices per request")
-    serve.add_argument("--max-prompts", type=int, default=None,
-                       help="most prompts in one /v1/completions request")
-    serve.add_argument("--max-request-share", type=float, default=None,
-                       help="largest fraction of the waiting queue one request may fill")
-
-    serve.add_argument("--api-key", action="append", default=[],
-                       help="require 'Authorization: Bearer KEY' (repeat or comma-separate "
-                            "for several; also CANDOR_API_KEY / VLLM_API_KEY)")
-    serve.add_argument("--api-key-file", default=None, help="a file of API keys, one a line")
-    serve.add_argument("--protect-ops", action="store_true",
-                       help="/health, /metrics and /version need an API key too")
-    serve.add_argument("--keepalive-timeout-s", type=float, default=75.0,
-                       help="close idle connections (and ones that never finish their "
-                            "request headers) after this long")
-    serve.add_argument("--body-read-timeout-s", type=float, default=60.0,
-                       help="a request body must arrive within this long (408)")
-    serve.add_argument("--drain-timeout-s", type=float, default=30.0,
-                       help="SIGTERM/Ctrl-C: how long in-flight requests may finish")
+    sub.add_parser("serve", add_help=False, help="serve a checkpoint directory or a cached "
+                   "Hugging Face repo id (vLLM's flags; see candor serve --help)")
 
     keygen = sub.add_parser("keygen", help="write CURVE keys for the tcp:// sockets "
                             "(security.curve.key_dir)")
@@ -526,6 +496,8 @@ def cli(argv: list[str] | None = None) -> int:
     if argv[:1] == ["bench"]:
         from bench.loadgen import main as bench_main
         return bench_main(argv[1:])
+    if argv[:1] == ["serve"]:
+        return serve(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "keygen":
         write_curve_keys(args.dir)
@@ -540,13 +512,36 @@ def cli(argv: list[str] | None = None) -> int:
         path = build_tiny_model(args.dir, overwrite=True)
         print(f"candor: tiny model written to {path}")
         return 0
-    if args.command == "launch":
-        return main([args.topology] + (["--node", args.node] if args.node else [])
-                    + (["--check"] if args.check else []))
+    return main([args.topology] + (["--node", args.node] if args.node else [])
+                + (["--check"] if args.check else []))
+
+
+def serve_args_to_topology(argv: list[str],
+                           environ: dict[str, str] | None = None) -> tuple[Topology, argparse.Namespace]:
+    """``candor serve`` flags -> (validated topology, parsed flags); a bad flag, an absent
+    model or a bad value exits 2 with one message."""
+    parser = serve_parser()
+    args = parser.parse_args(normalize_argv(argv))
     try:
-        topology = _serve_topology(args)
+        given = model_argument(args)
+        resolved = resolve_model(given, args.revision, environ)
+        if resolved.repo_id is not None:
+            _say(f"{given}: the Hugging Face cache snapshot {resolved.revision} at "
+                 f"{resolved.path}")
+        default_name = given if resolved.repo_id else os.path.basename(
+            resolved.path.rstrip("/"))
+        return serve_topology(args, resolved.path, default_name, environ), args
+    except (ServeArgsError, ModelNotFound) as err:
+        parser.error(str(err))
     except msgspec.ValidationError as err:
         parser.error(str(err))
+    raise AssertionError("unreachable")
+
+
+def serve(argv: list[str]) -> int:
+    topology, args = serve_args_to_topology(argv)
+    if args.log_level is not None:  # read by every child's setup_logging
+        os.environ["CANDOR_LOG_LEVEL"] = args.log_level.upper()
     return launch(topology, api_keys=args.api_key)
 
 

@@ -10,6 +10,7 @@ still open then end with an error frame and [DONE]. SIGINT is the launcher's to 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import time
@@ -18,7 +19,9 @@ import uvloop
 from aiohttp import web
 
 from api_frontend.app import build_app
+from api_frontend.generate import LOG_REQUESTS_KEY
 from api_frontend.auth import ApiKeys, keys_from_env
+from api_frontend.cors import cors_middleware
 from api_frontend.engine_client import EngineClient
 from api_frontend.http_server import JsonErrorAppRunner
 from api_frontend.metrics import FrontendMetrics
@@ -57,14 +60,22 @@ async def serve() -> None:
                      max_model_len=effective_max_model_len(cfg.model_path, cfg.max_model_len),
                      root=cfg.served_model_name)
     app = build_app(engine, card, cfg.http.max_body_mb * 2**20, cfg.api,
-                    cfg.http.body_read_timeout_s)
+                    cfg.served_model_aliases, cfg.http.body_read_timeout_s)
+    app[LOG_REQUESTS_KEY] = cfg.http.log_requests
     ops = Ops(cfg, engine, watch, metrics)
     install_ops(app, ops)
     keys = ApiKeys(keys_from_env(os.environ), cfg.http.protect_ops)
     if keys.enabled:
         app.middlewares.insert(0, keys.middleware())
+    if cfg.http.cors.allowed_origins:
+        app.middlewares.insert(0, cors_middleware(cfg.http.cors))
+    server_level = cfg.http.server_log_level
+    logging.getLogger("aiohttp").setLevel(
+        logging.DEBUG if server_level == "trace" else server_level.upper())
+    access_log = logging.getLogger("aiohttp.access") if server_level in ("debug", "trace") \
+        else None
     lag = asyncio.create_task(metrics.watch_loop_lag())
-    runner = JsonErrorAppRunner(app, handler_cancellation=True, access_log=None,
+    runner = JsonErrorAppRunner(app, handler_cancellation=True, access_log=access_log,
                                 shutdown_timeout=2.0,
                                 keepalive_timeout=cfg.http.keepalive_timeout_s)
     await runner.setup()

@@ -16,7 +16,7 @@ from aiohttp import web
 from api_frontend import extra_routes
 from api_frontend.engine_client import EngineClient
 from api_frontend.errors import ApiError, check_served_model, from_decode_error
-from api_frontend.generate import REQUEST_ID_KEY, run_generation
+from api_frontend.generate import LOG_REQUESTS_KEY, REQUEST_ID_KEY, run_generation
 from api_frontend.openapi import build_openapi
 from api_frontend.translate import prompt_list
 from protocol.openai_api import (ChatCompletionRequest, CompletionRequest, ModelCard,
@@ -37,6 +37,7 @@ ENGINE_KEY = web.AppKey("engine", EngineClient)
 MODEL_KEY = web.AppKey("model", ModelCard)
 API_KEY = web.AppKey("api", ApiSpec)
 BODY_TIMEOUT_KEY = web.AppKey("body_read_timeout_s", float)
+ALIASES_KEY = web.AppKey("aliases", list)  # further served names, after the card's id
 
 
 def json_response(obj, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -131,9 +132,7 @@ def _decode(body: bytes, kind: type) -> tuple[msgspec.Struct, dict[str, msgspec.
 
 
 def _check_model(request: web.Request, name: str) -> ModelCard:
-    card = request.app[MODEL_KEY]
-    check_served_model(card, name)
-    return card
+    return check_served_model(request.app[MODEL_KEY], name, request.app[ALIASES_KEY])
 
 
 async def _generate(request: web.Request, kind: type) -> web.StreamResponse:
@@ -172,11 +171,12 @@ async def completions_render(request: web.Request) -> web.Response:
 
 async def tokenize(request: web.Request) -> web.Response:
     return await extra_routes.tokenize(request, request.app[ENGINE_KEY], request.app[MODEL_KEY],
-                                       request.app[API_KEY])
+                                       request.app[API_KEY], request.app[ALIASES_KEY])
 
 
 async def detokenize(request: web.Request) -> web.Response:
-    return await extra_routes.detokenize(request, request.app[ENGINE_KEY], request.app[MODEL_KEY])
+    return await extra_routes.detokenize(request, request.app[ENGINE_KEY], request.app[MODEL_KEY],
+                                         request.app[ALIASES_KEY])
 
 
 async def tokenizer_info(request: web.Request) -> web.Response:
@@ -192,7 +192,9 @@ async def embeddings(request: web.Request) -> web.Response:
 
 
 async def list_models(request: web.Request) -> web.Response:
-    return json_response(ModelList([request.app[MODEL_KEY]]))
+    card = request.app[MODEL_KEY]
+    return json_response(ModelList([card] + [msgspec.structs.replace(card, id=name)
+                                             for name in request.app[ALIASES_KEY]]))
 
 
 async def get_model(request: web.Request) -> web.Response:
@@ -204,12 +206,14 @@ async def openapi(request: web.Request) -> web.Response:
 
 
 def build_app(engine: EngineClient, card: ModelCard, max_body_bytes: int,
-              api: ApiSpec | None = None, body_read_timeout_s: float = 60.0
-              ) -> web.Application:
+              api: ApiSpec | None = None, aliases: list[str] | None = None,
+              body_read_timeout_s: float = 60.0) -> web.Application:
     app = web.Application(middlewares=[error_middleware], client_max_size=max_body_bytes)
     app[BODY_TIMEOUT_KEY] = body_read_timeout_s
     app[ENGINE_KEY] = engine
     app[MODEL_KEY] = card
+    app[ALIASES_KEY] = list(aliases or [])
+    app[LOG_REQUESTS_KEY] = False
     app[API_KEY] = api or ApiSpec()
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model_id:.+}", get_model)

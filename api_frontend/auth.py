@@ -19,7 +19,7 @@ from api_frontend.errors import ApiError
 
 KEYS_ENV = "CANDOR_API_KEYS"  # newline-separated, set by the launcher for the frontends
 USER_ENVS = ("CANDOR_API_KEY", "VLLM_API_KEY")  # comma-separated, set by the operator
-OPS_ROUTES = frozenset({"/health", "/metrics", "/version"})
+OPS_ROUTES = frozenset({"/health", "/live", "/metrics", "/version"})
 
 
 def _clean(keys: Iterable[str]) -> list[str]:

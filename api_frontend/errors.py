@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 import msgspec
 from aiohttp import web
@@ -72,8 +73,14 @@ def from_decode_error(err: msgspec.MsgspecError) -> ApiError:
     return ApiError(400, f"Invalid request: {text}", param, "invalid_value")
 
 
-def check_served_model(card: ModelCard, name: str) -> None:
-    """404 naming what is served when a request asks for another model (no aliases)."""
-    if name != card.id:
-        raise ApiError(404, f"The model {name!r} does not exist on this deployment. "
-                       f"Served models: [{card.id!r}]", "model", "model_not_found")
+def check_served_model(card: ModelCard, name: str, aliases: Sequence[str] = ()) -> ModelCard:
+    """The card under the name the client used (the primary or one of the
+    ``--served-model-name`` aliases), so responses carry that name; 404 naming every
+    served name otherwise."""
+    if name == card.id:
+        return card
+    if name in aliases:
+        return msgspec.structs.replace(card, id=name)
+    served = ", ".join(repr(n) for n in (card.id, *aliases))
+    raise ApiError(404, f"The model {name!r} does not exist on this deployment. "
+                   f"Served models: [{served}]", "model", "model_not_found")

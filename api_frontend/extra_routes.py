@@ -66,10 +66,10 @@ async def render(request: web.Request, engine: EngineClient, card: ModelCard, ap
 
 
 async def tokenize(request: web.Request, engine: EngineClient, card: ModelCard,
-                   api: ApiSpec) -> web.Response:
+                   api: ApiSpec, aliases: list[str] = ()) -> web.Response:
     body = _decode(await request.read(), TokenizeRequest)
     if body.model is not None:
-        check_served_model(card, body.model)
+        check_served_model(card, body.model, aliases)
     if (body.prompt is None) == (body.messages is None):
         raise ApiError(400, "send exactly one of `prompt` or `messages`", "prompt",
                        "invalid_value")
@@ -108,10 +108,11 @@ async def tokenize(request: web.Request, engine: EngineClient, card: ModelCard,
                                   result.token_ids, result.token_strs))
 
 
-async def detokenize(request: web.Request, engine: EngineClient, card: ModelCard) -> web.Response:
+async def detokenize(request: web.Request, engine: EngineClient, card: ModelCard,
+                     aliases: list[str] = ()) -> web.Response:
     body = _decode(await request.read(), DetokenizeRequest)
     if body.model is not None:
-        check_served_model(card, body.model)
+        check_served_model(card, body.model, aliases)
     rid = f"detok-{uuid.uuid4().hex}"
     result = await _ask(engine, ipc.RenderReq(rid, engine.reply_to, token_ids=body.tokens))
     return _json(DetokenizeResponse(result.prompt_text))

@@ -32,6 +32,7 @@ _JSON = msgspec.json.Encoder()
 log = logging.getLogger("api_frontend")
 
 
+LOG_REQUESTS_KEY = web.AppKey("log_requests", bool)
 REQUEST_ID_KEY = "client_request_id"  # request[...]: the client's X-Request-Id, if sent
 
 
@@ -81,6 +82,11 @@ async def run_generation(request: web.Request, engine: EngineClient, card: Model
     tr: Translated = (chat_to_generate if is_chat else completion_to_generate)(
         parsed, rid, engine.reply_to, arrival, keys, api)
     reqs = tr.choice_reqs()
+    if request.app[LOG_REQUESTS_KEY]:
+        log.info("request %s (X-Request-Id %s): model %r, %d prompt(s), n=%d, max_tokens=%s, "
+                 "stream=%s, sampling %s", rid, client_request_id(request), card.id,
+                 len(tr.gens), tr.n, tr.gen.max_tokens, bool(parsed.stream),
+                 msgspec.json.encode(tr.gen.sampling).decode())
     max_waiting = engine.stats.max_waiting if engine.stats is not None else 0
     check_share(len(reqs), api.limits, max_waiting, "n" if len(tr.gens) == 1 else "prompt")
     full = engine.queue_full(len(reqs))

@@ -177,6 +177,13 @@ async def health_generate_route(request: web.Request) -> web.Response:
                               "latency_s": result.latency_s})
 
 
+async def live_route(request: web.Request) -> web.Response:
+    """Liveness: this frontend's event loop answers HTTP. It says nothing about the
+    engine (a loading or restarting engine is /health's 503), so a kubelet that probes it
+    restarts only a frontend that is really stuck."""
+    return web.json_response({"status": "live"})
+
+
 async def version_route(request: web.Request) -> web.Response:
     ops = request.app[OPS_KEY]
     return web.json_response({
@@ -192,5 +199,6 @@ def install_ops(app: web.Application, ops: Ops) -> None:
     app.middlewares.insert(0, ops_middleware)
     app.router.add_get("/metrics", metrics_route)
     app.router.add_get("/health", health_route)
+    app.router.add_get("/live", live_route)
     app.router.add_get("/health/generate", health_generate_route)
     app.router.add_get("/version", version_route)

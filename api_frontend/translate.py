@@ -207,7 +207,10 @@ def _report(raw_keys: Mapping[str, Any] | list[str],
         note = ignored[0]
         raise ApiError(400, f"`{note.field}` would be ignored ({note.reason}); strict mode "
                        "turns ignored fields into errors", note.field, "ignored_field")
-    return CandorReport(ignored=ignored, extensions=extensions, strict=strict)
+    defaults = [FieldNote(k, f"omitted; default from {api.sampling_defaults.source}", to=v)
+                for k, v in api.sampling_defaults.items().items() if k not in raw_keys]
+    return CandorReport(ignored=ignored, extensions=extensions, defaults=defaults,
+                        strict=strict)
 
 
 def _reject_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
@@ -275,15 +278,22 @@ def _check_prompt_logprobs(req: CompletionRequest | ChatCompletionRequest,
                        "prompt_logprobs", "invalid_value")
 
 
-def _sampling(req: CompletionRequest | ChatCompletionRequest) -> ipc.SamplingParams:
+def _sampling(req: CompletionRequest | ChatCompletionRequest,
+              report: CandorReport) -> ipc.SamplingParams:
+    """The request's sampling fields; one it omitted takes the deployment's default
+    (``report.defaults``, from the checkpoint's generation_config.json) where there is
+    one, else the API's."""
     logprobs, prompt_logprobs = _logprobs(req)
+    d = {note.field: note.to for note in report.defaults}
+    top_k = req.top_k if "top_k" not in d else d["top_k"]
     return ipc.SamplingParams(
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=-1 if req.top_k in (None, 0) else req.top_k,
+        temperature=d.get("temperature", 1.0 if req.temperature is None else req.temperature),
+        top_p=d.get("top_p", 1.0 if req.top_p is None else req.top_p),
+        top_k=-1 if top_k in (None, 0) else top_k,
         seed=req.seed, presence_penalty=req.presence_penalty,
-        frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
-        min_p=req.min_p, logit_bias=_logit_bias(req), logprobs=logprobs,
+        frequency_penalty=req.frequency_penalty,
+        repetition_penalty=d.get("repetition_penalty", req.repetition_penalty),
+        min_p=d.get("min_p", req.min_p), logit_bias=_logit_bias(req), logprobs=logprobs,
         prompt_logprobs=prompt_logprobs)
 
 
@@ -295,10 +305,12 @@ def _detok(req: CompletionRequest | ChatCompletionRequest) -> ipc.DetokParams:
 
 
 def _common(req: CompletionRequest | ChatCompletionRequest, rid: str, reply_to: str,
-            arrival: float, strict: bool) -> dict[str, Any]:
+            arrival: float, report: CandorReport) -> dict[str, Any]:
     _check_stream_options(req)
     _reject_unsupported(req)
-    return dict(rid=rid, reply_to=reply_to, sampling=_sampling(req), detok=_detok(req),
+    strict = report.strict
+    return dict(rid=rid, reply_to=reply_to, sampling=_sampling(req, report),
+                detok=_detok(req),
                 stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
                 min_tokens=req.min_tokens, arrival_time=arrival, priority=req.priority,
                 cache_salt=req.cache_salt, strict=strict)
@@ -342,7 +354,7 @@ def completion_to_generate(req: CompletionRequest, rid: str, reply_to: str, arri
     _check_prompt_logprobs(req, api)
     prompts = prompt_list(req)
     max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-    common = _common(req, rid, reply_to, arrival, report.strict)
+    common = _common(req, rid, reply_to, arrival, report)
     gens = [ipc.GenerateReq(prompt=p, max_tokens=max_tokens, echo_prompt=req.echo, **common)
             for p in prompts]
     return _translated(gens, req, report, req.echo)
@@ -385,5 +397,5 @@ def chat_to_generate(req: ChatCompletionRequest, rid: str, reply_to: str, arriva
         continue_final_message=req.continue_final_message,
         chat_template_kwargs=dict(req.chat_template_kwargs or {}),
         max_tokens=max_tokens, max_tokens_field=field, chat_template=req.chat_template,
-        **_common(req, rid, reply_to, arrival, report.strict))
+        **_common(req, rid, reply_to, arrival, report))
     return _translated([gen], req, report, req.echo)

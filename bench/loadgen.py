@@ -21,6 +21,7 @@ import random
 import statistics
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 import aiohttp
@@ -121,6 +122,8 @@ def summarize(results: list[RequestResult], wall_s: float) -> dict:
         summary[f"{name}_mean"] = statistics.fmean(values) if values else float("nan")
     if len(ok) != len(results):
         summary["first_error"] = next(r.error for r in results if not r.ok)
+        reasons = Counter(r.error for r in results if not r.ok)
+        summary["errors_by_reason"] = dict(reasons.most_common())
     return summary
 
 
@@ -147,6 +150,9 @@ async def run(base_url: str, model: str, workload: Workload) -> dict:
     return {"workload": asdict(workload), **summarize(results, wall)}
 
 
+MAX_REASONS_SHOWN = 8
+
+
 def format_table(summary: dict) -> str:
     rows = [("requests (errors)", f"{summary['requests']} ({summary['errors']})"),
             ("wall time", f"{summary['wall_s']:.2f} s"),
@@ -156,7 +162,16 @@ def format_table(summary: dict) -> str:
         rows.append((f"{label} p50/p90/p99", " / ".join(
             f"{summary[f'{name}_p{q}'] * 1000:.1f}" for q in (50, 90, 99)) + " ms"))
     width = max(len(r[0]) for r in rows)
-    return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
+    lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
+    reasons = summary.get("errors_by_reason", {})
+    if reasons:
+        lines.append(f"why {summary['errors']} requests failed:")
+        for i, (why, count) in enumerate(reasons.items()):
+            if i == MAX_REASONS_SHOWN:
+                lines.append(f"  ... and {len(reasons) - i} other reasons (--json lists all)")
+                break
+            lines.append(f"  {count:>5} x {why}")
+    return "\n".join(lines)
 
 
 def _range(text: str) -> tuple[int, int]:

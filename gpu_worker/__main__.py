@@ -30,20 +30,29 @@ def main() -> None:
     import torch  # only this role pays for torch
 
     torch.set_num_threads(cfg.engine.worker_threads or _default_threads())
+    from gpu_worker.kv_budget import resolve_device
     from gpu_worker.model_runner import ModelRunner
 
     eng = cfg.engine
+    device, device_why = resolve_device(eng.device)
+    log.info("device %s (%s); %d threads (%s)", device, device_why, torch.get_num_threads(),
+             f"--worker-threads {eng.worker_threads}" if eng.worker_threads
+             else "cores left after the other roles")
     started = time.perf_counter()
     runner = ModelRunner(
-        cfg.model_path, device=eng.device, dtype=cfg.dtype, block_size=eng.block_size,
-        num_blocks=eng.num_kv_blocks, kv_cache_memory_bytes=eng.kv_cache_memory_mb * 2**20,
+        cfg.model_path, device=device, dtype=cfg.dtype, block_size=eng.block_size,
+        num_blocks=eng.num_kv_blocks,
+        kv_cache_memory_bytes=eng.kv_cache_memory_mb * 2**20 if eng.kv_cache_memory_mb else None,
+        gpu_memory_utilization=eng.gpu_memory_utilization,
         max_model_len=effective_max_model_len(cfg.model_path, cfg.max_model_len),
         load_format=cfg.load_format, seed=eng.seed, enforce_eager=eng.enforce_eager,
         max_num_seqs=eng.max_num_seqs)
     runner.fault_token_id = eng.fault_token_id
-    log.info("model loaded in %.2fs, %d threads, %d KV blocks, dtype %s (%s)", time.perf_counter() - started,
-             torch.get_num_threads(), runner.num_blocks, str(runner.dtype).removeprefix("torch."),
-             runner.dtype_reason)
+    kv_mib = runner.num_blocks * runner.block_bytes / 2**20
+    log.info("model loaded in %.2fs, %d threads, dtype %s (%s); KV cache %d blocks = %.0f MiB "
+             "= %d tokens (%s)", time.perf_counter() - started, torch.get_num_threads(),
+             str(runner.dtype).removeprefix("torch."), runner.dtype_reason, runner.num_blocks,
+             kv_mib, runner.num_blocks * runner.block_size, runner.kv_reason)
 
     ctx = sync_context(cfg.security)
     plans: Receiver = Receiver(ctx, cfg.addresses.worker_in, ipc.WorkerInbound, bind=False)

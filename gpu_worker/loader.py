@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from gpu_worker.progress import Progress
+
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 
@@ -44,8 +46,10 @@ def load_weights(model: nn.Module, path: str | Path | None, load_format: str = "
     # Elements written so far per parameter, so we can prove full coverage at the end.
     written: dict[str, int] = {name: 0 for name in params}
     unknown: list[str] = []
+    files = safetensors_files(path)
+    progress = Progress("loading weights", sum(f.stat().st_size for f in files))
     with torch.no_grad():
-        for file in safetensors_files(path):
+        for file in files:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for hf_name in f.keys():
                     mapped = model.map_weight(hf_name)
@@ -61,6 +65,8 @@ def load_weights(model: nn.Module, path: str | Path | None, load_format: str = "
                         raise ValueError(f"{hf_name}: checkpoint shape {tuple(tensor.shape)} != {tuple(dst.shape)}")
                     dst.copy_(tensor)
                     written[target] += tensor.numel()
+                    progress.advance(tensor.numel() * tensor.element_size())
+    progress.finish()
     if unknown:
         raise ValueError(f"checkpoint tensors with no matching parameter: {unknown[:10]}")
     missing = [n for n, p in params.items() if written[n] != p.numel()]

@@ -19,9 +19,11 @@ import torch
 
 from gpu_worker import cpu_decode, cuda_graphs
 from gpu_worker.attention import GatherScratch, build_metadata, decode_group_blocks, select_backend
+from gpu_worker.kv_budget import auto_kv_bytes
 from gpu_worker.loader import load_weights
 from gpu_worker.model_config import ModelConfig, load_config
 from gpu_worker.models.registry import model_class
+from gpu_worker.progress import Progress
 from gpu_worker.request_state import RequestTracker
 from gpu_worker.sampler import Sampler
 from protocol import checkpoint
@@ -48,7 +50,8 @@ class ModelRunner:
         dtype: str = "float32",
         block_size: int = 16,
         num_blocks: int | None = None,
-        kv_cache_memory_bytes: int = 512 * 2**20,
+        kv_cache_memory_bytes: int | None = 512 * 2**20,
+        gpu_memory_utilization: float = 0.9,
         max_model_len: int | None = None,
         load_format: str = "auto",
         seed: int = 0,
@@ -76,6 +79,15 @@ class ModelRunner:
         elem = torch.empty((), dtype=self.dtype).element_size()
         self.block_bytes = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
         # The budget covers the scratch block too; an explicit count is the scheduler's.
+        if num_blocks is not None:
+            self.kv_reason = f"--num-kv-blocks {num_blocks}"
+        elif kv_cache_memory_bytes is not None:
+            self.kv_reason = f"{kv_cache_memory_bytes / 2**20:.0f} MiB asked for"
+        else:
+            blocks_per_seq = -(-self.max_model_len // block_size)
+            needed = (max_num_seqs * blocks_per_seq + 1) * self.block_bytes
+            kv_cache_memory_bytes, self.kv_reason = auto_kv_bytes(self.device, needed,
+                                                                  gpu_memory_utilization)
         self.num_blocks = num_blocks if num_blocks is not None else kv_cache_memory_bytes // self.block_bytes - 1
         if self.num_blocks < 1:
             raise ValueError(f"KV cache budget too small: two blocks need {2 * self.block_bytes} bytes")
@@ -84,7 +96,13 @@ class ModelRunner:
         # Zeros, not empty: padded decode slots are masked but still multiplied, and
         # uninitialised memory could hold NaN/inf.
         zeros = lambda: torch.zeros(shape, dtype=self.dtype, device=self.device)  # noqa: E731
-        self.kv_caches = [(zeros(), zeros()) for _ in range(cfg.num_layers)]
+        kv_bytes = (self.num_blocks + 1) * self.block_bytes  # every layer's K and V
+        progress = Progress("allocating the KV cache", kv_bytes)
+        self.kv_caches = []
+        for _ in range(cfg.num_layers):
+            self.kv_caches.append((zeros(), zeros()))
+            progress.advance(kv_bytes // cfg.num_layers)
+        progress.finish()
 
         # Layers whose attention differs (window, soft-cap) get their own backend plan.
         self.layer_kinds = [(layer.window, cfg.attn_softcap) for layer in cfg.layers]

@@ -28,6 +28,9 @@ PREFIX = "candor_"
 # Latency buckets in seconds: sub-millisecond CPU steps up to multi-minute generations.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                    10.0, 30.0, 60.0, 120.0, 300.0)
+# Token counts per request: 1 to 128k, roughly x2.5 apart (vLLM's 1-2-5 series)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000,
+                 100000, 200000)
 STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0,
                 5.0)
 
@@ -47,10 +50,8 @@ def process_exited(path: str, pid: int) -> None:
 
 
 def render(path: str) -> tuple[bytes, str]:
-    """The exposition text of every process that wrote into ``path``."""
-    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-    from prometheus_client.multiprocess import MultiProcessCollector
+    """The exposition text of every process that wrote into ``path``, labelled with the
+    model, plus vLLM's names and per-role process metrics (protocol/metrics_view.py)."""
+    from protocol.metrics_view import render_node
 
-    registry = CollectorRegistry()
-    MultiProcessCollector(registry, path=path)
-    return generate_latest(registry), CONTENT_TYPE_LATEST
+    return render_node(path)

@@ -139,11 +139,14 @@ class TemplateRef(msgspec.Struct):
 
 class CandorReport(msgspec.Struct, omit_defaults=True):
     """What Candor did with the request (the ``candor`` extension field and the
-    ``x-candor-adjustments`` header): clamps, ignored fields, extensions used, template."""
+    ``x-candor-adjustments`` header): clamps, ignored fields, extensions used, template,
+    and the sampling defaults the request took from the deployment (``defaults``: fields
+    it omitted, set from the checkpoint's generation_config.json)."""
 
     clamped: list[FieldNote] = []
     ignored: list[FieldNote] = []
     extensions: list[str] = []
+    defaults: list[FieldNote] = []
     chat_template: TemplateRef | None = None
     strict: bool = False
 

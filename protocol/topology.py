@@ -23,8 +23,14 @@ Port = Annotated[int, Meta(ge=1, le=65535)]
 
 
 class ModelSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``served_model_name``: one name or several (aliases; the first is the primary,
+    every one answers). ``generation_config``: where requests that omit a sampling
+    field get its default: auto (the checkpoint's generation_config.json), vllm or none
+    (the API's own defaults), or a directory holding a generation_config.json."""
+
     path: str
-    served_model_name: str | None = None
+    served_model_name: str | list[str] | None = None
+    generation_config: str = "auto"
     max_model_len: Annotated[int, Meta(ge=16)] | None = None
     dtype: Literal["auto", "half", "float16", "bfloat16", "float", "float32"] = "auto"
     load_format: Literal["auto", "dummy"] = "auto"
@@ -32,15 +38,28 @@ class ModelSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     def resolved_path(self) -> str:
         return os.path.abspath(os.path.expanduser(self.path))
 
+    def names(self) -> list[str]:
+        if isinstance(self.served_model_name, list) and self.served_model_name:
+            return list(self.served_model_name)
+        if isinstance(self.served_model_name, str) and self.served_model_name:
+            return [self.served_model_name]
+        return [os.path.basename(self.resolved_path().rstrip("/"))]
+
     def name(self) -> str:
-        return self.served_model_name or os.path.basename(self.resolved_path().rstrip("/"))
+        return self.names()[0]
 
 
 class EngineSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    device: str = "cpu"
+    """``device`` auto: CUDA when torch sees it, else CPU. KV cache size, first set wins:
+    ``num_kv_blocks``, ``kv_cache_memory_mb``, else sized from free memory (on CUDA,
+    ``gpu_memory_utilization`` of the device). ``worker_threads`` unset: the cores left
+    after this node's other processes (the launcher logs the figure)."""
+
+    device: str = "auto"
     block_size: Annotated[int, Meta(ge=1, le=256)] = 16
     num_kv_blocks: Annotated[int, Meta(ge=2)] | None = None
-    kv_cache_memory_mb: Annotated[int, Meta(ge=1)] = 512
+    kv_cache_memory_mb: Annotated[int, Meta(ge=1)] | None = None
+    gpu_memory_utilization: Annotated[float, Meta(gt=0.0, le=1.0)] = 0.9
     max_num_seqs: Annotated[int, Meta(ge=1)] = 64
     max_num_batched_tokens: Annotated[int, Meta(ge=16)] = 1024
     worker_threads: Annotated[int, Meta(ge=1)] | None = None
@@ -53,6 +72,16 @@ class EngineSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Test hook: a step that feeds this token id fails in the worker, exercising the
     # "failure after the stream started" path end to end. Never set in production.
     fault_token_id: int | None = None
+
+
+class CorsSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Cross-origin access for browser clients (vLLM's --allowed-origins etc.). No
+    origins: no CORS headers at all (vLLM allows every origin by default; Candor asks)."""
+
+    allowed_origins: list[str] = []
+    allowed_methods: list[str] = msgspec.field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = msgspec.field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
 
 
 class HttpSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -70,6 +99,14 @@ class HttpSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     body_read_timeout_s: Annotated[float, Meta(gt=0, le=3600)] = 60.0
     api_key_file: str | None = None
     protect_ops: bool = False
+    cors: CorsSpec = msgspec.field(default_factory=CorsSpec)
+    # aiohttp's own loggers (vLLM's --uvicorn-log-level); debug or trace also turns
+    # on the access log (one line per request)
+    server_log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = \
+        "warning"
+    log_requests: bool = False  # one log line per generation request (--enable-log-requests)
+    # /metrics also exports vLLM's metric names (vllm:...) derived at scrape time
+    metrics_compat: Literal["vllm", "none"] = "vllm"
 
 
 class CurveSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -137,6 +174,26 @@ class RequestLimits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     template_render_timeout_s: Annotated[float, Meta(gt=0.0, le=600.0)] = 2.0
 
 
+class SamplingDefaults(msgspec.Struct, forbid_unknown_fields=True, kw_only=True,
+                       omit_defaults=True):
+    """Values a request that omits the field gets instead of the API's default, and
+    where they came from (named in every response's report). The launcher fills these
+    from ``model.generation_config``; a topology file may also set them."""
+
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Meta(ge=-1)] | None = None
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=2.0)] | None = None
+    source: str = "topology"
+
+    def items(self) -> dict[str, float | int]:
+        return {k: v for k in SAMPLING_DEFAULT_FIELDS if (v := getattr(self, k)) is not None}
+
+
+SAMPLING_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
 class ApiSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """The deployment's API policy (issue 4); published by GET /v1/capabilities.
 
@@ -151,6 +208,7 @@ class ApiSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     chat_template: str | None = None
     allow_request_chat_template: bool = False
     limits: RequestLimits = msgspec.field(default_factory=RequestLimits)
+    sampling_defaults: SamplingDefaults = msgspec.field(default_factory=SamplingDefaults)
 
 
 class RoleCounts(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -238,6 +296,7 @@ class ProcessConfig(msgspec.Struct, kw_only=True):
     index: int
     model_path: str
     served_model_name: str
+    served_model_aliases: list[str] = []  # further names that answer, after the primary
     max_model_len: int | None
     dtype: str
     load_format: str
@@ -326,7 +385,8 @@ def process_configs(topology: Topology, run_dir: str, node: str | None = None,
         for index in range(count):
             configs.append(ProcessConfig(
                 role=role, index=index, model_path=model.resolved_path(),
-                served_model_name=model.name(), max_model_len=model.max_model_len,
+                served_model_name=model.name(), served_model_aliases=model.names()[1:],
+                max_model_len=model.max_model_len,
                 dtype=model.dtype, load_format=model.load_format, engine=topology.engine,
                 http=topology.http, addresses=addresses, node=placed_on,
                 nodes=[n.name for n in nodes], supervision=topology.supervision,

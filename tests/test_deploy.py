@@ -31,6 +31,13 @@ class HttpGet(msgspec.Struct):
 
 class Probe(msgspec.Struct):
     httpGet: HttpGet
+    periodSeconds: int = 10
+    failureThreshold: int = 3
+
+
+class Resources(msgspec.Struct):
+    requests: dict[str, str | int] = {}
+    limits: dict[str, str | int] = {}
 
 
 class ContainerPort(msgspec.Struct):
@@ -45,6 +52,8 @@ class Container(msgspec.Struct):
     ports: list[ContainerPort]
     livenessProbe: Probe
     readinessProbe: Probe
+    startupProbe: Probe | None = None
+    resources: Resources = msgspec.field(default_factory=Resources)
 
 
 class PodSpec(msgspec.Struct):
@@ -187,10 +196,19 @@ def test_kubernetes_manifests_agree_with_their_topology():
         assert services[spec.serviceName].clusterIP == "None"
         ports = {p.name: p.containerPort for p in container.ports if p.name}
         assert ports["metrics"] == nodes[node].metrics_port
-        assert container.livenessProbe.httpGet.path == "/health"
+        # model loading gets its own budget, so liveness can be strict after it
+        assert container.startupProbe is not None, name
+        startup = container.startupProbe
+        assert startup.periodSeconds * startup.failureThreshold >= 600, name
+        for key in ("cpu", "memory"):
+            assert key in container.resources.requests, (name, key)
+        assert "memory" in container.resources.limits, name
         if "api_frontend" in nodes[node].roles:
             assert ports["http"] == topology.http.port
-            assert container.readinessProbe.httpGet.path == "/health/generate"
+            # liveness asks only the frontend (a loading or restarting engine must not
+            # get healthy gateways restarted); readiness asks the whole topology
+            assert container.livenessProbe.httpGet.path == "/live"
+            assert container.readinessProbe.httpGet.path == "/health"
             assert pod.spec.terminationGracePeriodSeconds > topology.supervision.drain_timeout_s
         annotations = pod.metadata.annotations
         assert annotations["prometheus.io/scrape"] == "true"
@@ -264,3 +282,138 @@ async def test_every_dashboard_and_alert_query_uses_an_exported_metric(server):
     from api_frontend.metrics import FrontendMetrics  # noqa: F401 - declares stream errors
     assert "candor_stream_errors" in (REPO / "api_frontend" / "metrics.py").read_text()
     assert "candor_process_restarts" in (REPO / "launch_cluster.py").read_text()
+
+
+# ------------------------------------------------------------------ images and probes
+def test_images_build_from_source_only():
+    ignored = (REPO / ".dockerignore").read_text().split()
+    assert ".venv/" in ignored and ".git/" in ignored  # COPY . would take a GB otherwise
+    cpu = (DEPLOY / "kubernetes" / "Dockerfile").read_text()
+    cuda = (DEPLOY / "kubernetes" / "Dockerfile.cuda").read_text()
+    assert "whl/cpu" in cpu and "flashinfer" not in cpu
+    assert "whl/cu" in cuda and "pip install --no-cache-dir flashinfer-python" in cuda
+    assert "import flashinfer" in cuda  # the build fails when it cannot be imported
+    for text in (cpu, cuda):
+        assert "COPY . " not in text
+        for package in ("protocol", "api_frontend", "tokenizer_worker", "scheduler",
+                        "gpu_worker", "detokenizer"):
+            assert f"COPY {package} /app/{package}" in text, package
+
+
+def test_live_answers_without_the_engine(server):
+    status, body = server.get("/live")
+    assert status == 200 and json.loads(body)["status"] == "live"
+
+
+# ------------------------------------------------------------------ inference pool
+POOL = DEPLOY / "kubernetes" / "inference-pool" / "candor-pool.yaml"
+
+
+def _pool_metric_flags(docs: list[dict]) -> dict[str, str]:
+    (epp,) = [d for d in _by_kind(docs, "Deployment") if d["metadata"]["name"] == "candor-epp"]
+    args = epp["spec"]["template"]["spec"]["containers"][0]["args"]
+    return {a.split("=", 1)[0]: a.split("=", 1)[1] for a in args if a.endswith("-metric")
+            or "-metric=" in a}
+
+
+def test_inference_pool_manifests_fit_together():
+    docs = _docs(POOL)
+    (pool,) = _by_kind(docs, "InferencePool")
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    replicas = next(d for d in _by_kind(docs, "Deployment")
+                    if d["metadata"]["name"] == "candor-replica")
+    pod = replicas["spec"]["template"]
+    assert pool["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    container = msgspec.convert(pod["spec"]["containers"][0], Container)
+    ports = {p.containerPort for p in container.ports}
+    assert {p["number"] for p in pool["spec"]["targetPorts"]} <= ports
+    assert container.livenessProbe.httpGet.path == "/live"
+    assert container.readinessProbe.httpGet.path == "/health"
+    assert container.startupProbe is not None
+    # the pod runs a whole single-node topology
+    (config,) = _by_kind(docs, "ConfigMap")
+    topology = msgspec.yaml.decode(config["data"]["topology.yaml"], type=Topology)
+    check_topology(topology, check_model=False)
+    assert len(topology.effective_nodes()) == 1 and topology.http.port in ports
+    assert topology.http.host == "0.0.0.0"
+    # the picker the pool names exists and listens where the pool says
+    ref = pool["spec"]["endpointPickerRef"]
+    (svc,) = [d for d in _by_kind(docs, "Service") if d["metadata"]["name"] == ref["name"]]
+    assert ref["port"]["number"] in {p["port"] for p in svc["spec"]["ports"]}
+    (route,) = _by_kind(docs, "HTTPRoute")
+    backend = route["spec"]["rules"][0]["backendRefs"][0]
+    assert (backend["kind"], backend["name"]) == ("InferencePool", pool["metadata"]["name"])
+    flags = _pool_metric_flags(docs)
+    assert flags["--total-queued-requests-metric"] == "vllm:num_requests_waiting"
+    assert flags["--kv-cache-usage-percentage-metric"] == "vllm:kv_cache_usage_perc"
+
+
+def test_a_live_scrape_carries_what_the_endpoint_picker_reads(server):
+    """The model-server protocol: queued requests (gauge) and KV-cache utilisation (gauge,
+    0..1), under the names the EPP is configured with; present before any traffic."""
+    flags = _pool_metric_flags(_docs(POOL))
+    wanted = [v for v in flags.values() if v]
+    assert len(wanted) == 2
+    now = scrape(server)
+    for name in wanted:
+        family = now.families.get(name)
+        assert family is not None and family.type == "gauge", name
+        values = [s.value for s in family.samples if s.name == name]
+        assert values and all(v >= 0 for v in values), name
+    usage = now.value("vllm:kv_cache_usage_perc")
+    assert 0.0 <= usage <= 1.0
+
+
+# ------------------------------------------------------------------ grafana variables
+def _balanced(expr: str) -> bool:
+    pairs, stack = {")": "(", "]": "[", "}": "{"}, []
+    in_string = False
+    for ch in expr:
+        if ch == '"':
+            in_string = not in_string
+        elif in_string:
+            continue
+        elif ch in "([{":
+            stack.append(ch)
+        elif ch in pairs:
+            if not stack or stack.pop() != pairs[ch]:
+                return False
+    return not stack and not in_string
+
+
+def test_dashboard_filters_by_datasource_instance_and_model():
+    dash = json.loads((DEPLOY / "grafana" / "candor-dashboard.json").read_text())
+    variables = {v["name"]: v for v in dash["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+    for name in ("instance", "model_name"):
+        assert variables[name]["type"] == "query" and variables[name]["includeAll"]
+        assert variables[name]["datasource"]["uid"] == "${datasource}"
+    for panel in dash["panels"]:
+        assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
+        for target in panel["targets"]:
+            expr = target["expr"]
+            assert _balanced(expr), expr
+            for selector in re.findall(r"\bcandor_[a-z0-9_]+(\{[^}]*\})?", expr):
+                assert 'instance=~"$instance"' in selector, expr
+                assert 'model_name=~"$model_name"' in selector, expr
+
+
+def test_panels_over_failure_counters_show_zero_not_no_data():
+    """Counters with a label appear only after their first event (a mid-stream error, a
+    restart); until then the panel shows 0 rather than "no data"."""
+    dash = json.loads((DEPLOY / "grafana" / "candor-dashboard.json").read_text())
+    for panel in dash["panels"]:
+        for target in panel["targets"]:
+            if re.search(r"candor_(stream_errors|process_restarts|aborts)_total",
+                         target["expr"]):
+                assert target["expr"].rstrip().endswith("or vector(0)"), panel["title"]
+
+
+def test_alert_rules_parse():
+    rules = yaml.safe_load((DEPLOY / "prometheus" / "candor-alerts.yml").read_text())
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            assert _balanced(rule["expr"]), rule["alert"]
+            assert rule["labels"]["severity"] in ("page", "ticket", "warning", "critical")
+            assert rule["annotations"]["summary"], rule["alert"]
+            assert re.fullmatch(r"\d+[smh]", str(rule.get("for", "0s"))), rule["alert"]

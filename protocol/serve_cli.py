@@ -1,0 +1,307 @@
+"""``candor serve``'s flags and their mapping onto a ``Topology``.
+
+The flags are vLLM's wherever the meaning is the same (``candor serve MODEL``,
+``--served-model-name a b``, ``--gpu-memory-utilization``, ``--enable-prefix-caching``,
+``--generation-config`` ...), so a ``vllm serve`` command line moves over unchanged;
+docs/migrating-from-vllm.md lists every flag. A flag Candor does not have fails, naming
+the nearest one it does have. No process is started here and torch is not imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import os
+import re
+
+import msgspec
+
+from protocol.topology import Topology
+
+DEFAULT_MODEL_DIR = os.path.expanduser(
+    os.environ.get("CANDOR_MODEL_DIR", "~/.cache/candor/models/tiny-llama"))
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+SERVER_LOG_LEVELS = (*LOG_LEVELS, "trace")
+
+# vLLM flags whose job Candor does differently: the message says what to use instead.
+VLLM_ELSEWHERE = {
+    "--trust-remote-code": "Candor never runs code from a checkpoint; its model registry "
+                           "covers the architectures it serves (README, Models)",
+    "--tokenizer": "Candor reads the tokenizer from the checkpoint directory",
+    "--download-dir": "Candor does not download; it reads the Hugging Face cache "
+                      "(HF_HOME / HF_HUB_CACHE) or a checkpoint directory",
+    "--swap-space": "Candor preempts by recomputing; there is no CPU swap space",
+    "--kv-cache-dtype": "the KV cache uses the compute dtype (--dtype)",
+    "--quantization": "quantized checkpoints are not supported yet",
+    "--enable-lora": "LoRA adapters are not supported yet",
+}
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNIT = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
+         "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
+         "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '4GiB', '512MiB', '2G', '1073741824' (vLLM's --kv-cache-memory-bytes
+    spelling). A plain number is bytes."""
+    match = _SIZE.match(text)
+    unit = (match.group(2) or "").lower() if match else None
+    if match is None or unit not in _UNIT:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 4GiB, 512MiB, 2G)")
+    return int(float(match.group(1)) * _UNIT[unit])
+
+
+def _str_list(text: str) -> list[str]:
+    """vLLM passes lists as JSON ('["*"]'); a comma-separated list works too."""
+    text = text.strip()
+    if text.startswith("["):
+        try:
+            value = json.loads(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {err}") from None
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise argparse.ArgumentTypeError("expected a JSON list of strings")
+        return value
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+class ServeParser(argparse.ArgumentParser):
+    """Unknown flags name the nearest known flag (difflib), or where the job lives."""
+
+    def error(self, message: str):  # noqa: D102 - argparse's hook
+        match = re.search(r"unrecognized arguments: (.*)", message)
+        if match is None:  # one line, not the forty-line usage
+            self.exit(2, f"{self.prog}: error: {message}\n{self.prog}: see "
+                         "candor serve --help\n")
+        known = sorted(s for a in self._actions for s in a.option_strings
+                       if s.startswith("--"))
+        lines = []
+        after_flag = False
+        for arg in match.group(1).split():
+            flag = arg.split("=", 1)[0]
+            if not flag.startswith("-"):
+                if not after_flag:  # else: the unknown flag's value
+                    lines.append(f"unexpected argument {arg!r}")
+                after_flag = False
+                continue
+            after_flag = True
+            if flag in VLLM_ELSEWHERE:
+                lines.append(f"{flag} is a vLLM flag Candor does not take: "
+                             f"{VLLM_ELSEWHERE[flag]}")
+            else:
+                near = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+                hint = f"; did you mean {near[0]}?" if near else ""
+                lines.append(f"unknown flag {flag}{hint}")
+        self.exit(2, "".join(f"{self.prog}: error: {line}\n" for line in lines)
+                  + f"{self.prog}: the flags Candor takes: candor serve --help; "
+                    "from vLLM: docs/migrating-from-vllm.md\n")
+
+
+def normalize_argv(argv: list[str]) -> list[str]:
+    """vLLM accepts --max_model_len for --max-model-len; so does Candor."""
+    out = []
+    for arg in argv:
+        if arg.startswith("--") and "_" in arg.split("=", 1)[0]:
+            name, eq, value = arg.partition("=")
+            arg = name.replace("_", "-") + eq + value
+        out.append(arg)
+    return out
+
+
+def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
+    g = serve.add_argument_group("model (vLLM's names)")
+    g.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="a checkpoint directory or a Hugging Face repo id in the local HF "
+                        "cache (same as --model)")
+    g.add_argument("--model", default=None, help="as MODEL")
+    g.add_argument("--revision", default=None,
+                   help="the hub cache snapshot to serve (a branch, tag or commit)")
+    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the name(s) clients send as `model`; every name answers and "
+                        "responses carry the one the client used (default: MODEL)")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--dtype", default="auto",
+                   choices=["auto", "half", "float16", "bfloat16", "float", "float32"],
+                   help="auto: the checkpoint's dtype on CUDA, float32 on CPU")
+    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    g.add_argument("--generation-config", default="auto", metavar="auto|vllm|none|DIR",
+                   help="auto: requests that omit temperature/top_p/top_k/min_p/"
+                        "repetition_penalty get the checkpoint's generation_config.json "
+                        "values (named in the response's candor report); vllm or none: "
+                        "the API's defaults; DIR: that directory's generation_config.json")
+    g.add_argument("--seed", type=int, default=0, help="seed of the engine's sampler")
+
+    g = serve.add_argument_group("engine")
+    g.add_argument("--device", default="auto",
+                   help="auto (CUDA when torch sees it, else cpu), cpu, cuda or cuda:N")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="CUDA: the share of the device's memory Candor may fill (weights, "
+                        "activations and the KV cache)")
+    g.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", type=parse_size,
+                   default=None, metavar="SIZE",
+                   help="KV cache size (e.g. 4GiB); default: sized from free memory "
+                        "(CPU; also VLLM_CPU_KVCACHE_SPACE in GiB) or from "
+                        "--gpu-memory-utilization (CUDA)")
+    g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    g.add_argument("--worker-threads", type=int, default=None,
+                   help="gpu_worker threads (default: the cores left after the other roles)")
+    g.add_argument("--max-waiting-requests", type=int, default=1024,
+                   help="waiting-queue bound; past it requests get 503 (0: unbounded)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=True, help="reuse the KV blocks of shared prompt prefixes")
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help=argparse.SUPPRESS)
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs for decode steps (used only on CUDA with flashinfer)")
+    g.add_argument("--fault-token-id", type=int, default=None, help=argparse.SUPPRESS)
+
+    g = serve.add_argument_group("processes")
+    g.add_argument("--frontends", type=int, default=1)
+    g.add_argument("--tokenizer-workers", type=int, default=1)
+    g.add_argument("--detokenizers", type=int, default=1)
+
+    g = serve.add_argument_group("HTTP")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--max-body-mb", type=int, default=32)
+    g.add_argument("--api-key", action="append", default=[],
+                   help="require 'Authorization: Bearer KEY' (repeat or comma-separate "
+                        "for several; also CANDOR_API_KEY / VLLM_API_KEY)")
+    g.add_argument("--api-key-file", default=None, help="a file of API keys, one a line")
+    g.add_argument("--protect-ops", action="store_true",
+                   help="/health, /metrics and /version need an API key too")
+    g.add_argument("--allowed-origins", type=_str_list, default=[],
+                   help="CORS origins (JSON list or comma-separated; '[\"*\"]' for any); "
+                        "default: no CORS")
+    g.add_argument("--allowed-methods", type=_str_list, default=["*"])
+    g.add_argument("--allowed-headers", type=_str_list, default=["*"])
+    g.add_argument("--allow-credentials", action="store_true")
+    g.add_argument("--keepalive-timeout-s", type=float, default=75.0,
+                   help="close idle connections (and ones that never finish their "
+                        "request headers) after this long")
+    g.add_argument("--body-read-timeout-s", type=float, default=60.0,
+                   help="a request body must arrive within this long (408)")
+    g.add_argument("--drain-timeout-s", type=float, default=30.0,
+                   help="SIGTERM/Ctrl-C: how long in-flight requests may finish")
+
+    g.add_argument("--metrics-compat", default="vllm", choices=["vllm", "none"],
+                   help="vllm (default): /metrics also exports vLLM's metric names, so "
+                        "vLLM dashboards and alerts work; none: Candor's names only")
+
+    g = serve.add_argument_group("logging")
+    g.add_argument("--log-level", default=None, choices=LOG_LEVELS,
+                   help="every process's log level (default info; CANDOR_LOG_LEVEL)")
+    g.add_argument("--uvicorn-log-level", default="warning", choices=SERVER_LOG_LEVELS,
+                   help="the HTTP server's own log level; debug or trace adds an access log")
+    g.add_argument("--enable-log-requests", dest="log_requests", action="store_true",
+                   default=False, help="one log line per generation request")
+    g.add_argument("--disable-log-requests", dest="log_requests", action="store_false",
+                   help="no per-request log lines (the default)")
+    g.add_argument("--disable-log-stats", action="store_true",
+                   help="accepted for vLLM compatibility: Candor logs no periodic stats "
+                        "(they are on /metrics)")
+
+    g = serve.add_argument_group("API policy")
+    g.add_argument("--strict", action="store_true",
+                   help="every ignored or clamped request field is a 400 naming it")
+    g.add_argument("--max-tokens-policy", default="reject", choices=["reject", "clamp"],
+                   help="prompt + max_tokens beyond the context: 400 (reject) or clamp")
+    g.add_argument("--chat-template", default=None, metavar="PATH_OR_TEMPLATE",
+                   help="a Jinja chat template (a file, or the template itself) that "
+                        "replaces the checkpoint's")
+    g.add_argument("--allow-request-chat-template", action="store_true",
+                   help="accept a chat_template field in request bodies")
+    g.add_argument("--max-logprobs", type=int, default=None,
+                   help="most logprobs / top_logprobs alternatives per token (default 20); "
+                        "other request limits: the topology YAML's api.limits")
+    g.add_argument("--max-n", type=int, default=None, help="most choices per request")
+    g.add_argument("--max-prompts", type=int, default=None,
+                   help="most prompts in one /v1/completions request")
+    g.add_argument("--max-request-share", type=float, default=None,
+                   help="largest fraction of the waiting queue one request may fill")
+
+
+def serve_parser() -> ServeParser:
+    parser = ServeParser(prog="candor serve", allow_abbrev=False, description="Serve a checkpoint directory or "
+                         "a Hugging Face repo id from the local cache; the flags are vLLM's "
+                         "where the meaning is the same (docs/migrating-from-vllm.md).")
+    add_serve_arguments(parser)
+    return parser
+
+
+class ServeArgsError(Exception):
+    """The flags are individually fine but do not fit together."""
+
+
+def model_argument(args: argparse.Namespace) -> str:
+    if args.model_tag and args.model and args.model_tag != args.model:
+        raise ServeArgsError(f"MODEL {args.model_tag!r} and --model {args.model!r} differ; "
+                             "give one")
+    return args.model_tag or args.model or DEFAULT_MODEL_DIR
+
+
+def kv_cache_mb(args: argparse.Namespace, environ: dict[str, str]) -> int | None:
+    """--kv-cache-memory, else vLLM's VLLM_CPU_KVCACHE_SPACE (GiB), else None (auto)."""
+    if args.kv_cache_memory is not None:
+        return max(1, args.kv_cache_memory // 2**20)
+    space = environ.get("VLLM_CPU_KVCACHE_SPACE", "").strip()
+    if space and space != "0":
+        try:
+            return int(float(space) * 1024)
+        except ValueError:
+            raise ServeArgsError(f"VLLM_CPU_KVCACHE_SPACE={space!r} is not a number of "
+                                 "GiB") from None
+    return None
+
+
+def serve_topology(args: argparse.Namespace, model_path: str, default_name: str,
+                   environ: dict[str, str] | None = None) -> Topology:
+    """The flags as a topology, validated by the same constraints as a YAML file.
+    ``model_path``: the resolved checkpoint directory; ``default_name``: the served name
+    without --served-model-name (MODEL as given, like vLLM)."""
+    env = os.environ if environ is None else environ
+    names = args.served_model_name or [default_name]
+    return msgspec.convert({
+        "model": {"path": model_path,
+                  "served_model_name": names if len(names) > 1 else names[0],
+                  "max_model_len": args.max_model_len, "dtype": args.dtype,
+                  "load_format": args.load_format,
+                  "generation_config": args.generation_config},
+        "roles": {"api_frontend": args.frontends, "tokenizer_worker": args.tokenizer_workers,
+                  "detokenizer": args.detokenizers},
+        "engine": {"num_kv_blocks": args.num_kv_blocks, "max_num_seqs": args.max_num_seqs,
+                   "kv_cache_memory_mb": kv_cache_mb(args, env),
+                   "gpu_memory_utilization": args.gpu_memory_utilization,
+                   "max_num_batched_tokens": args.max_num_batched_tokens,
+                   "worker_threads": args.worker_threads, "seed": args.seed,
+                   "max_waiting_requests": args.max_waiting_requests,
+                   "enable_prefix_caching": args.enable_prefix_caching,
+                   "device": args.device, "enforce_eager": args.enforce_eager,
+                   "fault_token_id": args.fault_token_id},
+        "http": {"host": args.host, "port": args.port, "max_body_mb": args.max_body_mb,
+                 "keepalive_timeout_s": args.keepalive_timeout_s,
+                 "body_read_timeout_s": args.body_read_timeout_s,
+                 "api_key_file": args.api_key_file, "protect_ops": args.protect_ops,
+                 "cors": {"allowed_origins": args.allowed_origins,
+                          "allowed_methods": args.allowed_methods,
+                          "allowed_headers": args.allowed_headers,
+                          "allow_credentials": args.allow_credentials},
+                 "server_log_level": args.uvicorn_log_level,
+                 "log_requests": args.log_requests,
+                 "metrics_compat": args.metrics_compat},
+        # tokenizer workers hold no state: one that dies (or that its watchdog stops
+        # because a request got stuck) comes back, and only its requests fail
+        "supervision": {"drain_timeout_s": args.drain_timeout_s,
+                        "restart": ["tokenizer_worker"]},
+        "api": {"strict": args.strict, "max_tokens_policy": args.max_tokens_policy,
+                "chat_template": args.chat_template,
+                "allow_request_chat_template": args.allow_request_chat_template,
+                "limits": {name: value for name, value in (
+                    ("max_n", args.max_n), ("max_logprobs", args.max_logprobs),
+                    ("max_prompts", args.max_prompts),
+                    ("max_request_share", args.max_request_share)) if value is not None}},
+    }, Topology)
