@@ -189,7 +189,10 @@ async def version_route(request: web.Request) -> web.Response:
     return web.json_response({
         "version": VERSION, "model": ops.cfg.served_model_name,
         "python": platform.python_version(), "node": ops.cfg.node,
-        "frontend": ops.cfg.index, "started": int(ops.started)})
+        "frontend": ops.cfg.index, "started": int(ops.started),
+        # what --device / --dtype (auto by default) resolved to on the gpu_worker
+        "device": stats.worker_device if (stats := ops.engine.stats) else None,
+        "dtype": stats.worker_dtype if stats else None})
 
 
 def install_ops(app: web.Application, ops: Ops) -> None:

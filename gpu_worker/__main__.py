@@ -57,7 +57,9 @@ def main() -> None:
     ctx = sync_context(cfg.security)
     plans: Receiver = Receiver(ctx, cfg.addresses.worker_in, ipc.WorkerInbound, bind=False)
     results = Sender(ctx, cfg.addresses.worker_out)
-    results.send(ipc.WorkerReady(runner.num_blocks, runner.block_size, runner.max_model_len))
+    results.send(ipc.WorkerReady(runner.num_blocks, runner.block_size, runner.max_model_len,
+                                 device=str(runner.device),
+                                 dtype=str(runner.dtype).removeprefix("torch.")))
 
     last_sent = time.perf_counter()
     while not stop.is_set():

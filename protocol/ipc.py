@@ -233,6 +233,8 @@ class WorkerReady(_Message, tag="ready"):
     num_blocks: int
     block_size: int
     max_model_len: int
+    device: str = ""  # what --device / --dtype auto resolved to, for /version
+    dtype: str = ""
 
 
 class TokenLogprob(msgspec.Struct, array_like=True):
@@ -373,6 +375,8 @@ class SchedulerStats(_Message, tag="stats"):
     prefix_cache_queried_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
     step_in_flight_s: float = 0.0  # age of the step the worker is running, 0 when idle
+    worker_device: str = ""  # the device and dtype the gpu_worker computes in
+    worker_dtype: str = ""
 
 
 # One tagged union per receiving socket.

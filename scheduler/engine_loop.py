@@ -74,6 +74,7 @@ class EngineLoop:
         self.poller.register(self.from_worker.sock, zmq.POLLIN)
 
         self.planner: Planner | None = None
+        self.worker_ready: ipc.WorkerReady | None = None
         self.block_size = cfg.engine.block_size
         self.requests: dict[str, SchedRequest] = {}
         self.pending_aborts: dict[str, str] = {}
@@ -126,6 +127,7 @@ class EngineLoop:
     def _on_worker_ready(self, msg: ipc.WorkerReady) -> None:
         eng = self.cfg.engine
         self.block_size = msg.block_size
+        self.worker_ready = msg
         self.planner = Planner(BlockAllocator(msg.num_blocks), msg.block_size,
                                eng.max_num_seqs, eng.max_num_batched_tokens,
                                enable_prefix_caching=eng.enable_prefix_caching)
@@ -286,6 +288,8 @@ class EngineLoop:
             free_blocks=planner.allocator.num_free if planner else 0,
             total_blocks=planner.allocator.total if planner else 0,
             steps=self.step_id, worker_ready=planner is not None,
+            worker_device=self.worker_ready.device if self.worker_ready else "",
+            worker_dtype=self.worker_ready.dtype if self.worker_ready else "",
             max_waiting=self.max_waiting,
             cached_blocks=planner.allocator.num_cached if planner else 0,
             prefix_hit_blocks=planner.allocator.hits if planner else 0,

@@ -1,10 +1,9 @@
 """Other architectures through all five processes: greedy tokens equal HF transformers'.
 
-Each server start costs seconds on a small box, so this file serves a few checkpoints
-that together cover the switches the runner-level parity tests
-(``test_model_registry.py``) check one by one: a sliding window shorter than the
-context (Mistral), alternating windowed/global layers with soft-capping (Gemma 2), and
-a mixture of experts with q/k norms (Qwen3-MoE).
+Every architecture of ``tests/model_zoo.py`` is served once: three prompts (the longest
+near the advertised context, far past any sliding window) and one chat turn, each
+compared token for token with HF ``generate``. ``test_model_registry.py`` checks the
+same switches one by one at the runner level.
 """
 
 from __future__ import annotations
@@ -39,7 +38,7 @@ def _served(tmp_path_factory, tiny_model_dir, arch: str):
     return path, srv
 
 
-@pytest.fixture(scope="module", params=["mistral-window", "gemma2", "qwen3_moe"])
+@pytest.fixture(scope="module", params=sorted(model_zoo.ARCHS))
 def arch_server(request, tmp_path_factory, tiny_model_dir):
     path, srv = _served(tmp_path_factory, tiny_model_dir, request.param)
     try:
@@ -54,8 +53,13 @@ async def test_greedy_matches_hf_past_the_window(arch_server):
     arch, path, srv = arch_server
     status, body = srv.get("/v1/models")
     advertised = json.loads(body)["data"][0]["max_model_len"]
-    assert advertised == 512  # the config's context, not the window
-    prompts = _prompts(n_long=advertised - MAX_NEW - 1)
+    config = json.loads((path / "config.json").read_text())
+    assert advertised == config["max_position_embeddings"]  # the context, not the window
+    # longrope: past the original context HF's generate re-encodes the whole sequence with
+    # the long factors, which a paged cache cannot (Candor switches factors from that
+    # position on, as vLLM does), so token parity is checked inside the original context
+    longest = config.get("original_max_position_embeddings") or advertised
+    prompts = _prompts(n_long=longest - MAX_NEW - 1)
     hf = model_zoo.hf_model(path)
     async with aiohttp.ClientSession() as session:
         results = await asyncio.gather(*[
@@ -92,3 +96,16 @@ def test_unsupported_config_is_refused_before_any_process_starts(tmp_path, tiny_
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
     assert "hidden_act='relu2'" in lines[0] and "not supported" in lines[0]
+
+
+def test_version_names_the_resolved_device_and_dtype(server):
+    """--dtype auto (the default) on CPU computes in float32, and /version says so."""
+    import time
+
+    deadline = time.monotonic() + 10
+    while True:
+        version = json.loads(server.get("/version")[1])
+        if version.get("dtype") or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert version["device"] == "cpu" and version["dtype"] == "float32", version
