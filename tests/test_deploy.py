@@ -417,3 +417,27 @@ def test_alert_rules_parse():
             assert rule["labels"]["severity"] in ("page", "ticket", "warning", "critical")
             assert rule["annotations"]["summary"], rule["alert"]
             assert re.fullmatch(r"\d+[smh]", str(rule.get("for", "0s"))), rule["alert"]
+
+
+# Custom resources whose schemas are not part of Kubernetes itself (Prometheus operator,
+# Gateway API and its Inference Extension): checked by the structural tests above.
+_CRD_KINDS = {"PodMonitor", "InferencePool", "HTTPRoute"}
+
+
+def test_manifests_validate_against_the_kubernetes_schemas():
+    """Every built-in resource of the shipped manifests passes kubernetes-validate's strict
+    check (offline: the schemas ship in the package), so a typo'd or unknown field fails."""
+    import kubernetes_validate
+    import yaml
+
+    checked = set()
+    for path in sorted((DEPLOY / "kubernetes").rglob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if not doc:
+                continue
+            kind = doc["kind"]
+            if kind in _CRD_KINDS:
+                continue
+            kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
+            checked.add(kind)
+    assert {"Deployment", "StatefulSet", "Service", "ConfigMap"} <= checked, checked
