@@ -32,6 +32,7 @@ import msgspec
 
 import zmq
 
+from api_frontend.tool_parsers.resolve import resolve_tool_parser
 from protocol.health import STATUS_INTERVAL_S, ChildStatus, NodeStatus
 from protocol.metrics import ENV as METRICS_ENV
 from protocol.metrics import prepare_dir as prepare_metrics_dir
@@ -277,6 +278,7 @@ def launch(topology: Topology, node: str | None = None) -> int:
     spec = next(n for n in nodes if n.name == node)
     if topology.api.chat_template is not None and "tokenizer_worker" in spec.roles:
         _check_chat_template(topology)
+    topology = resolve_tool_parser(topology)
     run_dir = tempfile.mkdtemp(prefix="candor-")
     stop_requested = False
 
@@ -318,6 +320,7 @@ def _serve_topology(args: argparse.Namespace) -> Topology:
         "api": {"strict": args.strict, "max_tokens_policy": args.max_tokens_policy,
                 "chat_template": args.chat_template,
                 "allow_request_chat_template": args.allow_request_chat_template,
+                "tool_call_parser": None if args.tool_call_parser == "none" else args.tool_call_parser,
                 "limits": {name: value for name, value in (
                     ("max_n", args.max_n), ("max_logprobs", args.max_logprobs),
                     ("max_prompts", args.max_prompts),
@@ -364,6 +367,10 @@ def cli(argv: list[str] | None = None) -> int:
                             "replaces the checkpoint's")
     serve.add_argument("--allow-request-chat-template", action="store_true",
                        help="accept a chat_template field in request bodies")
+    serve.add_argument("--tool-call-parser", default="auto",
+                       help="how tool calls are read from text under tool_choice auto: "
+                            "hermes, llama3_json, mistral, deepseek_v31, granite, pythonic; "
+                            "auto (default) detects it from the chat template; none")
     serve.add_argument("--max-logprobs", type=int, default=None,
                        help="most logprobs / top_logprobs alternatives per token (default 20); "
                             "other request limits: the topology YAML's api.limits")

@@ -112,7 +112,7 @@ async def run_generation(request: web.Request, engine: EngineClient, card: Model
                       prompt_logprobs_k=parsed.prompt_logprobs)
         if is_chat:
             assembler = ChatAssembler(rid, int(arrival), card.id, parsed.return_token_ids,
-                                      echo_text=_chat_echo(parsed), **common)
+                                      echo_text=_chat_echo(parsed), tools=tr.tools, **common)
         else:
             echo = None
             if parsed.echo:
@@ -181,7 +181,9 @@ async def _stream(request: web.Request, engine: EngineClient, parsed, tr: Transl
                 if delta.text or delta.finish_reason is not None or (
                         assembler.with_ids and delta.token_ids) or (
                         assembler.logprobs and delta.logprobs):
-                    await response.write(sse(assembler.chunk(choice, delta, continuous)))
+                    chunk = assembler.chunk(choice, delta, continuous)
+                    if chunk is not None:
+                        await response.write(sse(chunk))
                 lasts[choice] = delta
             if delta.finish_reason is not None:
                 unfinished.discard(delta.rid)

@@ -19,6 +19,7 @@ import torch
 
 from gpu_worker import cpu_decode, cuda_graphs
 from gpu_worker.attention import GatherScratch, build_metadata, decode_group_blocks, select_backend
+from gpu_worker.grammar import GrammarStates
 from gpu_worker.llama import LlamaForCausalLM
 from gpu_worker.loader import load_weights
 from gpu_worker.model_config import ModelConfig, load_config
@@ -108,6 +109,7 @@ class ModelRunner:
         self.last_sampled: dict[str, int] = {}  # rid -> its latest token (fills placeholders)
         self.failed_last_step: set[str] = set()  # rids of the previous step, if it failed
         self.tracker = RequestTracker()  # token history (penalties) and prompt logprobs
+        self.grammars = GrammarStates(model_path, cfg.vocab_size)  # constrained decoding
         self.fault_token_id: int | None = None  # test hook, see EngineSpec.fault_token_id
         self.decode_graphs: cuda_graphs.DecodeGraphRunner | None = None
         if self.attn_backend is not None and not enforce_eager:
@@ -150,9 +152,11 @@ class ModelRunner:
             self.generators.pop(rid, None)
             self.last_sampled.pop(rid, None)
             self.tracker.release(rid)
+            self.grammars.release(rid)
         for rid, params in plan.new_sampling.items():
             old = self.sampling.get(rid)
             self.sampling[rid] = params
+            self.grammars.register(rid, params)
             # Same params again (e.g. after preemption): keep the seeded stream going.
             if old != params:
                 self.generators.pop(rid, None)
@@ -225,6 +229,7 @@ class ModelRunner:
             positions.extend(range(s.start_pos, s.start_pos + len(s.token_ids)))
             last_row[id(s)] = len(ids) - 1
             self.tracker.observe(s, self.sampling.get(s.rid))
+            self.grammars.observe(s, self.sampling.get(s.rid))
         vocab = self.config.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise ValueError(f"token id outside vocabulary [0, {vocab})")
@@ -259,11 +264,15 @@ class ModelRunner:
         rows = torch.tensor([last_row[id(s)] for s in to_sample], dtype=torch.long, device=dev)
         logits = self.model.compute_logits(hidden[rows])
         params = [self.sampling[s.rid] for s in to_sample]
+        rids = [s.rid for s in to_sample]
+        masked = self.grammars.constrained(rids)
+        masks = (masked, self.grammars.masks([rids[i] for i in masked])) if masked else None
         tokens, token_lps = self.sampler.sample(
             logits,
             params,
             [self.generators.get(s.rid) for s in to_sample],
             [self.tracker.history(s.rid, p) for s, p in zip(to_sample, params)],
+            masks,
         )
         for s, token in zip(to_sample, tokens):
             self.last_sampled[s.rid] = token

@@ -98,6 +98,10 @@ class ApiSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     chat_template: str | None = None
     allow_request_chat_template: bool = False
     limits: RequestLimits = msgspec.field(default_factory=RequestLimits)
+    # Tool calls under tool_choice auto: a parser name, "auto" (detected from the chat
+    # template at launch, which writes the outcome here) or None (auto is a 400).
+    tool_call_parser: str | None = None
+    tool_call_parser_source: str | None = None  # flag | detected from <template> | ...
 
 
 class RoleCounts(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

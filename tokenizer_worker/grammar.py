@@ -1,0 +1,93 @@
+"""Client constraints -> llguidance grammars, checked before anything is scheduled.
+
+llguidance is Candor's one grammar engine (see the README for why and what it costs).
+The tokenizer worker turns a ``GuidedSpec`` into the engine's grammar text, and compiles
+it against the model's vocabulary so a grammar the engine cannot enforce (an unsupported
+JSON-schema keyword, a regex it cannot compile) is a 400 naming the field, before
+generation, never a silently partial constraint. Results are cached by a hash of the spec.
+The gpu_worker builds its matchers from the same text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import OrderedDict
+
+import llguidance
+
+from protocol.ipc import GuidedSpec
+
+_CACHE_SIZE = 256
+# Compact JSON: one spelling per value, so output never wanders into unbounded whitespace.
+JSON_DEFAULTS = {"whitespace_flexible": False}
+
+
+class GrammarError(Exception):
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def build_tokenizer(tokenizer_json: str, vocab_size: int, eos_ids: list[int]
+                    ) -> llguidance.LLTokenizer:
+    """The engine's view of the vocabulary: the model's rows (masks are that wide) and
+    every end-of-sequence id (allowed once the grammar is complete)."""
+    return llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_ids))
+
+
+def grammar_text(spec: GuidedSpec) -> str:
+    """The llguidance grammar for one spec; ValueError for a malformed one."""
+    if spec.kind == "json_schema":
+        schema = json.loads(spec.spec)
+        if not isinstance(schema, dict):
+            raise ValueError("a JSON schema must be an object")
+        return llguidance.LLMatcher.grammar_from_json_schema(spec.spec, defaults=JSON_DEFAULTS)
+    if spec.kind == "json_object":
+        return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}',
+                                                            defaults=JSON_DEFAULTS)
+    if spec.kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(spec.spec)
+    if spec.kind == "choice":
+        return llguidance.grammar_from("choice", spec.spec)
+    return llguidance.grammar_from("grammar", spec.spec)
+
+
+class GrammarCompiler:
+    def __init__(self, tokenizer: llguidance.LLTokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._cache: OrderedDict[str, str | GrammarError] = OrderedDict()
+
+    def compile(self, spec: GuidedSpec) -> str:
+        """The grammar text the worker will enforce, or GrammarError naming the field."""
+        key = hashlib.sha256(f"{spec.kind}\0{spec.spec}".encode()).hexdigest()
+        got = self._cache.get(key)
+        if got is None:
+            got = self._compile(spec)
+            self._cache[key] = got
+            if len(self._cache) > _CACHE_SIZE:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(key)
+        if isinstance(got, GrammarError):
+            raise GrammarError(str(got), got.param)
+        return got
+
+    def _compile(self, spec: GuidedSpec) -> str | GrammarError:
+        what = {"json_schema": "JSON schema", "json_object": "JSON object constraint",
+                "regex": "regular expression", "choice": "choice list",
+                "grammar": "grammar"}[spec.kind]
+        try:
+            grammar = grammar_text(spec)
+            failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+                grammar, self.tokenizer)
+            if not failed:
+                matcher = llguidance.LLMatcher(self.tokenizer, grammar)
+                failed, messages = matcher.is_error(), [matcher.get_error()]
+        except (ValueError, TypeError) as err:
+            failed, messages = True, [str(err)]
+        if not failed:
+            return grammar
+        detail = "; ".join(m for m in messages if m) or "rejected by the grammar engine"
+        return GrammarError(f"`{spec.field}`: this {what} cannot be enforced by Candor's "
+                            f"grammar engine (llguidance): {detail}", spec.field)
