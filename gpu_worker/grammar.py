@@ -44,6 +44,7 @@ class GrammarStates:
         self._ready.start()
         self._prototypes: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._states: dict[str, _State] = {}
+        self._special: torch.Tensor | None = None  # special ids other than end-of-sequence
 
     def _build(self, model_path: str) -> None:
         try:
@@ -59,6 +60,12 @@ class GrammarStates:
         self._ready.join()
         if self._tokenizer is None:
             raise RuntimeError(f"constrained decoding is unavailable: {self._error}")
+        if self._special is None:
+            tok = self._tokenizer
+            eos = set(tok.eos_tokens)
+            self._special = torch.tensor([i for i in range(min(tok.vocab_size, self.vocab_size))
+                                          if tok.is_special_token(i) and i not in eos],
+                                         dtype=torch.long)
         return self._tokenizer
 
     def register(self, rid: str, params: SamplingParams) -> None:
@@ -115,14 +122,36 @@ class GrammarStates:
         rid, from each matcher's current state."""
         bitmask = llg_torch.allocate_token_bitmask(len(rids), self.vocab_size)
         for row, rid in enumerate(rids):
+            llg_torch.fill_next_token_bitmask(self._states[rid].matcher, bitmask, row)
+        self._check_special(rids, bitmask)
+        for row, rid in enumerate(rids):
             matcher = self._states[rid].matcher
-            llg_torch.fill_next_token_bitmask(matcher, bitmask, row)
-            if matcher.is_error():  # cannot happen for a grammar that compiled; end cleanly
-                log.error("%s: grammar matcher failed: %s", rid, matcher.get_error())
+            if matcher.is_error() or not bitmask[row].any():
+                # cannot happen for a grammar that compiled: end the sequence cleanly
+                # rather than fail the step (and every other request in it)
+                log.error("%s: grammar allows no token: %s", rid, matcher.get_error())
                 bitmask[row] = 0
                 for eos in self.tokenizer().eos_tokens:
-                    bitmask[row, eos // 32] |= 1 << (eos % 32)
+                    bitmask[row, eos // 32] |= _int32(1 << (eos % 32))
         return bitmask
+
+    def _check_special(self, rids: list[str], bitmask: torch.Tensor) -> None:
+        """The engine's mask can allow a special token where the grammar spells its text,
+        which the matcher then refuses: such bits are cleared (cheap: few special ids)."""
+        special = self._special
+        if special is None or not len(special):
+            return
+        words = bitmask[:, special // 32]
+        bits = (words >> (special % 32).to(torch.int32)) & 1
+        for row, k in bits.nonzero().tolist():
+            token = int(special[k])
+            if self._states[rids[row]].matcher.validate_tokens([token]) == 0:
+                bitmask[row, token // 32] &= _int32(~(1 << (token % 32)))
+
+
+def _int32(value: int) -> int:
+    """``value``'s low 32 bits as a signed int32 (bitmask words are int32)."""
+    return (value + 2**31) % 2**32 - 2**31
 
 
 def apply_masks(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
