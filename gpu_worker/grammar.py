@@ -17,6 +17,9 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
 
 import llguidance
 import llguidance.torch as llg_torch
@@ -45,6 +48,9 @@ class GrammarStates:
         self._prototypes: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._states: dict[str, _State] = {}
         self._special: torch.Tensor | None = None  # special ids other than end-of-sequence
+        # masks are computed here while the model runs the step's forward pass (the
+        # engine releases the GIL); one thread, so matchers are never used concurrently
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
 
     def _build(self, model_path: str) -> None:
         try:
@@ -117,6 +123,10 @@ class GrammarStates:
         """Indexes of ``rids`` that have a grammar."""
         return [i for i, rid in enumerate(rids) if rid in self._states]
 
+    def masks_soon(self, rids: list[str]) -> Future:
+        """``masks(rids)`` on the mask thread; call after this step's ``observe``s."""
+        return self._pool.submit(self.masks, rids)
+
     def masks(self, rids: list[str]) -> torch.Tensor:
         """Packed allowed-token bitmasks ([len(rids), ceil(vocab/32)] int32), one row per
         rid, from each matcher's current state."""
@@ -154,11 +164,19 @@ def _int32(value: int) -> int:
     return (value + 2**31) % 2**32 - 2**31
 
 
+def disallowed(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Packed int32 words -> [rows, vocab] bool, True where the token is NOT allowed
+    (bit j of word w is token 32 w + j). numpy's unpackbits and a bool view of its 0/1
+    bytes cost microseconds where shifting int32 tensors or ``.bool()`` cost milliseconds."""
+    bits = np.unpackbits(~bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
+    return torch.from_numpy(bits).view(torch.bool)[:, :vocab]
+
+
 def apply_masks(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
     """Disallowed tokens of ``rows`` to -inf, in place."""
+    drop = disallowed(bitmask, logits.shape[1]).to(logits.device)
     if len(rows) == logits.shape[0]:
-        llg_torch.apply_token_bitmask_inplace(logits, bitmask.to(logits.device))
+        logits.masked_fill_(drop, float("-inf"))
         return
-    sub = logits[rows]
-    llg_torch.apply_token_bitmask_inplace(sub, bitmask.to(logits.device))
-    logits[rows] = sub
+    index = torch.tensor(rows, device=logits.device)
+    logits[index] = logits[index].masked_fill(drop, float("-inf"))

@@ -12,8 +12,10 @@ backend can be captured (flashinfer) and ``enforce_eager`` is off.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -39,6 +41,19 @@ _DTYPES = {
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
 }
+
+
+@dataclass
+class _Batch:
+    """One step's sequences in forward order (prefill chunks, then decodes by length)."""
+
+    ordered: list[SeqChunk]
+    prefills: list[SeqChunk]
+    decodes: list[SeqChunk]
+    ids: list[int]
+    positions: list[int]
+    last_row: dict[int, int]  # id(seq) -> row of its last token
+    to_sample: list[SeqChunk]  # plan order
 
 
 def resolve_dtype(name: str, cfg: ModelConfig) -> torch.dtype:
@@ -235,7 +250,24 @@ class ModelRunner:
             raise ValueError(f"token id outside vocabulary [0, {vocab})")
         if self.fault_token_id is not None and self.fault_token_id in ids:
             raise RuntimeError(f"injected fault: token {self.fault_token_id} was fed")
+        to_sample = [s for s in seqs if s.sample]  # plan order
+        rids = [s.rid for s in to_sample]
+        masked = self.grammars.constrained(rids)
+        batch = _Batch(ordered, prefills, decodes, ids, positions, last_row, to_sample)
+        if not masked:
+            return self._run(batch, None)
+        # grammar masks are built on their thread while the model runs
+        pending = self.grammars.masks_soon([rids[i] for i in masked])
+        try:
+            return self._run(batch, (masked, pending))
+        finally:
+            concurrent.futures.wait([pending])  # never leave a matcher in use
 
+    def _run(self, batch: _Batch, pending: tuple[list[int], concurrent.futures.Future] | None
+             ) -> tuple[list[int], list[SampleLogprobs | None]]:
+        ordered, prefills, decodes = batch.ordered, batch.prefills, batch.decodes
+        ids, positions, last_row, to_sample = (batch.ids, batch.positions, batch.last_row,
+                                               batch.to_sample)
         dev = self.device
         chunks = [(s.start_pos, len(s.token_ids), s.block_table) for s in ordered]
         if not prefills and self.decode_graphs is not None and self.decode_graphs.fits(len(decodes)):
@@ -258,15 +290,12 @@ class ModelRunner:
                 last = last_row[id(s)]
                 chunk_logits = self.model.compute_logits(hidden[last - len(s.token_ids) + 1:last + 1])
                 self.tracker.add_prompt_logprobs(s, params, chunk_logits)
-        to_sample = [s for s in seqs if s.sample]  # plan order
         if not to_sample:
             return [], []
         rows = torch.tensor([last_row[id(s)] for s in to_sample], dtype=torch.long, device=dev)
         logits = self.model.compute_logits(hidden[rows])
         params = [self.sampling[s.rid] for s in to_sample]
-        rids = [s.rid for s in to_sample]
-        masked = self.grammars.constrained(rids)
-        masks = (masked, self.grammars.masks([rids[i] for i in masked])) if masked else None
+        masks = (pending[0], pending[1].result()) if pending is not None else None
         tokens, token_lps = self.sampler.sample(
             logits,
             params,
