@@ -46,8 +46,8 @@ async def measure(base_url: str, model: str, concurrency: int, items: int,
         wall = sum(r["wall_s"] for r in runs)
         summary[name] = {"output_tokens": tokens, "wall_s": round(wall, 2),
                          "output_tokens_per_s": round(tokens / wall, 1),
-                         "itl_ms_p50": round(1000 * sorted(r["itl_s_p50"] for r in runs)[
-                             len(runs) // 2], 2)}
+                         **{f"{k}_ms_p50": round(1000 * sorted(r[f"{k}_s_p50"] for r in runs)[
+                             len(runs) // 2], 2) for k in ("ttft", "itl", "e2e")}}
     free, con = summary["free"]["output_tokens_per_s"], summary["json_schema"]["output_tokens_per_s"]
     summary["cost_percent"] = round(100 * (1 - con / free), 1)
     return summary
