@@ -19,6 +19,7 @@ import msgspec
 from api_frontend import tool_parsers
 from api_frontend.errors import ApiError
 from api_frontend.tool_parsers import NamedCallParser, RequiredCallsParser, ToolParser
+from protocol import ipc
 from protocol.ipc import GuidedSpec
 from protocol.openai_api import ChatCompletionRequest
 from protocol.topology import ApiSpec
@@ -125,3 +126,29 @@ def tool_plan(req: ChatCompletionRequest, api: ApiSpec) -> ToolPlan:
         plan.guided = GuidedSpec("json_schema", json.dumps(
             _required_schema(schemas, parallel), ensure_ascii=False), "tools")
     return plan
+
+
+class FirstCallCut:
+    """``parallel_tool_calls: false`` under ``tool_choice: auto``: generation stops at the
+    end of the first complete call. Each delta of a choice goes through ``cut``; the one
+    that completes the first call comes back trimmed to the call's end and finished (the
+    caller aborts the sequence), so no later call is generated or billed."""
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self.plan = plan
+        self.texts: dict[str, str] = {}
+
+    @staticmethod
+    def applies(plan: ToolPlan | None) -> bool:
+        return plan is not None and plan.mode == "auto" and not plan.parallel
+
+    def cut(self, delta: ipc.TextDelta) -> ipc.TextDelta | None:
+        if delta.finish_reason is not None:
+            return None
+        before = self.texts.get(delta.rid, "")
+        text = self.texts[delta.rid] = before + delta.text
+        view = self.plan.parser().scan(text, False)
+        if not view.calls or not view.calls[0].done or view.calls[0].end is None:
+            return None
+        keep = max(0, view.calls[0].end - len(before))
+        return msgspec.structs.replace(delta, text=delta.text[:keep], finish_reason="stop")

@@ -191,3 +191,24 @@ def test_assistant_tool_calls_and_tool_results_render(client):
     r = client.chat.completions.create(model="tiny-llama", messages=messages, tools=TOOLS,
                                        tool_choice="none", max_tokens=4)
     assert r.choices[0].message.tool_calls is None
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_parallel_false_under_auto_stops_after_the_first_call(client, stream):
+    """The regex makes the model write two calls; parallel_tool_calls false keeps one and
+    bills only the tokens up to the end of the first."""
+    regex = HERMES_REGEX.replace(")?", ")")  # the second call is no longer optional
+    kwargs = dict(model="tiny-llama", messages=MESSAGES, tools=TOOLS, max_tokens=300, seed=4,
+                  extra_body={"guided_regex": regex})
+    both = client.chat.completions.create(**kwargs)
+    assert len(both.choices[0].message.tool_calls) == 2
+    kwargs["parallel_tool_calls"] = False
+    if stream:
+        content, calls, finish = _streamed(client, **kwargs)
+        assert content == "Sure." and finish == "tool_calls"
+        assert [c[1] for c in calls.values()] == ["get_weather"]
+        return
+    one = client.chat.completions.create(**kwargs)
+    assert [c.function.name for c in one.choices[0].message.tool_calls] == ["get_weather"]
+    assert one.choices[0].finish_reason == "tool_calls"
+    assert one.usage.completion_tokens < both.usage.completion_tokens

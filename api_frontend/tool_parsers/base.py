@@ -22,6 +22,7 @@ class CallView(msgspec.Struct):
     name: str | None  # None until the whole name has arrived
     arguments: str  # JSON text: the exact text the model wrote, or the re-encoded object
     done: bool = False
+    end: int | None = None  # index in the text just past the call, once it is complete
 
 
 class ScanView(msgspec.Struct):
@@ -129,6 +130,7 @@ def json_sequence(text: str, at: int, final: bool, sep: str, close: str | None,
         calls.append(call)
         if end is None:
             return calls, None, False
+        call.end = end
         m = re.compile(r"\s*(" + re.escape(sep) + r")?\s*").match(text, end)
         pos = m.end()
         if close is not None and text.startswith(close, pos):

@@ -40,6 +40,7 @@ class DeepSeekV31Parser(ToolParser):
                     args = args[:len(args) - held(args, (CALL_END,))]
                 calls.append(CallView(text[name_at:sep].strip(), args, final))
                 break
-            calls.append(CallView(text[name_at:sep].strip(), text[args_at:end], True))
+            calls.append(CallView(text[name_at:sep].strip(), text[args_at:end], True,
+                                  end + len(CALL_END)))
             pos = end + len(CALL_END)
         return ScanView(text[:i] + after, calls)

@@ -37,6 +37,8 @@ class HermesParser(ToolParser):
             else:
                 call, _ = got
                 call.done = call.done or closed
+                if closed:
+                    call.end = j + len(self.end)
                 calls.append(call)
             if not closed:
                 break
