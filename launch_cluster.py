@@ -321,6 +321,7 @@ def _serve_topology(args: argparse.Namespace) -> Topology:
                 "chat_template": args.chat_template,
                 "allow_request_chat_template": args.allow_request_chat_template,
                 "tool_call_parser": None if args.tool_call_parser == "none" else args.tool_call_parser,
+                "reasoning_parser": None if args.reasoning_parser == "none" else args.reasoning_parser,
                 "limits": {name: value for name, value in (
                     ("max_n", args.max_n), ("max_logprobs", args.max_logprobs),
                     ("max_prompts", args.max_prompts),
@@ -371,6 +372,9 @@ def cli(argv: list[str] | None = None) -> int:
                        help="how tool calls are read from text under tool_choice auto: "
                             "hermes, llama3_json, mistral, deepseek_v31, granite, pythonic; "
                             "auto (default) detects it from the chat template; none")
+    serve.add_argument("--reasoning-parser", default="auto",
+                       help="<think> blocks -> reasoning_content: qwen3, deepseek_r1; auto "
+                            "(default) detects it from the chat template where clear; none")
     serve.add_argument("--max-logprobs", type=int, default=None,
                        help="most logprobs / top_logprobs alternatives per token (default 20); "
                             "other request limits: the topology YAML's api.limits")

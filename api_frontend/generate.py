@@ -113,7 +113,8 @@ async def run_generation(request: web.Request, engine: EngineClient, card: Model
                       prompt_logprobs_k=parsed.prompt_logprobs)
         if is_chat:
             assembler = ChatAssembler(rid, int(arrival), card.id, parsed.return_token_ids,
-                                      echo_text=_chat_echo(parsed), tools=tr.tools, **common)
+                                      echo_text=_chat_echo(parsed), tools=tr.tools,
+                                      reasoning_parser=tr.reasoning, **common)
         else:
             echo = None
             if parsed.echo:

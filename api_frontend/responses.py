@@ -11,6 +11,7 @@ from __future__ import annotations
 import msgspec
 from msgspec import UNSET
 
+from api_frontend import reasoning
 from api_frontend.tool_parsers.stream import ToolCallStream, parse_whole
 from api_frontend.tools import ToolPlan
 from protocol import ipc
@@ -226,22 +227,31 @@ class ChatAssembler(_Assembler):
     ``tool_calls`` deltas (see ``tool_parsers.stream``)."""
 
     def __init__(self, *args, echo_text: str | None = None, tools: ToolPlan | None = None,
-                 **kwargs) -> None:
+                 reasoning_parser: str | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.echo_text = echo_text  # the final assistant message, when echo is on
         self.tools = tools
+        self.reasoning_parser = reasoning_parser
         self._streams: dict[int, ToolCallStream] = {}
+        self._thinking: dict[int, reasoning.ReasoningStream] = {}
 
     @property
     def parses_tools(self) -> bool:
         return self.tools is not None and self.tools.mode != "none"
 
     def _message(self, got: Collected) -> tuple[AssistantMessage, str | None]:
-        reason = got.last.finish_reason
+        reason, text, thought = got.last.finish_reason, got.text, UNSET
+        if self.reasoning_parser is not None:
+            thought, text = reasoning.get(self.reasoning_parser).split(text, True)
+            thought = thought or UNSET
         if not self.parses_tools:
-            return AssistantMessage((self.echo_text or "") + got.text), reason
-        result = parse_whole(self.tools.parser(), got.text)
-        return (AssistantMessage(result.content, tool_calls=result.calls or UNSET),
+            content = (self.echo_text or "") + text
+            if thought is not UNSET and not content:
+                content = None  # the whole reply was reasoning
+            return AssistantMessage(content, reasoning_content=thought), reason
+        result = parse_whole(self.tools.parser(), text)
+        return (AssistantMessage(result.content, tool_calls=result.calls or UNSET,
+                                 reasoning_content=thought),
                 _tool_finish(reason, bool(result.calls)))
 
     def final(self, choices: list[Collected]) -> ChatCompletionResponse:
@@ -267,15 +277,26 @@ class ChatAssembler(_Assembler):
         """None when there is nothing to send yet (text held back as a possible tag)."""
         lp = chat_logprobs(delta.logprobs or []) if self.logprobs else None
         reason = delta.finish_reason
-        if self.parses_tools:
-            stream = self._streams.get(index)
-            if stream is None:
-                stream = self._streams[index] = ToolCallStream(self.tools.parser())
-            content, calls = stream.feed(delta.text, final=reason is not None)
-            message = ChatDelta(content=content or None, tool_calls=calls or None)
-            reason = _tool_finish(reason, stream.made_calls)
-            if (not content and not calls and reason is None and not with_usage
-                    and not (lp and lp.content) and not (self.with_ids and delta.token_ids)):
+        if self.parses_tools or self.reasoning_parser is not None:
+            text, thought = delta.text, ""
+            if self.reasoning_parser is not None:
+                thinking = self._thinking.get(index)
+                if thinking is None:
+                    thinking = self._thinking[index] = reasoning.ReasoningStream(
+                        reasoning.get(self.reasoning_parser))
+                thought, text = thinking.feed(text, reason is not None)
+            content, calls = text, []
+            if self.parses_tools:
+                stream = self._streams.get(index)
+                if stream is None:
+                    stream = self._streams[index] = ToolCallStream(self.tools.parser())
+                content, calls = stream.feed(text, final=reason is not None)
+                reason = _tool_finish(reason, stream.made_calls)
+            message = ChatDelta(content=content or None, reasoning_content=thought or None,
+                                tool_calls=calls or None)
+            if (not content and not calls and not thought and reason is None
+                    and not with_usage and not (lp and lp.content)
+                    and not (self.with_ids and delta.token_ids)):
                 return None
         else:
             content = delta.text if delta.text or reason is None else None

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from api_frontend import limits
+from api_frontend import limits, reasoning
 from api_frontend.constraints import guided_spec
 from api_frontend.errors import ApiError
 from api_frontend.tools import ToolPlan, tool_plan
@@ -132,6 +132,7 @@ class Translated:
     echo: bool = False  # chat echo / completions echo
     choices: dict[str, list[int]] = field(default_factory=dict)  # rid -> its choice indexes
     tools: ToolPlan | None = None  # chat: how tool calls are read from the text
+    reasoning: str | None = None  # chat: the reasoning parser that splits the text
 
     @property
     def gen(self) -> ipc.GenerateReq:
@@ -381,6 +382,10 @@ def chat_to_generate(req: ChatCompletionRequest, rid: str, reply_to: str, arriva
         guided=guided, **common)
     out = _translated([gen], req, report, req.echo)
     out.tools = plan
+    if api.reasoning_parser is not None and guided is None and reasoning.get(
+            api.reasoning_parser).active(gen.chat_template_kwargs):
+        # under a constraint the grammar covers the whole reply: there is no <think> block
+        out.reasoning = report.reasoning_parser = api.reasoning_parser
     return out
 
 

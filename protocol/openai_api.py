@@ -153,6 +153,7 @@ class CandorReport(msgspec.Struct, omit_defaults=True):
     chat_template: TemplateRef | None = None
     strict: bool = False
     tool_parser: str | None = None  # which parser read tool calls out of the text
+    reasoning_parser: str | None = None  # which parser split off reasoning_content
     constraint: str | None = None  # the field whose grammar constrained decoding
 
 

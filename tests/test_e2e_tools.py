@@ -20,6 +20,7 @@ from api_frontend.errors import ApiError
 from api_frontend.translate import chat_to_generate
 from protocol.openai_api import ChatCompletionRequest
 from protocol.topology import ApiSpec
+from tests.server import CandorServer
 
 WEATHER = {"type": "object", "properties": {
     "city": {"type": "string", "enum": ["Paris", "Zürich", "Rome"]},
@@ -212,3 +213,43 @@ def test_parallel_false_under_auto_stops_after_the_first_call(client, stream):
     assert [c.function.name for c in one.choices[0].message.tool_calls] == ["get_weather"]
     assert one.choices[0].finish_reason == "tool_calls"
     assert one.usage.completion_tokens < both.usage.completion_tokens
+
+
+@pytest.fixture(scope="module")
+def r1_server(tiny_model_dir):
+    srv = CandorServer(tiny_model_dir, "--served-model-name", "tiny-llama", "--max-model-len",
+                       "1024", "--reasoning-parser", "deepseek_r1",
+                       "--tool-call-parser", "none").start()
+    yield srv
+    assert srv.stop() == 0
+
+
+def test_reasoning_parser_fills_reasoning_content_whole_and_streamed(r1_server):
+    """deepseek_r1: the reply is reasoning until </think>, which random weights never
+    write, so everything is reasoning_content and nothing reaches content."""
+    client = openai.OpenAI(base_url=r1_server.base_url + "/v1", api_key="unused",
+                           max_retries=0)
+    policy = json.loads(r1_server.get("/v1/capabilities")[1])["policy"]
+    assert (policy["reasoning_parser"], policy["reasoning_parser_source"]) == (
+        "deepseek_r1", "flag")
+    assert policy["tool_call_parser"] is None
+    kwargs = dict(model="tiny-llama", messages=MESSAGES, max_tokens=12, seed=7)
+    whole = client.chat.completions.create(**kwargs)
+    message = whole.choices[0].message
+    assert message.content is None and message.model_extra["reasoning_content"]
+    assert whole.model_extra["candor"]["reasoning_parser"] == "deepseek_r1"
+    thought, content = "", ""
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            thought += choice.delta.model_extra.get("reasoning_content") or ""
+            content += choice.delta.content or ""
+    assert (thought, content) == (message.model_extra["reasoning_content"], "")
+    # no parser: tool_choice auto is refused rather than answered as content
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(tools=TOOLS, **kwargs)
+    assert err.value.body["param"] == "tool_choice"
+    # a constraint covers the whole reply: nothing is split off as reasoning
+    r = client.chat.completions.create(tools=TOOLS, tool_choice="required", **{
+        **kwargs, "max_tokens": 300})
+    _valid_calls(r.choices[0].message)
+    assert "reasoning_parser" not in r.model_extra["candor"]

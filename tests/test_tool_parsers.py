@@ -178,3 +178,57 @@ def test_streamed_arguments_arrive_in_fragments():
 def test_unknown_parser_named():
     with pytest.raises(KeyError, match="known"):
         tool_parsers.get("nope")
+
+
+# ---------------------------------------------------------------- reasoning parsers
+
+from api_frontend import reasoning  # noqa: E402
+
+
+def _reasoning_stream(name: str, text: str, size: int) -> tuple[str, str]:
+    stream = reasoning.ReasoningStream(reasoning.get(name))
+    pieces = [text[i:i + size] for i in range(0, len(text), size)] or [""]
+    out = ["", ""]
+    for k, piece in enumerate(pieces):
+        thought, content = stream.feed(piece, k == len(pieces) - 1)
+        out[0] += thought
+        out[1] += content
+    return out[0], out[1]
+
+
+def _qwen3_reply(thought: str, answer: str) -> str:
+    """What Qwen3's template writes for an assistant turn with reasoning (the model's text)."""
+    template = ChatTemplate((DATA / "qwen3-0.6b.jinja").read_text(encoding="utf-8"),
+                            origin="qwen3")
+    special = {"eos_token": "<|im_end|>"}
+    prompt = template.render([USER], add_generation_prompt=True, special_tokens=special)
+    full = template.render([USER, {"role": "assistant", "content": answer,
+                                   "reasoning_content": thought}], special_tokens=special)
+    return full[len(prompt):full.rindex("<|im_end|>")]
+
+
+@pytest.mark.parametrize("name,text,thought,answer", [
+    ("qwen3", _qwen3_reply("The user wants weather.", "It is sunny."),
+     "\nThe user wants weather.\n", "\n\nIt is sunny."),
+    ("qwen3", "No thinking here <think> at all.", "", "No thinking here <think> at all."),
+    ("qwen3", "<think>cut short by max_tokens", "cut short by max_tokens", ""),
+    ("deepseek_r1", "Let me think.</think>\n\nParis.", "Let me think.", "\n\nParis."),
+    ("deepseek_r1", "<think>\nRepeated tag.\n</think>Rome", "\nRepeated tag.\n", "Rome"),
+    ("deepseek_r1", "Still thinking <th", "Still thinking <th", ""),
+])
+def test_reasoning_split_whole_and_streamed(name, text, thought, answer):
+    assert reasoning.get(name).split(text, True) == (thought, answer)
+    for size in (1, 2, 5, len(text)):
+        got = _reasoning_stream(name, text, size)
+        assert got == (thought, answer), size
+        assert "</think>" not in got[0] + got[1]
+
+
+def test_reasoning_detection_and_switches():
+    assert reasoning.detect((DATA / "qwen3-0.6b.jinja").read_text()) == "qwen3"
+    r1 = (DATA / "deepseek-r1-distill-llama-8b.jinja").read_text()
+    assert reasoning.detect(r1) == "deepseek_r1"
+    assert reasoning.detect((DATA / "deepseek-v3.1.jinja").read_text()) is None
+    assert reasoning.detect((DATA / "hermes-3-llama-3.1-tool-use.jinja").read_text()) is None
+    assert not reasoning.get("deepseek_r1").active({"thinking": False})
+    assert reasoning.get("qwen3").active({})

@@ -1,12 +1,13 @@
-"""Settle ``api.tool_call_parser`` before any process starts: a name is checked, "auto"
-becomes the parser the chat template's tags name (or None when no single format is
-found), and ``tool_call_parser_source`` says which, for /v1/capabilities and reports."""
+"""Settle ``api.tool_call_parser`` and ``api.reasoning_parser`` before any process
+starts: a name is checked, "auto" becomes the parser the chat template's tags name (or
+None when no single format is found), and ``*_source`` says which, for
+/v1/capabilities and reports."""
 
 from __future__ import annotations
 
 import msgspec
 
-from api_frontend import tool_parsers
+from api_frontend import reasoning, tool_parsers
 from protocol.topology import Topology
 
 
@@ -21,23 +22,30 @@ def _template_source(topology: Topology) -> tuple[str | None, str]:
     return (template.source if template is not None else None), "the checkpoint's template"
 
 
+def _resolve(topology: Topology, name: str | None, source: str | None, flag: str,
+             known, detect) -> tuple[str | None, str | None]:
+    if name is None or source is not None:
+        return name, source
+    if name != "auto":
+        if name not in known:
+            raise SystemExit(f"candor: unknown {flag} {name!r}; known: {sorted(known)}")
+        return name, "flag"
+    try:
+        text, where = _template_source(topology)
+    except Exception as err:  # noqa: BLE001 - the template check reports it properly
+        text, where = None, f"no readable chat template ({err})"
+    name = detect(text) if text else None
+    return name, (f"detected from {where}" if name else
+                  f"none: {where} names no single format (set {flag})")
+
+
 def resolve_tool_parser(topology: Topology) -> Topology:
     api = topology.api
-    name = api.tool_call_parser
-    if name is None or api.tool_call_parser_source is not None:
-        return topology
-    if name != "auto":
-        if name not in tool_parsers.PARSERS:
-            raise SystemExit(f"candor: unknown --tool-call-parser {name!r}; known: "
-                             f"{sorted(tool_parsers.PARSERS)}")
-        source = "flag"
-    else:
-        try:
-            text, where = _template_source(topology)
-        except Exception as err:  # noqa: BLE001 - the template check reports it properly
-            text, where = None, f"no readable chat template ({err})"
-        name = tool_parsers.detect(text) if text else None
-        source = (f"detected from {where}" if name else
-                  f"none: {where} names no single tool-call format (set --tool-call-parser)")
-    api = msgspec.structs.replace(api, tool_call_parser=name, tool_call_parser_source=source)
+    tool, tool_source = _resolve(topology, api.tool_call_parser, api.tool_call_parser_source,
+                                 "--tool-call-parser", tool_parsers.PARSERS,
+                                 tool_parsers.detect)
+    think, think_source = _resolve(topology, api.reasoning_parser, api.reasoning_parser_source,
+                                   "--reasoning-parser", reasoning.PARSERS, reasoning.detect)
+    api = msgspec.structs.replace(api, tool_call_parser=tool, tool_call_parser_source=tool_source,
+                                  reasoning_parser=think, reasoning_parser_source=think_source)
     return msgspec.structs.replace(topology, api=api)
