@@ -217,8 +217,9 @@ def _sum_usage(lasts: list[ipc.TextDelta], n: int) -> Usage:
 
 
 def _tool_finish(reason: str | None, made_calls: bool) -> str | None:
-    """``tool_calls`` exactly when the choice emitted calls (and was not cut by an error)."""
-    return "tool_calls" if made_calls and reason in ("stop", "length") else reason
+    """``tool_calls`` when the choice emitted calls and ended on its own; a reply cut by
+    ``max_tokens`` stays ``length`` (its last call's arguments may be incomplete)."""
+    return "tool_calls" if made_calls and reason == "stop" else reason
 
 
 class ChatAssembler(_Assembler):

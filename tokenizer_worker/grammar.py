@@ -84,13 +84,43 @@ def build_tokenizer(tokenizer_json: str, vocab_size: int, eos_ids: list[int]
                                   eos_token=list(eos_ids))
 
 
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions",
+                "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems")
+_SCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains",
+               "propertyNames", "additionalItems", "unevaluatedProperties")
+
+
+def close_objects(schema):
+    """Objects that list ``properties`` and say nothing of ``additionalProperties`` get
+    ``false``, as vLLM's default engine does: the output still validates against the
+    schema, and the model cannot wander into keys nobody asked for (with random weights
+    it otherwise fills ``max_tokens`` with one)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: close_objects(sub) for name, sub in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [close_objects(sub) for sub in out[key]]
+    for key in _SCHEMA_ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = close_objects(out[key])
+    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 def grammar_text(spec: GuidedSpec) -> str:
     """The llguidance grammar for one spec; ValueError for a malformed one."""
     if spec.kind == "json_schema":
         schema = json.loads(spec.spec)
         if not isinstance(schema, dict):
             raise ValueError("a JSON schema must be an object")
-        return llguidance.LLMatcher.grammar_from_json_schema(spec.spec, defaults=JSON_DEFAULTS)
+        return llguidance.LLMatcher.grammar_from_json_schema(close_objects(schema),
+                                                            defaults=JSON_DEFAULTS)
     if spec.kind == "json_object":
         return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}',
                                                             defaults=JSON_DEFAULTS)
