@@ -47,7 +47,7 @@ class GrammarStates:
         self._ready.start()
         self._prototypes: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._states: dict[str, _State] = {}
-        self._special: torch.Tensor | None = None  # special ids other than end-of-sequence
+        self._special: np.ndarray | None = None  # special ids other than end-of-sequence
         # masks are computed here while the model runs the step's forward pass (the
         # engine releases the GIL); one thread, so matchers are never used concurrently
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
@@ -69,9 +69,9 @@ class GrammarStates:
         if self._special is None:
             tok = self._tokenizer
             eos = set(tok.eos_tokens)
-            self._special = torch.tensor([i for i in range(min(tok.vocab_size, self.vocab_size))
-                                          if tok.is_special_token(i) and i not in eos],
-                                         dtype=torch.long)
+            self._special = np.array([i for i in range(min(tok.vocab_size, self.vocab_size))
+                                      if tok.is_special_token(i) and i not in eos],
+                                     dtype=np.int64)
         return self._tokenizer
 
     def register(self, rid: str, params: SamplingParams) -> None:
@@ -131,32 +131,36 @@ class GrammarStates:
         """Packed allowed-token bitmasks ([len(rids), ceil(vocab/32)] int32), one row per
         rid, from each matcher's current state."""
         bitmask = llg_torch.allocate_token_bitmask(len(rids), self.vocab_size)
-        for row, rid in enumerate(rids):
-            llg_torch.fill_next_token_bitmask(self._states[rid].matcher, bitmask, row)
-        self._check_special(rids, bitmask)
-        for row, rid in enumerate(rids):
-            matcher = self._states[rid].matcher
-            if matcher.is_error() or not bitmask[row].any():
-                # cannot happen for a grammar that compiled: end the sequence cleanly
-                # rather than fail the step (and every other request in it)
-                log.error("%s: grammar allows no token: %s", rid, matcher.get_error())
-                bitmask[row] = 0
-                for eos in self.tokenizer().eos_tokens:
-                    bitmask[row, eos // 32] |= _int32(1 << (eos % 32))
+        row_bytes = bitmask.shape[1] * 4
+        base = bitmask.data_ptr()
+        for row, rid in enumerate(rids):  # the engine writes each row in place
+            self._states[rid].matcher.unsafe_compute_mask_ptr(base + row * row_bytes, row_bytes)
+        words = bitmask.numpy()
+        self._check_special(rids, words)
+        empty = np.flatnonzero(~words.any(axis=1)).tolist()
+        for row in empty + [r for r, rid in enumerate(rids)
+                            if self._states[rid].matcher.is_error() and r not in empty]:
+            # cannot happen for a grammar that compiled: end the sequence cleanly rather
+            # than fail the step (and every other request in it)
+            log.error("%s: grammar allows no token: %s", rids[row],
+                      self._states[rids[row]].matcher.get_error())
+            bitmask[row] = 0
+            for eos in self.tokenizer().eos_tokens:
+                bitmask[row, eos // 32] |= _int32(1 << (eos % 32))
         return bitmask
 
-    def _check_special(self, rids: list[str], bitmask: torch.Tensor) -> None:
+    def _check_special(self, rids: list[str], words: np.ndarray) -> None:
         """The engine's mask can allow a special token where the grammar spells its text,
-        which the matcher then refuses: such bits are cleared (cheap: few special ids)."""
+        which the matcher then refuses: such bits are cleared (cheap: few special ids).
+        ``words``: the bitmask's int32 words, written in place."""
         special = self._special
         if special is None or not len(special):
             return
-        words = bitmask[:, special // 32]
-        bits = (words >> (special % 32).to(torch.int32)) & 1
-        for row, k in bits.nonzero().tolist():
+        bits = (words[:, special // 32] >> (special % 32).astype(np.int32)) & 1
+        for row, k in zip(*np.nonzero(bits)):
             token = int(special[k])
             if self._states[rids[row]].matcher.validate_tokens([token]) == 0:
-                bitmask[row, token // 32] &= _int32(~(1 << (token % 32)))
+                words[row, token // 32] &= np.int32(_int32(~(1 << (token % 32))))
 
 
 def _int32(value: int) -> int:
