@@ -103,6 +103,27 @@ def test_named_call_validates_and_streams_the_same_arguments(client, seed):
         ("get_time", whole.choices[0].message.tool_calls[0].function.arguments)]
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_required_calls_stream_the_same_calls(client, seed):
+    kwargs = dict(model="tiny-llama", messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                  max_tokens=300, seed=seed, n=2)
+    whole = client.chat.completions.create(**kwargs)
+    expected = [[(c.function.name, c.function.arguments) for c in ch.message.tool_calls]
+                for ch in whole.choices]
+    got: dict[int, dict[int, list]] = {}
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            for d in choice.delta.tool_calls or []:
+                calls = got.setdefault(choice.index, {})
+                if d.index not in calls:
+                    assert d.id and d.function.name
+                    calls[d.index] = [d.function.name, ""]
+                calls[d.index][1] += d.function.arguments or ""
+            if choice.finish_reason is not None:
+                assert choice.finish_reason == "tool_calls"
+    assert [[tuple(c) for c in got[i].values()] for i in range(2)] == expected
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_parallel_false_yields_exactly_one_call(client, seed):
     r = client.chat.completions.create(model="tiny-llama", messages=MESSAGES, tools=TOOLS,
