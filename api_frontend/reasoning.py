@@ -1,13 +1,14 @@
 """Reasoning parsers: text inside ``<think>...</think>`` goes to ``reasoning_content``.
 
-- qwen3: reasoning only when the reply opens with ``<think>`` (with
-  ``enable_thinking: false`` the template closes the block in the prompt and the reply is
-  all answer).
+- qwen3: reasoning only when the reply opens with ``<think>``; off with
+  ``chat_template_kwargs.enable_thinking: false`` (the template then closes the block in
+  the prompt and the reply is all answer).
 - deepseek_r1: the template opens the block in the prompt, so the reply is reasoning up to
   ``</think>`` (an opening tag the model repeats is dropped); with
   ``chat_template_kwargs.thinking: false`` the reply is all answer.
 
-``split(text, final)`` follows the tool parsers' rule (base.py): the split of a prefix of
+Under a constraint, the grammar leaves the block free and constrains the answer after
+``</think>`` (tokenizer_worker/grammar.py). ``split(text, final)`` follows the tool parsers' rule (base.py): the split of a prefix of
 the text is a prefix of the split of the whole, so streamed ``reasoning_content`` and
 ``content`` deltas concatenate to the non-streamed fields, and no tag leaks into either.
 """
@@ -55,6 +56,9 @@ def _split_at_end(text: str, at: int, final: bool) -> tuple[str, str]:
 
 class Qwen3ReasoningParser(ReasoningParser):
     name = "qwen3"
+
+    def active(self, template_kwargs: dict[str, Any]) -> bool:
+        return template_kwargs.get("enable_thinking", True) is not False
 
     def split(self, text: str, final: bool) -> tuple[str, str]:
         start = _after_start(text, final)

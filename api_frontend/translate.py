@@ -382,10 +382,11 @@ def chat_to_generate(req: ChatCompletionRequest, rid: str, reply_to: str, arriva
         guided=guided, **common)
     out = _translated([gen], req, report, req.echo)
     out.tools = plan
-    if api.reasoning_parser is not None and guided is None and reasoning.get(
-            api.reasoning_parser).active(gen.chat_template_kwargs):
-        # under a constraint the grammar covers the whole reply: there is no <think> block
+    if api.reasoning_parser is not None and reasoning.get(api.reasoning_parser).active(
+            gen.chat_template_kwargs):
         out.reasoning = report.reasoning_parser = api.reasoning_parser
+        if gen.guided is not None:  # the constraint applies to the answer after <think>
+            gen.guided = msgspec.structs.replace(gen.guided, reasoning=api.reasoning_parser)
     return out
 
 

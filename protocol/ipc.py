@@ -57,6 +57,9 @@ class GuidedSpec(msgspec.Struct, frozen=True):
     kind: Literal["json_schema", "json_object", "regex", "choice", "grammar"]
     spec: str
     field: str
+    # the reasoning parser whose <think> block comes first, unconstrained; the
+    # constraint applies to the answer after it (None: to the whole reply)
+    reasoning: str | None = None
 
 
 class DetokParams(msgspec.Struct, frozen=True, omit_defaults=True):

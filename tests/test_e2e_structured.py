@@ -14,6 +14,7 @@ import jsonschema
 import openai
 import pytest
 
+from protocol.ipc import GuidedSpec
 from tests.server import CandorServer
 
 MODEL = "tiny-llama"
@@ -179,3 +180,33 @@ def test_unlisted_keys_are_not_generated(client, seed):
     r = _chat(client, max_tokens=100, seed=seed, extra_body={"guided_json": open_schema})
     assert r.choices[0].finish_reason == "stop"
     assert set(json.loads(r.choices[0].message.content)) == {"ok"}
+
+
+@pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])
+@pytest.mark.parametrize("kind,spec,good", [
+    ("json_schema", json.dumps({"type": "object", "properties": {"a": {"type": "integer"}},
+                                "required": ["a"]}), '{"a":12}'),
+    ("choice", json.dumps(["yes", "no"]), "yes"),
+    ("regex", "[0-9]{3}", "123"),
+    ("grammar", 'start: "x" /[a-c]+/', "xab"),
+])
+def test_constraint_applies_after_the_reasoning_block(tiny_model_dir, parser, kind, spec, good):
+    """With a reasoning parser, the <think> block is free (it may hold '<' and partial
+    tags) and ends at the first </think>; the answer after it is constrained."""
+    import llguidance
+
+    from tokenizer_worker.grammar import GrammarCompiler, build_tokenizer
+    from tokenizer_worker.tokenizer_files import CheckpointTokenizer
+    tok = CheckpointTokenizer(tiny_model_dir)
+    compiler = GrammarCompiler(build_tokenizer(tok.backend.to_str(), tok.vocab_size,
+                                               tok.eos_token_ids))
+    grammar = compiler.compile(GuidedSpec(kind, spec, "f", parser))
+    opening = "<think>" if parser == "qwen3" else ""
+
+    def accepts(text: str) -> bool:
+        matcher = llguidance.LLMatcher(compiler.tokenizer, grammar)
+        return (matcher.consume_tokens(tok.encode(text, add_special_tokens=False))
+                and matcher.is_accepting())
+    assert accepts(f"{opening}a <b </thin x</think>\n\n{good}")
+    assert not accepts(f"{opening}thinking</think>\n\nzzz")
+    assert not accepts(f"{opening}never closed {good}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections import OrderedDict
 
 import llguidance
@@ -131,6 +132,45 @@ def grammar_text(spec: GuidedSpec) -> str:
     return llguidance.grammar_from("grammar", spec.spec)
 
 
+END_THINK = "</think>"
+
+
+def _avoiding(text: str) -> str:
+    """A Rust regex (Lark ``/.../`` form) for strings that do not contain ``text``, whose
+    first character occurs nowhere else in it (true of ``</think>``): the automaton of the
+    standard construction, written out. It may end in a proper prefix of ``text``."""
+    def esc(c: str) -> str:
+        return "\\/" if c == "/" else re.escape(c)
+    first = text[0]
+    assert first not in text[1:]
+    chain = ""  # optional run of text[1:-1]: (/(t(h(...)?)?)?) for </think>
+    for c in reversed(text[1:-1]):
+        chain = f"{esc(c)}({chain})?" if chain else esc(c)
+    back = f"(({chain})?{esc(first)})*"  # partial matches cut short by a new first char
+
+    def leave(k: int) -> str:  # a character that breaks the partial match at k
+        cls = f"[^{esc(text[k])}{esc(first)}]"
+        return cls if k == len(text) - 1 else f"({cls}|{esc(text[k])}{leave(k + 1)})"
+    return (f"([^{esc(first)}]|{esc(first)}{back}{leave(1)})*"
+            f"({esc(first)}{back}({chain})?)?")
+
+
+def after_reasoning(answer: str, parser: str) -> str:
+    """``answer`` (llguidance grammar text) behind a free ``<think>`` block: deepseek_r1
+    replies start inside the block (the template opened it), qwen3 replies open it. The
+    block is one lexeme that ends at the first ``</think>``."""
+    try:
+        grammars = json.loads(answer)["grammars"]
+    except (ValueError, KeyError, TypeError):
+        grammars = [{"lark_grammar": answer}]
+    grammars = [dict(grammars[0], name="answer"), *grammars[1:]]
+    opening = '"<think>" ' if parser == "qwen3" else ""
+    wrapper = "\n".join([f"start: {opening}REASONING WS @answer",
+                         f"REASONING: /{_avoiding(END_THINK)}<\\/think>/",
+                         r"WS: /[ \t\r\n]*/"])
+    return json.dumps({"grammars": [{"lark_grammar": wrapper}, *grammars]})
+
+
 class GrammarCompiler:
     def __init__(self, tokenizer: llguidance.LLTokenizer) -> None:
         self.tokenizer = tokenizer
@@ -138,7 +178,7 @@ class GrammarCompiler:
 
     def compile(self, spec: GuidedSpec) -> str:
         """The grammar text the worker will enforce, or GrammarError naming the field."""
-        key = hashlib.sha256(f"{spec.kind}\0{spec.spec}".encode()).hexdigest()
+        key = hashlib.sha256(f"{spec.kind}\0{spec.reasoning}\0{spec.spec}".encode()).hexdigest()
         got = self._cache.get(key)
         if got is None:
             got = self._compile(spec)
@@ -157,6 +197,8 @@ class GrammarCompiler:
                 "grammar": "grammar"}[spec.kind]
         try:
             grammar = grammar_text(spec)
+            if spec.reasoning is not None:
+                grammar = after_reasoning(grammar, spec.reasoning)
             failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
                 grammar, self.tokenizer)
             if not failed:
