@@ -38,6 +38,7 @@ import msgspec
 
 import zmq
 
+from api_frontend.tool_parsers.resolve import resolve_tool_parser
 from protocol.health import STATUS_INTERVAL_S, ChildStatus, NodeStatus
 from protocol.metrics import ENV as METRICS_ENV
 from protocol.metrics import prepare_dir as prepare_metrics_dir
@@ -441,6 +442,7 @@ def launch(topology: Topology, node: str | None = None,
     if topology.api.chat_template is not None and "tokenizer_worker" in spec.roles:
         _check_chat_template(topology)  # a refusal stays one line: check before settling
     topology = settle_defaults(topology, spec)
+    topology = resolve_tool_parser(topology)
     for path in clean_stale_run_dirs():
         _say(f"removed {path}: its launcher is gone")
     keys = resolve_api_keys(topology, api_keys or [])

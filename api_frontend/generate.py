@@ -22,6 +22,7 @@ from api_frontend.errors import RETRY_AFTER_S, ApiError
 from api_frontend.limits import check_share
 from api_frontend.responses import (DONE_FRAME, ChatAssembler, Collected,
                                    CompletionAssembler, sse)
+from api_frontend.tools import FirstCallCut
 from api_frontend.translate import Translated, chat_to_generate, completion_to_generate
 from protocol import ipc
 from protocol.openai_api import (CandorReport, ChatCompletionRequest, FieldNote, ModelCard,
@@ -118,7 +119,8 @@ async def run_generation(request: web.Request, engine: EngineClient, card: Model
                       prompt_logprobs_k=parsed.prompt_logprobs)
         if is_chat:
             assembler = ChatAssembler(rid, int(arrival), card.id, parsed.return_token_ids,
-                                      echo_text=_chat_echo(parsed), **common)
+                                      echo_text=_chat_echo(parsed), tools=tr.tools,
+                                      reasoning_parser=tr.reasoning, **common)
         else:
             echo = None
             if parsed.echo:
@@ -126,15 +128,26 @@ async def run_generation(request: web.Request, engine: EngineClient, card: Model
             assembler = CompletionAssembler(rid, int(arrival), card.id, parsed.return_token_ids,
                                             echo_texts=echo, prompts=len(tr.gens), **common)
 
+        first_call = FirstCallCut(tr.tools) if FirstCallCut.applies(tr.tools) else None
+
+        async def cut(d: ipc.TextDelta) -> ipc.TextDelta:
+            """The delta that completes the first call ends its sequence (see FirstCallCut)."""
+            if first_call is not None and (short := first_call.cut(d)) is not None:
+                unfinished.discard(d.rid)
+                await engine.abort(d.rid, "stop_string")
+                return short
+            return d
+
         async def deltas():
             for d in early:
-                yield d
+                if d.rid in unfinished:
+                    yield await cut(d)
             while unfinished:
                 msg = await queue.get()
                 if isinstance(msg, ipc.RequestError):
                     raise ApiError.from_engine(msg)
-                if isinstance(msg, ipc.TextDelta):
-                    yield msg
+                if isinstance(msg, ipc.TextDelta) and msg.rid in unfinished:
+                    yield await cut(msg)
 
         if not parsed.stream:
             got: list[Collected | None] = [None] * tr.num_choices
@@ -187,7 +200,9 @@ async def _stream(request: web.Request, engine: EngineClient, parsed, tr: Transl
                 if delta.text or delta.finish_reason is not None or (
                         assembler.with_ids and delta.token_ids) or (
                         assembler.logprobs and delta.logprobs):
-                    await response.write(sse(assembler.chunk(choice, delta, continuous)))
+                    chunk = assembler.chunk(choice, delta, continuous)
+                    if chunk is not None:
+                        await response.write(sse(chunk))
                 lasts[choice] = delta
             if delta.finish_reason is not None:
                 unfinished.discard(delta.rid)

@@ -11,6 +11,9 @@ from __future__ import annotations
 import msgspec
 from msgspec import UNSET
 
+from api_frontend import reasoning
+from api_frontend.tool_parsers.stream import ToolCallStream, parse_whole
+from api_frontend.tools import ToolPlan
 from protocol import ipc
 from protocol.openai_api import (AssistantMessage, CandorReport, ChatChoice, ChatChunkChoice,
                                  ChatCompletionChunk, ChatCompletionResponse, ChatDelta,
@@ -213,19 +216,52 @@ def _sum_usage(lasts: list[ipc.TextDelta], n: int) -> Usage:
     return Usage(prompt, completion, prompt + completion, PromptTokensDetails(cached))
 
 
-class ChatAssembler(_Assembler):
-    """Builds /v1/chat/completions bodies and chunks for one request."""
+def _tool_finish(reason: str | None, made_calls: bool) -> str | None:
+    """``tool_calls`` when the choice emitted calls and ended on its own; a reply cut by
+    ``max_tokens`` stays ``length`` (its last call's arguments may be incomplete)."""
+    return "tool_calls" if made_calls and reason == "stop" else reason
 
-    def __init__(self, *args, echo_text: str | None = None, **kwargs) -> None:
+
+class ChatAssembler(_Assembler):
+    """Builds /v1/chat/completions bodies and chunks for one request. With tools, each
+    choice's text goes through the tool-call parser: whole, or streamed as OpenAI's
+    ``tool_calls`` deltas (see ``tool_parsers.stream``)."""
+
+    def __init__(self, *args, echo_text: str | None = None, tools: ToolPlan | None = None,
+                 reasoning_parser: str | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.echo_text = echo_text  # the final assistant message, when echo is on
+        self.tools = tools
+        self.reasoning_parser = reasoning_parser
+        self._streams: dict[int, ToolCallStream] = {}
+        self._thinking: dict[int, reasoning.ReasoningStream] = {}
+
+    @property
+    def parses_tools(self) -> bool:
+        return self.tools is not None and self.tools.mode != "none"
+
+    def _message(self, got: Collected) -> tuple[AssistantMessage, str | None]:
+        reason, text, thought = got.last.finish_reason, got.text, UNSET
+        if self.reasoning_parser is not None:
+            thought, text = reasoning.get(self.reasoning_parser).split(text, True)
+            thought = thought or UNSET
+        if not self.parses_tools:
+            content = (self.echo_text or "") + text
+            if thought is not UNSET and not content:
+                content = None  # the whole reply was reasoning
+            return AssistantMessage(content, reasoning_content=thought), reason
+        result = parse_whole(self.tools.parser(), text)
+        return (AssistantMessage(result.content, tool_calls=result.calls or UNSET,
+                                 reasoning_content=thought),
+                _tool_finish(reason, bool(result.calls)))
 
     def final(self, choices: list[Collected]) -> ChatCompletionResponse:
-        out = [ChatChoice(i, AssistantMessage((self.echo_text or "") + got.text),
-                          got.last.finish_reason,
-                          chat_logprobs(got.logprobs) if self.logprobs else None,
-                          token_ids=self._ids(got.token_ids))
-               for i, got in enumerate(choices)]
+        out = []
+        for i, got in enumerate(choices):
+            message, reason = self._message(got)
+            out.append(ChatChoice(i, message, reason,
+                                  chat_logprobs(got.logprobs) if self.logprobs else None,
+                                  token_ids=self._ids(got.token_ids)))
         return ChatCompletionResponse(self.id, self.created, self.model, out, self.usage(choices),
                                       prompt_token_ids=self._ids(choices[0].prompt_token_ids),
                                       prompt_logprobs=self._prompt_logprobs(choices[0]),
@@ -237,13 +273,38 @@ class ChatAssembler(_Assembler):
             [ChatChunkChoice(index, ChatDelta(role="assistant", content=self.echo_text or ""))],
             candor=self._candor())
 
-    def chunk(self, index: int, delta: ipc.TextDelta, with_usage: bool) -> ChatCompletionChunk:
-        content = delta.text if delta.text or delta.finish_reason is None else None
+    def chunk(self, index: int, delta: ipc.TextDelta,
+              with_usage: bool) -> ChatCompletionChunk | None:
+        """None when there is nothing to send yet (text held back as a possible tag)."""
         lp = chat_logprobs(delta.logprobs or []) if self.logprobs else None
+        reason = delta.finish_reason
+        if self.parses_tools or self.reasoning_parser is not None:
+            text, thought = delta.text, ""
+            if self.reasoning_parser is not None:
+                thinking = self._thinking.get(index)
+                if thinking is None:
+                    thinking = self._thinking[index] = reasoning.ReasoningStream(
+                        reasoning.get(self.reasoning_parser))
+                thought, text = thinking.feed(text, reason is not None)
+            content, calls = text, []
+            if self.parses_tools:
+                stream = self._streams.get(index)
+                if stream is None:
+                    stream = self._streams[index] = ToolCallStream(self.tools.parser())
+                content, calls = stream.feed(text, final=reason is not None)
+                reason = _tool_finish(reason, stream.made_calls)
+            message = ChatDelta(content=content or None, reasoning_content=thought or None,
+                                tool_calls=calls or None)
+            if (not content and not calls and not thought and reason is None
+                    and not with_usage and not (lp and lp.content)
+                    and not (self.with_ids and delta.token_ids)):
+                return None
+        else:
+            content = delta.text if delta.text or reason is None else None
+            message = ChatDelta(content=content)
         return ChatCompletionChunk(
             self.id, self.created, self.model,
-            [ChatChunkChoice(index, ChatDelta(content=content), delta.finish_reason, lp,
-                             token_ids=self._ids(delta.token_ids))],
+            [ChatChunkChoice(index, message, reason, lp, token_ids=self._ids(delta.token_ids))],
             usage_of(delta) if with_usage else None, candor=self._candor())
 
     def usage_chunk(self, choices_last: list[ipc.TextDelta]) -> ChatCompletionChunk:

@@ -15,8 +15,10 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from api_frontend import limits
+from api_frontend import limits, reasoning
+from api_frontend.constraints import guided_spec
 from api_frontend.errors import ApiError
+from api_frontend.tools import ToolPlan, tool_plan
 from protocol import ipc
 from protocol.openai_api import (INT64_MAX, INT64_MIN, TOKEN_ID_MAX, CandorReport,
                                  ChatCompletionRequest, CompletionRequest, FieldNote)
@@ -27,7 +29,8 @@ _COMMON_HONOURED = ("model", "max_tokens", "temperature", "top_p", "n", "stream"
                     "logit_bias")
 _COMMON_EXTENSIONS = ("top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens",
                       "stop_token_ids", "skip_special_tokens", "include_stop_str_in_output",
-                      "return_token_ids", "strict", "prompt_logprobs")
+                      "return_token_ids", "strict", "prompt_logprobs", "guided_json",
+                      "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 _REASONS = {
     "user": "accepted for compatibility; Candor does not use it (no per-user policy)",
     "suffix": "accepted for compatibility; insertion (fill-in-the-middle) is not implemented",
@@ -44,21 +47,16 @@ class Foreign(NamedTuple):
     harmless: tuple[Any, ...] = ()
 
 
-_NO_GUIDED = "guided / structured decoding is not implemented"
+_NO_GUIDED = "use guided_json / guided_regex / guided_grammar or response_format"
 _NO_BEAM = "beam search is not implemented"
 FOREIGN_FIELDS: dict[str, Foreign] = {
-    "guided_json": Foreign("rejected", _NO_GUIDED),
-    "guided_regex": Foreign("rejected", _NO_GUIDED),
-    "guided_choice": Foreign("rejected", _NO_GUIDED),
-    "guided_grammar": Foreign("rejected", _NO_GUIDED),
-    "structured_outputs": Foreign("rejected", _NO_GUIDED),
     "regex": Foreign("rejected", _NO_GUIDED + " (SGLang `regex`)"),
     "ebnf": Foreign("rejected", _NO_GUIDED + " (SGLang `ebnf`)"),
     "json_schema": Foreign("rejected", _NO_GUIDED + " (SGLang `json_schema`)"),
-    "guided_decoding_backend": Foreign("ignored", "only picks the engine for guided_* "
-                                       "fields, which Candor rejects"),
-    "guided_whitespace_pattern": Foreign("ignored", "only applies to guided_json, which "
-                                         "Candor rejects"),
+    "guided_decoding_backend": Foreign("ignored", "Candor has one grammar engine "
+                                       "(llguidance); the constraint itself is honoured"),
+    "guided_whitespace_pattern": Foreign("rejected", "JSON output is always compact (no "
+                                         "whitespace between tokens)"),
     "use_beam_search": Foreign("rejected", _NO_BEAM, (False,)),
     "best_of": Foreign("rejected", "best_of > 1 (sample several, return the best) is not "
                        "implemented", (1,)),
@@ -101,14 +99,15 @@ def field_tiers(kind: str, api: ApiSpec) -> dict[str, str]:
         tiers["max_tokens"] = "rejected" if api.strict else "clamped"
     if kind == "chat":
         tiers.update(messages="honoured", max_completion_tokens=tiers["max_tokens"],
-                     logprobs="honoured", top_logprobs="honoured", tools="rejected",
-                     tool_choice="rejected", parallel_tool_calls="rejected",
-                     response_format="rejected")
+                     logprobs="honoured", top_logprobs="honoured", tools="honoured",
+                     tool_choice="honoured", parallel_tool_calls="honoured",
+                     response_format="honoured")
         tiers.update({f: "extension" for f in ("add_generation_prompt", "continue_final_message",
                                                 "chat_template_kwargs", "echo")})
         tiers["chat_template"] = "extension" if api.allow_request_chat_template else "rejected"
     else:
-        tiers.update(prompt="honoured", echo="honoured", logprobs="honoured", suffix=ignored)
+        tiers.update(prompt="honoured", echo="honoured", logprobs="honoured", suffix=ignored,
+                     response_format="extension")
     tiers.update({f: "rejected" if spec.tier == "rejected" else ignored
                   for f, spec in FOREIGN_FIELDS.items() if f not in tiers})
     tiers["<unknown field>"] = ignored
@@ -132,6 +131,8 @@ class Translated:
     report: CandorReport
     echo: bool = False  # chat echo / completions echo
     choices: dict[str, list[int]] = field(default_factory=dict)  # rid -> its choice indexes
+    tools: ToolPlan | None = None  # chat: how tool calls are read from the text
+    reasoning: str | None = None  # chat: the reasoning parser that splits the text
 
     @property
     def gen(self) -> ipc.GenerateReq:
@@ -213,22 +214,6 @@ def _report(raw_keys: Mapping[str, Any] | list[str],
                         strict=strict)
 
 
-def _reject_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
-    """Fields whose semantics Candor does not implement yet: a 400, never a silent no-op."""
-    checks: list[tuple[str, bool]] = []
-    if isinstance(req, ChatCompletionRequest):
-        checks += [
-            ("tools", req.tools is not None),
-            ("tool_choice", req.tool_choice not in (None, "none")),
-            ("parallel_tool_calls", req.parallel_tool_calls is not None),
-            ("response_format", req.response_format not in (None, {"type": "text"})),
-        ]
-    for field, used in checks:
-        if used:
-            raise ApiError(400, f"`{field}` is not supported by this Candor deployment "
-                           "yet; remove it or use its default", field, "unsupported_field")
-
-
 def _check_stream_options(req: CompletionRequest | ChatCompletionRequest) -> None:
     if req.stream_options is not None and not req.stream:
         raise ApiError(400, "`stream_options` is only allowed when `stream` is true",
@@ -307,7 +292,6 @@ def _detok(req: CompletionRequest | ChatCompletionRequest) -> ipc.DetokParams:
 def _common(req: CompletionRequest | ChatCompletionRequest, rid: str, reply_to: str,
             arrival: float, report: CandorReport) -> dict[str, Any]:
     _check_stream_options(req)
-    _reject_unsupported(req)
     strict = report.strict
     return dict(rid=rid, reply_to=reply_to, sampling=_sampling(req, report),
                 detok=_detok(req),
@@ -355,8 +339,9 @@ def completion_to_generate(req: CompletionRequest, rid: str, reply_to: str, arri
     prompts = prompt_list(req)
     max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     common = _common(req, rid, reply_to, arrival, report)
-    gens = [ipc.GenerateReq(prompt=p, max_tokens=max_tokens, echo_prompt=req.echo, **common)
-            for p in prompts]
+    guided = _constraint(req, None, report)
+    gens = [ipc.GenerateReq(prompt=p, max_tokens=max_tokens, echo_prompt=req.echo,
+                            guided=guided, **common) for p in prompts]
     return _translated(gens, req, report, req.echo)
 
 
@@ -392,10 +377,46 @@ def chat_to_generate(req: ChatCompletionRequest, rid: str, reply_to: str, arriva
     else:
         max_tokens, field = req.max_tokens, "max_tokens"
     messages = [msgspec.to_builtins(m) for m in req.messages]
+    plan = tool_plan(req, api)
+    guided = _constraint(req, plan, report)
+    common = _common(req, rid, reply_to, arrival, report)
+    parser = plan.parser()
+    if parser is not None:
+        report.tool_parser = parser.name
+        if parser.special_markers and "skip_special_tokens" not in raw_keys:
+            # the parser's tags are special tokens: they must reach the text to be read
+            common["detok"] = msgspec.structs.replace(common["detok"], skip_special_tokens=False)
     gen = ipc.GenerateReq(
-        messages=messages, add_generation_prompt=req.add_generation_prompt,
+        messages=messages, tools=plan.tools, add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message,
         chat_template_kwargs=dict(req.chat_template_kwargs or {}),
         max_tokens=max_tokens, max_tokens_field=field, chat_template=req.chat_template,
-        **_common(req, rid, reply_to, arrival, report))
-    return _translated([gen], req, report, req.echo)
+        guided=guided, **common)
+    out = _translated([gen], req, report, req.echo)
+    out.tools = plan
+    if api.reasoning_parser is not None and reasoning.get(api.reasoning_parser).active(
+            gen.chat_template_kwargs):
+        out.reasoning = report.reasoning_parser = api.reasoning_parser
+        if gen.guided is not None:  # the constraint applies to the answer after <think>
+            gen.guided = msgspec.structs.replace(gen.guided, reasoning=api.reasoning_parser)
+    return out
+
+
+def _constraint(req: CompletionRequest | ChatCompletionRequest, plan: ToolPlan | None,
+                report: CandorReport) -> ipc.GuidedSpec | None:
+    """The one grammar this request decodes under (tool_choice required/named or an
+    output format), recorded in the report."""
+    guided = guided_spec(req)
+    if plan is not None and plan.guided is not None:
+        if guided is not None:
+            raise ApiError(400, f"`{guided.field}` cannot be combined with tool_choice "
+                           f"{plan.mode!r}, which already constrains the output", guided.field,
+                           "invalid_value")
+        guided = plan.guided
+    if guided is not None and req.ignore_eos:
+        raise ApiError(400, "`ignore_eos` cannot be combined with a constraint: a finished "
+                       "grammar allows only the end-of-sequence token", "ignore_eos",
+                       "invalid_value")
+    if guided is not None:
+        report.constraint = guided.field
+    return guided

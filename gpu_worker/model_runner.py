@@ -12,13 +12,16 @@ backend can be captured (flashinfer) and ``enforce_eager`` is off.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
 from gpu_worker import cpu_decode, cuda_graphs
 from gpu_worker.attention import GatherScratch, build_metadata, decode_group_blocks, select_backend
+from gpu_worker.grammar import GrammarStates
 from gpu_worker.kv_budget import auto_kv_bytes
 from gpu_worker.loader import load_weights
 from gpu_worker.model_config import ModelConfig, load_config
@@ -33,6 +36,19 @@ from protocol.ipc import (PLACEHOLDER_TOKEN, SampleLogprobs, SamplingParams, Seq
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class _Batch:
+    """One step's sequences in forward order (prefill chunks, then decodes by length)."""
+
+    ordered: list[SeqChunk]
+    prefills: list[SeqChunk]
+    decodes: list[SeqChunk]
+    ids: list[int]
+    positions: list[int]
+    last_row: dict[int, int]  # id(seq) -> row of its last token
+    to_sample: list[SeqChunk]  # plan order
 
 
 def resolve_dtype(name: str, model_path: str, device: torch.device) -> tuple[torch.dtype, str]:
@@ -119,6 +135,7 @@ class ModelRunner:
         self.last_sampled: dict[str, int] = {}  # rid -> its latest token (fills placeholders)
         self.failed_last_step: set[str] = set()  # rids of the previous step, if it failed
         self.tracker = RequestTracker()  # token history (penalties) and prompt logprobs
+        self.grammars = GrammarStates(model_path, cfg.vocab_size)  # constrained decoding
         self.fault_token_id: int | None = None  # test hook, see EngineSpec.fault_token_id
         self.decode_graphs: cuda_graphs.DecodeGraphRunner | None = None
         if self.attn_backend is not None and not enforce_eager:
@@ -161,9 +178,11 @@ class ModelRunner:
             self.generators.pop(rid, None)
             self.last_sampled.pop(rid, None)
             self.tracker.release(rid)
+            self.grammars.release(rid)
         for rid, params in plan.new_sampling.items():
             old = self.sampling.get(rid)
             self.sampling[rid] = params
+            self.grammars.register(rid, params)
             # Same params again (e.g. after preemption): keep the seeded stream going.
             if old != params:
                 self.generators.pop(rid, None)
@@ -236,12 +255,30 @@ class ModelRunner:
             positions.extend(range(s.start_pos, s.start_pos + len(s.token_ids)))
             last_row[id(s)] = len(ids) - 1
             self.tracker.observe(s, self.sampling.get(s.rid))
+            self.grammars.observe(s, self.sampling.get(s.rid))
         vocab = self.config.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise ValueError(f"token id outside vocabulary [0, {vocab})")
         if self.fault_token_id is not None and self.fault_token_id in ids:
             raise RuntimeError(f"injected fault: token {self.fault_token_id} was fed")
+        to_sample = [s for s in seqs if s.sample]  # plan order
+        rids = [s.rid for s in to_sample]
+        masked = self.grammars.constrained(rids)
+        batch = _Batch(ordered, prefills, decodes, ids, positions, last_row, to_sample)
+        if not masked:
+            return self._run(batch, None)
+        # grammar masks are built on their thread while the model runs
+        pending = self.grammars.masks_soon([rids[i] for i in masked])
+        try:
+            return self._run(batch, (masked, pending))
+        finally:
+            concurrent.futures.wait([pending])  # never leave a matcher in use
 
+    def _run(self, batch: _Batch, pending: tuple[list[int], concurrent.futures.Future] | None
+             ) -> tuple[list[int], list[SampleLogprobs | None]]:
+        ordered, prefills, decodes = batch.ordered, batch.prefills, batch.decodes
+        ids, positions, last_row, to_sample = (batch.ids, batch.positions, batch.last_row,
+                                               batch.to_sample)
         dev = self.device
         chunks = [(s.start_pos, len(s.token_ids), s.block_table) for s in ordered]
         if not prefills and self.decode_graphs is not None and self.decode_graphs.fits(len(decodes)):
@@ -264,17 +301,18 @@ class ModelRunner:
                 last = last_row[id(s)]
                 chunk_logits = self.model.compute_logits(hidden[last - len(s.token_ids) + 1:last + 1])
                 self.tracker.add_prompt_logprobs(s, params, chunk_logits)
-        to_sample = [s for s in seqs if s.sample]  # plan order
         if not to_sample:
             return [], []
         rows = torch.tensor([last_row[id(s)] for s in to_sample], dtype=torch.long, device=dev)
         logits = self.model.compute_logits(hidden[rows])
         params = [self.sampling[s.rid] for s in to_sample]
+        masks = (pending[0], pending[1].result()) if pending is not None else None
         tokens, token_lps = self.sampler.sample(
             logits,
             params,
             [self.generators.get(s.rid) for s in to_sample],
             [self.tracker.history(s.rid, p) for s, p in zip(to_sample, params)],
+            masks,
         )
         for s, token in zip(to_sample, tokens):
             self.last_sampled[s.rid] = token

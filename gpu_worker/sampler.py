@@ -1,8 +1,9 @@
 """Token sampling for one step: logit processors, greedy, temperature, top-k/p, min-p, seeds.
 
 Order (as vLLM): raw logprobs are taken from the model's logits first; then logit_bias,
-the min_tokens stop-id suppression and the penalties rewrite the logits; then greedy rows
-take the argmax, and sampled rows go through temperature, top-k, top-p and min-p.
+the min_tokens stop-id suppression and the penalties rewrite the logits, and a grammar's
+mask removes disallowed tokens; then greedy rows take the argmax, and sampled rows go
+through temperature, top-k, top-p and min-p.
 
 Every processor touches only the rows that use it: penalties count token ids with one
 index_put over the rows that have penalties, logit_bias adds its (row, id, bias) triples
@@ -20,6 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
+from gpu_worker.grammar import apply_masks
 from protocol.ipc import SamplingParams, SampleLogprobs, TokenLogprob
 
 # (all token ids fed so far, number of those that are prompt) for one row
@@ -47,14 +49,19 @@ class Sampler:
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
         histories: list[History | None] | None = None,
+        masks: tuple[list[int], torch.Tensor] | None = None,
     ) -> tuple[list[int], list[TokenLogprob | None]]:
         """logits: [rows, vocab], modified in place (bias, masks, penalties): the caller
         must not reuse them. ``generators[i]`` is row i's own generator, or None;
-        ``histories[i]`` row i's token history (needed only where ``needs_history``).
+        ``histories[i]`` row i's token history (needed only where ``needs_history``);
+        ``masks``: (rows, packed allowed-token bitmasks) of constrained rows, applied
+        after every other processor so nothing can re-allow a disallowed token.
         Returns the sampled ids and, per row, its logprobs (None where not asked for)."""
         lp_rows = [i for i, p in enumerate(params) if p.logprobs >= 0]
         raw_logprobs = torch.log_softmax(logits[lp_rows].float(), dim=-1) if lp_rows else None
         logits = self._process(logits.float(), params, histories or [None] * len(params))
+        if masks is not None:
+            apply_masks(logits, *masks)
         tokens = logits.argmax(dim=-1)
         rand_rows = [i for i, p in enumerate(params) if p.temperature > 0]
         if rand_rows:

@@ -43,6 +43,23 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     num_prompt_tokens: int = 0
     min_tokens: int = 0
     min_tokens_stop_ids: list[int] = []
+    # Constrained decoding: an llguidance grammar, compiled and checked by the tokenizer
+    # worker; the gpu_worker masks every sampled token with it.
+    grammar: str | None = None
+
+
+class GuidedSpec(msgspec.Struct, frozen=True):
+    """A constraint on the output, as the client asked for it. ``kind``: json_schema |
+    json_object | regex | choice | grammar; ``spec`` is its text (a schema as JSON, a
+    regex, a JSON list of choices, a Lark/GBNF grammar); ``field`` names the request field
+    it came from, so a 400 about it names that field."""
+
+    kind: Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+    spec: str
+    field: str
+    # the reasoning parser whose <think> block comes first, unconstrained; the
+    # constraint applies to the answer after it (None: to the whole reply)
+    reasoning: str | None = None
 
 
 class DetokParams(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -89,6 +106,7 @@ class GenerateReq(_Message, tag="generate", omit_defaults=True):
     strict: bool = False             # every ignored/clamped field becomes a 400
     chat_template: str | None = None  # request-supplied template (frontend checked the flag)
     echo_prompt: bool = False        # return the prompt text in RequestInfo (completions echo)
+    guided: GuidedSpec | None = None  # constrained decoding, compiled by the tokenizer worker
 
 
 class TemplateInfo(msgspec.Struct, frozen=True):

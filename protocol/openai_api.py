@@ -92,6 +92,13 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     cache_salt: str | None = None  # extension: prefix-cache sharing only within one salt
     prompt_logprobs: NonNegativeInt | None = None  # extension (vLLM): top-k per prompt token
     strict: bool = False  # extension: every ignored or clamped field becomes a 400
+    # constrained decoding: OpenAI's response_format and vLLM's extensions
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -111,7 +118,6 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
@@ -149,6 +155,9 @@ class CandorReport(msgspec.Struct, omit_defaults=True):
     defaults: list[FieldNote] = []
     chat_template: TemplateRef | None = None
     strict: bool = False
+    tool_parser: str | None = None  # which parser read tool calls out of the text
+    reasoning_parser: str | None = None  # which parser split off reasoning_content
+    constraint: str | None = None  # the field whose grammar constrained decoding
 
 
 class TopLogprobEntry(msgspec.Struct):
@@ -217,9 +226,22 @@ class CompletionResponse(msgspec.Struct):
     candor: CandorReport | UnsetType = UNSET
 
 
+class ResponseFunction(msgspec.Struct):
+    name: str
+    arguments: str  # JSON text, exactly as the streamed fragments concatenate
+
+
+class ResponseToolCall(msgspec.Struct):
+    id: str
+    function: ResponseFunction
+    type: str = "function"
+
+
 class AssistantMessage(msgspec.Struct):
     content: str | None
     role: str = "assistant"
+    tool_calls: list[ResponseToolCall] | UnsetType = UNSET
+    reasoning_content: str | UnsetType = UNSET
 
 
 class ChatChoice(msgspec.Struct):
@@ -243,9 +265,26 @@ class ChatCompletionResponse(msgspec.Struct):
     candor: CandorReport | UnsetType = UNSET
 
 
+class DeltaFunction(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(msgspec.Struct, omit_defaults=True):
+    """OpenAI's streamed call: ``id``, ``type`` and ``function.name`` in a call's first
+    delta, then ``function.arguments`` fragments."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: DeltaFunction | None = None
+
+
 class ChatDelta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):

@@ -215,6 +215,16 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                         "replaces the checkpoint's")
     g.add_argument("--allow-request-chat-template", action="store_true",
                    help="accept a chat_template field in request bodies")
+    g.add_argument("--tool-call-parser", default="auto",
+                   help="how tool calls are read from text under tool_choice auto: "
+                        "hermes, llama3_json, mistral, deepseek_v31, granite, pythonic; "
+                        "auto (default) detects it from the chat template; none")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM command lines: tool_choice auto is on whenever a "
+                        "tool-call parser is configured or detected")
+    g.add_argument("--reasoning-parser", default="auto",
+                   help="<think> blocks -> reasoning_content: qwen3, deepseek_r1; auto "
+                        "(default) detects it from the chat template where clear; none")
     g.add_argument("--max-logprobs", type=int, default=None,
                    help="most logprobs / top_logprobs alternatives per token (default 20); "
                         "other request limits: the topology YAML's api.limits")
@@ -300,6 +310,10 @@ def serve_topology(args: argparse.Namespace, model_path: str, default_name: str,
         "api": {"strict": args.strict, "max_tokens_policy": args.max_tokens_policy,
                 "chat_template": args.chat_template,
                 "allow_request_chat_template": args.allow_request_chat_template,
+                "tool_call_parser": None if args.tool_call_parser == "none"
+                else args.tool_call_parser,
+                "reasoning_parser": None if args.reasoning_parser == "none"
+                else args.reasoning_parser,
                 "limits": {name: value for name, value in (
                     ("max_n", args.max_n), ("max_logprobs", args.max_logprobs),
                     ("max_prompts", args.max_prompts),

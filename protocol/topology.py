@@ -209,6 +209,13 @@ class ApiSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     allow_request_chat_template: bool = False
     limits: RequestLimits = msgspec.field(default_factory=RequestLimits)
     sampling_defaults: SamplingDefaults = msgspec.field(default_factory=SamplingDefaults)
+    # Tool calls under tool_choice auto: a parser name, "auto" (detected from the chat
+    # template at launch, which writes the outcome here) or None (auto is a 400).
+    tool_call_parser: str | None = None
+    tool_call_parser_source: str | None = None  # flag | detected from <template> | ...
+    # <think> blocks -> reasoning_content: a parser name, "auto" (detected) or None
+    reasoning_parser: str | None = None
+    reasoning_parser_source: str | None = None
 
 
 class RoleCounts(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -98,7 +98,8 @@ async def test_capabilities_publish_every_tier(server):
     assert status == 200 and caps["policy"]["strict"] is False
     chat = caps["fields"]["/v1/chat/completions"]
     assert chat["temperature"] == "honoured" and chat["top_k"] == "extension"
-    assert chat["user"] == "ignored" and chat["tools"] == "rejected"
+    assert chat["user"] == "ignored" and chat["tools"] == "honoured"
+    assert chat["guided_json"] == "extension" and chat["response_format"] == "honoured"
     assert chat["chat_template"] == "rejected"
     assert caps["fields"]["/v1/completions"]["suffix"] == "ignored"
 

@@ -108,7 +108,8 @@ async def test_capabilities_publish_limits_and_foreign_field_tiers(srv):
     assert caps["limits"]["max_request_share"] == 0.25
     for kind in ("/v1/chat/completions", "/v1/completions"):
         fields = caps["fields"][kind]
-        assert fields["guided_json"] == fields["use_beam_search"] == "rejected"
+        assert fields["use_beam_search"] == fields["guided_whitespace_pattern"] == "rejected"
+        assert fields["guided_json"] == fields["structured_outputs"] == "extension"
         assert fields["guided_decoding_backend"] == "ignored"
         assert "prompt_logprobs" not in fields or fields["prompt_logprobs"] != "rejected"
 
@@ -188,9 +189,7 @@ def test_over_long_request_line_and_header_are_error_shaped(srv):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("guided_json", {"type": "object"}), ("guided_regex", "a+"), ("guided_choice", ["a"]),
-    ("guided_grammar", "root ::= 'a'"), ("structured_outputs", {"regex": "a"}),
-    ("use_beam_search", True), ("best_of", 2), ("regex", "a"), ("json_schema", {}),
+    ("guided_whitespace_pattern", " *"), ("use_beam_search", True), ("best_of", 2), ("regex", "a"), ("json_schema", {}),
     ("lora_request", {"lora_name": "x"}), ("truncate_prompt_tokens", 4),
     ("logits_processors", ["x"]), ("bad_words", ["a"]), ("allowed_token_ids", [1]),
     ("vllm_xargs", {"a": 1}), ("return_hidden_states", True),

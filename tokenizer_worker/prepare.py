@@ -19,6 +19,7 @@ from tokenizer_worker.budget import resolve_max_tokens
 from tokenizer_worker.chat_template import ChatTemplate, ChatTemplateError
 from tokenizer_worker.content_format import detect_content_format, flatten_content
 from tokenizer_worker.deadline import time_limit
+from tokenizer_worker.grammar import GrammarCompiler, GrammarError, build_tokenizer
 from tokenizer_worker.length_bound import TokenLengthBound, utf8_len
 from tokenizer_worker.template_source import load_server_template
 from tokenizer_worker.tokenizer_files import CheckpointTokenizer
@@ -75,6 +76,8 @@ class RequestPreparer:
         self.last_text_bytes = 0
         self._request_templates: OrderedDict[str, ChatTemplate] = OrderedDict()
         self._formats: dict[str, str] = {}
+        self._model_vocab = model_vocab_size or tokenizer.vocab_size
+        self._grammars: GrammarCompiler | None = None  # built at the first constrained request
 
     # ------------------------------------------------------------------ helpers
 
@@ -251,6 +254,17 @@ class RequestPreparer:
             self._fail(req, f"logit_bias token ids {bad_bias[:5]} are outside the vocabulary "
                        f"(0..{self.vocab_size - 1})", "logit_bias", "invalid_token_id")
 
+    def _grammar(self, req: ipc.GenerateReq) -> str | None:
+        if req.guided is None:
+            return None
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(build_tokenizer(
+                self.tokenizer.backend.to_str(), self._model_vocab, self.tokenizer.eos_token_ids))
+        try:
+            return self._grammars.compile(req.guided)
+        except GrammarError as err:
+            self._fail(req, str(err), err.param, "unsupported_constraint")
+
     # ------------------------------------------------------------------ entry points
 
     def prepare(self, req: ipc.GenerateReq
@@ -274,7 +288,8 @@ class RequestPreparer:
         suppress = list(dict.fromkeys((([] if req.ignore_eos else eos) + req.stop_token_ids)))
         sampling = msgspec.structs.replace(
             req.sampling, num_prompt_tokens=len(ids), min_tokens=req.min_tokens,
-            min_tokens_stop_ids=suppress if req.min_tokens > 0 else [])
+            min_tokens_stop_ids=suppress if req.min_tokens > 0 else [],
+            grammar=self._grammar(req))
         tokenized = ipc.TokenizedReq(
             rid=req.rid, reply_to=req.reply_to, prompt_token_ids=ids, max_tokens=max_tokens,
             sampling=sampling, detok=req.detok, eos_token_ids=eos,

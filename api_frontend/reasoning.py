@@ -1,0 +1,120 @@
+"""Reasoning parsers: text inside ``<think>...</think>`` goes to ``reasoning_content``.
+
+- qwen3: reasoning only when the reply opens with ``<think>``; off with
+  ``chat_template_kwargs.enable_thinking: false`` (the template then closes the block in
+  the prompt and the reply is all answer).
+- deepseek_r1: the template opens the block in the prompt, so the reply is reasoning up to
+  ``</think>`` (an opening tag the model repeats is dropped); with
+  ``chat_template_kwargs.thinking: false`` the reply is all answer.
+
+Under a constraint, the grammar leaves the block free and constrains the answer after
+``</think>`` (tokenizer_worker/grammar.py). ``split(text, final)`` follows the tool parsers' rule (base.py): the split of a prefix of
+the text is a prefix of the split of the whole, so streamed ``reasoning_content`` and
+``content`` deltas concatenate to the non-streamed fields, and no tag leaks into either.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from api_frontend.tool_parsers.base import held
+
+START, END = "<think>", "</think>"
+
+
+class ReasoningParser:
+    name = ""
+
+    def active(self, template_kwargs: dict[str, Any]) -> bool:
+        return True
+
+    def split(self, text: str, final: bool) -> tuple[str, str]:
+        raise NotImplementedError
+
+
+def _after_start(text: str, final: bool) -> tuple[int, bool] | None:
+    """(where the reasoning begins, whether an opening tag was there): past the tag and
+    the whitespace before it. None: too early to tell (the text may still become one)."""
+    body = text.lstrip()
+    at = len(text) - len(body)
+    if body.startswith(START):
+        return at + len(START), True
+    if not final and START.startswith(body):
+        return None
+    return 0, False
+
+
+def _split_at_end(text: str, at: int, final: bool) -> tuple[str, str]:
+    j = text.find(END, at)
+    if j >= 0:
+        return text[at:j], text[j + len(END):]
+    reasoning = text[at:]
+    if not final:
+        reasoning = reasoning[:len(reasoning) - held(reasoning, (END,))]
+    return reasoning, ""
+
+
+class Qwen3ReasoningParser(ReasoningParser):
+    name = "qwen3"
+
+    def active(self, template_kwargs: dict[str, Any]) -> bool:
+        return template_kwargs.get("enable_thinking", True) is not False
+
+    def split(self, text: str, final: bool) -> tuple[str, str]:
+        start = _after_start(text, final)
+        if start is None:
+            return "", ""
+        at, opened = start
+        if not opened:
+            return "", text
+        return _split_at_end(text, at, final)
+
+
+class DeepSeekR1ReasoningParser(ReasoningParser):
+    name = "deepseek_r1"
+
+    def active(self, template_kwargs: dict[str, Any]) -> bool:
+        return template_kwargs.get("thinking", True) is not False
+
+    def split(self, text: str, final: bool) -> tuple[str, str]:
+        start = _after_start(text, final)
+        if start is None:
+            return "", ""
+        return _split_at_end(text, start[0], final)
+
+
+PARSERS: dict[str, type[ReasoningParser]] = {
+    p.name: p for p in (Qwen3ReasoningParser, DeepSeekR1ReasoningParser)}
+
+
+def detect(template_source: str) -> str | None:
+    """qwen3 where the template reads ``enable_thinking``; deepseek_r1 where it drops
+    ``</think>`` blocks and has no thinking switch; None otherwise (DeepSeek-V3.1's
+    thinking is off by default: set the flag to read it)."""
+    if START in template_source and "enable_thinking" in template_source:
+        return "qwen3"
+    if END in template_source and "thinking" not in template_source.replace(END, ""):
+        return "deepseek_r1"
+    return None
+
+
+def get(name: str) -> ReasoningParser:
+    if name not in PARSERS:
+        raise KeyError(f"unknown reasoning parser {name!r}; known: {sorted(PARSERS)}")
+    return PARSERS[name]()
+
+
+class ReasoningStream:
+    """New reasoning and answer text after each delta of one choice."""
+
+    def __init__(self, parser: ReasoningParser) -> None:
+        self.parser = parser
+        self.text = ""
+        self.sent = (0, 0)
+
+    def feed(self, delta: str, final: bool) -> tuple[str, str]:
+        self.text += delta
+        reasoning, content = self.parser.split(self.text, final)
+        out = reasoning[self.sent[0]:], content[self.sent[1]:]
+        self.sent = (len(reasoning), len(content))
+        return out

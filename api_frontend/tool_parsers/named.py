@@ -1,0 +1,16 @@
+"""``tool_choice`` naming one function: the grammar makes the whole reply that function's
+arguments object, so the text is the arguments, streamed as they are written."""
+
+from __future__ import annotations
+
+from api_frontend.tool_parsers.base import CallView, ScanView, ToolParser
+
+
+class NamedCallParser(ToolParser):
+    name = "named"
+
+    def __init__(self, function: str) -> None:
+        self.function = function
+
+    def scan(self, text: str, final: bool) -> ScanView:
+        return ScanView("", [CallView(self.function, text, final)])

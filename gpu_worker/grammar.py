@@ -1,0 +1,186 @@
+"""Constrained decoding in the worker: one llguidance matcher per constrained request.
+
+The scheduler plans step N+1 before step N's token is known, so masks are built here,
+where every sampled token is known: a matcher advances with the generated tokens the
+plan feeds (the placeholder, once filled, is the token sampled last step), and the mask
+for a row is computed right before that row is sampled. Recompute after preemption
+re-feeds the same tokens (skipped), and anything that differs rolls the matcher back, so
+the matcher always equals the tokens the KV cache holds.
+
+The vocabulary view is built on a thread at start-up (about a second on a large
+vocabulary) so the first constrained request does not stall the step loop; matchers are
+copied from a prototype per grammar text (compiled once, cached).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+
+import llguidance
+import llguidance.torch as llg_torch
+import torch
+
+from protocol.ipc import SamplingParams, SeqChunk
+
+log = logging.getLogger(__name__)
+_PROTOTYPES = 64
+
+
+class _State:
+    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+        self.matcher = matcher
+        self.consumed: list[int] = []  # generated tokens the matcher has accepted
+
+
+class GrammarStates:
+    def __init__(self, model_path: str, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._error: BaseException | None = None
+        self._ready = threading.Thread(target=self._build, args=(model_path,), daemon=True,
+                                       name="grammar-vocab")
+        self._ready.start()
+        self._prototypes: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._states: dict[str, _State] = {}
+        self._special: np.ndarray | None = None  # special ids other than end-of-sequence
+        # masks are computed here while the model runs the step's forward pass (the
+        # engine releases the GIL); one thread, so matchers are never used concurrently
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
+
+    def _build(self, model_path: str) -> None:
+        try:
+            from tokenizer_worker.grammar import build_tokenizer
+            from tokenizer_worker.tokenizer_files import CheckpointTokenizer
+            tok = CheckpointTokenizer(model_path)
+            self._tokenizer = build_tokenizer(tok.backend.to_str(), self.vocab_size,
+                                              tok.eos_token_ids)
+        except BaseException as exc:  # reported when a constrained request needs it
+            self._error = exc
+
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        self._ready.join()
+        if self._tokenizer is None:
+            raise RuntimeError(f"constrained decoding is unavailable: {self._error}")
+        if self._special is None:
+            tok = self._tokenizer
+            eos = set(tok.eos_tokens)
+            self._special = np.array([i for i in range(min(tok.vocab_size, self.vocab_size))
+                                      if tok.is_special_token(i) and i not in eos],
+                                     dtype=np.int64)
+        return self._tokenizer
+
+    def register(self, rid: str, params: SamplingParams) -> None:
+        """A request the worker sees for the first time (again after preemption: kept)."""
+        if params.grammar is None or rid in self._states:
+            return
+        proto = self._prototypes.get(params.grammar)
+        if proto is None:
+            proto = llguidance.LLMatcher(self.tokenizer(), params.grammar)
+            if proto.is_error():
+                raise ValueError(f"{rid}: grammar does not compile: {proto.get_error()}")
+            self._prototypes[params.grammar] = proto
+            if len(self._prototypes) > _PROTOTYPES:
+                self._prototypes.popitem(last=False)
+        self._states[rid] = _State(proto.deep_copy())
+
+    def release(self, rid: str) -> None:
+        self._states.pop(rid, None)
+
+    def observe(self, seq: SeqChunk, params: SamplingParams | None) -> None:
+        """Advance ``seq.rid``'s matcher over the generated tokens this chunk feeds."""
+        state = self._states.get(seq.rid)
+        if state is None or params is None:
+            return
+        first = seq.start_pos - params.num_prompt_tokens  # index among generated tokens
+        for k, token in enumerate(seq.token_ids):
+            i = first + k
+            if i < 0:
+                continue
+            if i < len(state.consumed):
+                if state.consumed[i] == token:
+                    continue
+                self._rollback(seq.rid, state, len(state.consumed) - i)
+            if i > len(state.consumed):
+                raise ValueError(f"{seq.rid}: generated token {i} fed before token "
+                                 f"{len(state.consumed)}")
+            if not state.matcher.consume_token(token):
+                raise ValueError(f"{seq.rid}: token {token} breaks its grammar: "
+                                 f"{state.matcher.get_error()}")
+            state.consumed.append(token)
+
+    @staticmethod
+    def _rollback(rid: str, state: _State, n: int) -> None:
+        if not state.matcher.rollback(n):
+            raise ValueError(f"{rid}: grammar state cannot roll back {n} tokens")
+        del state.consumed[len(state.consumed) - n:]
+
+    def constrained(self, rids: list[str]) -> list[int]:
+        """Indexes of ``rids`` that have a grammar."""
+        return [i for i, rid in enumerate(rids) if rid in self._states]
+
+    def masks_soon(self, rids: list[str]) -> Future:
+        """``masks(rids)`` on the mask thread; call after this step's ``observe``s."""
+        return self._pool.submit(self.masks, rids)
+
+    def masks(self, rids: list[str]) -> torch.Tensor:
+        """Packed allowed-token bitmasks ([len(rids), ceil(vocab/32)] int32), one row per
+        rid, from each matcher's current state."""
+        bitmask = llg_torch.allocate_token_bitmask(len(rids), self.vocab_size)
+        row_bytes = bitmask.shape[1] * 4
+        base = bitmask.data_ptr()
+        for row, rid in enumerate(rids):  # the engine writes each row in place
+            self._states[rid].matcher.unsafe_compute_mask_ptr(base + row * row_bytes, row_bytes)
+        words = bitmask.numpy()
+        self._check_special(rids, words)
+        empty = np.flatnonzero(~words.any(axis=1)).tolist()
+        for row in empty + [r for r, rid in enumerate(rids)
+                            if self._states[rid].matcher.is_error() and r not in empty]:
+            # cannot happen for a grammar that compiled: end the sequence cleanly rather
+            # than fail the step (and every other request in it)
+            log.error("%s: grammar allows no token: %s", rids[row],
+                      self._states[rids[row]].matcher.get_error())
+            bitmask[row] = 0
+            for eos in self.tokenizer().eos_tokens:
+                bitmask[row, eos // 32] |= _int32(1 << (eos % 32))
+        return bitmask
+
+    def _check_special(self, rids: list[str], words: np.ndarray) -> None:
+        """The engine's mask can allow a special token where the grammar spells its text,
+        which the matcher then refuses: such bits are cleared (cheap: few special ids).
+        ``words``: the bitmask's int32 words, written in place."""
+        special = self._special
+        if special is None or not len(special):
+            return
+        bits = (words[:, special // 32] >> (special % 32).astype(np.int32)) & 1
+        for row, k in zip(*np.nonzero(bits)):
+            token = int(special[k])
+            if self._states[rids[row]].matcher.validate_tokens([token]) == 0:
+                words[row, token // 32] &= np.int32(_int32(~(1 << (token % 32))))
+
+
+def _int32(value: int) -> int:
+    """``value``'s low 32 bits as a signed int32 (bitmask words are int32)."""
+    return (value + 2**31) % 2**32 - 2**31
+
+
+def disallowed(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Packed int32 words -> [rows, vocab] bool, True where the token is NOT allowed
+    (bit j of word w is token 32 w + j). numpy's unpackbits and a bool view of its 0/1
+    bytes cost microseconds where shifting int32 tensors or ``.bool()`` cost milliseconds."""
+    bits = np.unpackbits(~bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
+    return torch.from_numpy(bits).view(torch.bool)[:, :vocab]
+
+
+def apply_masks(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
+    """Disallowed tokens of ``rows`` to -inf, in place."""
+    drop = disallowed(bitmask, logits.shape[1]).to(logits.device)
+    if len(rows) == logits.shape[0]:
+        logits.masked_fill_(drop, float("-inf"))
+        return
+    index = torch.tensor(rows, device=logits.device)
+    logits[index] = logits[index].masked_fill(drop, float("-inf"))

@@ -1,0 +1,280 @@
+"""Tool calling through the running server (random weights), with the openai SDK.
+
+The tiny model's own template writes Hermes-style ``<tool_call>`` tags, so the server
+detects the hermes parser. ``required`` and named choices are constrained decoding: every
+call must parse and validate against its tool's schema whatever the weights say. ``auto``
+is parsed after the fact; to make random weights write a real Hermes call, those tests
+add a ``guided_regex`` that spells one out.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import msgspec
+import openai
+import pytest
+
+from api_frontend.errors import ApiError
+from api_frontend.translate import chat_to_generate
+from protocol.openai_api import ChatCompletionRequest
+from protocol.topology import ApiSpec
+from tests.server import CandorServer
+
+WEATHER = {"type": "object", "properties": {
+    "city": {"type": "string", "enum": ["Paris", "Zürich", "Rome"]},
+    "days": {"type": "integer", "minimum": 1, "maximum": 14},
+    "metric": {"type": "boolean"}},
+    "required": ["city", "days", "metric"], "additionalProperties": False}
+TIME = {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 6},
+                                         "hour24": {"type": "boolean"}},
+        "required": ["zone"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+MESSAGES = [{"role": "user", "content": "Weather in Paris and the time there?"}]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+def _valid_calls(message) -> list[tuple[str, dict]]:
+    assert message.tool_calls, message
+    out = []
+    for call in message.tool_calls:
+        assert call.type == "function" and call.id
+        args = json.loads(call.function.arguments)
+        jsonschema.validate(args, SCHEMAS[call.function.name])
+        out.append((call.function.name, args))
+    return out
+
+
+def _streamed(client, **kwargs):
+    """(content, {index: [id, name, arguments]}, finish_reason) of a streamed chat."""
+    content, calls, finish = "", {}, None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            delta = choice.delta
+            content += delta.content or ""
+            for d in delta.tool_calls or []:
+                if d.index not in calls:  # the first delta of a call names it
+                    assert d.id and d.type == "function" and d.function.name
+                    calls[d.index] = [d.id, d.function.name, ""]
+                else:
+                    assert d.id is None and not d.function.name
+                calls[d.index][2] += d.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return content, calls, finish
+
+
+def test_parser_detected_and_published(server):
+    status, body = server.get("/v1/capabilities")
+    policy = json.loads(body)["policy"]
+    assert policy["tool_call_parser"] == "hermes"
+    assert "detected" in policy["tool_call_parser_source"]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_required_calls_always_validate(client, seed):
+    r = client.chat.completions.create(model="tiny-llama", messages=MESSAGES, tools=TOOLS,
+                                       tool_choice="required", max_tokens=300, seed=seed,
+                                       temperature=1.0)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    assert len(_valid_calls(choice.message)) >= 1
+    assert r.model_extra["candor"]["constraint"] == "tools"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_named_call_validates_and_streams_the_same_arguments(client, seed):
+    kwargs = dict(model="tiny-llama", messages=MESSAGES, tools=TOOLS, max_tokens=200,
+                  seed=seed, tool_choice={"type": "function", "function": {"name": "get_time"}})
+    whole = client.chat.completions.create(**kwargs)
+    [(name, args)] = _valid_calls(whole.choices[0].message)
+    assert name == "get_time" and whole.choices[0].finish_reason == "tool_calls"
+    content, calls, finish = _streamed(client, **kwargs)
+    assert content == "" and finish == "tool_calls"
+    assert [(c[1], c[2]) for c in calls.values()] == [
+        ("get_time", whole.choices[0].message.tool_calls[0].function.arguments)]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_required_calls_stream_the_same_calls(client, seed):
+    kwargs = dict(model="tiny-llama", messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                  max_tokens=300, seed=seed, n=2)
+    whole = client.chat.completions.create(**kwargs)
+    expected = [[(c.function.name, c.function.arguments) for c in ch.message.tool_calls]
+                for ch in whole.choices]
+    got: dict[int, dict[int, list]] = {}
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            for d in choice.delta.tool_calls or []:
+                calls = got.setdefault(choice.index, {})
+                if d.index not in calls:
+                    assert d.id and d.function.name
+                    calls[d.index] = [d.function.name, ""]
+                calls[d.index][1] += d.function.arguments or ""
+            if choice.finish_reason is not None:
+                assert choice.finish_reason == "tool_calls"
+    assert [[tuple(c) for c in got[i].values()] for i in range(2)] == expected
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_parallel_false_yields_exactly_one_call(client, seed):
+    r = client.chat.completions.create(model="tiny-llama", messages=MESSAGES, tools=TOOLS,
+                                       tool_choice="required", parallel_tool_calls=False,
+                                       max_tokens=300, seed=seed)
+    assert len(_valid_calls(r.choices[0].message)) == 1
+
+
+def test_required_with_n_and_logprobs(client):
+    r = client.chat.completions.create(model="tiny-llama", messages=MESSAGES, tools=TOOLS,
+                                       tool_choice="required", max_tokens=300, n=3, seed=5,
+                                       logprobs=True, top_logprobs=2)
+    assert len(r.choices) == 3
+    for choice in r.choices:
+        _valid_calls(choice.message)
+        assert choice.logprobs.content
+
+
+HERMES_REGEX = (r'Sure\.<tool_call>\{"name": "get_weather", "arguments": '
+                r'\{"city": "(Paris|Rome)", "days": [1-9], "metric": (true|false)\}\}'
+                r'</tool_call>(<tool_call>\{"name": "get_time", "arguments": '
+                r'\{"zone": "UTC"\}\}</tool_call>)?')
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_auto_reads_hermes_calls_whole_and_streamed(client, seed):
+    kwargs = dict(model="tiny-llama", messages=MESSAGES, tools=TOOLS, max_tokens=300,
+                  seed=seed, extra_body={"guided_regex": HERMES_REGEX})
+    whole = client.chat.completions.create(**kwargs)
+    message = whole.choices[0].message
+    assert message.content == "Sure."
+    calls = _valid_calls(message)
+    assert calls[0][0] == "get_weather"
+    assert whole.choices[0].finish_reason == "tool_calls"
+    assert whole.model_extra["candor"]["tool_parser"] == "hermes"
+    content, streamed, finish = _streamed(client, **kwargs)
+    assert content == "Sure." and "<tool" not in content and finish == "tool_calls"
+    assert [(c[1], c[2]) for c in streamed.values()] == [
+        (c.function.name, c.function.arguments) for c in message.tool_calls]
+
+
+def test_auto_without_calls_is_plain_content(client):
+    r = client.chat.completions.create(model="tiny-llama", messages=MESSAGES, tools=TOOLS,
+                                       max_tokens=8, seed=1,
+                                       extra_body={"guided_regex": "[a-z ]{3,20}"})
+    assert r.choices[0].message.tool_calls is None
+    assert r.choices[0].message.content and r.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"tools": []}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]},
+     "tools[0].function.name"),
+    ({"tools": TOOLS, "tool_choice": "required",
+      "response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": TOOLS, "tool_choice": "required", "ignore_eos": True}, "ignore_eos"),
+])
+def test_tool_validation_names_the_field(client, body, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny-llama", messages=MESSAGES, max_tokens=4,
+                                       extra_body=body)
+    assert err.value.body["param"] == param, err.value.body
+
+
+def test_auto_without_a_parser_is_a_400():
+    req = msgspec.convert({"model": "m", "messages": MESSAGES, "tools": TOOLS},
+                          ChatCompletionRequest)
+    with pytest.raises(ApiError) as err:
+        chat_to_generate(req, "r", "x", 0.0, [], ApiSpec(tool_call_parser=None))
+    assert err.value.param == "tool_choice" and "--tool-call-parser" in err.value.message
+    tr = chat_to_generate(req, "r", "x", 0.0, [], ApiSpec(tool_call_parser="hermes"))
+    assert tr.gen.tools == TOOLS and tr.report.tool_parser == "hermes"
+
+
+def test_assistant_tool_calls_and_tool_results_render(client):
+    """A full round trip: the model's call and the tool's answer go back through the
+    template (arguments as the JSON string the API returned)."""
+    first = client.chat.completions.create(model="tiny-llama", messages=MESSAGES, tools=TOOLS,
+                                           tool_choice="required", max_tokens=300, seed=3)
+    call = first.choices[0].message.tool_calls[0]
+    messages = MESSAGES + [first.choices[0].message.model_dump(exclude_none=True),
+                           {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    r = client.chat.completions.create(model="tiny-llama", messages=messages, tools=TOOLS,
+                                       tool_choice="none", max_tokens=4)
+    assert r.choices[0].message.tool_calls is None
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_parallel_false_under_auto_stops_after_the_first_call(client, stream):
+    """The regex makes the model write two calls; parallel_tool_calls false keeps one and
+    bills only the tokens up to the end of the first."""
+    regex = HERMES_REGEX.replace(")?", ")")  # the second call is no longer optional
+    kwargs = dict(model="tiny-llama", messages=MESSAGES, tools=TOOLS, max_tokens=300, seed=4,
+                  extra_body={"guided_regex": regex})
+    both = client.chat.completions.create(**kwargs)
+    assert len(both.choices[0].message.tool_calls) == 2
+    kwargs["parallel_tool_calls"] = False
+    if stream:
+        content, calls, finish = _streamed(client, **kwargs)
+        assert content == "Sure." and finish == "tool_calls"
+        assert [c[1] for c in calls.values()] == ["get_weather"]
+        return
+    one = client.chat.completions.create(**kwargs)
+    assert [c.function.name for c in one.choices[0].message.tool_calls] == ["get_weather"]
+    assert one.choices[0].finish_reason == "tool_calls"
+    assert one.usage.completion_tokens < both.usage.completion_tokens
+
+
+@pytest.fixture(scope="module")
+def r1_server(tiny_model_dir):
+    srv = CandorServer(tiny_model_dir, "--served-model-name", "tiny-llama", "--max-model-len",
+                       "1024", "--reasoning-parser", "deepseek_r1",
+                       "--tool-call-parser", "none").start()
+    yield srv
+    assert srv.stop() == 0
+
+
+def test_reasoning_parser_fills_reasoning_content_whole_and_streamed(r1_server):
+    """deepseek_r1: the reply is reasoning until </think>, which random weights never
+    write, so everything is reasoning_content and nothing reaches content."""
+    client = openai.OpenAI(base_url=r1_server.base_url + "/v1", api_key="unused",
+                           max_retries=0)
+    policy = json.loads(r1_server.get("/v1/capabilities")[1])["policy"]
+    assert (policy["reasoning_parser"], policy["reasoning_parser_source"]) == (
+        "deepseek_r1", "flag")
+    assert policy["tool_call_parser"] is None
+    kwargs = dict(model="tiny-llama", messages=MESSAGES, max_tokens=12, seed=7)
+    whole = client.chat.completions.create(**kwargs)
+    message = whole.choices[0].message
+    assert message.content is None and message.model_extra["reasoning_content"]
+    assert whole.model_extra["candor"]["reasoning_parser"] == "deepseek_r1"
+    thought, content = "", ""
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            thought += choice.delta.model_extra.get("reasoning_content") or ""
+            content += choice.delta.content or ""
+    assert (thought, content) == (message.model_extra["reasoning_content"], "")
+    # no parser: tool_choice auto is refused rather than answered as content
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(tools=TOOLS, **kwargs)
+    assert err.value.body["param"] == "tool_choice"
+
+    # a constraint applies to the answer after </think>, which random weights never
+    # reach: the reply is all (free) reasoning until max_tokens
+    r = client.chat.completions.create(tools=TOOLS, tool_choice="required", **{
+        **kwargs, "max_tokens": 40})
+    choice = r.choices[0]
+    assert choice.finish_reason == "length" and choice.message.tool_calls is None
+    assert choice.message.model_extra["reasoning_content"]
+    assert r.model_extra["candor"]["constraint"] == "tools"

@@ -1,0 +1,213 @@
+"""Client constraints -> llguidance grammars, checked before anything is scheduled.
+
+llguidance is Candor's one grammar engine (see the README for why and what it costs).
+The tokenizer worker turns a ``GuidedSpec`` into the engine's grammar text, and compiles
+it against the model's vocabulary so a grammar the engine cannot enforce (an unsupported
+JSON-schema keyword, a regex it cannot compile) is a 400 naming the field, before
+generation, never a silently partial constraint. Results are cached by a hash of the spec.
+The gpu_worker builds its matchers from the same text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections import OrderedDict
+
+import llguidance
+
+from protocol.ipc import GuidedSpec
+
+_CACHE_SIZE = 256
+# Compact JSON: one spelling per value, so output never wanders into unbounded whitespace.
+JSON_DEFAULTS = {"whitespace_flexible": False}
+
+
+class GrammarError(Exception):
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _byte_level_chars() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (how byte-level BPE vocabularies spell
+    bytes)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def _plain_added_tokens(tokenizer_json: str) -> str:
+    """Non-special added tokens (Qwen's ``<tool_call>``, ours) moved into the model's
+    vocabulary, spelled the way it spells text. The engine treats every added token as a
+    special one, whose bytes no text grammar matches, yet its mask's shortcut for a literal
+    can still allow such a token when the grammar spells its text: the worker would then
+    sample a token the matcher refuses. As vocabulary entries they are the text they are."""
+    data = json.loads(tokenizer_json)
+    model = data.get("model") or {}
+    vocab = model.get("vocab")
+    kinds = {(data.get(k) or {}).get("type") for k in ("pre_tokenizer", "decoder")}
+    if not isinstance(vocab, dict):
+        return tokenizer_json
+    chars = _byte_level_chars() if "ByteLevel" in kinds else None
+    keep = []
+    for added in data.get("added_tokens") or []:
+        text = added.get("content", "")
+        if added.get("special", True) or not text:
+            keep.append(added)
+            continue
+        if chars is not None:
+            spelled = "".join(chars[b] for b in text.encode("utf-8"))
+        elif "Metaspace" in kinds:
+            spelled = text.replace(" ", "\u2581")
+        else:
+            spelled = text
+        if spelled in vocab:
+            keep.append(added)
+            continue
+        vocab[spelled] = added["id"]
+    data["added_tokens"] = keep
+    return json.dumps(data, ensure_ascii=False)
+
+
+def build_tokenizer(tokenizer_json: str, vocab_size: int, eos_ids: list[int]
+                    ) -> llguidance.LLTokenizer:
+    """The engine's view of the vocabulary: the model's rows (masks are that wide) and
+    every end-of-sequence id (allowed once the grammar is complete)."""
+    return llguidance.LLTokenizer(_plain_added_tokens(tokenizer_json), n_vocab=vocab_size,
+                                  eos_token=list(eos_ids))
+
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions",
+                "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems")
+_SCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains",
+               "propertyNames", "additionalItems", "unevaluatedProperties")
+
+
+def close_objects(schema):
+    """Objects that list ``properties`` and say nothing of ``additionalProperties`` get
+    ``false``, as vLLM's default engine does: the output still validates against the
+    schema, and the model cannot wander into keys nobody asked for (with random weights
+    it otherwise fills ``max_tokens`` with one)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: close_objects(sub) for name, sub in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [close_objects(sub) for sub in out[key]]
+    for key in _SCHEMA_ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = close_objects(out[key])
+    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def grammar_text(spec: GuidedSpec) -> str:
+    """The llguidance grammar for one spec; ValueError for a malformed one."""
+    if spec.kind == "json_schema":
+        schema = json.loads(spec.spec)
+        if not isinstance(schema, dict):
+            raise ValueError("a JSON schema must be an object")
+        return llguidance.LLMatcher.grammar_from_json_schema(close_objects(schema),
+                                                            defaults=JSON_DEFAULTS)
+    if spec.kind == "json_object":
+        return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}',
+                                                            defaults=JSON_DEFAULTS)
+    if spec.kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(spec.spec)
+    if spec.kind == "choice":
+        return llguidance.grammar_from("choice", spec.spec)
+    return llguidance.grammar_from("grammar", spec.spec)
+
+
+END_THINK = "</think>"
+
+
+def _avoiding(text: str) -> str:
+    """A Rust regex (Lark ``/.../`` form) for strings that do not contain ``text``, whose
+    first character occurs nowhere else in it (true of ``</think>``): the automaton of the
+    standard construction, written out. It may end in a proper prefix of ``text``."""
+    def esc(c: str) -> str:
+        return "\\/" if c == "/" else re.escape(c)
+    first = text[0]
+    assert first not in text[1:]
+    chain = ""  # optional run of text[1:-1]: (/(t(h(...)?)?)?) for </think>
+    for c in reversed(text[1:-1]):
+        chain = f"{esc(c)}({chain})?" if chain else esc(c)
+    back = f"(({chain})?{esc(first)})*"  # partial matches cut short by a new first char
+
+    def leave(k: int) -> str:  # a character that breaks the partial match at k
+        cls = f"[^{esc(text[k])}{esc(first)}]"
+        return cls if k == len(text) - 1 else f"({cls}|{esc(text[k])}{leave(k + 1)})"
+    return (f"([^{esc(first)}]|{esc(first)}{back}{leave(1)})*"
+            f"({esc(first)}{back}({chain})?)?")
+
+
+def after_reasoning(answer: str, parser: str) -> str:
+    """``answer`` (llguidance grammar text) behind a free ``<think>`` block: deepseek_r1
+    replies start inside the block (the template opened it), qwen3 replies open it. The
+    block is one lexeme that ends at the first ``</think>``."""
+    try:
+        grammars = json.loads(answer)["grammars"]
+    except (ValueError, KeyError, TypeError):
+        grammars = [{"lark_grammar": answer}]
+    grammars = [dict(grammars[0], name="answer"), *grammars[1:]]
+    opening = '"<think>" ' if parser == "qwen3" else ""
+    wrapper = "\n".join([f"start: {opening}REASONING WS @answer",
+                         f"REASONING: /{_avoiding(END_THINK)}<\\/think>/",
+                         r"WS: /[ \t\r\n]*/"])
+    return json.dumps({"grammars": [{"lark_grammar": wrapper}, *grammars]})
+
+
+class GrammarCompiler:
+    def __init__(self, tokenizer: llguidance.LLTokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._cache: OrderedDict[str, str | GrammarError] = OrderedDict()
+
+    def compile(self, spec: GuidedSpec) -> str:
+        """The grammar text the worker will enforce, or GrammarError naming the field."""
+        key = hashlib.sha256(f"{spec.kind}\0{spec.reasoning}\0{spec.spec}".encode()).hexdigest()
+        got = self._cache.get(key)
+        if got is None:
+            got = self._compile(spec)
+            self._cache[key] = got
+            if len(self._cache) > _CACHE_SIZE:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(key)
+        if isinstance(got, GrammarError):
+            raise GrammarError(str(got), got.param)
+        return got
+
+    def _compile(self, spec: GuidedSpec) -> str | GrammarError:
+        what = {"json_schema": "JSON schema", "json_object": "JSON object constraint",
+                "regex": "regular expression", "choice": "choice list",
+                "grammar": "grammar"}[spec.kind]
+        try:
+            grammar = grammar_text(spec)
+            if spec.reasoning is not None:
+                grammar = after_reasoning(grammar, spec.reasoning)
+            failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+                grammar, self.tokenizer)
+            if not failed:
+                matcher = llguidance.LLMatcher(self.tokenizer, grammar)
+                failed, messages = matcher.is_error(), [matcher.get_error()]
+        except (ValueError, TypeError) as err:
+            failed, messages = True, [str(err)]
+        if not failed:
+            return grammar
+        detail = "; ".join(m for m in messages if m) or "rejected by the grammar engine"
+        return GrammarError(f"`{spec.field}`: this {what} cannot be enforced by Candor's "
+                            f"grammar engine (llguidance): {detail}", spec.field)
