@@ -99,6 +99,7 @@ class ModelRunner:
         self.sampling: dict[str, SamplingParams] = {}
         self.generators: dict[str, torch.Generator] = {}
         self.last_sampled: dict[str, int] = {}  # rid -> its latest token (fills placeholders)
+        self.block_tables: dict[str, list[int]] = {}  # rid -> its table, built from plan diffs
         self.failed_last_step: set[str] = set()  # rids of the previous step, if it failed
         self.tracker = RequestTracker()  # token history (penalties) and prompt logprobs
         self.fault_token_id: int | None = None  # test hook, see EngineSpec.fault_token_id
@@ -142,6 +143,7 @@ class ModelRunner:
             self.sampling.pop(rid, None)
             self.generators.pop(rid, None)
             self.last_sampled.pop(rid, None)
+            self.block_tables.pop(rid, None)
             self.tracker.release(rid)
         for rid, params in plan.new_sampling.items():
             old = self.sampling.get(rid)
@@ -166,7 +168,17 @@ class ModelRunner:
                 raise ValueError(f"{seq.rid}: placeholder token but nothing sampled for it yet")
             seq.token_ids[-1] = last
 
+    def _apply_blocks(self, seq: SeqChunk) -> None:
+        """This rid's table := its first ``kept_blocks`` ids + ``new_blocks``."""
+        table = self.block_tables.setdefault(seq.rid, [])
+        if len(table) < seq.kept_blocks:
+            raise ValueError(f"{seq.rid}: plan keeps {seq.kept_blocks} blocks but this worker "
+                             f"holds {len(table)} for it")
+        del table[seq.kept_blocks:]
+        table.extend(seq.new_blocks)
+
     def _check(self, seq: SeqChunk) -> None:
+        table = self.block_tables[seq.rid]
         n = len(seq.token_ids)
         end = seq.start_pos + n
         if n == 0:
@@ -176,9 +188,9 @@ class ModelRunner:
                 f"{seq.rid}: positions {seq.start_pos}..{end - 1} outside max_model_len {self.max_model_len}"
             )
         needed = -(-end // self.block_size)
-        if len(seq.block_table) < needed:
-            raise ValueError(f"{seq.rid}: block_table has {len(seq.block_table)} blocks, {needed} needed")
-        if any(not 0 <= b < self.num_blocks for b in seq.block_table[:needed]):
+        if len(table) < needed:
+            raise ValueError(f"{seq.rid}: block_table has {len(table)} blocks, {needed} needed")
+        if any(not 0 <= b < self.num_blocks for b in table[len(table) - len(seq.new_blocks):needed]):
             raise ValueError(f"{seq.rid}: block id out of range [0, {self.num_blocks})")
         if seq.sample and seq.rid not in self.sampling:
             raise ValueError(f"{seq.rid}: no SamplingParams (missing from new_sampling)")
@@ -190,6 +202,8 @@ class ModelRunner:
         failed_before, self.failed_last_step = self.failed_last_step, set()
         try:
             self._update_requests(plan)
+            for seq in plan.seqs:  # tables first: a later failure leaves them consistent
+                self._apply_blocks(seq)
             for seq in plan.seqs:
                 self._fill_placeholder(seq, failed_before)
                 self._check(seq)
@@ -225,7 +239,7 @@ class ModelRunner:
             raise RuntimeError(f"injected fault: token {self.fault_token_id} was fed")
 
         dev = self.device
-        chunks = [(s.start_pos, len(s.token_ids), s.block_table) for s in ordered]
+        chunks = [(s.start_pos, len(s.token_ids), self.block_tables[s.rid]) for s in ordered]
         if not prefills and self.decode_graphs is not None and self.decode_graphs.fits(len(decodes)):
             hidden = self.decode_graphs.run(chunks, ids, positions)
         else:

@@ -201,21 +201,27 @@ PLACEHOLDER_TOKEN = -1
 
 class SeqChunk(msgspec.Struct, array_like=True):
     """One sequence's work in a step: feed ``token_ids`` at positions
-    ``start_pos..start_pos+len-1``; its KV lives in ``block_table``. When ``sample`` is
-    true the worker samples one token from the last position's logits. A last token of
-    ``PLACEHOLDER_TOKEN`` stands for the token the worker sampled for ``rid`` last."""
+    ``start_pos..start_pos+len-1``. When ``sample`` is true the worker samples one token
+    from the last position's logits. A last token of ``PLACEHOLDER_TOKEN`` stands for the
+    token the worker sampled for ``rid`` last.
+
+    The block table travels as a diff, so a plan's size does not grow with context: the
+    worker keeps each rid's table, cuts it to its first ``kept_blocks`` ids and appends
+    ``new_blocks``. ``kept_blocks`` 0 (a request's first chunk, or after preemption)
+    means ``new_blocks`` is the whole table."""
 
     rid: str
     token_ids: list[int]
     start_pos: int
-    block_table: list[int]
+    new_blocks: list[int]
     sample: bool
+    kept_blocks: int = 0
 
 
 class StepPlan(_Message, tag="step"):
     """One forward pass over a batch. ``new_sampling`` carries params for sequences the
     worker has not seen (or sees again after preemption); ``released`` lists rids whose
-    worker-side state (seeded generators) can be dropped."""
+    worker-side state (block table, seeded generators) can be dropped."""
 
     step_id: int
     seqs: list[SeqChunk]

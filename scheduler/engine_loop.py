@@ -30,7 +30,7 @@ from protocol.routing import detokenizer_index
 from protocol.transport import Receiver, Sender, SenderPool
 from scheduler.block_manager import BlockAllocator
 from scheduler.metrics import SchedulerOps
-from scheduler.planner import Planner, PlannedStep
+from scheduler.planner import PlannedStep, Planner
 from scheduler.request import SchedRequest
 
 HEARTBEAT_S = 0.25
@@ -78,7 +78,6 @@ class EngineLoop:
         self.requests: dict[str, SchedRequest] = {}
         self.pending_aborts: dict[str, str] = {}
         self.early_aborts: dict[str, float] = {}  # rid -> monotonic time of the abort
-        self.released: list[str] = []
         self.in_flight: deque[InFlight] = deque()  # oldest (running on the worker) first
         self.last_result = 0.0  # monotonic time the last step came back
         self.step_id = 0
@@ -102,19 +101,19 @@ class EngineLoop:
                 batches: dict[int, list[ipc.TokenOutput]],
                 cached_tokens: int | None = None,
                 logprobs: ipc.SampleLogprobs | None = None) -> None:
+        """Forget a request the planner finished (finishing it there first if needed)
+        and queue its last output."""
         assert self.planner is not None
-        self.planner.free(sreq)
-        if sreq in self.planner.running:
-            self.planner.running.remove(sreq)
-        elif sreq in self.planner.waiting:
-            self.planner.waiting.remove(sreq)
+        self.planner.finish(sreq)
         self.requests.pop(sreq.rid, None)
         self.ops.forget(sreq.rid)
-        if sreq.seen_by_worker:
-            self.released.append(sreq.rid)
+        self._emit(sreq, new_ids, reason, logprobs, cached_tokens, batches)
+
+    def _emit(self, sreq: SchedRequest, ids: list[int], reason: str | None,
+              lp: ipc.SampleLogprobs | None, cached: int | None,
+              batches: dict[int, list[ipc.TokenOutput]]) -> None:
         sender = self._detok_for(sreq.rid)
-        batches.setdefault(id(sender), []).append(
-            _output(sreq.rid, new_ids, reason, logprobs, cached_tokens))
+        batches.setdefault(id(sender), []).append(_output(sreq.rid, ids, reason, lp, cached))
 
     def _flush(self, batches: dict[int, list[ipc.TokenOutput]]) -> None:
         for sender in self.to_detok:
@@ -208,8 +207,7 @@ class EngineLoop:
             return False
         self.step_id += 1
         plan = ipc.StepPlan(self.step_id, planned.chunks, planned.new_sampling,
-                            self.released)
-        self.released = []
+                            planned.released)
         self.to_worker.send(plan)
         self.in_flight.append(InFlight(plan, planned, time.monotonic()))
         self.ops.step_sent([c.rid for c in planned.chunks], len(planned.preempted))
@@ -227,47 +225,29 @@ class EngineLoop:
         plan, planned = done.plan, done.planned
         self.last_result = time.monotonic()
         self._step_done(plan, started)
-        self.planner.step_returned(planned)
-        for (sreq, n), chunk in zip(planned.members, plan.seqs):
-            sreq.step_returned(n, chunk.sample)
         batches: dict[int, list[ipc.TokenOutput]] = {}
+        # aborts first: the planner then drops what this step sampled for them
+        self._apply_aborts(batches)
         if isinstance(msg, ipc.WorkerError):
             self.log.error("step %d failed: %s", msg.step_id, msg.message)
-            for sreq, _ in planned.members:
-                if sreq.rid in self.requests:
-                    self._finish(sreq, "error", [], batches)
-                    self.ops.aborted("error")
+            for sreq in self.planner.step_failed(planned):
+                self._finish(sreq, "error", [], batches)
+                self.ops.aborted("error")
             self._flush(batches)
             return
         self.ops.worker_result(msg.idle_s, msg.forward_s, self.work_after_last_result)
-        sampled = iter(msg.sampled)
-        planner = self.planner
-        sampled_lps = iter(msg.logprobs) if msg.logprobs else None
-        for (sreq, _), chunk in zip(planned.members, plan.seqs):
-            alive = sreq.rid in self.requests
-            if alive:
-                planner.commit(sreq)
-            if not chunk.sample:
-                continue
-            token = next(sampled)
-            lp = next(sampled_lps) if sampled_lps is not None else None
-            if not alive or sreq.rid in self.pending_aborts:
-                continue
-            sreq.token_ids.append(token)
-            sreq.num_generated += 1
+        for s in self.planner.postprocess(planned, msg.sampled):
+            sreq = s.req
+            lp = msg.logprobs[s.row] if msg.logprobs else None
             # the hit is reported once, with the request's first token
             cached = sreq.cached_tokens if sreq.num_generated == 1 else None
-            reason = sreq.finish_reason_after(token)
-            if reason is not None:
-                self._finish(sreq, reason, [token], batches, cached, lp)
+            if s.finish_reason is not None:
+                self._finish(sreq, s.finish_reason, [s.token], batches, cached, lp)
             else:
-                sender = self._detok_for(sreq.rid)
-                batches.setdefault(id(sender), []).append(
-                    _output(sreq.rid, [token], None, lp, cached))
-        self._apply_aborts(batches)
+                self._emit(sreq, [s.token], None, lp, cached, batches)
         # next step first, detokenizer I/O while the worker computes
         self._launch_step()
-        self.work_after_last_result = bool(planner.running or planner.waiting)
+        self.work_after_last_result = bool(self.planner.running or self.planner.waiting)
         self._flush(batches)
 
     def _step_done(self, plan: ipc.StepPlan, started: float) -> None:
