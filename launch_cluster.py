@@ -95,8 +95,9 @@ def _spawn(cfg: ProcessConfig, devices: list[int], api_keys: list[str]) -> subpr
         env.update(_LEAN_ENV)
     else:
         env = {**_WORKER_ENV, **env}
-        if devices:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
+        if devices:  # one device per tensor-parallel rank when the node lists enough
+            mine = [devices[cfg.index]] if len(devices) >= cfg.tensor_parallel > 1 else devices
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in mine)
     if cfg.metrics_dir is not None:  # read by prometheus_client when a child imports it
         env[METRICS_ENV] = cfg.metrics_dir
     env.setdefault("PYTHONUNBUFFERED", "1")
@@ -203,9 +204,10 @@ class NodeSupervisor:
 
     def run(self, stop_requested) -> int:
         """Until a signal (drain, exit 0) or a fatal child death (exit 1)."""
-        if "gpu_worker" in self.node.roles and len(self.node.devices) > 1:
-            _say(f"node {self.node.name}: devices {self.node.devices} are visible to the "
-                 "gpu_worker, which uses the first: tensor parallelism is not implemented")
+        tp = self.topology.tensor_parallel
+        if "gpu_worker" in self.node.roles and len(self.node.devices) > tp:
+            _say(f"node {self.node.name}: devices {self.node.devices} are listed for "
+                 f"{tp} gpu_worker rank(s); the extra ones stay idle")
         if self.node.metrics_port is not None:
             serve_node_http(self.node.host, self.node.metrics_port, self.metrics_dir,
                             self.local_problems)
@@ -360,10 +362,15 @@ def check_model_config(topology: Topology) -> None:
     path = topology.model.resolved_path()
     if not os.path.isfile(os.path.join(path, "config.json")):
         return  # another node holds the checkpoint; its launcher checks it
+    from gpu_worker.tp_shard import shard_problems
     try:
-        load_config(path)
+        cfg = load_config(path)
     except UnsupportedConfig as err:
         raise SystemExit(f"candor: cannot serve {path}: {err}") from None
+    problems = shard_problems(cfg, topology.tensor_parallel)
+    if problems:
+        raise SystemExit(f"candor: cannot split {path} over {topology.tensor_parallel} "
+                         f"ranks: {'; '.join(problems)}")
 
 
 def launch(topology: Topology, node: str | None = None,
@@ -414,6 +421,7 @@ def launch(topology: Topology, node: str | None = None,
 def _serve_topology(args: argparse.Namespace) -> Topology:
     """The flags as a topology, validated by the same constraints as a YAML file."""
     return msgspec.convert({
+        "tensor_parallel": args.tensor_parallel_size,
         "model": {"path": args.model, "served_model_name": args.served_model_name,
                   "max_model_len": args.max_model_len, "dtype": args.dtype,
                   "load_format": args.load_format},
@@ -458,6 +466,9 @@ def cli(argv: list[str] | None = None) -> int:
                        choices=["auto", "half", "float16", "bfloat16", "float", "float32"],
                        help="auto: the checkpoint's dtype on CUDA, float32 on CPU")
     serve.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    serve.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                       help="gpu_worker ranks sharing the model (torch.distributed: NCCL on "
+                            "CUDA, gloo on CPU)")
     serve.add_argument("--frontends", type=int, default=1)
     serve.add_argument("--tokenizer-workers", type=int, default=1)
     serve.add_argument("--detokenizers", type=int, default=1)

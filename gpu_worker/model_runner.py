@@ -8,6 +8,11 @@ The cache has one block more than the scheduler is told of (``scratch_block``, t
 index): padding rows of a fixed-size decode batch write there (see ``cuda_graphs``).
 Decode-only steps go through ``cuda_graphs.DecodeGraphRunner`` when the attention
 backend can be captured (flashinfer) and ``enforce_eager`` is off.
+
+Under tensor parallelism every rank runs the same plan through its shard of the model
+(its share of the heads, so its share of the KV cache); the block count is the smallest
+any rank can hold, and rank 0's sampled ids are adopted by every rank, so the
+placeholders of a run-ahead step resolve to the same token everywhere.
 """
 
 from __future__ import annotations
@@ -19,10 +24,12 @@ import torch
 
 from gpu_worker import cpu_decode, cuda_graphs
 from gpu_worker.attention import GatherScratch, build_metadata, decode_group_blocks, select_backend
+from gpu_worker.distributed import Ranks
 from gpu_worker.loader import load_weights
 from gpu_worker.model_config import ModelConfig, load_config
 from gpu_worker.models.registry import model_class
 from gpu_worker.request_state import RequestTracker
+from gpu_worker.tp_shard import tp_shard
 from gpu_worker.sampler import Sampler
 from protocol import checkpoint
 from protocol.ipc import (PLACEHOLDER_TOKEN, SampleLogprobs, SamplingParams, SeqChunk, StepPlan,
@@ -54,8 +61,11 @@ class ModelRunner:
         seed: int = 0,
         enforce_eager: bool = False,
         max_num_seqs: int = cuda_graphs.MAX_CAPTURE_SIZE,
+        ranks: Ranks | None = None,
     ) -> None:
         self.config = cfg = load_config(model_path)
+        self.ranks = ranks = ranks or Ranks()
+        shard = tp_shard(cfg, ranks.rank, ranks.size)
         self.device = torch.device(device)
         self.dtype, self.dtype_reason = resolve_dtype(dtype, model_path, self.device)
         self.block_size = block_size
@@ -68,19 +78,20 @@ class ModelRunner:
         # Build on meta (no init cost), then materialise; the loader writes every weight.
         with torch.device("meta"):
             model = model_class(cfg.model_type)(cfg, max_positions=self.max_model_len, device=self.device,
-                                                dtype=self.dtype)
+                                                dtype=self.dtype, tp=ranks.tp_group(shard))
         model = model.to_empty(device=self.device).to(self.dtype)
         load_weights(model, model_path, load_format, seed=seed)
         self.model = model.eval()
 
         elem = torch.empty((), dtype=self.dtype).element_size()
-        self.block_bytes = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+        self.block_bytes = 2 * cfg.num_layers * block_size * shard.kv_heads * cfg.head_dim * elem
         # The budget covers the scratch block too; an explicit count is the scheduler's.
-        self.num_blocks = num_blocks if num_blocks is not None else kv_cache_memory_bytes // self.block_bytes - 1
+        local = num_blocks if num_blocks is not None else kv_cache_memory_bytes // self.block_bytes - 1
+        self.num_blocks = ranks.min_int(local)
         if self.num_blocks < 1:
             raise ValueError(f"KV cache budget too small: two blocks need {2 * self.block_bytes} bytes")
         self.scratch_block = self.num_blocks  # never in a plan: _check rejects ids >= num_blocks
-        shape = (self.num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (self.num_blocks + 1, block_size, shard.kv_heads, cfg.head_dim)
         # Zeros, not empty: padded decode slots are masked but still multiplied, and
         # uninitialised memory could hold NaN/inf.
         zeros = lambda: torch.zeros(shape, dtype=self.dtype, device=self.device)  # noqa: E731
@@ -89,7 +100,7 @@ class ModelRunner:
         # Layers whose attention differs (window, soft-cap) get their own backend plan.
         self.layer_kinds = [(layer.window, cfg.attn_softcap) for layer in cfg.layers]
         self.cascade = all(kind == (None, None) for kind in self.layer_kinds)
-        self.attn_backend = select_backend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+        self.attn_backend = select_backend(shard.heads, shard.kv_heads, cfg.head_dim,
                                            block_size, self.dtype, self.device,
                                            sm_scale=cfg.scale, layer_kinds=self.layer_kinds)
         self.decode_group_blocks = decode_group_blocks(self.kv_caches[0][0])
@@ -104,7 +115,9 @@ class ModelRunner:
         self.tracker = RequestTracker()  # token history (penalties) and prompt logprobs
         self.fault_token_id: int | None = None  # test hook, see EngineSpec.fault_token_id
         self.decode_graphs: cuda_graphs.DecodeGraphRunner | None = None
-        if self.attn_backend is not None and not enforce_eager:
+        if self.attn_backend is not None and not enforce_eager and ranks.size > 1:
+            log.info("tensor parallel: decode steps run eagerly (no CUDA graphs across ranks)")
+        elif self.attn_backend is not None and not enforce_eager:
             sizes = cuda_graphs.capture_sizes(max_num_seqs)
             pages_per_seq = -(-self.max_model_len // block_size)
             page_ids = torch.zeros(sizes[-1] * pages_per_seq, dtype=torch.int32, device=self.device)
@@ -272,6 +285,7 @@ class ModelRunner:
             [self.generators.get(s.rid) for s in to_sample],
             [self.tracker.history(s.rid, p) for s, p in zip(to_sample, params)],
         )
+        tokens = self.ranks.rank0_ints(tokens)
         for s, token in zip(to_sample, tokens):
             self.last_sampled[s.rid] = token
         out: list[SampleLogprobs | None] = []

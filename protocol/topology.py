@@ -172,6 +172,9 @@ class Addresses(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     frontend_results: str = "ipc://{run_dir}/frontend-{i}"
     # each node's launcher publishes its children's liveness here ({n}: node index)
     node_status: str = "ipc://{run_dir}/node-{n}"
+    # torch.distributed rendezvous of the tensor-parallel ranks ({host}: rank 0's node;
+    # {port}: a free port the launcher picks, only where every rank is on one node)
+    tp_rendezvous: str = "tcp://{host}:{port}"
 
 
 class NodeSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -198,7 +201,11 @@ class SupervisionSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class Topology(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``tensor_parallel``: gpu_worker ranks per engine replica, one torch.distributed
+    group (vLLM's --tensor-parallel-size)."""
+
     model: ModelSpec
+    tensor_parallel: Count = 1
     roles: RoleCounts = msgspec.field(default_factory=RoleCounts)
     engine: EngineSpec = msgspec.field(default_factory=EngineSpec)
     http: HttpSpec = msgspec.field(default_factory=HttpSpec)
@@ -229,6 +236,7 @@ class ResolvedAddresses(msgspec.Struct, kw_only=True):
     detokenizer_in: list[str]
     frontend_results: list[str]
     node_status: list[str] = []  # one per node, in topology order
+    tp_rendezvous: str = ""
 
 
 class ProcessConfig(msgspec.Struct, kw_only=True):
@@ -250,6 +258,19 @@ class ProcessConfig(msgspec.Struct, kw_only=True):
     metrics_dir: str | None = None  # prometheus multiprocess directory of this host
     api: ApiSpec = msgspec.field(default_factory=ApiSpec)
     security: SecuritySpec = msgspec.field(default_factory=SecuritySpec)
+    tensor_parallel: int = 1  # ranks in this replica's gpu_worker group (index: the rank)
+
+    @property
+    def tp_address(self) -> str:
+        return self.addresses.tp_rendezvous
+
+
+def _free_port() -> int:
+    """A port free on this machine (the launcher of the node running the ranks)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
 
 
 def load_topology(path: str) -> Topology:
@@ -285,6 +306,11 @@ def resolve(topology: Topology, run_dir: str) -> ResolvedAddresses:
         return [getattr(a, key).format(run_dir=run_dir, i=i, host=host(key))
                 for i in range(n)]
 
+    rendezvous = ""
+    if topology.tensor_parallel > 1:
+        tp_host = topology.node_of("gpu_worker").host
+        port = _free_port() if "{port}" in a.tp_rendezvous else 0
+        rendezvous = a.tp_rendezvous.format(run_dir=run_dir, host=tp_host, port=port)
     resolved = ResolvedAddresses(
         scheduler_in=one("scheduler_in"),
         scheduler_pub=one("scheduler_pub"),
@@ -296,6 +322,7 @@ def resolve(topology: Topology, run_dir: str) -> ResolvedAddresses:
         node_status=[(node.status_address or a.node_status).format(
                          run_dir=run_dir, n=n, i=n, node=node.name, host=node.host)
                      for n, node in enumerate(topology.effective_nodes())],
+        tp_rendezvous=rendezvous,
     )
     every = [resolved.scheduler_in, resolved.scheduler_pub, resolved.worker_in,
              resolved.worker_out, *resolved.tokenizer_in, *resolved.detokenizer_in,
@@ -315,7 +342,7 @@ def process_configs(topology: Topology, run_dir: str, node: str | None = None,
     addresses = resolve(topology, run_dir)
     model = topology.model
     nodes = topology.effective_nodes()
-    counts = {"gpu_worker": 1, "scheduler": 1, "detokenizer": topology.roles.detokenizer,
+    counts = {"gpu_worker": topology.tensor_parallel, "scheduler": 1, "detokenizer": topology.roles.detokenizer,
               "tokenizer_worker": topology.roles.tokenizer_worker,
               "api_frontend": topology.roles.api_frontend}
     configs = []
@@ -330,5 +357,6 @@ def process_configs(topology: Topology, run_dir: str, node: str | None = None,
                 dtype=model.dtype, load_format=model.load_format, engine=topology.engine,
                 http=topology.http, addresses=addresses, node=placed_on,
                 nodes=[n.name for n in nodes], supervision=topology.supervision,
-                metrics_dir=metrics_dir, api=topology.api, security=topology.security))
+                metrics_dir=metrics_dir, api=topology.api, security=topology.security,
+                tensor_parallel=topology.tensor_parallel))
     return configs

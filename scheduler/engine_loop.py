@@ -13,6 +13,10 @@ finished or was aborted, queues the next plan, and only then ships the tokens to
 detokenizers. The worker reports how long it sat idle before each plan; the heartbeat
 publishes the sum and a recent median over steps where work was waiting
 (``worker_idle_*``).
+
+Plans go out on one PUB socket that every tensor-parallel rank subscribes to (XPUB, so
+the loop can count the subscriptions): the worker counts as ready once rank 0 reported
+its KV capacity and all ranks are subscribed, so no rank misses the first plan.
 """
 
 from __future__ import annotations
@@ -65,13 +69,18 @@ class EngineLoop:
         a = cfg.addresses
         self.inbound: Receiver = Receiver(ctx, a.scheduler_in, ipc.SchedulerInbound)
         self.from_worker: Receiver = Receiver(ctx, a.worker_out, ipc.WorkerOutbound)
-        self.to_worker = Sender(ctx, a.worker_in, bind=True)
+        self.to_worker = Sender(ctx, a.worker_in, bind=True, kind=zmq.XPUB)
+        self.to_worker.sock.setsockopt(zmq.XPUB_VERBOSE, 1)
+        self.ranks = cfg.tensor_parallel
+        self.subscribed = 0  # ranks subscribed to the plans
+        self.ready: ipc.WorkerReady | None = None  # rank 0's report, until all subscribed
         self.stats_pub = Sender(ctx, a.scheduler_pub, bind=True, kind=zmq.PUB)
         self.to_detok = [Sender(ctx, addr) for addr in a.detokenizer_in]
         self.replies = SenderPool(ctx)
         self.poller = zmq.Poller()
         self.poller.register(self.inbound.sock, zmq.POLLIN)
         self.poller.register(self.from_worker.sock, zmq.POLLIN)
+        self.poller.register(self.to_worker.sock, zmq.POLLIN)
 
         self.planner: Planner | None = None
         self.block_size = cfg.engine.block_size
@@ -122,14 +131,30 @@ class EngineLoop:
                 sender.send(ipc.TokenBatch(outputs))
 
     # ------------------------------------------------------------------ inbound
+    def _count_subscriptions(self) -> None:
+        while True:
+            try:
+                frame = self.to_worker.sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            if frame[:1] == b"\x01":
+                self.subscribed += 1
+            elif frame[:1] == b"\x00":
+                self.subscribed -= 1
+        if self.ready is not None and self.planner is None and self.subscribed >= self.ranks:
+            self._on_worker_ready(self.ready)
+
     def _on_worker_ready(self, msg: ipc.WorkerReady) -> None:
+        self.ready = msg
+        if self.subscribed < self.ranks:
+            return  # a rank's subscription is still on its way: it would miss plans
         eng = self.cfg.engine
         self.block_size = msg.block_size
         self.planner = Planner(BlockAllocator(msg.num_blocks), msg.block_size,
                                eng.max_num_seqs, eng.max_num_batched_tokens,
                                enable_prefix_caching=eng.enable_prefix_caching)
-        self.log.info("worker ready: %d KV blocks of %d tokens", msg.num_blocks,
-                      msg.block_size)
+        self.log.info("worker ready: %d KV blocks of %d tokens, %d rank(s)", msg.num_blocks,
+                      msg.block_size, self.ranks)
 
     def _on_tokenized(self, req: ipc.TokenizedReq) -> None:
         assert self.planner is not None
@@ -290,6 +315,8 @@ class EngineLoop:
             else:  # idle, or waiting for a step in flight (its result wakes the poll)
                 timeout = int(HEARTBEAT_S * 1000)
             events = dict(self.poller.poll(timeout))
+            if self.to_worker.sock in events:
+                self._count_subscriptions()
             if self.from_worker.sock in events:
                 while (msg := self.from_worker.recv_nowait()) is not None:
                     if isinstance(msg, ipc.WorkerReady):
