@@ -74,10 +74,19 @@ class Child:
     def name(self) -> str:
         return f"{self.config.role}[{self.config.index}]"
 
+    @property
+    def replica(self) -> int | None:
+        """The engine replica this process belongs to (None: shared by all)."""
+        return self.config.replica if self.config.role in REPLICA_ROLES else None
+
     def status(self) -> ChildStatus:
         code = self.proc.poll()
         return ChildStatus(self.config.role, self.config.index, self.proc.pid, code is None,
-                           code if code is not None else self.last_exit, self.restarts)
+                           code if code is not None else self.last_exit, self.restarts,
+                           self.replica)
+
+
+REPLICA_ROLES = ("scheduler", "gpu_worker")
 
 
 RUN_DIR_PREFIX = "candor-"
@@ -96,7 +105,8 @@ def _spawn(cfg: ProcessConfig, devices: list[int], api_keys: list[str]) -> subpr
     else:
         env = {**_WORKER_ENV, **env}
         if devices:  # one device per tensor-parallel rank when the node lists enough
-            mine = [devices[cfg.index]] if len(devices) >= cfg.tensor_parallel > 1 else devices
+            total = cfg.tensor_parallel * cfg.replicas
+            mine = [devices[cfg.index]] if len(devices) >= total > 1 else devices
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in mine)
     if cfg.metrics_dir is not None:  # read by prometheus_client when a child imports it
         env[METRICS_ENV] = cfg.metrics_dir
@@ -158,6 +168,7 @@ class NodeSupervisor:
         self.children: list[Child] = []
         self.state = "starting"
         self.problem: str | None = None
+        self.lost_replicas: dict[int, str] = {}  # replica -> why, while others serve on
         self.last_publish = 0.0
         from prometheus_client import Counter, Gauge  # after METRICS_ENV is set
         self.up = Gauge("candor_process_up", "1 while a Candor process runs, 0 after it "
@@ -172,14 +183,16 @@ class NodeSupervisor:
             return
         self.last_publish = now
         self.pub.send(NodeStatus(self.node.name, time.time(), self.state,
-                                 [c.status() for c in self.children], self.problem))
+                                 [c.status() for c in self.children], self.problem,
+                                 dict(self.lost_replicas)))
         for c in self.children:
             self.up.labels(self.node.name, c.config.role, str(c.config.index)).set(
                 1 if c.proc.poll() is None else 0)
 
     def local_problems(self) -> list[str]:
         out = [f"{c.name} is not running (exit code {c.proc.returncode})"
-               for c in self.children if c.proc.poll() is not None]
+               for c in self.children if c.proc.poll() is not None
+               and c.replica not in self.lost_replicas]
         if self.state in ("failed", "draining"):
             out.append(f"node {self.node.name} is {self.state}")
         return out
@@ -202,12 +215,34 @@ class NodeSupervisor:
         self.restarts.labels(self.node.name, child.config.role).inc()
         self.publish(force=True)
 
+    def _lose_replicas(self, fatal: list[Child]) -> list[Child]:
+        """With several engine replicas, a dead scheduler or rank takes only its replica
+        out: the replica's other processes are stopped, the frontends told (NodeStatus),
+        and the rest serve on. Returns the deaths that still stop the topology (any
+        shared role, or the last replica)."""
+        replicas = self.topology.replicas
+        if replicas == 1:
+            return fatal
+        hit = sorted({c.replica for c in fatal if c.replica is not None})
+        if not hit or len(set(hit) | set(self.lost_replicas)) >= replicas:
+            return fatal
+        for r in hit:
+            why = "; ".join(f"{c.name} exited with code {c.proc.returncode}"
+                            for c in fatal if c.replica == r)
+            _say(f"engine replica {r} lost ({why}); stopping its other processes, the "
+                 f"other {replicas - len(self.lost_replicas) - 1} replica(s) serve on")
+            self.lost_replicas[r] = why
+            self.publish(force=True)
+            _stop([c for c in self.children if c.replica == r])
+        self.publish(force=True)
+        return [c for c in fatal if c.replica is None]
+
     def run(self, stop_requested) -> int:
         """Until a signal (drain, exit 0) or a fatal child death (exit 1)."""
-        tp = self.topology.tensor_parallel
-        if "gpu_worker" in self.node.roles and len(self.node.devices) > tp:
+        ranks = self.topology.tensor_parallel * self.topology.replicas
+        if "gpu_worker" in self.node.roles and len(self.node.devices) > ranks:
             _say(f"node {self.node.name}: devices {self.node.devices} are listed for "
-                 f"{tp} gpu_worker rank(s); the extra ones stay idle")
+                 f"{ranks} gpu_worker rank(s); the extra ones stay idle")
         if self.node.metrics_port is not None:
             serve_node_http(self.node.host, self.node.metrics_port, self.metrics_dir,
                             self.local_problems)
@@ -219,9 +254,12 @@ class NodeSupervisor:
         next_ready_check = 0.0
         exit_code = 0
         while not stop_requested():
-            dead = [c for c in self.children if c.proc.poll() is not None]
-            fatal = [c for c in dead if not (c.config.role in self.sup.restart
-                                             and c.restarts < self.sup.max_restarts)]
+            dead = [c for c in self.children if c.proc.poll() is not None
+                    and c.replica not in self.lost_replicas]
+            fatal = self._lose_replicas(
+                [c for c in dead if not (c.config.role in self.sup.restart
+                                         and c.restarts < self.sup.max_restarts)])
+            dead = [c for c in dead if c.replica not in self.lost_replicas]
             if fatal:
                 self.state = "failed"
                 self.problem = "; ".join(f"{c.name} on node {self.node.name} exited with "
@@ -422,6 +460,8 @@ def _serve_topology(args: argparse.Namespace) -> Topology:
     """The flags as a topology, validated by the same constraints as a YAML file."""
     return msgspec.convert({
         "tensor_parallel": args.tensor_parallel_size,
+        "replicas": args.data_parallel_size,
+        "router": {"policy": args.data_parallel_routing},
         "model": {"path": args.model, "served_model_name": args.served_model_name,
                   "max_model_len": args.max_model_len, "dtype": args.dtype,
                   "load_format": args.load_format},
@@ -469,6 +509,13 @@ def cli(argv: list[str] | None = None) -> int:
     serve.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                        help="gpu_worker ranks sharing the model (torch.distributed: NCCL on "
                             "CUDA, gloo on CPU)")
+    serve.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                       help="engine replicas (a scheduler and its ranks each) behind the "
+                            "same frontends and tokenizer workers")
+    serve.add_argument("--data-parallel-routing", default="cache_aware",
+                       choices=["cache_aware", "round_robin"],
+                       help="cache_aware: same prompt prefix or cache_salt -> same replica "
+                            "unless overloaded, else least loaded")
     serve.add_argument("--frontends", type=int, default=1)
     serve.add_argument("--tokenizer-workers", type=int, default=1)
     serve.add_argument("--detokenizers", type=int, default=1)

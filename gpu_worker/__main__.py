@@ -1,6 +1,7 @@
 """gpu_worker process: owns the weights and the KV cache, runs the steps it is sent.
 
-One process per tensor-parallel rank (``cfg.index`` is the rank). Every rank subscribes
+One process per tensor-parallel rank of an engine replica (``cfg.tp_rank``; ``cfg.index``
+counts across replicas). Every rank subscribes
 to the scheduler's plan publisher and runs every plan; rank 0 alone answers (ready,
 results, errors). A rank other than 0 holds nothing worth draining and may be blocked in
 a collective a dead peer will never join, so SIGTERM ends it at once.
@@ -36,7 +37,7 @@ def main() -> None:
     cfg = read_config()
     log = setup_logging(cfg)
     stop = StopFlag()
-    rank, size = cfg.index, cfg.tensor_parallel
+    rank, size = cfg.tp_rank, cfg.tensor_parallel
     if size > 1:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 

@@ -89,6 +89,7 @@ class GenerateReq(_Message, tag="generate", omit_defaults=True):
     strict: bool = False             # every ignored/clamped field becomes a 400
     chat_template: str | None = None  # request-supplied template (frontend checked the flag)
     echo_prompt: bool = False        # return the prompt text in RequestInfo (completions echo)
+    replica: int = 0  # the engine replica the frontend's router chose
 
 
 class TemplateInfo(msgspec.Struct, frozen=True):
@@ -290,6 +291,7 @@ class DetokStart(_Message, tag="detok_start"):
     detok: DetokParams
     prompt_tail: list[int] = []  # last prompt ids, so the first token decodes in context
     prompt_token_ids: list[int] | None = None  # all of them, only if return_token_ids
+    replica: int = 0  # the replica serving it (stop-string aborts go back there)
 
 
 class TokenOutput(msgspec.Struct, array_like=True):
@@ -379,6 +381,7 @@ class SchedulerStats(_Message, tag="stats"):
     prefix_cache_queried_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
     step_in_flight_s: float = 0.0  # age of the step the worker is running, 0 when idle
+    replica: int = 0  # which engine replica's scheduler this is
 
 
 # One tagged union per receiving socket.

@@ -46,22 +46,31 @@ def _placement(topology: Topology, problems: list[str]) -> None:
                             f"lose; only {', '.join(RESTARTABLE)} can be restarted")
 
 
-def _addresses(topology: Topology, problems: list[str]) -> ResolvedAddresses | None:
+def _addresses(topology: Topology, problems: list[str]) -> list[ResolvedAddresses] | None:
     try:
         return resolve(topology, "/run")
     except KeyError as err:
         problems.append(f"an address template uses the unknown placeholder {err}; "
-                        "known: {run_dir} {host} {i} (and {n} {node} in node_status)")
+                        "known: {run_dir} {host} {i} {r} (and {n} {node} in node_status, "
+                        "{port} in tp_rendezvous)")
     except (ValueError, IndexError) as err:
         problems.append(str(err))
     return None
 
 
-def _bound_addresses(topology: Topology, resolved: ResolvedAddresses):
+PER_REPLICA = ("scheduler_in", "scheduler_pub", "worker_in", "worker_out")
+
+
+def _bound_addresses(topology: Topology, replicas: list[ResolvedAddresses]):
     """(label, address, node that binds it, nodes that connect to it)."""
     out = []
+    resolved = replicas[0]
     for key, binder in BINDERS.items():
-        value = getattr(resolved, key)
+        if key in PER_REPLICA:
+            value = [getattr(ra, key) for ra in replicas] if len(replicas) > 1 \
+                else getattr(resolved, key)
+        else:
+            value = getattr(resolved, key)
         values = value if isinstance(value, list) else [value]
         bind_node = topology.node_of(binder).name
         connect_nodes = {topology.node_of(r).name for r in CONNECTORS[key]}
@@ -74,7 +83,7 @@ def _bound_addresses(topology: Topology, resolved: ResolvedAddresses):
     return out
 
 
-def _sockets(topology: Topology, resolved: ResolvedAddresses, problems: list[str]) -> None:
+def _sockets(topology: Topology, resolved: list[ResolvedAddresses], problems: list[str]) -> None:
     hosts = {n.name: n.host for n in topology.effective_nodes()}
     ports: dict[tuple[str, int], str] = {}
 

@@ -94,7 +94,7 @@ class EngineLoop:
         self.last_heartbeat = 0.0
         self.max_waiting = cfg.engine.max_waiting_requests
         self.work_after_last_result = False  # did the worker's last idle gap have work?
-        self.ops = SchedulerOps()
+        self.ops = SchedulerOps(cfg.replica)
 
     # ------------------------------------------------------------------ helpers
     def _detok_for(self, rid: str) -> Sender:
@@ -184,7 +184,8 @@ class EngineLoop:
         self._detok_for(req.rid).send(ipc.DetokStart(
             req.rid, req.reply_to, len(req.prompt_token_ids), req.detok,
             req.prompt_token_ids[-8:],
-            req.prompt_token_ids if req.detok.return_token_ids else None))
+            req.prompt_token_ids if req.detok.return_token_ids else None,
+            replica=self.cfg.replica))
         self.planner.waiting.push(sreq)  # a /health/generate probe goes to the head
         self.ops.enqueued(req.rid)
 
@@ -299,7 +300,8 @@ class EngineLoop:
             preemptions=self.ops.preemptions, aborts=dict(self.ops.aborts),
             prefix_cache_queried_tokens=planner.prefix_queried_tokens if planner else 0,
             prefix_cache_hit_tokens=planner.prefix_hit_tokens if planner else 0,
-            step_in_flight_s=self.ops.in_flight_s(self._running_since()))
+            step_in_flight_s=self.ops.in_flight_s(self._running_since()),
+            replica=self.cfg.replica)
         self.stats_pub.send(stats)
         self.ops.metrics.export(stats)
 
