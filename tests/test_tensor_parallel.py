@@ -107,6 +107,18 @@ def test_every_architecture_shards_over_two_ranks_with_hf_greedy_tokens(zoo):
         assert blocks == 64
 
 
+def test_fewer_kv_heads_than_ranks_replicates_them(zoo):
+    """Four ranks over 2 KV heads: each rank keeps the KV head its query head reads."""
+    paths = {arch: zoo[arch] for arch in ("qwen3", "mixtral")}
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_rank_main, args=(4, free_port(), paths, results), nprocs=4, join=True)
+        results = dict(results)
+    for arch, path in paths.items():
+        hf = model_zoo.hf_model(path)
+        assert results[arch][0] == [model_zoo.hf_greedy(hf, p, MAX_NEW) for p in _prompts()], arch
+
+
 def test_shapes_that_do_not_split_are_named(zoo):
     cfg = load_config(zoo["qwen3_moe"])  # 4 heads, 2 KV heads, 4 experts
     assert shard_problems(cfg, 2) == []
