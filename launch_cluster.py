@@ -96,7 +96,8 @@ KEYS_ENV = "CANDOR_API_KEYS"
 _KEY_ENVS = (KEYS_ENV, "CANDOR_API_KEY", "VLLM_API_KEY")
 
 
-def _spawn(cfg: ProcessConfig, devices: list[int], api_keys: list[str]) -> subprocess.Popen:
+def _spawn(cfg: ProcessConfig, devices: list[int], api_keys: list[str],
+           gpu_workers: list[int] | None = None) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k not in _KEY_ENVS}
     if cfg.role == "api_frontend" and api_keys:
         env[KEYS_ENV] = "\n".join(api_keys)
@@ -104,9 +105,11 @@ def _spawn(cfg: ProcessConfig, devices: list[int], api_keys: list[str]) -> subpr
         env.update(_LEAN_ENV)
     else:
         env = {**_WORKER_ENV, **env}
-        if devices:  # one device per tensor-parallel rank when the node lists enough
-            total = cfg.tensor_parallel * cfg.replicas
-            mine = [devices[cfg.index]] if len(devices) >= total > 1 else devices
+        if devices:  # one device per rank this node runs, when it lists enough
+            here = gpu_workers if gpu_workers is not None else \
+                list(range(cfg.tensor_parallel * cfg.replicas))
+            mine = [devices[here.index(cfg.index)]] if len(devices) >= len(here) > 1 \
+                else devices
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in mine)
     if cfg.metrics_dir is not None:  # read by prometheus_client when a child imports it
         env[METRICS_ENV] = cfg.metrics_dir
@@ -211,7 +214,7 @@ class NodeSupervisor:
         process_exited(self.metrics_dir, child.proc.pid)
         child.last_exit = code
         child.restarts += 1
-        child.proc = _spawn(child.config, self.node.devices, self.api_keys)
+        child.proc = _spawn(child.config, self.node.devices, self.api_keys, self.node.gpu_workers)
         self.restarts.labels(self.node.name, child.config.role).inc()
         self.publish(force=True)
 
@@ -246,7 +249,7 @@ class NodeSupervisor:
         if self.node.metrics_port is not None:
             serve_node_http(self.node.host, self.node.metrics_port, self.metrics_dir,
                             self.local_problems)
-        self.children = [Child(cfg, _spawn(cfg, self.node.devices, self.api_keys))
+        self.children = [Child(cfg, _spawn(cfg, self.node.devices, self.api_keys, self.node.gpu_workers))
                          for cfg in self.configs]
         _say(f"node {self.node.name}: started {len(self.children)} processes: "
              + ", ".join(c.name for c in self.children))

@@ -185,7 +185,10 @@ class NodeSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     name: NodeName
     roles: list[RoleName]
     host: str = "127.0.0.1"
-    devices: list[Annotated[int, Meta(ge=0)]] = []  # GPU ids for this node's gpu_worker
+    devices: list[Annotated[int, Meta(ge=0)]] = []  # GPU ids, one per gpu_worker rank here
+    # Which gpu_worker processes run here (index = replica * tensor_parallel + rank) when
+    # the ranks span several nodes; None: every one (gpu_worker on this node alone).
+    gpu_workers: list[Annotated[int, Meta(ge=0)]] | None = None
     metrics_port: Port | None = None  # the launcher serves /metrics and /health here
     status_address: str | None = None  # overrides the addresses.node_status template
 
@@ -237,11 +240,16 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             return self.nodes
         return [NodeSpec(name=LOCAL_NODE, roles=list(ROLES))]
 
-    def node_of(self, role: str) -> NodeSpec:
+    def node_of(self, role: str, index: int | None = None) -> NodeSpec:
+        """The node running ``role`` (gpu_worker ``index`` when its ranks span nodes)."""
         for node in self.effective_nodes():
-            if role in node.roles:
+            if role in node.roles and (index is None or role != "gpu_worker"
+                                       or node.gpu_workers is None or index in node.gpu_workers):
                 return node
         raise ValueError(f"role {role} is not placed on any node")
+
+    def nodes_of(self, role: str) -> list[NodeSpec]:
+        return [n for n in self.effective_nodes() if role in n.roles]
     api: ApiSpec = msgspec.field(default_factory=ApiSpec)
 
 
@@ -342,9 +350,9 @@ def resolve(topology: Topology, run_dir: str) -> list[ResolvedAddresses]:
         if topology.tensor_parallel == 1:
             return ""
         port = _free_port() if "{port}" in a.tp_rendezvous else 0
-        return a.tp_rendezvous.format(run_dir=run_dir, r=r, host=host_of_ranks, port=port)
+        rank0 = topology.node_of("gpu_worker", r * topology.tensor_parallel)
+        return a.tp_rendezvous.format(run_dir=run_dir, r=r, host=rank0.host, port=port)
 
-    host_of_ranks = topology.node_of("gpu_worker").host
     replicas = range(topology.replicas)
     shared = dict(
         tokenizer_in=many("tokenizer_in", counts.tokenizer_worker),
@@ -385,10 +393,10 @@ def process_configs(topology: Topology, run_dir: str, node: str | None = None,
               "api_frontend": topology.roles.api_frontend}
     configs = []
     for role, count in counts.items():
-        placed_on = topology.node_of(role).name
-        if node is not None and placed_on != node:
-            continue
         for index in range(count):
+            placed_on = topology.node_of(role, index).name
+            if node is not None and placed_on != node:
+                continue
             replica = {"gpu_worker": index // tp, "scheduler": index}.get(role, 0)
             addresses = per_replica[replica]
             configs.append(ProcessConfig(

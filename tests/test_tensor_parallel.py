@@ -182,3 +182,75 @@ def test_a_killed_rank_turns_health_503_and_stops_the_topology(tiny_model_dir, t
     finally:
         srv.stop()
     assert "gpu_worker[1] exited with code -9" in log.read_text()
+
+
+def test_tp2_split_across_two_nodes_over_loopback_tcp(tiny_model_dir, tmp_path):
+    """Two launchers: the gateway node runs every role and rank 0, the other node rank 1;
+    the plans reach rank 1 over tcp and the ranks meet at a fixed rendezvous port."""
+    http = free_port()
+    ports = [free_port() for _ in range(5)]
+    topo = tmp_path / "two-node-tp.yaml"
+    topo.write_text(f"""
+model: {{path: {tiny_model_dir}, served_model_name: tiny, max_model_len: 1024}}
+tensor_parallel: 2
+http: {{port: {http}}}
+nodes:
+  - {{name: gateway, host: 127.0.0.1, gpu_workers: [0],
+      roles: [api_frontend, tokenizer_worker, detokenizer, scheduler, gpu_worker],
+      status_address: "tcp://{{host}}:{ports[0]}"}}
+  - {{name: rank1, host: 127.0.0.1, roles: [gpu_worker], gpu_workers: [1],
+      status_address: "tcp://{{host}}:{ports[1]}"}}
+addresses:
+  worker_in: tcp://{{host}}:{ports[2]}
+  worker_out: tcp://{{host}}:{ports[3]}
+  tp_rendezvous: tcp://{{host}}:{ports[4]}
+""")
+    from protocol.topology import load_topology, process_configs
+    placed = {(c.node, c.role, c.index) for c in process_configs(load_topology(str(topo)), "/r")
+              if c.role == "gpu_worker"}
+    assert placed == {("gateway", "gpu_worker", 0), ("rank1", "gpu_worker", 1)}
+    other = CandorServer.from_topology(topo, free_port(), node="rank1").spawn(tmp_path / "rank1.log")
+    gateway = CandorServer.from_topology(topo, http, node="gateway")
+    try:
+        gateway.start(log_path=tmp_path / "gateway.log")
+        status, body = gateway.health()
+        assert status == 200 and body["nodes"]["rank1"] == ["gpu_worker[1]"]
+        hf = model_zoo.hf_model(tiny_model_dir)
+        for prompt in ([0, 15, 200, 31], list(range(40, 90))):
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_NEW, "temperature": 0,
+                    "ignore_eos": True, "return_token_ids": True}
+            req = urllib.request.Request(gateway.base_url + "/v1/completions",
+                                         data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=120) as resp:
+                ids = json.loads(resp.read())["choices"][0]["token_ids"]
+            assert ids == model_zoo.hf_greedy(hf, prompt, MAX_NEW)
+    finally:
+        assert gateway.stop() == 0
+        other.stop()
+
+
+def test_ranks_across_nodes_must_be_named_once_with_a_fixed_rendezvous(tiny_model_dir):
+    import msgspec
+
+    from protocol.topology import Topology
+    from protocol.topology_check import TopologyError, check_topology
+
+    def problems(nodes: list[dict], **addresses) -> str:
+        topo = msgspec.convert({"model": {"path": str(tiny_model_dir)}, "tensor_parallel": 2,
+                                "nodes": nodes, "addresses": {
+                                    "worker_in": "tcp://{host}:7001",
+                                    "worker_out": "tcp://{host}:7002", **addresses}}, Topology)
+        with pytest.raises(TopologyError) as err:
+            check_topology(topo, check_model=False)
+        return str(err.value)
+
+    gateway = {"name": "a", "roles": ["api_frontend", "tokenizer_worker", "detokenizer",
+                                      "scheduler", "gpu_worker"], "gpu_workers": [0]}
+    assert "each must list its gpu_workers" in problems(
+        [{**gateway, "gpu_workers": None}, {"name": "b", "host": "10.0.0.2", "roles": ["gpu_worker"]}])
+    assert "must name each of 0..1 once" in problems(
+        [gateway, {"name": "b", "host": "10.0.0.2", "roles": ["gpu_worker"], "gpu_workers": [0]}],
+        tp_rendezvous="tcp://{host}:7003")
+    assert "needs a fixed port" in problems(
+        [gateway, {"name": "b", "host": "10.0.0.2", "roles": ["gpu_worker"], "gpu_workers": [1]}])
