@@ -168,7 +168,11 @@ def test_tp2_serves_hf_greedy_tokens_through_all_processes(arch, zoo, tiny_model
 
 def test_a_killed_rank_turns_health_503_and_stops_the_topology(tiny_model_dir, tmp_path):
     log = tmp_path / "log"
-    srv = CandorServer(tiny_model_dir, "--tensor-parallel-size", "2").start(log_path=log)
+    port = free_port()
+    topo = tmp_path / "tp2.yaml"  # the teardown delay keeps the 503 observable
+    topo.write_text(f"model: {{path: {tiny_model_dir}}}\ntensor_parallel: 2\n"
+                    f"http: {{port: {port}}}\nsupervision: {{teardown_delay_s: 3}}\n")
+    srv = CandorServer.from_topology(topo, port).start(log_path=log)
     try:
         rank1 = next(p for p in srv.children() if role_of(p) == "gpu_worker[1]")
         os.kill(rank1, signal.SIGKILL)
