@@ -78,10 +78,19 @@ class Child:
     def name(self) -> str:
         return f"{self.config.role}[{self.config.index}]"
 
+    @property
+    def replica(self) -> int | None:
+        """The engine replica this process belongs to (None: shared by all)."""
+        return self.config.replica if self.config.role in REPLICA_ROLES else None
+
     def status(self) -> ChildStatus:
         code = self.proc.poll()
         return ChildStatus(self.config.role, self.config.index, self.proc.pid, code is None,
-                           code if code is not None else self.last_exit, self.restarts)
+                           code if code is not None else self.last_exit, self.restarts,
+                           self.replica)
+
+
+REPLICA_ROLES = ("scheduler", "gpu_worker")
 
 
 RUN_DIR_PREFIX = "candor-"
@@ -91,7 +100,8 @@ KEYS_ENV = "CANDOR_API_KEYS"
 _KEY_ENVS = (KEYS_ENV, "CANDOR_API_KEY", "VLLM_API_KEY")
 
 
-def _spawn(cfg: ProcessConfig, devices: list[int], api_keys: list[str]) -> subprocess.Popen:
+def _spawn(cfg: ProcessConfig, devices: list[int], api_keys: list[str],
+           gpu_workers: list[int] | None = None) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k not in _KEY_ENVS}
     if cfg.role == "api_frontend" and api_keys:
         env[KEYS_ENV] = "\n".join(api_keys)
@@ -99,8 +109,12 @@ def _spawn(cfg: ProcessConfig, devices: list[int], api_keys: list[str]) -> subpr
         env.update(_LEAN_ENV)
     else:
         env = {**_WORKER_ENV, **env}
-        if devices:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
+        if devices:  # one device per rank this node runs, when it lists enough
+            here = gpu_workers if gpu_workers is not None else \
+                list(range(cfg.tensor_parallel * cfg.replicas))
+            mine = [devices[here.index(cfg.index)]] if len(devices) >= len(here) > 1 \
+                else devices
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in mine)
     if cfg.metrics_dir is not None:  # read by prometheus_client when a child imports it
         env[METRICS_ENV] = cfg.metrics_dir
     env.setdefault("PYTHONUNBUFFERED", "1")
@@ -161,6 +175,7 @@ class NodeSupervisor:
         self.children: list[Child] = []
         self.state = "starting"
         self.problem: str | None = None
+        self.lost_replicas: dict[int, str] = {}  # replica -> why, while others serve on
         self.last_publish = 0.0
         from prometheus_client import Counter, Gauge  # after METRICS_ENV is set
         self.up = Gauge("candor_process_up", "1 while a Candor process runs, 0 after it "
@@ -185,14 +200,16 @@ class NodeSupervisor:
             return
         self.last_publish = now
         self.pub.send(NodeStatus(self.node.name, time.time(), self.state,
-                                 [c.status() for c in self.children], self.problem))
+                                 [c.status() for c in self.children], self.problem,
+                                 dict(self.lost_replicas)))
         for c in self.children:
             self.up.labels(self.node.name, c.config.role, str(c.config.index)).set(
                 1 if c.proc.poll() is None else 0)
 
     def local_problems(self) -> list[str]:
         out = [f"{c.name} is not running (exit code {c.proc.returncode})"
-               for c in self.children if c.proc.poll() is not None]
+               for c in self.children if c.proc.poll() is not None
+               and c.replica not in self.lost_replicas]
         if self.state in ("failed", "draining"):
             out.append(f"node {self.node.name} is {self.state}")
         return out
@@ -211,20 +228,44 @@ class NodeSupervisor:
         process_exited(self.metrics_dir, child.proc.pid)
         child.last_exit = code
         child.restarts += 1
-        child.proc = _spawn(child.config, self.node.devices, self.api_keys)
+        child.proc = _spawn(child.config, self.node.devices, self.api_keys,
+                            self.node.gpu_workers)
         self.write_metrics_info()
         self.restarts.labels(self.node.name, child.config.role).inc()
         self.publish(force=True)
 
+    def _lose_replicas(self, fatal: list[Child]) -> list[Child]:
+        """With several engine replicas, a dead scheduler or rank takes only its replica
+        out: the replica's other processes are stopped, the frontends told (NodeStatus),
+        and the rest serve on. Returns the deaths that still stop the topology (any
+        shared role, or the last replica)."""
+        replicas = self.topology.replicas
+        if replicas == 1:
+            return fatal
+        hit = sorted({c.replica for c in fatal if c.replica is not None})
+        if not hit or len(set(hit) | set(self.lost_replicas)) >= replicas:
+            return fatal
+        for r in hit:
+            why = "; ".join(f"{c.name} exited with code {c.proc.returncode}"
+                            for c in fatal if c.replica == r)
+            _say(f"engine replica {r} lost ({why}); stopping its other processes, the "
+                 f"other {replicas - len(self.lost_replicas) - 1} replica(s) serve on")
+            self.lost_replicas[r] = why
+            self.publish(force=True)
+            _stop([c for c in self.children if c.replica == r])
+        self.publish(force=True)
+        return [c for c in fatal if c.replica is None]
+
     def run(self, stop_requested) -> int:
         """Until a signal (drain, exit 0) or a fatal child death (exit 1)."""
-        if "gpu_worker" in self.node.roles and len(self.node.devices) > 1:
-            _say(f"node {self.node.name}: devices {self.node.devices} are visible to the "
-                 "gpu_worker, which uses the first: tensor parallelism is not implemented")
+        ranks = self.topology.tensor_parallel * self.topology.replicas
+        if "gpu_worker" in self.node.roles and len(self.node.devices) > ranks:
+            _say(f"node {self.node.name}: devices {self.node.devices} are listed for "
+                 f"{ranks} gpu_worker rank(s); the extra ones stay idle")
         if self.node.metrics_port is not None:
             serve_node_http(self.node.host, self.node.metrics_port, self.metrics_dir,
                             self.local_problems)
-        self.children = [Child(cfg, _spawn(cfg, self.node.devices, self.api_keys))
+        self.children = [Child(cfg, _spawn(cfg, self.node.devices, self.api_keys, self.node.gpu_workers))
                          for cfg in self.configs]
         self.write_metrics_info()
         _say(f"node {self.node.name}: started {len(self.children)} processes: "
@@ -233,9 +274,12 @@ class NodeSupervisor:
         next_ready_check = 0.0
         exit_code = 0
         while not stop_requested():
-            dead = [c for c in self.children if c.proc.poll() is not None]
-            fatal = [c for c in dead if not (c.config.role in self.sup.restart
-                                             and c.restarts < self.sup.max_restarts)]
+            dead = [c for c in self.children if c.proc.poll() is not None
+                    and c.replica not in self.lost_replicas]
+            fatal = self._lose_replicas(
+                [c for c in dead if not (c.config.role in self.sup.restart
+                                         and c.restarts < self.sup.max_restarts)])
+            dead = [c for c in dead if c.replica not in self.lost_replicas]
             if fatal:
                 self.state = "failed"
                 self.problem = "; ".join(f"{c.name} on node {self.node.name} exited with "
@@ -376,10 +420,15 @@ def check_model_config(topology: Topology) -> None:
     path = topology.model.resolved_path()
     if not os.path.isfile(os.path.join(path, "config.json")):
         return  # another node holds the checkpoint; its launcher checks it
+    from gpu_worker.tp_shard import shard_problems
     try:
-        load_config(path)
+        cfg = load_config(path)
     except UnsupportedConfig as err:
         raise SystemExit(f"candor: cannot serve {path}: {err}") from None
+    problems = shard_problems(cfg, topology.tensor_parallel)
+    if problems:
+        raise SystemExit(f"candor: cannot split {path} over {topology.tensor_parallel} "
+                         f"ranks: {'; '.join(problems)}")
 
 
 def _usable_cores() -> int:

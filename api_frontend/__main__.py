@@ -54,7 +54,12 @@ async def serve() -> None:
         n = engine.fail_requests(f"the topology is stopping: {why}", "topology_stopping")
         log.warning("topology failed (%s); failed %d in-flight requests", why, n)
 
-    watch = TopologyWatch(engine.ctx, cfg, on_lost, on_failed)
+    def on_replica_lost(replica: int, why: str) -> None:
+        n = engine.replica_lost(replica, why)
+        log.warning("engine replica %d left rotation (%s); failed its %d requests",
+                    replica, why, n)
+
+    watch = TopologyWatch(engine.ctx, cfg, on_lost, on_failed, on_replica_lost)
     watch.start()
     card = ModelCard(id=cfg.served_model_name, created=int(time.time()),
                      max_model_len=effective_max_model_len(cfg.model_path, cfg.max_model_len),

@@ -4,9 +4,14 @@ Each request goes to one tokenizer worker (the one with the fewest of this front
 requests still unanswered, over its own PUSH socket), which is remembered until the
 worker answers: if that worker dies, exactly its requests are failed. Every reply for this
 process comes back on its own PULL socket, and one reader task routes each message to the
-waiting request's queue. The scheduler's heartbeat arrives on a SUB socket and backs
+waiting request's queue. The schedulers' heartbeats arrive on a SUB socket and back
 /health. Without its reader tasks this process can only hang, so a reader that ends for
 any reason but shutdown ends the process (the launcher sees it).
+
+With several engine replicas, each generation request is stamped with the replica the
+``ReplicaRouter`` picks among those in rotation (heartbeat fresh, worker loaded, not
+lost), by load and prefix affinity; aborts go to that replica, and when a replica is
+lost exactly its requests fail. ``stats`` is then the sum over the replicas in rotation.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import zmq
 
 from api_frontend.errors import ApiError
 from api_frontend.metrics import FrontendMetrics, RequestTimer
+from api_frontend.replica_router import ReplicaRouter, affinity_text
 from protocol import ipc
 from protocol.routing import detokenizer_index
 from protocol.topology import ProcessConfig
@@ -30,6 +36,28 @@ from protocol.transport import Receiver, Sender, async_context
 HEARTBEAT_STALE_S = 2.0
 READER_DIED_EXIT = 70  # EX_SOFTWARE: an internal failure the launcher reports
 log = logging.getLogger("api_frontend")
+
+
+def combine_stats(reports: list[ipc.SchedulerStats]) -> ipc.SchedulerStats:
+    """One view over several replicas' heartbeats: counts add up, ages take the worst."""
+    if len(reports) == 1:
+        return reports[0]
+    out = {}
+    for name in ipc.SchedulerStats.__struct_fields__:
+        values = [getattr(r, name) for r in reports]
+        if name in ("time", "step_in_flight_s", "worker_idle_ms_p50"):
+            out[name] = max(values)
+        elif name == "worker_ready":
+            out[name] = all(values)
+        elif name == "aborts":
+            out[name] = {k: sum(v.get(k, 0) for v in values) for d in values for k in d}
+        elif name == "replica":
+            out[name] = 0
+        elif name in ("worker_device", "worker_dtype"):  # the same model on every replica
+            out[name] = next((v for v in values if v), "")
+        else:
+            out[name] = sum(values)
+    return ipc.SchedulerStats(**out)
 
 
 def _exit_if_reader_died(task: asyncio.Task) -> None:
@@ -49,15 +77,23 @@ class EngineClient:
         a = cfg.addresses
         self.reply_to = a.frontend_results[cfg.index]
         self._results: Receiver = Receiver(self.ctx, self.reply_to, ipc.FrontendInbound)
-        self._stats: Receiver = Receiver(self.ctx, a.scheduler_pub, ipc.SchedulerBroadcast,
-                                         bind=False, kind=zmq.SUB)
+        self.replicas = max(1, cfg.replicas)
+        self._stats: Receiver = Receiver(self.ctx, a.replica_scheduler_pub or [a.scheduler_pub],
+                                         ipc.SchedulerBroadcast, bind=False, kind=zmq.SUB)
         self._to_tokenizers = [Sender(self.ctx, addr) for addr in a.tokenizer_in]
         self._encoder = msgspec.msgpack.Encoder()
         # rid -> index of the tokenizer worker holding it, until that worker answers
         self._at_tokenizer: dict[str, int] = {}
         self._tokenizer_load = [0] * len(a.tokenizer_in)
         self._next_tokenizer = itertools.cycle(range(len(a.tokenizer_in)))
-        self._to_scheduler = Sender(self.ctx, a.scheduler_in)
+        self._to_scheduler = [Sender(self.ctx, addr)
+                              for addr in a.replica_scheduler_in or [a.scheduler_in]]
+        self.router = ReplicaRouter(self.replicas, cfg.router)
+        self._replica_of: dict[str, int] = {}  # rid -> replica, while in flight
+        self._replica_load = [0] * self.replicas  # this frontend's requests in flight
+        self._reports: dict[int, tuple[ipc.SchedulerStats, float]] = {}
+        self.lost: dict[int, str] = {}  # replica -> why it left rotation for good
+        self.started: set[int] = set()  # replicas whose worker reported ready once
         self._queues: dict[str, asyncio.Queue] = {}
         self.stats: ipc.SchedulerStats | None = None
         self.stats_received_at = 0.0
@@ -146,9 +182,66 @@ class EngineClient:
                                    code=code)
             self._observe_error(err)
             queue.put_nowait(err)
-            self._to_scheduler.send(ipc.Abort(rid, "error"))
+            self._send_abort(rid, "error")
             failed += 1
         return failed
+
+    def replica_lost(self, replica: int, why: str) -> int:
+        """A replica's processes died: it leaves rotation and its requests fail (503)."""
+        if replica in self.lost:
+            return 0
+        self.lost[replica] = why
+        mine = [rid for rid, r in self._replica_of.items() if r == replica]
+        for rid in mine:
+            queue = self._queues.get(rid)
+            self._forget_replica(rid)
+            if queue is None:
+                continue
+            self._tokenizer_answered(rid)
+            err = ipc.RequestError(rid, 503, f"engine replica {replica} was lost while "
+                                   f"serving this request ({why}); retry: the other "
+                                   "replicas serve on", type="service_unavailable_error",
+                                   code="replica_lost")
+            self._observe_error(err)
+            queue.put_nowait(err)
+        self._update_replica_gauges()
+        return len(mine)
+
+    def _send_abort(self, rid: str, reason: str):
+        replica = self._forget_replica(rid)
+        return self._to_scheduler[replica].send(ipc.Abort(rid, reason))
+
+    def _forget_replica(self, rid: str) -> int:
+        replica = self._replica_of.pop(rid, None)
+        if replica is None:
+            return 0
+        self._replica_load[replica] -= 1
+        return replica
+
+    def in_rotation(self) -> list[int]:
+        """Replicas that can take a request now."""
+        now = time.monotonic()
+        return [r for r, (stats, at) in sorted(self._reports.items())
+                if r not in self.lost and stats.worker_ready and now - at <= HEARTBEAT_STALE_S]
+
+    def _route(self, req: ipc.GenerateReq) -> None:
+        if self.replicas == 1:
+            return
+        alive = self.in_rotation() or [r for r in range(self.replicas) if r not in self.lost] \
+            or [0]
+        loads = [max(self._replica_load[r], (self._reports[r][0].running + self._reports[r][0].waiting)
+                     if r in self._reports else 0) for r in range(self.replicas)]
+        keys = self.router.keys(affinity_text(req), req.cache_salt)
+        req.replica, why = self.router.pick(keys, loads, alive)
+        if self.metrics is not None:
+            self.metrics.routed.labels(str(req.replica), why).inc()
+
+    def _update_replica_gauges(self) -> None:
+        if self.metrics is None or self.replicas == 1:
+            return
+        rotation = set(self.in_rotation())
+        for r in range(self.replicas):
+            self.metrics.replica_up.labels(str(r)).set(1 if r in rotation else 0)
 
     @property
     def inflight(self) -> int:
@@ -167,12 +260,45 @@ class EngineClient:
 
     async def _read_stats(self) -> None:
         while True:
-            self.stats = await self._stats.recv_async()
-            self.stats_received_at = time.monotonic()
+            report = await self._stats.recv_async()
+            self.stats_received_at = now = time.monotonic()
+            self._reports[report.replica] = (report, now)
+            if report.worker_ready:
+                self.started.add(report.replica)
+            fresh = [s for r, (s, at) in sorted(self._reports.items())
+                     if r not in self.lost and now - at <= HEARTBEAT_STALE_S]
+            self.stats = combine_stats(fresh or [report])
+            self._update_replica_gauges()
             self._track()  # finish_reasons is popped by the ops middleware, not here
 
+    def replica_report(self) -> list[dict]:
+        """Each replica's state for /health (several replicas only)."""
+        now = time.monotonic()
+        rotation = set(self.in_rotation())
+        out = []
+        for r in range(self.replicas):
+            stats, at = self._reports.get(r, (None, None))
+            state = ("lost" if r in self.lost else "serving" if r in rotation
+                     else "loading" if stats is not None and not stats.worker_ready
+                     else "silent")
+            out.append({"replica": r, "state": state, "why": self.lost.get(r),
+                        "running": stats.running if stats else None,
+                        "waiting": stats.waiting if stats else None,
+                        "heartbeat_age_s": round(now - at, 3) if at is not None else None})
+        return out
+
     def engine_problem(self) -> str | None:
-        """None when the step loop's heartbeat is fresh and the worker is loaded."""
+        """None when the step loop's heartbeat is fresh and the worker is loaded (with
+        several replicas: when at least one replica is in rotation)."""
+        if self.replicas > 1:
+            starting = sorted(set(range(self.replicas)) - self.started - set(self.lost))
+            if starting:  # a deployment is whole before it first says it is healthy
+                return f"engine replica(s) {starting} still loading"
+            if self.in_rotation():
+                return None
+            if len(self.lost) == self.replicas:
+                return "every engine replica was lost: " + "; ".join(self.lost.values())
+            return "no engine replica is serving yet (heartbeats missing or workers loading)"
         if self.stats is None:
             return "no heartbeat from the scheduler yet"
         age = time.monotonic() - self.stats_received_at
@@ -207,6 +333,9 @@ class EngineClient:
 
         The message is encoded before anything is registered, so a request that cannot be
         encoded raises here and leaves nothing behind."""
+        is_generation = isinstance(req, ipc.GenerateReq)
+        if is_generation:
+            self._route(req)
         try:
             frame = self._encoder.encode(req)
         except (msgspec.EncodeError, OverflowError) as exc:
@@ -217,9 +346,10 @@ class EngineClient:
         self._queues[req.rid] = queue
         self._at_tokenizer[req.rid] = worker
         self._tokenizer_load[worker] += 1
-        is_generation = isinstance(req, ipc.GenerateReq)
         if is_generation:
             self._unanswered[req.rid] = time.monotonic()
+            self._replica_of[req.rid] = req.replica
+            self._replica_load[req.replica] += 1
         if self.metrics is not None and is_generation and not req.probe:
             self._timers[req.rid] = RequestTimer(self.metrics, time.monotonic())
         try:
@@ -235,6 +365,7 @@ class EngineClient:
         self.finish_reasons[key] = reason
 
     def release(self, rid: str) -> None:
+        self._forget_replica(rid)
         self._tokenizer_answered(rid)
         self._queues.pop(rid, None)
         self._unanswered.pop(rid, None)
@@ -242,5 +373,6 @@ class EngineClient:
         self._track()
 
     async def abort(self, rid: str, reason: str = "disconnect") -> None:
+        replica = self._replica_of.get(rid, 0)
         self.release(rid)
-        await self._to_scheduler.send(ipc.Abort(rid, reason))
+        await self._to_scheduler[replica].send(ipc.Abort(rid, reason))

@@ -80,6 +80,14 @@ class FrontendMetrics:
         self.probes = Counter(
             "candor_health_probes", "Health probes answered, by probe and result",
             ["probe", "result"], registry=None)
+        self.routed = Counter(
+            "candor_router_requests", "Generation requests sent to each engine replica, by "
+            "why: affinity (its prompt prefix or cache_salt lives there), load (least "
+            "loaded), round_robin", ["replica", "reason"], registry=None)
+        self.replica_up = Gauge(
+            "candor_replica_up", "1 while an engine replica is in a frontend's rotation "
+            "(heartbeat fresh, worker loaded, not lost)", ["replica"],
+            multiprocess_mode="livemin", registry=None)
 
     async def watch_loop_lag(self) -> None:
         """Runs forever: a timer that fires late means handlers are hogging the loop."""

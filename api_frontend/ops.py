@@ -140,8 +140,13 @@ async def health_route(request: web.Request) -> web.Response:
     ops.metrics.probes.labels("health", "ok").inc()
     nodes = {name: [f"{c.role}[{c.index}]" for c in status.children]
              for name, (status, _) in ops.watch.status.items()}
-    return web.json_response({"status": "ok", "engine": _stats_dict(ops.engine.stats),
-                              "nodes": nodes})
+    body = {"status": "ok", "engine": _stats_dict(ops.engine.stats), "nodes": nodes}
+    if ops.engine.replicas > 1:  # serving, perhaps without every replica
+        replicas = ops.engine.replica_report()
+        body["replicas"] = replicas
+        if any(r["state"] != "serving" for r in replicas):
+            body["status"] = "degraded"
+    return web.json_response(body)
 
 
 def _stats_dict(stats: ipc.SchedulerStats | None) -> dict | None:

@@ -3,6 +3,9 @@
 Each node's launcher publishes which of its children are alive; this subscribes to all
 of them, so /health can name a dead process on any machine within one status interval,
 and requests owned by a detokenizer that died are failed instead of left hanging.
+An engine replica a launcher reports lost (its scheduler or a rank died while other
+replicas serve) is a degradation, not a problem: its stopped processes are left out of
+``problems`` and ``on_replica_lost`` fails its requests.
 """
 
 from __future__ import annotations
@@ -23,13 +26,16 @@ from protocol.transport import Receiver
 class TopologyWatch:
     def __init__(self, ctx: zmq.asyncio.Context, cfg: ProcessConfig,
                  on_lost: Callable[[str, int, str], None],
-                 on_failed: Callable[[str], None]) -> None:
+                 on_failed: Callable[[str], None],
+                 on_replica_lost: Callable[[int, str], None] = lambda r, why: None) -> None:
         self.nodes = list(cfg.nodes)
         self.stale_s = cfg.supervision.heartbeat_stale_s
         self._sub: Receiver = Receiver(ctx, cfg.addresses.node_status, NodeStatus,
                                        bind=False, kind=zmq.SUB)
         self._on_lost = on_lost        # (role, index, why): its requests' state is gone
         self._on_failed = on_failed    # the topology is stopping after a fatal death
+        self._on_replica_lost = on_replica_lost  # (replica, why): it left rotation
+        self.lost_replicas: dict[int, str] = {}
         self.status: dict[str, tuple[NodeStatus, float]] = {}
         self._seen: dict[tuple[str, str, int], tuple[bool, int]] = {}
         self._task: asyncio.Task | None = None
@@ -52,6 +58,10 @@ class TopologyWatch:
     def _update(self, msg: NodeStatus) -> None:
         previous = self.status.get(msg.node)
         self.status[msg.node] = (msg, time.monotonic())
+        for replica, why in msg.lost_replicas.items():
+            if replica not in self.lost_replicas:
+                self.lost_replicas[replica] = why
+                self._on_replica_lost(replica, why)
         for child in msg.children:
             key = (msg.node, child.role, child.index)
             seen = self._seen.get(key)
@@ -85,7 +95,7 @@ class TopologyWatch:
                 out.append(f"node {node!r} is {status.state}"
                            + (f": {status.problem}" if status.problem else ""))
             for child in status.children:
-                if not child.alive:
+                if not child.alive and child.replica not in status.lost_replicas:
                     out.append(f"{child.role}[{child.index}] on node {node!r} is not "
                                f"running (last exit code {child.exit_code}, "
                                f"{child.restarts} restarts)")

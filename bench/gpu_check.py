@@ -13,6 +13,10 @@
   included) at several batch sizes, eager vs CUDA graphs.
 - ``serve``: the same model served by ``launch_cluster.py`` and loaded by ``candor bench``
   (64 streams, 512 -> 128 tokens), with graphs and with ``--enforce-eager``.
+- ``tp``: the GQA head_dim-128 checkpoint served with ``--tensor-parallel-size 1`` and
+  ``2`` (two GPUs, NCCL): greedy tokens of each prompt compared (first divergence; bf16
+  sums in another order may diverge late: reported, not hidden) and ``candor bench``
+  throughput of each. ``gpu_check.sh`` runs it only where two GPUs are visible.
 """
 
 from __future__ import annotations
@@ -307,9 +311,64 @@ def serve(args) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- tensor parallel
+
+
+def _greedy_ids(url: str, name: str, prompt: list[int], n: int) -> list[int]:
+    import urllib.request
+    body = {"model": name, "prompt": prompt, "max_tokens": n, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        return json.loads(resp.read())["choices"][0]["token_ids"]
+
+
+def tensor_parallel(args) -> int:
+    from bench.compare import candor_server
+    from bench.loadgen import Workload, run
+    from bench.models import build_gqa_hd128, build_tiny
+
+    tiny = build_tiny(ROOT)
+    path, name = (tiny, "tiny") if args.small else (build_gqa_hd128(ROOT, tiny), "gqa-hd128")
+    dtype = "float32" if DEVICE == "cpu" else "bfloat16"
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(300, 1800, (n,), generator=g).tolist() for n in (7, 64, 300)]
+    workload = Workload(num_requests=4 if args.small else 64, concurrency=4 if args.small else 32,
+                        prompt_len=(128, 128), output_len=(32, 32), vocab_low=300, vocab_high=1800)
+    results: dict = {"model": name, "dtype": dtype}
+    tokens: dict[int, list[list[int]]] = {}
+    for tp in (1, 2):
+        server = candor_server(path, name, threads=1 if DEVICE == "cpu" else 4, kv_blocks=2048, extra=[
+            "--dtype", dtype, "--device", DEVICE, "--tensor-parallel-size", str(tp)])
+        server.env["PYTHONPATH"] = os.pathsep.join(filter(None, [server.env["PYTHONPATH"],
+                                                                 os.environ.get("PYTHONPATH")]))
+
+        def one(server=server, tp=tp) -> dict:
+            server.start()
+            try:
+                server.wait_ready(300)
+                tokens[tp] = [_greedy_ids(server.url, name, p, NEW_TOKENS) for p in prompts]
+                return asyncio.run(run(server.url, name, workload))
+            finally:
+                server.stop()
+                log = Path(server.log.name).read_text(errors="replace").splitlines()
+                results.setdefault("server_log", {})[f"tp{tp}"] = log[-20:]
+
+        _guarded(results, f"tp{tp}", one)
+    if 1 in tokens and 2 in tokens:
+        firsts = []
+        for a, b in zip(tokens[1], tokens[2]):
+            firsts.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None))
+        results["first_divergence_per_prompt"] = firsts
+        results["identical"] = all(f is None for f in firsts)
+    _write(args.out, results)
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("stage", choices=["warm", "parity", "decode-bench", "serve"])
+    p.add_argument("stage", choices=["warm", "parity", "decode-bench", "serve", "tp"])
     p.add_argument("--out", required=True)
     p.add_argument("--requests", type=int, default=128)
     p.add_argument("--graphs-only", action="store_true")
@@ -320,7 +379,8 @@ def main() -> int:
     global DEVICE
     DEVICE = args.device
     ROOT.mkdir(parents=True, exist_ok=True)
-    stage = {"warm": warm, "parity": parity, "decode-bench": decode_bench, "serve": serve}[args.stage]
+    stage = {"warm": warm, "parity": parity, "decode-bench": decode_bench, "serve": serve,
+             "tp": tensor_parallel}[args.stage]
     try:
         return stage(args)
     except Exception as exc:  # say why in the stage's file, unless it already holds results

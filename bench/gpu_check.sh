@@ -3,7 +3,8 @@
 # for the H200 image: python3 3.12, torch 2.11 cu130, nvcc 13.0, transformers, tokenizers,
 # safetensors, jinja2, aiohttp, uvloop, prometheus-client, pyyaml, numpy, pytest, ninja).
 # Results land in $OUT (default /tmp/candor-gpu-out): env.txt, pytest.txt, warm.json,
-# parity.json, decode_bench.json, serve.json and the whole log, gpu_check.log.
+# parity.json, decode_bench.json, tp.json (two GPUs only), serve.json and the whole log,
+# gpu_check.log.
 # Each stage has its own time limit; a failed stage is logged and the next one runs.
 #
 # Missing on that image, carried as wheels in .whl/ (ignored by git: add `/.whl/` to
@@ -78,6 +79,12 @@ tail -20 "$OUT/warm.log"
 
 stage parity 120 - python3 -m bench.gpu_check parity --out "$OUT/parity.json"
 stage decode-bench 50 - python3 -m bench.gpu_check decode-bench --out "$OUT/decode_bench.json"
+# Tensor parallelism needs two GPUs: TP=1 vs TP=2 tokens and throughput (NCCL).
+if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then
+  stage tp 150 - python3 -m bench.gpu_check tp --out "$OUT/tp.json"
+else
+  echo "=== tp: skipped (fewer than two GPUs visible)"
+fi
 left=$((470 - ($(date +%s) - T0)))
 if [ "$left" -gt 150 ]; then
   stage serve "$left" - python3 -m bench.gpu_check serve --out "$OUT/serve.json"

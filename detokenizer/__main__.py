@@ -14,10 +14,11 @@ from detokenizer.logprobs import TokenTexts
 
 
 class _Live:
-    __slots__ = ("detok", "reply_to", "prompt_tokens", "prompt_ids", "cached_tokens")
+    __slots__ = ("detok", "reply_to", "prompt_tokens", "prompt_ids", "cached_tokens", "replica")
 
     def __init__(self, detok: RequestDetokenizer, reply_to: str, prompt_tokens: int,
-                 prompt_ids: list[int] | None) -> None:
+                 prompt_ids: list[int] | None, replica: int = 0) -> None:
+        self.replica = replica
         self.detok = detok
         self.reply_to = reply_to
         self.prompt_tokens = prompt_tokens
@@ -34,7 +35,9 @@ def main() -> None:
     ctx = sync_context(cfg.security)
     inbound: Receiver = Receiver(ctx, cfg.addresses.detokenizer_in[cfg.index],
                                  ipc.DetokenizerInbound)
-    to_scheduler = Sender(ctx, cfg.addresses.scheduler_in)
+    # one per engine replica: a stop-string abort goes to the replica running the request
+    to_schedulers = [Sender(ctx, addr) for addr in cfg.addresses.replica_scheduler_in
+                     or [cfg.addresses.scheduler_in]]
     to_frontends = SenderPool(ctx)
     live: dict[str, _Live] = {}
     texts = TokenTexts(tokenizer)
@@ -46,7 +49,8 @@ def main() -> None:
             continue
         if isinstance(msg, ipc.DetokStart):
             live[msg.rid] = _Live(RequestDetokenizer(tokenizer, msg.detok, msg.prompt_tail),
-                                  msg.reply_to, msg.prompt_tokens, msg.prompt_token_ids)
+                                  msg.reply_to, msg.prompt_tokens, msg.prompt_token_ids,
+                                  replica=msg.replica)
             continue
         outgoing: dict[str, list[ipc.TextDelta]] = {}
         errors: list[tuple[str, ipc.RequestError]] = []
@@ -64,7 +68,7 @@ def main() -> None:
             finish = out.finish_reason
             if detok.stopped and finish is None:
                 finish = "stop"
-                to_scheduler.send(ipc.Abort(out.rid, "stop_string"))
+                to_schedulers[state.replica].send(ipc.Abort(out.rid, "stop_string"))
             if finish == "error":
                 errors.append((state.reply_to, ipc.RequestError(
                     out.rid, 500, "the engine failed while generating this request",

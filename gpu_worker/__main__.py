@@ -1,10 +1,20 @@
-"""gpu_worker process: owns the weights and the KV cache, runs the steps it is sent."""
+"""gpu_worker process: owns the weights and the KV cache, runs the steps it is sent.
+
+One process per tensor-parallel rank of an engine replica (``cfg.tp_rank``; ``cfg.index``
+counts across replicas). Every rank subscribes
+to the scheduler's plan publisher and runs every plan; rank 0 alone answers (ready,
+results, errors). A rank other than 0 holds nothing worth draining and may be blocked in
+a collective a dead peer will never join, so SIGTERM ends it at once.
+"""
 
 from __future__ import annotations
 
 import os
+import signal
 import time
 import traceback
+
+import zmq
 
 from protocol import ipc
 from protocol.checkpoint import effective_max_model_len
@@ -12,13 +22,14 @@ from protocol.lifecycle import StopFlag, die_with_parent, read_config, setup_log
 from protocol.transport import Receiver, Sender, sync_context
 
 
-def _default_threads() -> int:
-    """Leave a core to the other roles when there is more than one. Measured on a 2-core
-    box under load: 2 worker threads made a 100M-model decode step ~6x slower than 1
-    (the threads fight the frontend, detokenizer and neighbours for the cores)."""
+def _default_threads(ranks: int) -> int:
+    """Leave a core to the other roles when there is more than one, and split the rest
+    between this host's tensor-parallel ranks. Measured on a 2-core box under load: 2
+    worker threads made a 100M-model decode step ~6x slower than 1 (the threads fight
+    the frontend, detokenizer and neighbours for the cores)."""
     if os.environ.get("OMP_NUM_THREADS"):
         return int(os.environ["OMP_NUM_THREADS"])
-    return max(1, (os.cpu_count() or 1) - 1)
+    return max(1, ((os.cpu_count() or 1) - 1) // ranks)
 
 
 def main() -> None:
@@ -26,18 +37,25 @@ def main() -> None:
     cfg = read_config()
     log = setup_logging(cfg)
     stop = StopFlag()
+    rank, size = cfg.tp_rank, cfg.tensor_parallel
+    if size > 1:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
     import torch  # only this role pays for torch
 
-    torch.set_num_threads(cfg.engine.worker_threads or _default_threads())
+    torch.set_num_threads(cfg.engine.worker_threads or _default_threads(size))
+    from gpu_worker.distributed import init_ranks
     from gpu_worker.kv_budget import resolve_device
     from gpu_worker.model_runner import ModelRunner
 
     eng = cfg.engine
     device, device_why = resolve_device(eng.device)
+    if size > 1 and device == "cuda" and torch.cuda.device_count() > 1:
+        device = f"cuda:{rank % torch.cuda.device_count()}"  # no per-rank device list given
     log.info("device %s (%s); %d threads (%s)", device, device_why, torch.get_num_threads(),
              f"--worker-threads {eng.worker_threads}" if eng.worker_threads
              else "cores left after the other roles")
+    ranks = init_ranks(rank, size, cfg.tp_address, torch.device(device))
     started = time.perf_counter()
     runner = ModelRunner(
         cfg.model_path, device=device, dtype=cfg.dtype, block_size=eng.block_size,
@@ -46,20 +64,27 @@ def main() -> None:
         gpu_memory_utilization=eng.gpu_memory_utilization,
         max_model_len=effective_max_model_len(cfg.model_path, cfg.max_model_len),
         load_format=cfg.load_format, seed=eng.seed, enforce_eager=eng.enforce_eager,
-        max_num_seqs=eng.max_num_seqs)
+        max_num_seqs=eng.max_num_seqs, ranks=ranks)
     runner.fault_token_id = eng.fault_token_id
     kv_mib = runner.num_blocks * runner.block_bytes / 2**20
-    log.info("model loaded in %.2fs, %d threads, dtype %s (%s); KV cache %d blocks = %.0f MiB "
-             "= %d tokens (%s)", time.perf_counter() - started, torch.get_num_threads(),
-             str(runner.dtype).removeprefix("torch."), runner.dtype_reason, runner.num_blocks,
-             kv_mib, runner.num_blocks * runner.block_size, runner.kv_reason)
+    log.info("rank %d/%d: model loaded in %.2fs, %d threads, dtype %s (%s); KV cache %d blocks "
+             "= %.0f MiB = %d tokens (%s)", rank, size, time.perf_counter() - started,
+             torch.get_num_threads(), str(runner.dtype).removeprefix("torch."),
+             runner.dtype_reason, runner.num_blocks, kv_mib,
+             runner.num_blocks * runner.block_size, runner.kv_reason)
 
     ctx = sync_context(cfg.security)
-    plans: Receiver = Receiver(ctx, cfg.addresses.worker_in, ipc.WorkerInbound, bind=False)
-    results = Sender(ctx, cfg.addresses.worker_out)
-    results.send(ipc.WorkerReady(runner.num_blocks, runner.block_size, runner.max_model_len,
-                                 device=str(runner.device),
-                                 dtype=str(runner.dtype).removeprefix("torch.")))
+    plans: Receiver = Receiver(ctx, cfg.addresses.worker_in, ipc.WorkerInbound, bind=False,
+                               kind=zmq.SUB)
+    results = Sender(ctx, cfg.addresses.worker_out) if rank == 0 else None
+
+    def answer(msg) -> None:
+        if results is not None:
+            results.send(msg)
+
+    answer(ipc.WorkerReady(runner.num_blocks, runner.block_size, runner.max_model_len,
+                           device=str(runner.device),
+                           dtype=str(runner.dtype).removeprefix("torch.")))
 
     last_sent = time.perf_counter()
     while not stop.is_set():
@@ -72,11 +97,11 @@ def main() -> None:
         try:
             result = runner.execute(msg)
             result.idle_s = idle
-            results.send(result)
+            answer(result)
             last_sent = time.perf_counter()
         except Exception:  # a failed step fails its requests, not the process
             log.exception("step %d failed", msg.step_id)
-            results.send(ipc.WorkerError(msg.step_id, traceback.format_exc(limit=3)))
+            answer(ipc.WorkerError(msg.step_id, traceback.format_exc(limit=3)))
             last_sent = time.perf_counter()
     ctx.destroy(linger=0)
 

@@ -3,8 +3,10 @@
 The model is expected to be freshly materialised (e.g. built on the meta device then
 ``to_empty``), so every parameter must be written exactly once: missing or unknown
 checkpoint tensors are errors rather than silently left uninitialised. Where a tensor
-goes is the model class's business (``map_weight``: fused q/k/v, gate/up, stacked
-experts; see ``models/registry.py``).
+goes is the model class's business (``weight_pieces``: fused q/k/v, gate/up, stacked
+experts, and under tensor parallelism this rank's slice, which is read straight from
+the file with ``get_slice`` so a rank never reads more than its shard; see
+``models/decoder.py``).
 """
 
 from __future__ import annotations
@@ -49,29 +51,42 @@ def load_weights(model: nn.Module, path: str | Path | None, load_format: str = "
     files = safetensors_files(path)
     progress = Progress("loading weights", sum(f.stat().st_size for f in files))
     with torch.no_grad():
+        for name, rows in model.padding_rows().items():
+            params[name][-rows:].zero_()
+            written[name] += params[name][-rows:].numel()
         for file in files:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for hf_name in f.keys():
-                    mapped = model.map_weight(hf_name)
-                    if mapped is None:
+                    pieces = model.weight_pieces(hf_name)
+                    if pieces is None:
                         continue
-                    target, index = mapped
-                    if target not in params:
-                        unknown.append(hf_name)
-                        continue
-                    tensor = f.get_tensor(hf_name)
-                    dst = params[target][index] if index else params[target]
-                    if dst.shape != tensor.shape:
-                        raise ValueError(f"{hf_name}: checkpoint shape {tuple(tensor.shape)} != {tuple(dst.shape)}")
-                    dst.copy_(tensor)
-                    written[target] += tensor.numel()
-                    progress.advance(tensor.numel() * tensor.element_size())
+                    for target, index, cut in pieces:
+                        if target not in params:
+                            unknown.append(hf_name)
+                            continue
+                        tensor = _read(f, hf_name, cut)
+                        dst = params[target][index] if index else params[target]
+                        if dst.shape != tensor.shape:
+                            raise ValueError(f"{hf_name}: checkpoint shape {tuple(tensor.shape)} "
+                                             f"(this rank's part) != {tuple(dst.shape)}")
+                        dst.copy_(tensor)
+                        written[target] += tensor.numel()
+                        progress.advance(tensor.numel() * tensor.element_size())
     progress.finish()
     if unknown:
         raise ValueError(f"checkpoint tensors with no matching parameter: {unknown[:10]}")
     missing = [n for n, p in params.items() if written[n] != p.numel()]
     if missing:
         raise ValueError(f"parameters not (fully) loaded from checkpoint: {missing[:10]}")
+
+
+def _read(f, name: str, cut: tuple[int, int, int] | None) -> torch.Tensor:
+    """The whole tensor, or rows/columns ``start..start+size`` along ``dim`` only."""
+    if cut is None:
+        return f.get_tensor(name)
+    dim, start, size = cut
+    index = (slice(None),) * dim + (slice(start, start + size),)
+    return f.get_slice(name)[index]
 
 
 def _fill_dummy(model: nn.Module, seed: int) -> None:

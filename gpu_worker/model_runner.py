@@ -8,6 +8,11 @@ The cache has one block more than the scheduler is told of (``scratch_block``, t
 index): padding rows of a fixed-size decode batch write there (see ``cuda_graphs``).
 Decode-only steps go through ``cuda_graphs.DecodeGraphRunner`` when the attention
 backend can be captured (flashinfer) and ``enforce_eager`` is off.
+
+Under tensor parallelism every rank runs the same plan through its shard of the model
+(its share of the heads, so its share of the KV cache); the block count is the smallest
+any rank can hold, and rank 0's sampled ids are adopted by every rank, so the
+placeholders of a run-ahead step resolve to the same token everywhere.
 """
 
 from __future__ import annotations
@@ -23,11 +28,13 @@ from gpu_worker import cpu_decode, cuda_graphs
 from gpu_worker.attention import GatherScratch, build_metadata, decode_group_blocks, select_backend
 from gpu_worker.grammar import GrammarStates
 from gpu_worker.kv_budget import auto_kv_bytes
+from gpu_worker.distributed import Ranks
 from gpu_worker.loader import load_weights
 from gpu_worker.model_config import ModelConfig, load_config
 from gpu_worker.models.registry import model_class
 from gpu_worker.progress import Progress
 from gpu_worker.request_state import RequestTracker
+from gpu_worker.tp_shard import tp_shard
 from gpu_worker.sampler import Sampler
 from protocol import checkpoint
 from protocol.ipc import (PLACEHOLDER_TOKEN, SampleLogprobs, SamplingParams, SeqChunk, StepPlan,
@@ -73,8 +80,11 @@ class ModelRunner:
         seed: int = 0,
         enforce_eager: bool = False,
         max_num_seqs: int = cuda_graphs.MAX_CAPTURE_SIZE,
+        ranks: Ranks | None = None,
     ) -> None:
         self.config = cfg = load_config(model_path)
+        self.ranks = ranks = ranks or Ranks()
+        shard = tp_shard(cfg, ranks.rank, ranks.size)
         self.device = torch.device(device)
         self.dtype, self.dtype_reason = resolve_dtype(dtype, model_path, self.device)
         self.block_size = block_size
@@ -87,13 +97,13 @@ class ModelRunner:
         # Build on meta (no init cost), then materialise; the loader writes every weight.
         with torch.device("meta"):
             model = model_class(cfg.model_type)(cfg, max_positions=self.max_model_len, device=self.device,
-                                                dtype=self.dtype)
+                                                dtype=self.dtype, tp=ranks.tp_group(shard))
         model = model.to_empty(device=self.device).to(self.dtype)
         load_weights(model, model_path, load_format, seed=seed)
         self.model = model.eval()
 
         elem = torch.empty((), dtype=self.dtype).element_size()
-        self.block_bytes = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+        self.block_bytes = 2 * cfg.num_layers * block_size * shard.kv_heads * cfg.head_dim * elem
         # The budget covers the scratch block too; an explicit count is the scheduler's.
         if num_blocks is not None:
             self.kv_reason = f"--num-kv-blocks {num_blocks}"
@@ -104,11 +114,12 @@ class ModelRunner:
             needed = (max_num_seqs * blocks_per_seq + 1) * self.block_bytes
             kv_cache_memory_bytes, self.kv_reason = auto_kv_bytes(self.device, needed,
                                                                   gpu_memory_utilization)
-        self.num_blocks = num_blocks if num_blocks is not None else kv_cache_memory_bytes // self.block_bytes - 1
+        local = num_blocks if num_blocks is not None else kv_cache_memory_bytes // self.block_bytes - 1
+        self.num_blocks = ranks.min_int(local)  # every rank must hold every block
         if self.num_blocks < 1:
             raise ValueError(f"KV cache budget too small: two blocks need {2 * self.block_bytes} bytes")
         self.scratch_block = self.num_blocks  # never in a plan: _check rejects ids >= num_blocks
-        shape = (self.num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (self.num_blocks + 1, block_size, shard.kv_heads, cfg.head_dim)
         # Zeros, not empty: padded decode slots are masked but still multiplied, and
         # uninitialised memory could hold NaN/inf.
         zeros = lambda: torch.zeros(shape, dtype=self.dtype, device=self.device)  # noqa: E731
@@ -123,7 +134,7 @@ class ModelRunner:
         # Layers whose attention differs (window, soft-cap) get their own backend plan.
         self.layer_kinds = [(layer.window, cfg.attn_softcap) for layer in cfg.layers]
         self.cascade = all(kind == (None, None) for kind in self.layer_kinds)
-        self.attn_backend = select_backend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+        self.attn_backend = select_backend(shard.heads, shard.kv_heads, cfg.head_dim,
                                            block_size, self.dtype, self.device,
                                            sm_scale=cfg.scale, layer_kinds=self.layer_kinds)
         self.decode_group_blocks = decode_group_blocks(self.kv_caches[0][0])
@@ -133,12 +144,15 @@ class ModelRunner:
         self.sampling: dict[str, SamplingParams] = {}
         self.generators: dict[str, torch.Generator] = {}
         self.last_sampled: dict[str, int] = {}  # rid -> its latest token (fills placeholders)
+        self.block_tables: dict[str, list[int]] = {}  # rid -> its table, built from plan diffs
         self.failed_last_step: set[str] = set()  # rids of the previous step, if it failed
         self.tracker = RequestTracker()  # token history (penalties) and prompt logprobs
         self.grammars = GrammarStates(model_path, cfg.vocab_size)  # constrained decoding
         self.fault_token_id: int | None = None  # test hook, see EngineSpec.fault_token_id
         self.decode_graphs: cuda_graphs.DecodeGraphRunner | None = None
-        if self.attn_backend is not None and not enforce_eager:
+        if self.attn_backend is not None and not enforce_eager and ranks.size > 1:
+            log.info("tensor parallel: decode steps run eagerly (no CUDA graphs across ranks)")
+        elif self.attn_backend is not None and not enforce_eager:
             sizes = cuda_graphs.capture_sizes(max_num_seqs)
             pages_per_seq = -(-self.max_model_len // block_size)
             page_ids = torch.zeros(sizes[-1] * pages_per_seq, dtype=torch.int32, device=self.device)
@@ -177,6 +191,7 @@ class ModelRunner:
             self.sampling.pop(rid, None)
             self.generators.pop(rid, None)
             self.last_sampled.pop(rid, None)
+            self.block_tables.pop(rid, None)
             self.tracker.release(rid)
             self.grammars.release(rid)
         for rid, params in plan.new_sampling.items():
@@ -203,7 +218,17 @@ class ModelRunner:
                 raise ValueError(f"{seq.rid}: placeholder token but nothing sampled for it yet")
             seq.token_ids[-1] = last
 
+    def _apply_blocks(self, seq: SeqChunk) -> None:
+        """This rid's table := its first ``kept_blocks`` ids + ``new_blocks``."""
+        table = self.block_tables.setdefault(seq.rid, [])
+        if len(table) < seq.kept_blocks:
+            raise ValueError(f"{seq.rid}: plan keeps {seq.kept_blocks} blocks but this worker "
+                             f"holds {len(table)} for it")
+        del table[seq.kept_blocks:]
+        table.extend(seq.new_blocks)
+
     def _check(self, seq: SeqChunk) -> None:
+        table = self.block_tables[seq.rid]
         n = len(seq.token_ids)
         end = seq.start_pos + n
         if n == 0:
@@ -213,9 +238,9 @@ class ModelRunner:
                 f"{seq.rid}: positions {seq.start_pos}..{end - 1} outside max_model_len {self.max_model_len}"
             )
         needed = -(-end // self.block_size)
-        if len(seq.block_table) < needed:
-            raise ValueError(f"{seq.rid}: block_table has {len(seq.block_table)} blocks, {needed} needed")
-        if any(not 0 <= b < self.num_blocks for b in seq.block_table[:needed]):
+        if len(table) < needed:
+            raise ValueError(f"{seq.rid}: block_table has {len(table)} blocks, {needed} needed")
+        if any(not 0 <= b < self.num_blocks for b in table[len(table) - len(seq.new_blocks):needed]):
             raise ValueError(f"{seq.rid}: block id out of range [0, {self.num_blocks})")
         if seq.sample and seq.rid not in self.sampling:
             raise ValueError(f"{seq.rid}: no SamplingParams (missing from new_sampling)")
@@ -227,6 +252,8 @@ class ModelRunner:
         failed_before, self.failed_last_step = self.failed_last_step, set()
         try:
             self._update_requests(plan)
+            for seq in plan.seqs:  # tables first: a later failure leaves them consistent
+                self._apply_blocks(seq)
             for seq in plan.seqs:
                 self._fill_placeholder(seq, failed_before)
                 self._check(seq)
@@ -280,7 +307,7 @@ class ModelRunner:
         ids, positions, last_row, to_sample = (batch.ids, batch.positions, batch.last_row,
                                                batch.to_sample)
         dev = self.device
-        chunks = [(s.start_pos, len(s.token_ids), s.block_table) for s in ordered]
+        chunks = [(s.start_pos, len(s.token_ids), self.block_tables[s.rid]) for s in ordered]
         if not prefills and self.decode_graphs is not None and self.decode_graphs.fits(len(decodes)):
             hidden = self.decode_graphs.run(chunks, ids, positions)
         else:
@@ -314,6 +341,7 @@ class ModelRunner:
             [self.tracker.history(s.rid, p) for s, p in zip(to_sample, params)],
             masks,
         )
+        tokens = self.ranks.rank0_ints(tokens)
         for s, token in zip(to_sample, tokens):
             self.last_sampled[s.rid] = token
         out: list[SampleLogprobs | None] = []

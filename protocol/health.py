@@ -23,14 +23,18 @@ class ChildStatus(msgspec.Struct, array_like=True):
     alive: bool
     exit_code: int | None = None  # of the last exit, kept across a restart
     restarts: int = 0
+    replica: int | None = None  # the engine replica a scheduler or gpu_worker belongs to
 
 
 class NodeStatus(msgspec.Struct, tag="node_status", tag_field="msg"):
     """``state`` failed: a child died that may not restart and the node is stopping;
-    draining: a SIGTERM arrived and the node's frontends are finishing their work."""
+    draining: a SIGTERM arrived and the node's frontends are finishing their work.
+    ``lost_replicas``: engine replicas whose processes died while others serve on (the
+    node keeps running, degraded); their stopped processes are not problems."""
 
     node: str
     time: float
     state: NodeState
     children: list[ChildStatus]
     problem: str | None = None
+    lost_replicas: dict[int, str] = {}  # replica -> why it was lost

@@ -107,6 +107,7 @@ class GenerateReq(_Message, tag="generate", omit_defaults=True):
     chat_template: str | None = None  # request-supplied template (frontend checked the flag)
     echo_prompt: bool = False        # return the prompt text in RequestInfo (completions echo)
     guided: GuidedSpec | None = None  # constrained decoding, compiled by the tokenizer worker
+    replica: int = 0  # the engine replica the frontend's router chose
 
 
 class TemplateInfo(msgspec.Struct, frozen=True):
@@ -219,21 +220,27 @@ PLACEHOLDER_TOKEN = -1
 
 class SeqChunk(msgspec.Struct, array_like=True):
     """One sequence's work in a step: feed ``token_ids`` at positions
-    ``start_pos..start_pos+len-1``; its KV lives in ``block_table``. When ``sample`` is
-    true the worker samples one token from the last position's logits. A last token of
-    ``PLACEHOLDER_TOKEN`` stands for the token the worker sampled for ``rid`` last."""
+    ``start_pos..start_pos+len-1``. When ``sample`` is true the worker samples one token
+    from the last position's logits. A last token of ``PLACEHOLDER_TOKEN`` stands for the
+    token the worker sampled for ``rid`` last.
+
+    The block table travels as a diff, so a plan's size does not grow with context: the
+    worker keeps each rid's table, cuts it to its first ``kept_blocks`` ids and appends
+    ``new_blocks``. ``kept_blocks`` 0 (a request's first chunk, or after preemption)
+    means ``new_blocks`` is the whole table."""
 
     rid: str
     token_ids: list[int]
     start_pos: int
-    block_table: list[int]
+    new_blocks: list[int]
     sample: bool
+    kept_blocks: int = 0
 
 
 class StepPlan(_Message, tag="step"):
     """One forward pass over a batch. ``new_sampling`` carries params for sequences the
     worker has not seen (or sees again after preemption); ``released`` lists rids whose
-    worker-side state (seeded generators) can be dropped."""
+    worker-side state (block table, seeded generators) can be dropped."""
 
     step_id: int
     seqs: list[SeqChunk]
@@ -304,6 +311,7 @@ class DetokStart(_Message, tag="detok_start"):
     detok: DetokParams
     prompt_tail: list[int] = []  # last prompt ids, so the first token decodes in context
     prompt_token_ids: list[int] | None = None  # all of them, only if return_token_ids
+    replica: int = 0  # the replica serving it (stop-string aborts go back there)
 
 
 class TokenOutput(msgspec.Struct, array_like=True):
@@ -395,6 +403,7 @@ class SchedulerStats(_Message, tag="stats"):
     step_in_flight_s: float = 0.0  # age of the step the worker is running, 0 when idle
     worker_device: str = ""  # the device and dtype the gpu_worker computes in
     worker_dtype: str = ""
+    replica: int = 0  # which engine replica's scheduler this is
 
 
 # One tagged union per receiving socket.

@@ -126,6 +126,16 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                    choices=["auto", "half", "float16", "bfloat16", "float", "float32"],
                    help="auto: the checkpoint's dtype on CUDA, float32 on CPU")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="gpu_worker ranks sharing the model (torch.distributed: NCCL on "
+                        "CUDA, gloo on CPU)")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine replicas (a scheduler and its ranks each) behind the same "
+                        "frontends and tokenizer workers")
+    g.add_argument("--data-parallel-routing", default="cache_aware",
+                   choices=["cache_aware", "round_robin"],
+                   help="cache_aware: same prompt prefix or cache_salt -> same replica "
+                        "unless overloaded, else least loaded")
     g.add_argument("--generation-config", default="auto", metavar="auto|vllm|none|DIR",
                    help="auto: requests that omit temperature/top_p/top_k/min_p/"
                         "repetition_penalty get the checkpoint's generation_config.json "
@@ -276,6 +286,9 @@ def serve_topology(args: argparse.Namespace, model_path: str, default_name: str,
     env = os.environ if environ is None else environ
     names = args.served_model_name or [default_name]
     return msgspec.convert({
+        "tensor_parallel": args.tensor_parallel_size,
+        "replicas": args.data_parallel_size,
+        "router": {"policy": args.data_parallel_routing},
         "model": {"path": model_path,
                   "served_model_name": names if len(names) > 1 else names[0],
                   "max_model_len": args.max_model_len, "dtype": args.dtype,

@@ -225,18 +225,22 @@ class RoleCounts(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class Addresses(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """Address templates. ``{run_dir}`` is the launcher's private socket directory and
-    ``{i}`` the instance index of a role that has several processes."""
+    """Address templates. ``{run_dir}`` is the launcher's private socket directory,
+    ``{i}`` the instance index of a role that has several processes and ``{r}`` the
+    engine replica (scheduler and gpu_worker addresses, one set per replica)."""
 
-    scheduler_in: str = "ipc://{run_dir}/scheduler-in"
-    scheduler_pub: str = "ipc://{run_dir}/scheduler-pub"
-    worker_in: str = "ipc://{run_dir}/worker-in"
-    worker_out: str = "ipc://{run_dir}/worker-out"
+    scheduler_in: str = "ipc://{run_dir}/scheduler-in-{r}"
+    scheduler_pub: str = "ipc://{run_dir}/scheduler-pub-{r}"
+    worker_in: str = "ipc://{run_dir}/worker-in-{r}"
+    worker_out: str = "ipc://{run_dir}/worker-out-{r}"
     tokenizer_in: str = "ipc://{run_dir}/tokenizer-{i}"
     detokenizer_in: str = "ipc://{run_dir}/detokenizer-{i}"
     frontend_results: str = "ipc://{run_dir}/frontend-{i}"
     # each node's launcher publishes its children's liveness here ({n}: node index)
     node_status: str = "ipc://{run_dir}/node-{n}"
+    # torch.distributed rendezvous of one replica's tensor-parallel ranks ({host}: their
+    # node; {port}: a free port the launcher picks, only where every rank is on one node)
+    tp_rendezvous: str = "tcp://{host}:{port}"
 
 
 class NodeSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -246,7 +250,10 @@ class NodeSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     name: NodeName
     roles: list[RoleName]
     host: str = "127.0.0.1"
-    devices: list[Annotated[int, Meta(ge=0)]] = []  # GPU ids for this node's gpu_worker
+    devices: list[Annotated[int, Meta(ge=0)]] = []  # GPU ids, one per gpu_worker rank here
+    # Which gpu_worker processes run here (index = replica * tensor_parallel + rank) when
+    # the ranks span several nodes; None: every one (gpu_worker on this node alone).
+    gpu_workers: list[Annotated[int, Meta(ge=0)]] | None = None
     metrics_port: Port | None = None  # the launcher serves /metrics and /health here
     status_address: str | None = None  # overrides the addresses.node_status template
 
@@ -262,8 +269,29 @@ class SupervisionSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     step_stuck_s: Annotated[float, Meta(gt=0)] = 120.0  # one step in flight this long: 503
 
 
+class RouterSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """How frontends pick an engine replica. ``cache_aware``: a request whose prompt
+    prefix (or cache_salt) was sent to a replica before goes there again, unless that
+    replica's load exceeds the least loaded one's by more than ``balance_abs`` requests
+    and ``balance_rel`` times; otherwise the least loaded. ``round_robin``: in turn."""
+
+    policy: Literal["cache_aware", "round_robin"] = "cache_aware"
+    balance_abs: Annotated[int, Meta(ge=0)] = 8
+    balance_rel: Annotated[float, Meta(ge=1.0)] = 1.5
+    prefix_chunk_chars: Annotated[int, Meta(ge=1)] = 64
+    max_prefix_entries: Annotated[int, Meta(ge=1)] = 200_000
+
+
 class Topology(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``tensor_parallel``: gpu_worker ranks per engine replica, one torch.distributed
+    group (vLLM's --tensor-parallel-size). ``replicas``: engine replicas (a scheduler and
+    its ranks each) behind the same frontends, tokenizer workers and detokenizers
+    (--data-parallel-size), routed by ``router``."""
+
     model: ModelSpec
+    tensor_parallel: Count = 1
+    replicas: Count = 1
+    router: RouterSpec = msgspec.field(default_factory=RouterSpec)
     roles: RoleCounts = msgspec.field(default_factory=RoleCounts)
     engine: EngineSpec = msgspec.field(default_factory=EngineSpec)
     http: HttpSpec = msgspec.field(default_factory=HttpSpec)
@@ -277,11 +305,16 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             return self.nodes
         return [NodeSpec(name=LOCAL_NODE, roles=list(ROLES))]
 
-    def node_of(self, role: str) -> NodeSpec:
+    def node_of(self, role: str, index: int | None = None) -> NodeSpec:
+        """The node running ``role`` (gpu_worker ``index`` when its ranks span nodes)."""
         for node in self.effective_nodes():
-            if role in node.roles:
+            if role in node.roles and (index is None or role != "gpu_worker"
+                                       or node.gpu_workers is None or index in node.gpu_workers):
                 return node
         raise ValueError(f"role {role} is not placed on any node")
+
+    def nodes_of(self, role: str) -> list[NodeSpec]:
+        return [n for n in self.effective_nodes() if role in n.roles]
     api: ApiSpec = msgspec.field(default_factory=ApiSpec)
 
 
@@ -294,6 +327,11 @@ class ResolvedAddresses(msgspec.Struct, kw_only=True):
     detokenizer_in: list[str]
     frontend_results: list[str]
     node_status: list[str] = []  # one per node, in topology order
+    tp_rendezvous: str = ""
+    # every replica's scheduler inbound / stats addresses (the fields above: this
+    # process's replica); roles shared by the replicas route over these
+    replica_scheduler_in: list[str] = []
+    replica_scheduler_pub: list[str] = []
 
 
 class ProcessConfig(msgspec.Struct, kw_only=True):
@@ -316,6 +354,27 @@ class ProcessConfig(msgspec.Struct, kw_only=True):
     metrics_dir: str | None = None  # prometheus multiprocess directory of this host
     api: ApiSpec = msgspec.field(default_factory=ApiSpec)
     security: SecuritySpec = msgspec.field(default_factory=SecuritySpec)
+    tensor_parallel: int = 1  # ranks in one replica's gpu_worker group
+    replicas: int = 1
+    replica: int = 0  # this scheduler's / gpu_worker's replica (0 for shared roles)
+    router: RouterSpec = msgspec.field(default_factory=RouterSpec)
+
+    @property
+    def tp_rank(self) -> int:
+        """A gpu_worker's rank in its replica (its index counts across replicas)."""
+        return self.index % self.tensor_parallel
+
+    @property
+    def tp_address(self) -> str:
+        return self.addresses.tp_rendezvous
+
+
+def _free_port() -> int:
+    """A port free on this machine (the launcher of the node running the ranks)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
 
 
 def load_topology(path: str) -> Topology:
@@ -337,39 +396,52 @@ CONNECTORS = {"scheduler_in": ("tokenizer_worker", "detokenizer", "api_frontend"
               "node_status": ("api_frontend",)}
 
 
-def resolve(topology: Topology, run_dir: str) -> ResolvedAddresses:
+def resolve(topology: Topology, run_dir: str) -> list[ResolvedAddresses]:
+    """One address set per engine replica (they differ in the scheduler and worker
+    addresses and the TP rendezvous; the shared roles use replica 0's)."""
     a = topology.addresses
     counts = topology.roles
 
     def host(key: str) -> str:
         return topology.node_of(BINDERS[key]).host
 
-    def one(key: str) -> str:
-        return getattr(a, key).format(run_dir=run_dir, i=0, host=host(key))
+    def one(key: str, r: int) -> str:
+        return getattr(a, key).format(run_dir=run_dir, i=0, r=r, host=host(key))
 
     def many(key: str, n: int) -> list[str]:
-        return [getattr(a, key).format(run_dir=run_dir, i=i, host=host(key))
+        return [getattr(a, key).format(run_dir=run_dir, i=i, r=0, host=host(key))
                 for i in range(n)]
 
-    resolved = ResolvedAddresses(
-        scheduler_in=one("scheduler_in"),
-        scheduler_pub=one("scheduler_pub"),
-        worker_in=one("worker_in"),
-        worker_out=one("worker_out"),
+    def rendezvous(r: int) -> str:
+        if topology.tensor_parallel == 1:
+            return ""
+        port = _free_port() if "{port}" in a.tp_rendezvous else 0
+        rank0 = topology.node_of("gpu_worker", r * topology.tensor_parallel)
+        return a.tp_rendezvous.format(run_dir=run_dir, r=r, host=rank0.host, port=port)
+
+    replicas = range(topology.replicas)
+    shared = dict(
         tokenizer_in=many("tokenizer_in", counts.tokenizer_worker),
         detokenizer_in=many("detokenizer_in", counts.detokenizer),
         frontend_results=many("frontend_results", counts.api_frontend),
         node_status=[(node.status_address or a.node_status).format(
-                         run_dir=run_dir, n=n, i=n, node=node.name, host=node.host)
+                         run_dir=run_dir, n=n, i=n, r=0, node=node.name, host=node.host)
                      for n, node in enumerate(topology.effective_nodes())],
-    )
-    every = [resolved.scheduler_in, resolved.scheduler_pub, resolved.worker_in,
-             resolved.worker_out, *resolved.tokenizer_in, *resolved.detokenizer_in,
-             *resolved.frontend_results, *resolved.node_status]
+        replica_scheduler_in=[one("scheduler_in", r) for r in replicas],
+        replica_scheduler_pub=[one("scheduler_pub", r) for r in replicas])
+    resolved = [ResolvedAddresses(
+        scheduler_in=one("scheduler_in", r), scheduler_pub=one("scheduler_pub", r),
+        worker_in=one("worker_in", r), worker_out=one("worker_out", r),
+        tp_rendezvous=rendezvous(r), **shared) for r in replicas]
+    every = [x for ra in resolved for x in (ra.scheduler_in, ra.scheduler_pub, ra.worker_in,
+                                            ra.worker_out)]
+    every += [*shared["tokenizer_in"], *shared["detokenizer_in"],
+              *shared["frontend_results"], *shared["node_status"]]
     duplicates = sorted({x for x in every if every.count(x) > 1})
     if duplicates:
         raise ValueError(f"topology addresses collide: {duplicates} (a role with count > 1 "
-                         "needs '{i}' in its address template, node_status needs '{n}')")
+                         "needs '{i}' in its address template, node_status needs '{n}', "
+                         "scheduler and worker addresses need '{r}' with several replicas)")
     return resolved
 
 
@@ -378,18 +450,21 @@ def process_configs(topology: Topology, run_dir: str, node: str | None = None,
     """One config per process, in start order (consumers of a socket before producers
     does not matter for ZeroMQ, but the worker goes first because it loads the model).
     With ``node``, only the processes placed on that node."""
-    addresses = resolve(topology, run_dir)
+    per_replica = resolve(topology, run_dir)
+    tp = topology.tensor_parallel
     model = topology.model
     nodes = topology.effective_nodes()
-    counts = {"gpu_worker": 1, "scheduler": 1, "detokenizer": topology.roles.detokenizer,
+    counts = {"gpu_worker": topology.replicas * tp, "scheduler": topology.replicas, "detokenizer": topology.roles.detokenizer,
               "tokenizer_worker": topology.roles.tokenizer_worker,
               "api_frontend": topology.roles.api_frontend}
     configs = []
     for role, count in counts.items():
-        placed_on = topology.node_of(role).name
-        if node is not None and placed_on != node:
-            continue
         for index in range(count):
+            placed_on = topology.node_of(role, index).name
+            if node is not None and placed_on != node:
+                continue
+            replica = {"gpu_worker": index // tp, "scheduler": index}.get(role, 0)
+            addresses = per_replica[replica]
             configs.append(ProcessConfig(
                 role=role, index=index, model_path=model.resolved_path(),
                 served_model_name=model.name(), served_model_aliases=model.names()[1:],
@@ -397,5 +472,7 @@ def process_configs(topology: Topology, run_dir: str, node: str | None = None,
                 dtype=model.dtype, load_format=model.load_format, engine=topology.engine,
                 http=topology.http, addresses=addresses, node=placed_on,
                 nodes=[n.name for n in nodes], supervision=topology.supervision,
-                metrics_dir=metrics_dir, api=topology.api, security=topology.security))
+                metrics_dir=metrics_dir, api=topology.api, security=topology.security,
+                tensor_parallel=tp, replicas=topology.replicas, replica=replica,
+                router=topology.router))
     return configs

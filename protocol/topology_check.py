@@ -32,6 +32,8 @@ def _placement(topology: Topology, problems: list[str]) -> None:
         on = [n.name for n in nodes if role in n.roles]
         if not on:
             problems.append(f"role {role} is not placed on any node")
+        elif len(on) > 1 and role == "gpu_worker":
+            _rank_placement(topology, problems)
         elif len(on) > 1:
             problems.append(f"role {role} is placed on several nodes {on}; all instances "
                             "of a role run on one node")
@@ -46,25 +48,54 @@ def _placement(topology: Topology, problems: list[str]) -> None:
                             f"lose; only {', '.join(RESTARTABLE)} can be restarted")
 
 
-def _addresses(topology: Topology, problems: list[str]) -> ResolvedAddresses | None:
+def _rank_placement(topology: Topology, problems: list[str]) -> None:
+    """gpu_worker ranks may span nodes when each such node names its ``gpu_workers`` and
+    together they name every rank once; the rendezvous then needs a fixed port."""
+    nodes = topology.nodes_of("gpu_worker")
+    total = topology.replicas * topology.tensor_parallel
+    if any(n.gpu_workers is None for n in nodes):
+        problems.append(f"gpu_worker is placed on several nodes {[n.name for n in nodes]}: "
+                        "each must list its gpu_workers (indices replica * tensor_parallel "
+                        "+ rank)")
+        return
+    named = sorted(i for n in nodes for i in n.gpu_workers)
+    if named != list(range(total)):
+        problems.append(f"the nodes' gpu_workers name {named}; they must name each of "
+                        f"0..{total - 1} once ({topology.replicas} replica(s) x "
+                        f"{topology.tensor_parallel} rank(s))")
+    if "{port}" in topology.addresses.tp_rendezvous:
+        problems.append("addresses.tp_rendezvous needs a fixed port when ranks span nodes "
+                        "(e.g. tcp://{host}:29500); {port} is picked by one launcher only")
+
+
+def _addresses(topology: Topology, problems: list[str]) -> list[ResolvedAddresses] | None:
     try:
         return resolve(topology, "/run")
     except KeyError as err:
         problems.append(f"an address template uses the unknown placeholder {err}; "
-                        "known: {run_dir} {host} {i} (and {n} {node} in node_status)")
+                        "known: {run_dir} {host} {i} {r} (and {n} {node} in node_status, "
+                        "{port} in tp_rendezvous)")
     except (ValueError, IndexError) as err:
         problems.append(str(err))
     return None
 
 
-def _bound_addresses(topology: Topology, resolved: ResolvedAddresses):
+PER_REPLICA = ("scheduler_in", "scheduler_pub", "worker_in", "worker_out")
+
+
+def _bound_addresses(topology: Topology, replicas: list[ResolvedAddresses]):
     """(label, address, node that binds it, nodes that connect to it)."""
     out = []
+    resolved = replicas[0]
     for key, binder in BINDERS.items():
-        value = getattr(resolved, key)
+        if key in PER_REPLICA:
+            value = [getattr(ra, key) for ra in replicas] if len(replicas) > 1 \
+                else getattr(resolved, key)
+        else:
+            value = getattr(resolved, key)
         values = value if isinstance(value, list) else [value]
         bind_node = topology.node_of(binder).name
-        connect_nodes = {topology.node_of(r).name for r in CONNECTORS[key]}
+        connect_nodes = {n.name for r in CONNECTORS[key] for n in topology.nodes_of(r)}
         for i, addr in enumerate(values):
             label = f"{key}[{i}]" if isinstance(value, list) else key
             out.append((label, addr, bind_node, connect_nodes))
@@ -74,7 +105,7 @@ def _bound_addresses(topology: Topology, resolved: ResolvedAddresses):
     return out
 
 
-def _sockets(topology: Topology, resolved: ResolvedAddresses, problems: list[str]) -> None:
+def _sockets(topology: Topology, resolved: list[ResolvedAddresses], problems: list[str]) -> None:
     hosts = {n.name: n.host for n in topology.effective_nodes()}
     ports: dict[tuple[str, int], str] = {}
 

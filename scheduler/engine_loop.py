@@ -13,6 +13,10 @@ finished or was aborted, queues the next plan, and only then ships the tokens to
 detokenizers. The worker reports how long it sat idle before each plan; the heartbeat
 publishes the sum and a recent median over steps where work was waiting
 (``worker_idle_*``).
+
+Plans go out on one PUB socket that every tensor-parallel rank subscribes to (XPUB, so
+the loop can count the subscriptions): the worker counts as ready once rank 0 reported
+its KV capacity and all ranks are subscribed, so no rank misses the first plan.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from protocol.routing import detokenizer_index
 from protocol.transport import Receiver, Sender, SenderPool
 from scheduler.block_manager import BlockAllocator
 from scheduler.metrics import SchedulerOps
-from scheduler.planner import Planner, PlannedStep
+from scheduler.planner import PlannedStep, Planner
 from scheduler.request import SchedRequest
 
 HEARTBEAT_S = 0.25
@@ -65,13 +69,18 @@ class EngineLoop:
         a = cfg.addresses
         self.inbound: Receiver = Receiver(ctx, a.scheduler_in, ipc.SchedulerInbound)
         self.from_worker: Receiver = Receiver(ctx, a.worker_out, ipc.WorkerOutbound)
-        self.to_worker = Sender(ctx, a.worker_in, bind=True)
+        self.to_worker = Sender(ctx, a.worker_in, bind=True, kind=zmq.XPUB)
+        self.to_worker.sock.setsockopt(zmq.XPUB_VERBOSE, 1)
+        self.ranks = cfg.tensor_parallel
+        self.subscribed = 0  # ranks subscribed to the plans
+        self.ready: ipc.WorkerReady | None = None  # rank 0's report, until all subscribed
         self.stats_pub = Sender(ctx, a.scheduler_pub, bind=True, kind=zmq.PUB)
         self.to_detok = [Sender(ctx, addr) for addr in a.detokenizer_in]
         self.replies = SenderPool(ctx)
         self.poller = zmq.Poller()
         self.poller.register(self.inbound.sock, zmq.POLLIN)
         self.poller.register(self.from_worker.sock, zmq.POLLIN)
+        self.poller.register(self.to_worker.sock, zmq.POLLIN)
 
         self.planner: Planner | None = None
         self.worker_ready: ipc.WorkerReady | None = None
@@ -79,7 +88,6 @@ class EngineLoop:
         self.requests: dict[str, SchedRequest] = {}
         self.pending_aborts: dict[str, str] = {}
         self.early_aborts: dict[str, float] = {}  # rid -> monotonic time of the abort
-        self.released: list[str] = []
         self.in_flight: deque[InFlight] = deque()  # oldest (running on the worker) first
         self.last_result = 0.0  # monotonic time the last step came back
         self.step_id = 0
@@ -87,7 +95,7 @@ class EngineLoop:
         self.last_heartbeat = 0.0
         self.max_waiting = cfg.engine.max_waiting_requests
         self.work_after_last_result = False  # did the worker's last idle gap have work?
-        self.ops = SchedulerOps()
+        self.ops = SchedulerOps(cfg.replica)
 
     # ------------------------------------------------------------------ helpers
     def _detok_for(self, rid: str) -> Sender:
@@ -103,19 +111,19 @@ class EngineLoop:
                 batches: dict[int, list[ipc.TokenOutput]],
                 cached_tokens: int | None = None,
                 logprobs: ipc.SampleLogprobs | None = None) -> None:
+        """Forget a request the planner finished (finishing it there first if needed)
+        and queue its last output."""
         assert self.planner is not None
-        self.planner.free(sreq)
-        if sreq in self.planner.running:
-            self.planner.running.remove(sreq)
-        elif sreq in self.planner.waiting:
-            self.planner.waiting.remove(sreq)
+        self.planner.finish(sreq)
         self.requests.pop(sreq.rid, None)
         self.ops.forget(sreq.rid)
-        if sreq.seen_by_worker:
-            self.released.append(sreq.rid)
+        self._emit(sreq, new_ids, reason, logprobs, cached_tokens, batches)
+
+    def _emit(self, sreq: SchedRequest, ids: list[int], reason: str | None,
+              lp: ipc.SampleLogprobs | None, cached: int | None,
+              batches: dict[int, list[ipc.TokenOutput]]) -> None:
         sender = self._detok_for(sreq.rid)
-        batches.setdefault(id(sender), []).append(
-            _output(sreq.rid, new_ids, reason, logprobs, cached_tokens))
+        batches.setdefault(id(sender), []).append(_output(sreq.rid, ids, reason, lp, cached))
 
     def _flush(self, batches: dict[int, list[ipc.TokenOutput]]) -> None:
         for sender in self.to_detok:
@@ -124,15 +132,31 @@ class EngineLoop:
                 sender.send(ipc.TokenBatch(outputs))
 
     # ------------------------------------------------------------------ inbound
+    def _count_subscriptions(self) -> None:
+        while True:
+            try:
+                frame = self.to_worker.sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            if frame[:1] == b"\x01":
+                self.subscribed += 1
+            elif frame[:1] == b"\x00":
+                self.subscribed -= 1
+        if self.ready is not None and self.planner is None and self.subscribed >= self.ranks:
+            self._on_worker_ready(self.ready)
+
     def _on_worker_ready(self, msg: ipc.WorkerReady) -> None:
+        self.ready = msg
+        if self.subscribed < self.ranks:
+            return  # a rank's subscription is still on its way: it would miss plans
         eng = self.cfg.engine
         self.block_size = msg.block_size
         self.worker_ready = msg
         self.planner = Planner(BlockAllocator(msg.num_blocks), msg.block_size,
                                eng.max_num_seqs, eng.max_num_batched_tokens,
                                enable_prefix_caching=eng.enable_prefix_caching)
-        self.log.info("worker ready: %d KV blocks of %d tokens", msg.num_blocks,
-                      msg.block_size)
+        self.log.info("worker ready: %d KV blocks of %d tokens, %d rank(s)", msg.num_blocks,
+                      msg.block_size, self.ranks)
 
     def _on_tokenized(self, req: ipc.TokenizedReq) -> None:
         assert self.planner is not None
@@ -162,7 +186,8 @@ class EngineLoop:
         self._detok_for(req.rid).send(ipc.DetokStart(
             req.rid, req.reply_to, len(req.prompt_token_ids), req.detok,
             req.prompt_token_ids[-8:],
-            req.prompt_token_ids if req.detok.return_token_ids else None))
+            req.prompt_token_ids if req.detok.return_token_ids else None,
+            replica=self.cfg.replica))
         self.planner.waiting.push(sreq)  # a /health/generate probe goes to the head
         self.ops.enqueued(req.rid)
 
@@ -210,8 +235,7 @@ class EngineLoop:
             return False
         self.step_id += 1
         plan = ipc.StepPlan(self.step_id, planned.chunks, planned.new_sampling,
-                            self.released)
-        self.released = []
+                            planned.released)
         self.to_worker.send(plan)
         self.in_flight.append(InFlight(plan, planned, time.monotonic()))
         self.ops.step_sent([c.rid for c in planned.chunks], len(planned.preempted))
@@ -229,47 +253,29 @@ class EngineLoop:
         plan, planned = done.plan, done.planned
         self.last_result = time.monotonic()
         self._step_done(plan, started)
-        self.planner.step_returned(planned)
-        for (sreq, n), chunk in zip(planned.members, plan.seqs):
-            sreq.step_returned(n, chunk.sample)
         batches: dict[int, list[ipc.TokenOutput]] = {}
+        # aborts first: the planner then drops what this step sampled for them
+        self._apply_aborts(batches)
         if isinstance(msg, ipc.WorkerError):
             self.log.error("step %d failed: %s", msg.step_id, msg.message)
-            for sreq, _ in planned.members:
-                if sreq.rid in self.requests:
-                    self._finish(sreq, "error", [], batches)
-                    self.ops.aborted("error")
+            for sreq in self.planner.step_failed(planned):
+                self._finish(sreq, "error", [], batches)
+                self.ops.aborted("error")
             self._flush(batches)
             return
         self.ops.worker_result(msg.idle_s, msg.forward_s, self.work_after_last_result)
-        sampled = iter(msg.sampled)
-        planner = self.planner
-        sampled_lps = iter(msg.logprobs) if msg.logprobs else None
-        for (sreq, _), chunk in zip(planned.members, plan.seqs):
-            alive = sreq.rid in self.requests
-            if alive:
-                planner.commit(sreq)
-            if not chunk.sample:
-                continue
-            token = next(sampled)
-            lp = next(sampled_lps) if sampled_lps is not None else None
-            if not alive or sreq.rid in self.pending_aborts:
-                continue
-            sreq.token_ids.append(token)
-            sreq.num_generated += 1
+        for s in self.planner.postprocess(planned, msg.sampled):
+            sreq = s.req
+            lp = msg.logprobs[s.row] if msg.logprobs else None
             # the hit is reported once, with the request's first token
             cached = sreq.cached_tokens if sreq.num_generated == 1 else None
-            reason = sreq.finish_reason_after(token)
-            if reason is not None:
-                self._finish(sreq, reason, [token], batches, cached, lp)
+            if s.finish_reason is not None:
+                self._finish(sreq, s.finish_reason, [s.token], batches, cached, lp)
             else:
-                sender = self._detok_for(sreq.rid)
-                batches.setdefault(id(sender), []).append(
-                    _output(sreq.rid, [token], None, lp, cached))
-        self._apply_aborts(batches)
+                self._emit(sreq, [s.token], None, lp, cached, batches)
         # next step first, detokenizer I/O while the worker computes
         self._launch_step()
-        self.work_after_last_result = bool(planner.running or planner.waiting)
+        self.work_after_last_result = bool(self.planner.running or self.planner.waiting)
         self._flush(batches)
 
     def _step_done(self, plan: ipc.StepPlan, started: float) -> None:
@@ -298,7 +304,8 @@ class EngineLoop:
             preemptions=self.ops.preemptions, aborts=dict(self.ops.aborts),
             prefix_cache_queried_tokens=planner.prefix_queried_tokens if planner else 0,
             prefix_cache_hit_tokens=planner.prefix_hit_tokens if planner else 0,
-            step_in_flight_s=self.ops.in_flight_s(self._running_since()))
+            step_in_flight_s=self.ops.in_flight_s(self._running_since()),
+            replica=self.cfg.replica)
         self.stats_pub.send(stats)
         self.ops.metrics.export(stats)
 
@@ -314,6 +321,8 @@ class EngineLoop:
             else:  # idle, or waiting for a step in flight (its result wakes the poll)
                 timeout = int(HEARTBEAT_S * 1000)
             events = dict(self.poller.poll(timeout))
+            if self.to_worker.sock in events:
+                self._count_subscriptions()
             if self.from_worker.sock in events:
                 while (msg := self.from_worker.recv_nowait()) is not None:
                     if isinstance(msg, ipc.WorkerReady):

@@ -21,8 +21,24 @@ ABORT_CAUSES = ("disconnect", "stop_string", "error")
 
 
 class SchedulerMetrics:
-    def __init__(self) -> None:
+    """The unlabelled series sum over every engine replica's scheduler (one host, one
+    scrape); the ``candor_replica_*`` series carry a ``replica`` label for each."""
+
+    def __init__(self, replica: int = 0) -> None:
         g = dict(multiprocess_mode="livesum", registry=None)
+        label = str(replica)
+        self.by_replica = {
+            name: Gauge(f"candor_replica_{name}", f"{what}, per engine replica",
+                        ["replica"], **g).labels(label)
+            for name, what in (("requests_running", "Requests in the running batch"),
+                               ("requests_waiting", "Requests queued in the scheduler"),
+                               ("kv_blocks_used", "Paged KV-cache blocks held by requests"),
+                               ("kv_blocks_total", "Paged KV-cache blocks the replica's "
+                                                   "ranks allocated"),
+                               ("prefix_cache_hit_tokens", "Prompt tokens found in the "
+                                                           "prefix cache since start"),
+                               ("prefix_cache_queried_tokens", "Prompt tokens looked up in "
+                                                               "the prefix cache since start"))}
         self.running = Gauge("candor_requests_running", "Requests in the running batch "
                              "(KV blocks held, decoding or prefilling)", **g)
         self.waiting = Gauge("candor_requests_waiting", "Requests queued in the scheduler, "
@@ -69,6 +85,13 @@ class SchedulerMetrics:
         self._exported[key] = total
 
     def export(self, stats: ipc.SchedulerStats) -> None:
+        mine = self.by_replica
+        mine["requests_running"].set(stats.running)
+        mine["requests_waiting"].set(stats.waiting)
+        mine["kv_blocks_used"].set(stats.total_blocks - stats.free_blocks)
+        mine["kv_blocks_total"].set(stats.total_blocks)
+        mine["prefix_cache_hit_tokens"].set(stats.prefix_cache_hit_tokens)
+        mine["prefix_cache_queried_tokens"].set(stats.prefix_cache_queried_tokens)
         self.running.set(stats.running)
         self.waiting.set(stats.waiting)
         self.kv_total.set(stats.total_blocks)
@@ -87,8 +110,8 @@ class SchedulerOps:
     """The scheduler's bookkeeping for operations: cumulative counts for the heartbeat
     and the event-time observations. The step loop calls one method per event."""
 
-    def __init__(self) -> None:
-        self.metrics = SchedulerMetrics()
+    def __init__(self, replica: int = 0) -> None:
+        self.metrics = SchedulerMetrics(replica)
         self.preemptions = 0
         self.aborts: dict[str, int] = {cause: 0 for cause in ABORT_CAUSES}
         self._enqueued: dict[str, float] = {}

@@ -28,6 +28,12 @@ Blocks become findable only after the step that wrote them has returned (``commi
 no request ever reads a block the worker has not finished writing. A waiting request whose
 next block a planned step is filling (the same shared prefix, admitted a step earlier)
 waits for that step instead of recomputing the block: one step later it is a hit.
+
+Plans are diffs: a chunk names only the blocks the worker has not been sent for that
+request yet (``SeqChunk.kept_blocks`` / ``new_blocks``), so a decode step's message stays
+the same size at any context length. After a step returns, ``postprocess`` appends the
+sampled tokens, decides which requests finished and frees them; the engine loop only
+moves messages.
 """
 
 from __future__ import annotations
@@ -48,6 +54,18 @@ class PlannedStep:
     new_sampling: dict[str, SamplingParams] = field(default_factory=dict)
     preempted: list[SchedRequest] = field(default_factory=list)
     writing: list[int] = field(default_factory=list)  # chained hashes of the full blocks it fills
+    released: list[str] = field(default_factory=list)  # rids the worker may forget
+
+
+@dataclass
+class Sampled:
+    """One token a returned step sampled for a live request. ``row`` indexes the
+    StepResult's ``sampled``/``logprobs``; ``finish_reason`` set means it was the last."""
+
+    req: SchedRequest
+    token: int
+    row: int
+    finish_reason: str | None
 
 
 class Planner:
@@ -66,11 +84,64 @@ class Planner:
         # full blocks that planned steps are still filling (chained hash -> count): a
         # request about to recompute one waits a step and then hits it in the cache
         self.blocks_being_written: Counter[int] = Counter()
+        self.released: list[str] = []  # finished rids the worker has seen, for the next plan
 
     def free(self, req: SchedRequest) -> None:
         self.allocator.free(req.block_table)
         req.block_table = []
         req.num_registered = 0
+        req.blocks_sent = 0
+
+    def finish(self, req: SchedRequest) -> None:
+        """Take ``req`` out of the queues and free its blocks (idempotent). Safe while a
+        step that includes it is in flight: the worker runs steps in order, so a later
+        step reusing the blocks writes after it."""
+        if req.finished:
+            return
+        req.finished = True
+        self.free(req)
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        if req.seen_by_worker:
+            self.released.append(req.rid)
+
+    def _returned(self, step: PlannedStep) -> None:
+        self.step_returned(step)
+        for (req, n), chunk in zip(step.members, step.chunks):
+            req.step_returned(n, chunk.sample)
+
+    def postprocess(self, step: PlannedStep, sampled: list[int]) -> list[Sampled]:
+        """A step came back with ``sampled`` (one id per sampling chunk, plan order):
+        commit written blocks to the prefix cache, append each live request's token and
+        finish those it ends. Requests finished meanwhile (aborts) are skipped."""
+        self._returned(step)
+        out: list[Sampled] = []
+        row = 0
+        for (req, _), chunk in zip(step.members, step.chunks):
+            if not req.finished:
+                self.commit(req)
+            if not chunk.sample:
+                continue
+            token, row = sampled[row], row + 1
+            if req.finished:
+                continue
+            req.token_ids.append(token)
+            req.num_generated += 1
+            reason = req.finish_reason_after(token)
+            if reason is not None:
+                self.finish(req)
+            out.append(Sampled(req, token, row - 1, reason))
+        return out
+
+    def step_failed(self, step: PlannedStep) -> list[SchedRequest]:
+        """A step failed on the worker: its live requests, finished here (they fail)."""
+        self._returned(step)
+        failed = [req for req, _ in step.members if not req.finished]
+        for req in failed:
+            self.finish(req)
+        return failed
 
     def commit(self, req: SchedRequest) -> None:
         """After a step returned: offer the request's newly completed full blocks to the
@@ -169,7 +240,9 @@ class Planner:
         if len(tokens) < n:  # the token a step in flight samples
             tokens.append(PLACEHOLDER_TOKEN)
         sample = start + n == len(req.token_ids) + req.samples_in_flight
-        step.chunks.append(SeqChunk(req.rid, tokens, start, list(req.block_table), sample))
+        kept = req.blocks_sent
+        step.chunks.append(SeqChunk(req.rid, tokens, start, req.block_table[kept:], sample, kept))
+        req.blocks_sent = len(req.block_table)
         self._note_writes(step, req, start, n)
         req.scheduled(n, sample)
         step.members.append((req, n))
@@ -223,4 +296,6 @@ class Planner:
             self.running.append(req)
             self._add(step, req, n)
             budget -= n
+        if step.chunks:
+            step.released, self.released = self.released, []
         return step

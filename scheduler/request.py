@@ -24,6 +24,8 @@ class SchedRequest:
     cached_tokens: int | None = None  # prefix-cache hit at first admission
     block_hashes: list[int] = field(default_factory=list)  # chained hash per full block
     num_registered: int = 0  # leading blocks of block_table offered to the prefix cache
+    blocks_sent: int = 0  # leading blocks of block_table the worker already holds
+    finished: bool = False  # finished or aborted: later samples for it are dropped
 
     def __post_init__(self) -> None:
         if not self.token_ids:

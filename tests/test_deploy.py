@@ -139,7 +139,7 @@ BASE = "model: {{path: {model}}}\n"
      "used by both scheduler_in and http.port"),
     ("nodes:\n  - {name: a, roles: [api_frontend, tokenizer_worker, detokenizer]}\n"
      "  - {name: b, host: 10.0.0.2, roles: [scheduler, gpu_worker]}\n",
-     "scheduler_in is 'ipc:///run/scheduler-in' (ipc://, one host only)"),
+     "scheduler_in is 'ipc:///run/scheduler-in-0' (ipc://, one host only)"),
     ("supervision: {restart: [scheduler]}\n", "scheduler holds state"),
     ("addresses: {scheduler_in: 'tcp://{hostname}:1'}\n", "unknown placeholder"),
 ])

@@ -125,3 +125,99 @@ def test_lookahead_skips_a_request_whose_last_token_is_in_flight():
     planner.waiting.append(a)
     assert [c.rid for c in planner.plan().chunks] == ["a"]
     assert planner.plan(lookahead=True).chunks == []
+
+
+class _WorkerTables:
+    """The worker's side of the block-table diffs (as ``ModelRunner._apply_blocks``)."""
+
+    def __init__(self) -> None:
+        self.tables: dict[str, list[int]] = {}
+
+    def apply(self, step) -> None:
+        for rid in step.released:
+            self.tables.pop(rid, None)
+        for c in step.chunks:
+            table = self.tables.setdefault(c.rid, [])
+            assert len(table) >= c.kept_blocks
+            del table[c.kept_blocks:]
+            table.extend(c.new_blocks)
+
+
+def test_plans_carry_block_diffs_that_rebuild_every_table_through_preemption():
+    """Every step's chunks name only blocks the worker was not sent yet, and replaying the
+    diffs gives exactly the planner's tables, across growth, preemption and re-admission."""
+    planner = Planner(BlockAllocator(6), block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    a, b = _req("a", 6, max_tokens=12, seq=0), _req("b", 6, max_tokens=12, seq=1)
+    planner.waiting.extend([a, b])
+    worker = _WorkerTables()
+    preempted = False
+    for _ in range(14):
+        step = planner.plan()
+        worker.apply(step)
+        preempted |= bool(step.preempted)
+        for c in step.chunks:
+            req = a if c.rid == "a" else b
+            assert worker.tables[c.rid] == req.block_table
+            if c.kept_blocks:
+                assert len(c.new_blocks) <= 1  # a decode adds at most one block
+        planner.postprocess(step, [7] * sum(c.sample for c in step.chunks))
+    assert preempted  # 6 blocks cannot hold both to the end: b was evicted and came back
+
+
+def test_decode_plan_size_does_not_grow_with_context():
+    """The encoded decode step is the same size at 64 and 4096 tokens of context, up to
+    the msgpack width of its integers (a whole table would add ~2 KB at 4096)."""
+    import msgspec
+
+    from protocol.ipc import StepPlan
+
+    sizes = []
+    for context in (64, 4096):
+        planner = Planner(BlockAllocator(context // 4 + 4), block_size=4, max_num_seqs=1,
+                          max_num_batched_tokens=context)
+        planner.waiting.append(_req("r", context, max_tokens=4))
+        planner.postprocess(planner.plan(), [7])
+        step = planner.plan()
+        sizes.append(len(msgspec.msgpack.encode(StepPlan(2, step.chunks))))
+    assert sizes[1] - sizes[0] <= 8, sizes
+
+
+def test_postprocess_appends_finishes_and_releases_in_the_next_plan():
+    planner = Planner(BlockAllocator(16), block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    a, b = _req("a", 3, max_tokens=2, seq=0), _req("b", 3, max_tokens=8, seq=1)
+    planner.waiting.extend([a, b])
+    out = planner.postprocess(planner.plan(), [5, 6])
+    assert [(s.req.rid, s.token, s.row, s.finish_reason) for s in out] == [
+        ("a", 5, 0, None), ("b", 6, 1, None)]
+    out = planner.postprocess(planner.plan(), [9, 0])  # a hits max_tokens, b samples eos
+    assert [(s.req.rid, s.finish_reason) for s in out] == [("a", "length"), ("b", "stop")]
+    assert a.token_ids[3:] == [5, 9] and b.token_ids[3:] == [6, 0]
+    assert a.finished and b.finished and not planner.running
+    assert planner.allocator.num_free == 16
+    c = _req("c", 2, seq=2)
+    planner.waiting.append(c)
+    assert planner.plan().released == ["a", "b"]  # the worker forgets them with the next step
+
+
+def test_postprocess_drops_the_sample_of_a_request_finished_while_in_flight():
+    """An abort lands while a step and its run-ahead step are in flight: neither step's
+    sample reaches the request, and its blocks are back at once."""
+    planner = Planner(BlockAllocator(16), block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    a, b = _req("a", 3, seq=0), _req("b", 3, seq=1)
+    planner.waiting.extend([a, b])
+    first = planner.plan()
+    ahead = planner.plan(lookahead=True)
+    planner.finish(a)
+    assert planner.allocator.num_free == 16 - len(b.block_table)
+    assert [s.req.rid for s in planner.postprocess(first, [4, 5])] == ["b"]
+    assert [s.req.rid for s in planner.postprocess(ahead, [6, 7])] == ["b"]
+    assert a.token_ids == [1, 2, 3] and b.token_ids[3:] == [5, 7]
+
+
+def test_step_failed_finishes_its_live_requests():
+    planner = Planner(BlockAllocator(16), block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    a = _req("a", 3)
+    planner.waiting.append(a)
+    step = planner.plan()
+    assert planner.step_failed(step) == [a]
+    assert a.finished and planner.allocator.num_free == 16 and a.steps_in_flight == 0

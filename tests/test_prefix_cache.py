@@ -69,7 +69,7 @@ def test_second_request_reuses_full_prefix_blocks_and_reports_cached_tokens():
     chunks = _step(planner)
     got = {c.rid: c for c in chunks}
     assert got["b"].start_pos == 8 and got["b"].token_ids == [9, 10, 99]
-    assert got["b"].block_table[:2] == a.block_table[:2]
+    assert got["b"].kept_blocks == 0 and got["b"].new_blocks[:2] == a.block_table[:2]
     assert b.cached_tokens == 8 and a.cached_tokens == 0
     _finish(planner, a)
     _finish(planner, b)

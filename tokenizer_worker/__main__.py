@@ -23,7 +23,7 @@ def watchdog_limit_s(render_timeout_s: float) -> float:
 
 
 def _serve_one(req: ipc.GenerateReq | ipc.RenderReq, preparer: RequestPreparer,
-               watchdog: Watchdog, replies: SenderPool, to_scheduler: Sender,
+               watchdog: Watchdog, replies: SenderPool, to_scheduler: list[Sender],
                metrics: TokenizerMetrics, log: logging.Logger) -> None:
     preparer.last_text_bytes = 0
     try:
@@ -38,7 +38,7 @@ def _serve_one(req: ipc.GenerateReq | ipc.RenderReq, preparer: RequestPreparer,
         metrics.requests.labels("ok").inc()
         tokenized, info = out
         replies.send(req.reply_to, info)  # before the scheduler can produce a token
-        to_scheduler.send(tokenized)
+        to_scheduler[req.replica if req.replica < len(to_scheduler) else 0].send(tokenized)
     else:
         if isinstance(out, ipc.RequestError):
             metrics.requests.labels("error" if out.status >= 500 else "rejected").inc()
@@ -57,7 +57,9 @@ def main() -> None:
     ctx = sync_context(cfg.security)
     inbound: Receiver = Receiver(ctx, cfg.addresses.tokenizer_in[cfg.index],
                                  ipc.TokenizerInbound)
-    to_scheduler = Sender(ctx, cfg.addresses.scheduler_in)
+    # one per engine replica; the frontend's router named the replica in the request
+    to_scheduler = [Sender(ctx, addr) for addr in cfg.addresses.replica_scheduler_in
+                    or [cfg.addresses.scheduler_in]]
     replies = SenderPool(ctx)
     metrics = TokenizerMetrics()
     # Received requests wait here rather than in the socket, so the backlog is visible

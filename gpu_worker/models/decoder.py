@@ -6,6 +6,10 @@ gate/up are fused into one matmul each (each model class says how the checkpoint
 tensors map onto them, see ``registry``). What differs between families is a switch in
 ``ModelConfig``: norm kind and placement, q/k norms, biases, activation, dense or
 mixture-of-experts MLP, multipliers, soft-caps, and each layer's window and RoPE table.
+
+Tensor parallelism lives in the layers (``parallel.py``): each rank builds only its
+shard's shapes, and ``weight_pieces`` tells the loader which slice of each checkpoint
+tensor that rank reads, so no rank ever holds the full model.
 """
 
 from __future__ import annotations
@@ -17,25 +21,35 @@ from torch import nn
 from gpu_worker.attention import AttentionMetadata, paged_attention
 from gpu_worker.model_config import LayerSpec, ModelConfig
 from gpu_worker.models.blocks import RMSNorm, RotaryEmbedding, activation, make_norm
+from gpu_worker.models.parallel import RowLinear, ShardedRMSNorm, TPGroup, VocabEmbedding
+from gpu_worker.tp_shard import tp_shard
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+# (our parameter, index into it, cut of the checkpoint tensor: (dim, start, size) or None)
+Piece = tuple[str, tuple, tuple[int, int, int] | None]
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, spec: LayerSpec) -> None:
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, tp: TPGroup) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        shard = tp.shard
+        self.num_heads, self.num_kv_heads, self.head_dim = shard.heads, shard.kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = shard.q_size, shard.kv_size
         self.scale = cfg.scale
         self.window, self.softcap, self.rope = spec.window, cfg.attn_softcap, spec.rope
-        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = RowLinear(self.q_size, cfg.hidden_size, cfg.o_bias, tp)
         self.qk_norm = cfg.qk_norm
-        if cfg.qk_norm != "none":
-            q_dim, k_dim = (cfg.head_dim, cfg.head_dim) if cfg.qk_norm == "head" else (cfg.q_size, cfg.kv_size)
-            one_plus = cfg.norm == "rms_1p"
-            self.q_norm = RMSNorm(q_dim, cfg.rms_norm_eps, one_plus)
-            self.k_norm = RMSNorm(k_dim, cfg.rms_norm_eps, one_plus)
+        one_plus = cfg.norm == "rms_1p"
+        if cfg.qk_norm == "head":
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, one_plus)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, one_plus)
+        elif cfg.qk_norm == "full" and tp.size == 1:
+            self.q_norm = RMSNorm(self.q_size, cfg.rms_norm_eps, one_plus)
+            self.k_norm = RMSNorm(self.kv_size, cfg.rms_norm_eps, one_plus)
+        elif cfg.qk_norm == "full":
+            self.q_norm = ShardedRMSNorm(self.q_size, cfg.rms_norm_eps, one_plus, tp)
+            self.k_norm = ShardedRMSNorm(self.kv_size, cfg.rms_norm_eps, one_plus, tp)
 
     def forward(self, x, cos_sins, kv_cache: KVCache, meta: AttentionMetadata):
         n = x.shape[0]
@@ -62,12 +76,12 @@ class Attention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
-        self.intermediate_size = intermediate_size or cfg.intermediate_size
+        self.intermediate_size = tp.shard.intermediate
         self.act = activation(cfg.act)
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(self.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.down_proj = RowLinear(self.intermediate_size, cfg.hidden_size, cfg.mlp_bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -77,11 +91,11 @@ class GatedMLP(nn.Module):
 class PlainMLP(nn.Module):
     """Starcoder2's fc -> activation -> proj."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
         self.act = activation(cfg.act)
-        self.c_fc = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.c_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.c_fc = nn.Linear(cfg.hidden_size, tp.shard.intermediate, bias=cfg.mlp_bias)
+        self.c_proj = RowLinear(tp.shard.intermediate, cfg.hidden_size, cfg.mlp_bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.c_proj(self.act(self.c_fc(x)))
@@ -101,15 +115,19 @@ class SparseMoE(nn.Module):
     """Router softmax (fp32) -> top-k -> optional renormalisation, as Mixtral and
     Qwen3-MoE do; then one batched matmul pair per expert over the rows routed to it (a
     loop over experts, never over tokens), summed back with ``index_add_`` in expert
-    order as HF does."""
+    order as HF does. Under tensor parallelism each rank holds whole experts
+    (``experts_start`` on): it sums its experts' share and one all-reduce adds the ranks'."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
         moe = cfg.moe
+        self.tp = tp
+        self.num_experts = moe.num_experts
         self.top_k, self.renormalize = moe.top_k, moe.renormalize
         self.act = activation(cfg.act)
         self.gate = nn.Linear(cfg.hidden_size, moe.num_experts, bias=False)
-        self.experts = Experts(moe.num_experts, cfg.hidden_size, moe.intermediate_size)
+        self.experts_start = tp.shard.expert_start
+        self.experts = Experts(tp.shard.experts or moe.num_experts, cfg.hidden_size, moe.intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
@@ -119,33 +137,35 @@ class SparseMoE(nn.Module):
         # (row, slot) pairs grouped by expert: one sort instead of a mask per expert.
         flat = chosen.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.experts.w13.shape[0]).tolist()
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         rows = order // self.top_k
         slot_weights = weights.reshape(-1)[order]
         out = torch.zeros_like(x)
         inter = self.experts.intermediate
         start = 0
+        first, held = self.experts_start, self.experts.w13.shape[0]
         for e, count in enumerate(counts):
-            if count == 0:
+            if count == 0 or not first <= e < first + held:
+                start += count
                 continue
             idx = rows[start:start + count]
-            gate, up = F.linear(x[idx], self.experts.w13[e]).split(inter, dim=-1)
-            h = F.linear(self.act(gate) * up, self.experts.w2[e])
+            gate, up = F.linear(x[idx], self.experts.w13[e - first]).split(inter, dim=-1)
+            h = F.linear(self.act(gate) * up, self.experts.w2[e - first])
             out.index_add_(0, idx, (h * slot_weights[start:start + count, None]).to(x.dtype))
             start += count
-        return out
+        return self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, spec: LayerSpec) -> None:
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, tp: TPGroup) -> None:
         super().__init__()
         self.placement = cfg.norm_placement
         self.residual_scale = cfg.residual_scale
-        self.self_attn = Attention(cfg, spec)
+        self.self_attn = Attention(cfg, spec, tp)
         if spec.moe:
-            self.mlp = SparseMoE(cfg)
+            self.mlp = SparseMoE(cfg, tp)
         else:
-            self.mlp = PlainMLP(cfg) if cfg.mlp == "plain" else GatedMLP(cfg)
+            self.mlp = PlainMLP(cfg, tp) if cfg.mlp == "plain" else GatedMLP(cfg, tp)
         if self.placement in ("pre", "sandwich"):
             self.input_layernorm = make_norm(cfg)
         self.post_attention_layernorm = make_norm(cfg)
@@ -171,10 +191,13 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, spec) for spec in cfg.layers)
+        if tp.size == 1:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        else:
+            self.embed_tokens = VocabEmbedding(tp.shard, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, spec, tp) for spec in cfg.layers)
         self.norm = make_norm(cfg)
 
 
@@ -197,11 +220,14 @@ class DecoderForCausalLM(nn.Module):
     }
     renames: dict[str, str] = {}  # checkpoint prefix fragments spelled differently here
 
-    def __init__(self, cfg: ModelConfig, *, max_positions: int, device="cpu", dtype=torch.float32) -> None:
+    def __init__(self, cfg: ModelConfig, *, max_positions: int, device="cpu", dtype=torch.float32,
+                 tp: TPGroup | None = None) -> None:
         super().__init__()
         self.config = cfg
-        self.model = DecoderModel(cfg)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tp = tp = tp or TPGroup(tp_shard(cfg))
+        self.model = DecoderModel(cfg, tp)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
+            cfg.hidden_size, tp.shard.vocab_per_rank, bias=False)
         self.rotary = [RotaryEmbedding(cfg.head_dim, rope, max_positions, device, dtype,
                                        config_max_positions=cfg.max_position_embeddings)
                        for rope in cfg.ropes]
@@ -224,6 +250,8 @@ class DecoderForCausalLM(nn.Module):
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = F.linear(self.model.norm(hidden), weight)
         cfg = self.config
+        if self.tp.size > 1:  # every rank's vocabulary range, padding dropped
+            logits = self.tp.gather_last(logits)[:, :cfg.vocab_size]
         if cfg.logits_divisor != 1.0:
             logits = logits / cfg.logits_divisor
         if cfg.final_softcap is not None:
@@ -232,23 +260,36 @@ class DecoderForCausalLM(nn.Module):
 
     # ------------------------------------------------------------------ weight names
 
-    def shard_rows(self, fused: str, shard: str | int) -> tuple[int, int]:
-        """Row range of ``shard`` inside a fused parameter named ``fused``."""
-        cfg = self.config
-        if fused == "qkv_proj":
-            sizes = {"q": (0, cfg.q_size), "k": (cfg.q_size, cfg.kv_size),
-                     "v": (cfg.q_size + cfg.kv_size, cfg.kv_size)}
-            start, size = sizes[shard]
-            return start, start + size
-        size = cfg.intermediate_size if fused == "gate_up_proj" else cfg.moe.intermediate_size
-        return shard * size, (shard + 1) * size
+    def padding_rows(self) -> dict[str, int]:
+        """Parameters whose trailing rows no checkpoint tensor fills (the last rank's
+        vocabulary padding) -> how many rows; the loader zeroes them."""
+        shard = self.tp.shard
+        pad = shard.vocab_per_rank - shard.vocab_rows
+        if self.tp.size == 1 or pad == 0:
+            return {}
+        names = ["model.embed_tokens.weight"] + ([] if self.lm_head is None else ["lm_head.weight"])
+        return {n: pad for n in names}
 
-    def map_weight(self, hf_name: str) -> tuple[str, tuple] | None:
-        """Checkpoint tensor name -> (our parameter name, index into it), or None for a
-        tensor that carries nothing we use."""
+    def _fused_pieces(self, name: str, fused: str, shard: str | int) -> Piece:
+        """Where checkpoint shard ``shard`` of fused parameter ``fused`` lands on this
+        rank: (local rows, checkpoint rows) of a separate q/k/v or gate/up tensor."""
+        s, hd = self.tp.shard, self.config.head_dim
+        if fused == "qkv_proj":
+            local = {"q": (0, s.q_size), "k": (s.q_size, s.kv_size), "v": (s.q_size + s.kv_size, s.kv_size)}
+            start, size = local[shard]
+            src = s.q_start * hd if shard == "q" else s.kv_start * hd
+        else:
+            size = s.intermediate
+            start, src = shard * size, s.rank * size
+        return name, (slice(start, start + size),), (0, src, size)
+
+    def weight_pieces(self, hf_name: str) -> list[Piece] | None:
+        """Checkpoint tensor name -> the pieces of it this rank loads (possibly none:
+        another rank's expert), or None for a tensor that carries nothing we use."""
         if hf_name.endswith("rotary_emb.inv_freq"):
             return None
-        if self.config.tie_word_embeddings and hf_name == "lm_head.weight":
+        cfg, s = self.config, self.tp.shard
+        if cfg.tie_word_embeddings and hf_name == "lm_head.weight":
             return None
         for old, new in self.renames.items():
             hf_name = hf_name.replace(old, new)
@@ -257,15 +298,47 @@ class DecoderForCausalLM(nn.Module):
             i = parts.index("experts")
             expert, proj = int(parts[i + 1]), parts[i + 2]
             if proj not in self.expert_mapping:
-                return hf_name, ()
+                return [(hf_name, (), None)]
+            if self.tp.size > 1 and not s.expert_start <= expert < s.expert_start + s.experts:
+                return []
+            expert -= s.expert_start if self.tp.size > 1 else 0
             stacked, shard = self.expert_mapping[proj]
             name = ".".join(parts[:i + 1] + [stacked])
             if shard is None:
-                return name, (expert,)
-            lo, hi = self.shard_rows("experts", shard)
-            return name, (expert, slice(lo, hi))
+                return [(name, (expert,), None)]
+            size = cfg.moe.intermediate_size
+            return [(name, (expert, slice(shard * size, (shard + 1) * size)), None)]
         for frag, (fused, shard) in self.packed_modules_mapping.items():
             if f".{frag}." in hf_name:
-                lo, hi = self.shard_rows(fused, shard)
-                return hf_name.replace(f".{frag}.", f".{fused}."), (slice(lo, hi),)
-        return hf_name, ()
+                return [self._fused_pieces(hf_name.replace(f".{frag}.", f".{fused}."), fused, shard)]
+        if ".qkv_proj." in hf_name:  # fused in the checkpoint too (Phi-3): [q; k; v] rows
+            offsets = {"q": 0, "k": cfg.q_size, "v": cfg.q_size + cfg.kv_size}
+            out = []
+            for shard, offset in offsets.items():
+                name, index, (dim, src, size) = self._fused_pieces(hf_name, "qkv_proj", shard)
+                out.append((name, index, (dim, offset + src, size)))
+            return out
+        if ".gate_up_proj." in hf_name:  # [gate; up] rows
+            out = []
+            for shard in (0, 1):
+                name, index, (dim, src, size) = self._fused_pieces(hf_name, "gate_up_proj", shard)
+                out.append((name, index, (dim, shard * cfg.intermediate_size + src, size)))
+            return out
+        if self.tp.size == 1:
+            return [(hf_name, (), None)]
+        if hf_name in ("model.embed_tokens.weight", "lm_head.weight"):
+            return [(hf_name, (slice(0, s.vocab_rows),), (0, s.vocab_start, s.vocab_rows))]
+        leaf = parts[-2] if len(parts) >= 2 else ""
+        if leaf in ("o_proj", "down_proj", "c_proj") and parts[-1] == "weight":
+            try:
+                cols = self.get_parameter(hf_name).shape[1]
+            except AttributeError:  # not ours: the loader names it
+                return [(hf_name, (), None)]
+            return [(hf_name, (), (1, s.rank * cols, cols))]
+        if leaf == "c_fc":
+            return [(hf_name, (), (0, s.rank * s.intermediate, s.intermediate))]
+        if leaf in ("q_norm", "k_norm") and cfg.qk_norm == "full":
+            start = s.q_start * cfg.head_dim if leaf == "q_norm" else s.kv_start * cfg.head_dim
+            size = s.q_size if leaf == "q_norm" else s.kv_size
+            return [(hf_name, (), (0, start, size))]
+        return [(hf_name, (), None)]
