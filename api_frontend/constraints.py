@@ -81,23 +81,22 @@ def _structured(so: dict[str, Any]) -> GuidedSpec | None:
     return GuidedSpec(_STRUCTURED_KEYS[key], _text(value, field), field)
 
 
+# vLLM's guided_* fields: the grammar kind each one is, and how its value is read
+_GUIDED_FIELDS = {"guided_json": ("json_schema", _schema_text),
+                  "guided_regex": ("regex", _text),
+                  "guided_choice": ("choice", _choices),
+                  "guided_grammar": ("grammar", _text)}
+
+
 def guided_spec(req) -> GuidedSpec | None:
     """The request's one constraint, or None."""
     found: list[GuidedSpec] = []
     if req.response_format is not None:
         found.append(_response_format(req.response_format))
-    if req.guided_json is not None:
-        found.append(GuidedSpec("json_schema", _schema_text(req.guided_json, "guided_json"),
-                                "guided_json"))
-    if req.guided_regex is not None:
-        found.append(GuidedSpec("regex", _text(req.guided_regex, "guided_regex"),
-                                "guided_regex"))
-    if req.guided_choice is not None:
-        found.append(GuidedSpec("choice", _choices(req.guided_choice, "guided_choice"),
-                                "guided_choice"))
-    if req.guided_grammar is not None:
-        found.append(GuidedSpec("grammar", _text(req.guided_grammar, "guided_grammar"),
-                                "guided_grammar"))
+    for field, (kind, read) in _GUIDED_FIELDS.items():
+        value = getattr(req, field)
+        if value is not None:
+            found.append(GuidedSpec(kind, read(value, field), field))
     if req.structured_outputs is not None:
         found.append(_structured(req.structured_outputs))
     found = [f for f in found if f is not None]
