@@ -51,10 +51,11 @@ def check_fields(req: CompletionRequest | ChatCompletionRequest, limits: Request
             if len(req.prompt) > limits.max_prompts:
                 raise _over("prompt", len(req.prompt), limits.max_prompts, "prompts",
                             "max_prompts")
-    if k is not None and k > limits.max_logprobs:
-        raise ApiError(400, f"`{field}` is {k}; this deployment returns at most "
-                       f"{limits.max_logprobs} alternatives per token (max_logprobs)", field,
-                       "limit_exceeded")
+    for field, k in ((field, k), ("prompt_logprobs", req.prompt_logprobs)):
+        if k is not None and k > limits.max_logprobs:
+            raise ApiError(400, f"`{field}` is {k}; this deployment returns at most "
+                           f"{limits.max_logprobs} alternatives per token (max_logprobs)",
+                           field, "limit_exceeded")
 
 
 def queue_share(limits: RequestLimits, max_waiting: int) -> int | None:

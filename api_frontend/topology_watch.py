@@ -14,7 +14,6 @@ import asyncio
 import time
 from typing import Callable
 
-import msgspec
 import zmq
 import zmq.asyncio
 
@@ -48,12 +47,8 @@ class TopologyWatch:
             self._task.cancel()
 
     async def _run(self) -> None:
-        while True:
-            try:
-                msg = await self._sub.recv_async()
-            except msgspec.MsgspecError:
-                continue
-            self._update(msg)
+        while True:  # the Receiver itself drops frames it cannot decode
+            self._update(await self._sub.recv_async())
 
     def _update(self, msg: NodeStatus) -> None:
         previous = self.status.get(msg.node)

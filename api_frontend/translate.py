@@ -249,16 +249,10 @@ def _logprobs(req: CompletionRequest | ChatCompletionRequest) -> tuple[int, int]
     return k, max(prompt_k, k if req.echo and k >= 0 else -1)
 
 
-def _check_prompt_logprobs(req: CompletionRequest | ChatCompletionRequest,
-                           api: ApiSpec) -> None:
-    """vLLM's ``prompt_logprobs``: bounded like logprobs, and only in a whole response."""
-    k, limit = req.prompt_logprobs, api.limits.max_logprobs
-    if k is None:
-        return
-    if k > limit:
-        raise ApiError(400, f"`prompt_logprobs` is {k}; this deployment allows at most "
-                       f"{limit} (limits.max_logprobs)", "prompt_logprobs", "limit_exceeded")
-    if req.stream:
+def _check_prompt_logprobs(req: CompletionRequest | ChatCompletionRequest) -> None:
+    """vLLM's ``prompt_logprobs`` comes only in a whole response (its bound is checked
+    with the other fan-out limits)."""
+    if req.prompt_logprobs is not None and req.stream:
         raise ApiError(400, "`prompt_logprobs` is not available with `stream: true`",
                        "prompt_logprobs", "invalid_value")
 
@@ -335,7 +329,7 @@ def completion_to_generate(req: CompletionRequest, rid: str, reply_to: str, arri
     api = api or ApiSpec()
     limits.check_fields(req, api.limits)
     report = _report(raw_keys, req, api)
-    _check_prompt_logprobs(req, api)
+    _check_prompt_logprobs(req)
     prompts = prompt_list(req)
     max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     common = _common(req, rid, reply_to, arrival, report)
@@ -350,7 +344,7 @@ def chat_to_generate(req: ChatCompletionRequest, rid: str, reply_to: str, arriva
     api = api or ApiSpec()
     limits.check_fields(req, api.limits)
     report = _report(raw_keys, req, api)
-    _check_prompt_logprobs(req, api)
+    _check_prompt_logprobs(req)
     if req.chat_template is not None and not api.allow_request_chat_template:
         raise ApiError(400, "`chat_template` in a request is disabled on this deployment "
                        "(start the server with --allow-request-chat-template)",
