@@ -5,6 +5,10 @@ MODEL_DIR ?= $(or $(CANDOR_MODEL_DIR),$(HOME)/.cache/candor/models/tiny-llama)
 HOST      ?= 127.0.0.1
 PORT      ?= 8000
 STAMP     := $(VENV)/.installed
+# instructor pins a jiter the openai SDK of the main venv refuses: it gets its own client venv
+INSTRUCTOR_VENV := .venv-instructor
+INSTRUCTOR_PY   := $(INSTRUCTOR_VENV)/bin/python
+INSTRUCTOR_STAMP := $(INSTRUCTOR_VENV)/.installed
 
 .PHONY: install model serve test clean
 
@@ -20,14 +24,20 @@ $(STAMP): $(PY) pyproject.toml
 
 install: $(STAMP)
 
+$(INSTRUCTOR_STAMP):
+	python3 -m venv $(INSTRUCTOR_VENV)
+	$(INSTRUCTOR_PY) -m pip install -q instructor==1.17.0
+	touch $(INSTRUCTOR_STAMP)
+
 model: install
 	$(VENV)/bin/candor make-tiny-model --if-missing $(MODEL_DIR)
 
 serve: model
 	$(VENV)/bin/candor serve --model $(MODEL_DIR) --host $(HOST) --port $(PORT)
 
-test: install
-	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest -q -p no:cacheprovider tests
+test: install $(INSTRUCTOR_STAMP)
+	PATH="$(abspath $(VENV))/bin:$$PATH" CANDOR_INSTRUCTOR_PYTHON="$(abspath $(INSTRUCTOR_PY))" \
+		$(PY) -m pytest -q -p no:cacheprovider tests
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(INSTRUCTOR_VENV) build *.egg-info

@@ -60,6 +60,8 @@ def _streamed(client, **kwargs):
         for choice in chunk.choices:
             delta = choice.delta
             content += delta.content or ""
+            indices = [d.index for d in delta.tool_calls or []]
+            assert len(set(indices)) == len(indices), "two deltas of one call in a chunk"
             for d in delta.tool_calls or []:
                 if d.index not in calls:  # the first delta of a call names it
                     assert d.id and d.type == "function" and d.function.name

@@ -73,11 +73,13 @@ def _stream(parser_name: str, text: str, size: int):
     for k, piece in enumerate(pieces):
         new, deltas = stream.feed(piece, final=k == len(pieces) - 1)
         content += new
+        # at most one delta per call in a chunk: clients read a chunk's first one only
+        assert len({d.index for d in deltas}) == len(deltas), deltas
         for d in deltas:
-            if d.id is not None:  # a call's first delta: id, type, name, arguments ""
+            if d.id is not None:  # a call's first delta: id, type, name, arguments so far
                 assert d.index == len(calls) and d.type == "function"
-                assert d.function.name and d.function.arguments == ""
-                calls[d.index] = [d.function.name, ""]
+                assert d.function.name and d.function.arguments is not None
+                calls[d.index] = [d.function.name, d.function.arguments]
             else:
                 assert d.function.name is None and d.function.arguments
                 calls[d.index][1] += d.function.arguments

@@ -1,7 +1,9 @@
 """Streaming and whole-response tool calls from one scan of the text, so both agree.
 
 ``ToolCallStream.feed`` re-scans the text so far and returns only what is new: content,
-each call's first delta (id, type, name, ``arguments: ""``) and then argument fragments.
+each call's first delta (id, type, name and the arguments so far) and then argument
+fragments: at most one delta per call in each chunk, as OpenAI sends them (clients such as
+instructor read only a chunk's first delta of a call).
 ``final()`` of the same text gives the same content and calls as the concatenated stream.
 Content's leading whitespace is dropped, and its trailing whitespace waits until more
 text follows (dropped when the reply made calls), so a reply that is only calls has
@@ -50,13 +52,14 @@ class ToolCallStream:
         for k, call in enumerate(view.calls):
             if call.name is None:
                 break
+            fragment = call.arguments[self.args_sent[k]:] if k < len(self.ids) \
+                else call.arguments
             if k == len(self.ids):
                 self.ids.append(self.parser.make_id())
-                self.args_sent.append(0)
+                self.args_sent.append(len(fragment))
                 out.append(DeltaToolCall(k, self.ids[k], "function",
-                                         DeltaFunction(call.name, "")))
-            fragment = call.arguments[self.args_sent[k]:]
-            if fragment:
+                                         DeltaFunction(call.name, fragment)))
+            elif fragment:
                 self.args_sent[k] = len(call.arguments)
                 out.append(DeltaToolCall(k, function=DeltaFunction(arguments=fragment)))
         return new_content, out
