@@ -123,9 +123,19 @@ class GrammarStates:
         """Indexes of ``rids`` that have a grammar."""
         return [i for i, rid in enumerate(rids) if rid in self._states]
 
-    def masks_soon(self, rids: list[str]) -> Future:
-        """``masks(rids)`` on the mask thread; call after this step's ``observe``s."""
-        return self._pool.submit(self.masks, rids)
+    def observe_all(self, fed: list[tuple[SeqChunk, SamplingParams | None]]) -> None:
+        if self._states:
+            for seq, params in fed:
+                self.observe(seq, params)
+
+    def masks_soon(self, fed: list[tuple[SeqChunk, SamplingParams | None]],
+                   rids: list[str]) -> Future:
+        """On the mask thread: advance the matchers over this step's ``fed`` chunks, then
+        ``masks(rids)``. A token that breaks a grammar fails the step at ``result()``."""
+        def job() -> torch.Tensor:
+            self.observe_all(fed)
+            return self.masks(rids)
+        return self._pool.submit(job)
 
     def masks(self, rids: list[str]) -> torch.Tensor:
         """Packed allowed-token bitmasks ([len(rids), ceil(vocab/32)] int32), one row per

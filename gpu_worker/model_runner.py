@@ -282,7 +282,6 @@ class ModelRunner:
             positions.extend(range(s.start_pos, s.start_pos + len(s.token_ids)))
             last_row[id(s)] = len(ids) - 1
             self.tracker.observe(s, self.sampling.get(s.rid))
-            self.grammars.observe(s, self.sampling.get(s.rid))
         vocab = self.config.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise ValueError(f"token id outside vocabulary [0, {vocab})")
@@ -292,10 +291,12 @@ class ModelRunner:
         rids = [s.rid for s in to_sample]
         masked = self.grammars.constrained(rids)
         batch = _Batch(ordered, prefills, decodes, ids, positions, last_row, to_sample)
+        fed = [(s, self.sampling.get(s.rid)) for s in ordered]
         if not masked:
+            self.grammars.observe_all(fed)
             return self._run(batch, None)
-        # grammar masks are built on their thread while the model runs
-        pending = self.grammars.masks_soon([rids[i] for i in masked])
+        # matchers advance and masks are built on their thread while the model runs
+        pending = self.grammars.masks_soon(fed, [rids[i] for i in masked])
         try:
             return self._run(batch, (masked, pending))
         finally:
