@@ -11,10 +11,11 @@ import uuid
 import msgspec
 from aiohttp import web
 
+from api_frontend import field_policy
 from api_frontend.engine_client import EngineClient
 from api_frontend.errors import ApiError, check_served_model, from_decode_error
 from api_frontend.generate import complete_report
-from api_frontend.translate import chat_to_generate, completion_to_generate, field_tiers
+from api_frontend.translate import chat_to_generate, completion_to_generate
 from protocol import ipc
 from protocol.openai_api import (ChatCompletionRequest, DetokenizeRequest,
                                  DetokenizeResponse, ModelCard, RenderResponse, TemplateRef,
@@ -146,11 +147,9 @@ def capabilities(card: ModelCard, api: ApiSpec) -> web.Response:
         "serves": ["chat.completions", "completions"],
         "policy": msgspec.to_builtins(api),
         "limits": msgspec.to_builtins(api.limits),
-        "tiers": {"honoured": "maps onto sampling/decoding", "clamped": "accepted, rewritten "
-                  "and reported", "ignored": "accepted, not acted on, reported",
-                  "extension": "not an OpenAI field, honoured", "rejected": "400 naming it"},
-        "fields": {"/v1/chat/completions": field_tiers("chat", api),
-                   "/v1/completions": field_tiers("completions", api)},
+        "tiers": field_policy.TIER_MEANINGS,
+        "fields": {"/v1/chat/completions": field_policy.tiers("chat", api),
+                   "/v1/completions": field_policy.tiers("completions", api)},
         "endpoints": ["/v1/models", "/v1/completions", "/v1/chat/completions",
                       "/v1/completions/render", "/v1/chat/completions/render", "/tokenize",
                       "/detokenize", "/tokenizer_info", "/v1/capabilities", "/health"],
