@@ -108,12 +108,17 @@ def _logprobs(req: CompletionRequest | ChatCompletionRequest) -> tuple[int, int]
     return k, max(prompt_k, k if req.echo and k >= 0 else -1)
 
 
-def _check_prompt_logprobs(req: CompletionRequest | ChatCompletionRequest) -> None:
-    """vLLM's ``prompt_logprobs`` comes only in a whole response (its bound is checked
-    with the other fan-out limits)."""
+def _checked(req: CompletionRequest | ChatCompletionRequest, raw_keys: list[str],
+             api: ApiSpec) -> CandorReport:
+    """The checks both endpoints start with (limits, the field policy, prompt_logprobs
+    without streaming: vLLM's ``prompt_logprobs`` comes only in a whole response); the
+    report so far."""
+    limits.check_fields(req, api.limits)
+    report = field_policy.report(raw_keys, req, api)
     if req.prompt_logprobs is not None and req.stream:
         raise ApiError(400, "`prompt_logprobs` is not available with `stream: true`",
                        "prompt_logprobs", "invalid_value")
+    return report
 
 
 def _sampling(req: CompletionRequest | ChatCompletionRequest,
@@ -184,9 +189,7 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 def completion_to_generate(req: CompletionRequest, rid: str, reply_to: str, arrival: float,
                            raw_keys: list[str] = (), api: ApiSpec | None = None) -> Translated:
     api = api or ApiSpec()
-    limits.check_fields(req, api.limits)
-    report = field_policy.report(raw_keys, req, api)
-    _check_prompt_logprobs(req)
+    report = _checked(req, raw_keys, api)
     prompts = prompt_list(req)
     max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     common = _common(req, rid, reply_to, arrival, report)
@@ -199,9 +202,7 @@ def completion_to_generate(req: CompletionRequest, rid: str, reply_to: str, arri
 def chat_to_generate(req: ChatCompletionRequest, rid: str, reply_to: str, arrival: float,
                      raw_keys: list[str] = (), api: ApiSpec | None = None) -> Translated:
     api = api or ApiSpec()
-    limits.check_fields(req, api.limits)
-    report = field_policy.report(raw_keys, req, api)
-    _check_prompt_logprobs(req)
+    report = _checked(req, raw_keys, api)
     if req.chat_template is not None and not api.allow_request_chat_template:
         raise ApiError(400, "`chat_template` in a request is disabled on this deployment "
                        "(start the server with --allow-request-chat-template)",
