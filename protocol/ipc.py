@@ -196,7 +196,6 @@ class TokenizedReq(_Message, tag="tokenized", omit_defaults=True):
     eos_token_ids: list[int] = []
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
-    min_tokens: int = 0
     arrival_time: float = 0.0
     priority: int = 0
     cache_salt: str | None = None
@@ -414,5 +413,3 @@ WorkerOutbound = Union[WorkerReady, StepResult, WorkerError]
 DetokenizerInbound = Union[DetokStart, TokenBatch]
 FrontendInbound = Union[TextDeltas, RequestError, RequestInfo, RenderResult]
 SchedulerBroadcast = SchedulerStats
-
-FinishReason = Literal["stop", "length", "abort", "error"]

@@ -112,6 +112,3 @@ class BlockAllocator:
         self._cached[key] = block
         self._key[block] = key
         self._parent[block] = parent_block
-
-    def is_registered(self, block: int) -> bool:
-        return self._key[block] is not None
