@@ -88,13 +88,13 @@ class SchedRequest:
         self.num_computed = self.num_scheduled = num_computed
 
     def finish_reason_after(self, token_id: int) -> str | None:
-        """Why generation ends after this newly sampled token, if it does."""
+        """Why generation ends after this newly sampled token, if it does. ``min_tokens``
+        is the sampler's: it never samples eos or a stop id before then."""
         req = self.req
-        if self.num_generated >= req.min_tokens:
-            if not req.ignore_eos and token_id in req.eos_token_ids:
-                return "stop"
-            if token_id in req.stop_token_ids:
-                return "stop"
+        if not req.ignore_eos and token_id in req.eos_token_ids:
+            return "stop"
+        if token_id in req.stop_token_ids:
+            return "stop"
         if self.num_generated >= req.max_tokens:
             return "length"
         return None
