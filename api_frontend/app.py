@@ -15,8 +15,9 @@ from aiohttp import web
 
 from api_frontend import extra_routes
 from api_frontend.engine_client import EngineClient
-from api_frontend.errors import ApiError, check_served_model, from_decode_error
+from api_frontend.errors import ApiError, check_served_model
 from api_frontend.generate import LOG_REQUESTS_KEY, REQUEST_ID_KEY, run_generation
+from api_frontend.json_body import check_json_body, decode_request, json_response
 from api_frontend.openapi import build_openapi
 from api_frontend.translate import prompt_list
 from protocol.openai_api import (ChatCompletionRequest, CompletionRequest, ModelCard,
@@ -24,44 +25,14 @@ from protocol.openai_api import (ChatCompletionRequest, CompletionRequest, Model
 from protocol.topology import ApiSpec
 
 log = logging.getLogger("api_frontend")
-_JSON = msgspec.json.Encoder()
-_RAW_OBJECT = msgspec.json.Decoder(dict[str, msgspec.Raw])
-_NULL = b"null"
-REQUEST_CONTENT_TYPE = "Content-Type"
 REQUEST_ID_HEADER = "X-Request-Id"
 MAX_REQUEST_ID_CHARS = 256
-_DECODERS = {ChatCompletionRequest: msgspec.json.Decoder(ChatCompletionRequest),
-             CompletionRequest: msgspec.json.Decoder(CompletionRequest)}
 
 ENGINE_KEY = web.AppKey("engine", EngineClient)
 MODEL_KEY = web.AppKey("model", ModelCard)
 API_KEY = web.AppKey("api", ApiSpec)
 BODY_TIMEOUT_KEY = web.AppKey("body_read_timeout_s", float)
 ALIASES_KEY = web.AppKey("aliases", list)  # further served names, after the card's id
-
-
-def json_response(obj, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(status=status, body=_JSON.encode(obj), content_type="application/json",
-                        headers=headers)
-
-
-def _is_json(content_type: str) -> bool:
-    return content_type == "application/json" or content_type.endswith("+json")
-
-
-def check_json_body(request: web.Request, body: bytes) -> None:
-    """A POST body must be JSON (415 otherwise) and nest no deeper than the decoder can
-    follow; msgspec reports the latter as RecursionError, which is the client's fault."""
-    if body and REQUEST_CONTENT_TYPE in request.headers and not _is_json(request.content_type):
-        raise ApiError(415, f"Content-Type {request.content_type!r} is not supported; send "
-                       "the body as application/json", None, "unsupported_media_type")
-    try:
-        _RAW_OBJECT.decode(body)
-    except RecursionError:
-        raise ApiError(400, "The request body nests JSON too deeply", None,
-                       "invalid_json") from None
-    except msgspec.MsgspecError:
-        pass  # the route's own decoder names what is wrong
 
 
 async def _read_body(request: web.Request) -> bytes:
@@ -114,37 +85,20 @@ async def error_middleware(request: web.Request, handler):
         return ApiError(500, "internal server error", None, "internal_error").response()
 
 
-def _decode(body: bytes, kind: type) -> tuple[msgspec.Struct, dict[str, msgspec.Raw]]:
-    """The typed request and its top-level fields as sent. A field sent as ``null`` is
-    absent (SDKs send explicit nulls for unset options), so it is dropped before the
-    typed decode and never reported."""
-    try:
-        fields = _RAW_OBJECT.decode(body)
-        sent = {k: v for k, v in fields.items() if bytes(v) != _NULL}
-        if len(sent) != len(fields):
-            body = _JSON.encode(sent)
-        return _DECODERS[kind].decode(body), sent
-    except msgspec.MsgspecError as err:
-        raise from_decode_error(err) from None
-    except RecursionError:
-        raise ApiError(400, "The request body nests JSON too deeply", None,
-                       "invalid_json") from None
-
-
 def _check_model(request: web.Request, name: str) -> ModelCard:
     return check_served_model(request.app[MODEL_KEY], name, request.app[ALIASES_KEY])
 
 
 async def _generate(request: web.Request, kind: type) -> web.StreamResponse:
     # admission (topology health, queue bound) is ops_middleware's, before this runs
-    parsed, keys = _decode(await request.read(), kind)
+    parsed, keys = decode_request(await request.read(), kind)
     card = _check_model(request, parsed.model)
     return await run_generation(request, request.app[ENGINE_KEY], card, request.app[API_KEY],
                                 parsed, keys)
 
 
 async def _render(request: web.Request, kind: type) -> web.Response:
-    parsed, keys = _decode(await request.read(), kind)
+    parsed, keys = decode_request(await request.read(), kind)
     card = _check_model(request, parsed.model)
     if isinstance(parsed, CompletionRequest) and len(prompt_list(parsed)) > 1:
         raise ApiError(400, "render takes one prompt; send each prompt on its own", "prompt",

@@ -11,29 +11,17 @@ import uuid
 import msgspec
 from aiohttp import web
 
+from api_frontend import field_policy
 from api_frontend.engine_client import EngineClient
-from api_frontend.errors import ApiError, check_served_model, from_decode_error
+from api_frontend.errors import ApiError, check_served_model
 from api_frontend.generate import complete_report
-from api_frontend.translate import chat_to_generate, completion_to_generate, field_tiers
+from api_frontend.json_body import decode, json_response
+from api_frontend.translate import chat_to_generate, completion_to_generate
 from protocol import ipc
 from protocol.openai_api import (ChatCompletionRequest, DetokenizeRequest,
                                  DetokenizeResponse, ModelCard, RenderResponse, TemplateRef,
                                  TokenizeRequest, TokenizeResponse, TokenizerInfoResponse)
 from protocol.topology import ApiSpec
-
-_JSON = msgspec.json.Encoder()
-_DECODERS = {t: msgspec.json.Decoder(t) for t in (TokenizeRequest, DetokenizeRequest)}
-
-
-def _json(obj, status: int = 200) -> web.Response:
-    return web.Response(status=status, body=_JSON.encode(obj), content_type="application/json")
-
-
-def _decode(body: bytes, kind: type):
-    try:
-        return _DECODERS[kind].decode(body)
-    except msgspec.MsgspecError as err:
-        raise from_decode_error(err) from None
 
 
 async def _ask(engine: EngineClient, req: ipc.RenderReq) -> ipc.RenderResult:
@@ -61,13 +49,13 @@ async def render(request: web.Request, engine: EngineClient, card: ModelCard, ap
     tr = translate(parsed, rid, engine.reply_to, 0.0, keys, api)
     result = await _ask(engine, ipc.RenderReq(rid, engine.reply_to, gen=tr.gen))
     info = ipc.RequestInfo(rid, len(result.token_ids), result.template, result.adjustments)
-    return _json(RenderResponse(result.prompt_text, result.token_ids, card.id,
+    return json_response(RenderResponse(result.prompt_text, result.token_ids, card.id,
                                 _template(result), complete_report(tr.report, info)))
 
 
 async def tokenize(request: web.Request, engine: EngineClient, card: ModelCard,
                    api: ApiSpec, aliases: list[str] = ()) -> web.Response:
-    body = _decode(await request.read(), TokenizeRequest)
+    body = decode(await request.read(), TokenizeRequest)
     if body.model is not None:
         check_served_model(card, body.model, aliases)
     if (body.prompt is None) == (body.messages is None):
@@ -104,18 +92,18 @@ async def tokenize(request: web.Request, engine: EngineClient, card: ModelCard,
     result = await _ask(engine, ipc.RenderReq(
         rid, engine.reply_to, gen=gen, with_token_strs=bool(body.return_token_strs),
         tokenize_only=True, add_special_tokens=body.add_special_tokens))
-    return _json(TokenizeResponse(len(result.token_ids), card.max_model_len,
+    return json_response(TokenizeResponse(len(result.token_ids), card.max_model_len,
                                   result.token_ids, result.token_strs))
 
 
 async def detokenize(request: web.Request, engine: EngineClient, card: ModelCard,
                      aliases: list[str] = ()) -> web.Response:
-    body = _decode(await request.read(), DetokenizeRequest)
+    body = decode(await request.read(), DetokenizeRequest)
     if body.model is not None:
         check_served_model(card, body.model, aliases)
     rid = f"detok-{uuid.uuid4().hex}"
     result = await _ask(engine, ipc.RenderReq(rid, engine.reply_to, token_ids=body.tokens))
-    return _json(DetokenizeResponse(result.prompt_text))
+    return json_response(DetokenizeResponse(result.prompt_text))
 
 
 async def tokenizer_info(engine: EngineClient) -> web.Response:
@@ -134,23 +122,21 @@ async def tokenizer_info(engine: EngineClient) -> web.Response:
         bos_token=special.get("bos_token"), eos_token=special.get("eos_token"),
         pad_token=special.get("pad_token"), unk_token=special.get("unk_token"),
         chat_template=info.chat_template)
-    return _json({**info.config, **special, **msgspec.to_builtins(effective)})
+    return json_response({**info.config, **special, **msgspec.to_builtins(effective)})
 
 
 def capabilities(card: ModelCard, api: ApiSpec) -> web.Response:
     """The tier of every request field under this deployment's flags."""
-    return _json({
+    return json_response({
         "object": "capabilities",
         "model": card.id,
         "max_model_len": card.max_model_len,
         "serves": ["chat.completions", "completions"],
         "policy": msgspec.to_builtins(api),
         "limits": msgspec.to_builtins(api.limits),
-        "tiers": {"honoured": "maps onto sampling/decoding", "clamped": "accepted, rewritten "
-                  "and reported", "ignored": "accepted, not acted on, reported",
-                  "extension": "not an OpenAI field, honoured", "rejected": "400 naming it"},
-        "fields": {"/v1/chat/completions": field_tiers("chat", api),
-                   "/v1/completions": field_tiers("completions", api)},
+        "tiers": field_policy.TIER_MEANINGS,
+        "fields": {"/v1/chat/completions": field_policy.tiers("chat", api),
+                   "/v1/completions": field_policy.tiers("completions", api)},
         "endpoints": ["/v1/models", "/v1/completions", "/v1/chat/completions",
                       "/v1/completions/render", "/v1/chat/completions/render", "/tokenize",
                       "/detokenize", "/tokenizer_info", "/v1/capabilities", "/health"],

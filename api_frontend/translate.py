@@ -1,118 +1,23 @@
-"""OpenAI request bodies -> GenerateReq, with every field's fate decided here.
-
-Each field lands in one tier: honoured (maps onto the sampler / detokenizer), extension
-(not an OpenAI field, honoured), ignored (accepted, not acted on: reported back), or
-rejected (a 400 naming it: what this deployment cannot do). ``FIELD_TIERS`` is the one
-table; GET /v1/capabilities publishes it and the response's ``candor`` report lists
-the ignored and extension fields the client actually sent.
+"""OpenAI request bodies -> GenerateReq: sampling, detokenization, prompts, tools and
+constraints, after ``field_policy`` has decided each field's tier (the ``candor`` report,
+strict mode, the 400 for unsupported fields) and ``limits`` its bounds.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import msgspec
 
-from api_frontend import limits, reasoning
+from api_frontend import field_policy, limits, reasoning
 from api_frontend.constraints import guided_spec
 from api_frontend.errors import ApiError
 from api_frontend.tools import ToolPlan, tool_plan
 from protocol import ipc
-from protocol.openai_api import (INT64_MAX, INT64_MIN, TOKEN_ID_MAX, CandorReport,
-                                 ChatCompletionRequest, CompletionRequest, FieldNote)
+from protocol.openai_api import (INT64_MIN, TOKEN_ID_MAX, CandorReport, ChatCompletionRequest,
+                                 CompletionRequest)
 from protocol.topology import ApiSpec
-
-_COMMON_HONOURED = ("model", "max_tokens", "temperature", "top_p", "n", "stream",
-                    "stream_options", "stop", "seed", "presence_penalty", "frequency_penalty",
-                    "logit_bias")
-_COMMON_EXTENSIONS = ("top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens",
-                      "stop_token_ids", "skip_special_tokens", "include_stop_str_in_output",
-                      "return_token_ids", "strict", "prompt_logprobs", "guided_json",
-                      "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
-_REASONS = {
-    "user": "accepted for compatibility; Candor does not use it (no per-user policy)",
-    "suffix": "accepted for compatibility; insertion (fill-in-the-middle) is not implemented",
-}
-
-
-class Foreign(NamedTuple):
-    """A vLLM or SGLang extension field Candor does not implement. ``tier`` rejected: a
-    400 ``unsupported_field`` unless the value is one of ``harmless`` (values that ask for
-    what Candor does anyway, reported as ignored); ignored: it cannot change the output."""
-
-    tier: str
-    reason: str
-    harmless: tuple[Any, ...] = ()
-
-
-_NO_GUIDED = "use guided_json / guided_regex / guided_grammar or response_format"
-_NO_BEAM = "beam search is not implemented"
-FOREIGN_FIELDS: dict[str, Foreign] = {
-    "regex": Foreign("rejected", _NO_GUIDED + " (SGLang `regex`)"),
-    "ebnf": Foreign("rejected", _NO_GUIDED + " (SGLang `ebnf`)"),
-    "json_schema": Foreign("rejected", _NO_GUIDED + " (SGLang `json_schema`)"),
-    "guided_decoding_backend": Foreign("ignored", "Candor has one grammar engine "
-                                       "(llguidance); the constraint itself is honoured"),
-    "guided_whitespace_pattern": Foreign("rejected", "JSON output is always compact (no "
-                                         "whitespace between tokens)"),
-    "use_beam_search": Foreign("rejected", _NO_BEAM, (False,)),
-    "best_of": Foreign("rejected", "best_of > 1 (sample several, return the best) is not "
-                       "implemented", (1,)),
-    "length_penalty": Foreign("ignored", "only applies to beam search, which Candor rejects"),
-    "early_stopping": Foreign("ignored", "only applies to beam search, which Candor rejects"),
-    "lora_request": Foreign("rejected", "LoRA adapters are not served"),
-    "lora_path": Foreign("rejected", "LoRA adapters are not served"),
-    "spaces_between_special_tokens": Foreign(
-        "rejected", "only the default (true) detokenization is implemented", (True,)),
-    "truncate_prompt_tokens": Foreign("rejected", "prompt truncation is not implemented"),
-    "logits_processors": Foreign("rejected", "custom logits processors are not implemented"),
-    "custom_logit_processor": Foreign("rejected", "custom logits processors are not "
-                                      "implemented"),
-    "bad_words": Foreign("rejected", "bad_words is not implemented", ([],)),
-    "allowed_token_ids": Foreign("rejected", "allowed_token_ids is not implemented"),
-    "vllm_xargs": Foreign("rejected", "vLLM's extra sampling arguments are not implemented"),
-    "return_hidden_states": Foreign("rejected", "hidden states are not returned", (False,)),
-    "return_tokens_as_token_ids": Foreign("rejected", "logprob tokens are always returned "
-                                          "as text", (False,)),
-    "min_new_tokens": Foreign("rejected", "SGLang's name; Candor's field is `min_tokens`"),
-    "no_stop_trim": Foreign("rejected", "SGLang's name; Candor's field is "
-                            "`include_stop_str_in_output`", (False,)),
-    "stop_regex": Foreign("rejected", "regular-expression stops are not implemented"),
-    "typical_p": Foreign("rejected", "typical sampling is not implemented", (1, 1.0)),
-    "documents": Foreign("rejected", "chat documents (RAG templates) are not implemented"),
-    "request_id": Foreign("ignored", "send the X-Request-Id header instead; it is echoed"),
-    "kv_transfer_params": Foreign("ignored", "disaggregated prefill is not part of Candor"),
-}
-
-
-def field_tiers(kind: str, api: ApiSpec) -> dict[str, str]:
-    """The tier of every request field of ``kind`` ("chat" | "completions") under ``api``.
-
-    ``strict`` deployments turn the ignored tier into rejected."""
-    ignored = "rejected" if api.strict else "ignored"
-    tiers = {f: "honoured" for f in _COMMON_HONOURED}
-    tiers.update({f: "extension" for f in _COMMON_EXTENSIONS})
-    tiers["user"] = ignored
-    if api.max_tokens_policy == "clamp":
-        tiers["max_tokens"] = "rejected" if api.strict else "clamped"
-    if kind == "chat":
-        tiers.update(messages="honoured", max_completion_tokens=tiers["max_tokens"],
-                     logprobs="honoured", top_logprobs="honoured", tools="honoured",
-                     tool_choice="honoured", parallel_tool_calls="honoured",
-                     response_format="honoured")
-        tiers.update({f: "extension" for f in ("add_generation_prompt", "continue_final_message",
-                                                "chat_template_kwargs", "echo")})
-        tiers["chat_template"] = "extension" if api.allow_request_chat_template else "rejected"
-    else:
-        tiers.update(prompt="honoured", echo="honoured", logprobs="honoured", suffix=ignored,
-                     response_format="extension")
-    tiers.update({f: "rejected" if spec.tier == "rejected" else ignored
-                  for f, spec in FOREIGN_FIELDS.items() if f not in tiers})
-    tiers["<unknown field>"] = ignored
-    return tiers
-
 
 def _choice_seed(seed: int, i: int) -> int:
     """seed + i, wrapped into int64 so the sum still crosses the process boundary."""
@@ -129,7 +34,6 @@ class Translated:
     n: int
     compute_once: bool
     report: CandorReport
-    echo: bool = False  # chat echo / completions echo
     choices: dict[str, list[int]] = field(default_factory=dict)  # rid -> its choice indexes
     tools: ToolPlan | None = None  # chat: how tool calls are read from the text
     reasoning: str | None = None  # chat: the reasoning parser that splits the text
@@ -169,51 +73,6 @@ class Translated:
         return out
 
 
-_VALUE = msgspec.json.Decoder()
-
-
-def _foreign_notes(raw: Mapping[str, Any], known: set[str]) -> list[FieldNote]:
-    """400 for a foreign field that would change the output; notes for the harmless ones."""
-    notes = []
-    for key in raw:
-        spec = FOREIGN_FIELDS.get(key)
-        if spec is None or key in known:
-            continue
-        if spec.tier == "rejected":
-            value = _VALUE.decode(raw[key]) if isinstance(raw, dict) else None
-            if not any(value == h and type(value) is type(h) for h in spec.harmless):
-                raise ApiError(400, f"`{key}` is not supported by Candor ({spec.reason}); "
-                               "remove it rather than have it ignored", key,
-                               "unsupported_field")
-            notes.append(FieldNote(key, f"the value asks for Candor's own behaviour "
-                                   f"({spec.reason})"))
-        else:
-            notes.append(FieldNote(key, spec.reason))
-    return notes
-
-
-def _report(raw_keys: Mapping[str, Any] | list[str],
-            req: CompletionRequest | ChatCompletionRequest, api: ApiSpec) -> CandorReport:
-    known = set(req.__struct_fields__)
-    ignored = [FieldNote(f, _REASONS[f]) for f in ("user", "suffix")
-               if f in known and getattr(req, f) is not None]
-    ignored += _foreign_notes(raw_keys, known)
-    ignored += [FieldNote(k, "not a field Candor knows") for k in raw_keys
-                if k not in known and k not in FOREIGN_FIELDS]
-    kind = "chat" if isinstance(req, ChatCompletionRequest) else "completions"
-    tiers = field_tiers(kind, ApiSpec())
-    extensions = [k for k in raw_keys if tiers.get(k) == "extension"]
-    strict = api.strict or req.strict
-    if strict and ignored:
-        note = ignored[0]
-        raise ApiError(400, f"`{note.field}` would be ignored ({note.reason}); strict mode "
-                       "turns ignored fields into errors", note.field, "ignored_field")
-    defaults = [FieldNote(k, f"omitted; default from {api.sampling_defaults.source}", to=v)
-                for k, v in api.sampling_defaults.items().items() if k not in raw_keys]
-    return CandorReport(ignored=ignored, extensions=extensions, defaults=defaults,
-                        strict=strict)
-
-
 def _check_stream_options(req: CompletionRequest | ChatCompletionRequest) -> None:
     if req.stream_options is not None and not req.stream:
         raise ApiError(400, "`stream_options` is only allowed when `stream` is true",
@@ -249,12 +108,17 @@ def _logprobs(req: CompletionRequest | ChatCompletionRequest) -> tuple[int, int]
     return k, max(prompt_k, k if req.echo and k >= 0 else -1)
 
 
-def _check_prompt_logprobs(req: CompletionRequest | ChatCompletionRequest) -> None:
-    """vLLM's ``prompt_logprobs`` comes only in a whole response (its bound is checked
-    with the other fan-out limits)."""
+def _checked(req: CompletionRequest | ChatCompletionRequest, raw_keys: list[str],
+             api: ApiSpec) -> CandorReport:
+    """The checks both endpoints start with (limits, the field policy, prompt_logprobs
+    without streaming: vLLM's ``prompt_logprobs`` comes only in a whole response); the
+    report so far."""
+    limits.check_fields(req, api.limits)
+    report = field_policy.report(raw_keys, req, api)
     if req.prompt_logprobs is not None and req.stream:
         raise ApiError(400, "`prompt_logprobs` is not available with `stream: true`",
                        "prompt_logprobs", "invalid_value")
+    return report
 
 
 def _sampling(req: CompletionRequest | ChatCompletionRequest,
@@ -294,10 +158,8 @@ def _common(req: CompletionRequest | ChatCompletionRequest, rid: str, reply_to: 
                 cache_salt=req.cache_salt, strict=strict)
 
 
-def _translated(gens: list[ipc.GenerateReq], req, report: CandorReport,
-                echo: bool) -> Translated:
-    return Translated(gens, req.n, req.n > 1 and gens[0].sampling.temperature == 0, report,
-                      echo)
+def _translated(gens: list[ipc.GenerateReq], req, report: CandorReport) -> Translated:
+    return Translated(gens, req.n, req.n > 1 and gens[0].sampling.temperature == 0, report)
 
 
 def prompt_list(req: CompletionRequest) -> list[str | list[int]]:
@@ -327,24 +189,20 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 def completion_to_generate(req: CompletionRequest, rid: str, reply_to: str, arrival: float,
                            raw_keys: list[str] = (), api: ApiSpec | None = None) -> Translated:
     api = api or ApiSpec()
-    limits.check_fields(req, api.limits)
-    report = _report(raw_keys, req, api)
-    _check_prompt_logprobs(req)
+    report = _checked(req, raw_keys, api)
     prompts = prompt_list(req)
     max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     common = _common(req, rid, reply_to, arrival, report)
     guided = _constraint(req, None, report)
     gens = [ipc.GenerateReq(prompt=p, max_tokens=max_tokens, echo_prompt=req.echo,
                             guided=guided, **common) for p in prompts]
-    return _translated(gens, req, report, req.echo)
+    return _translated(gens, req, report)
 
 
 def chat_to_generate(req: ChatCompletionRequest, rid: str, reply_to: str, arrival: float,
                      raw_keys: list[str] = (), api: ApiSpec | None = None) -> Translated:
     api = api or ApiSpec()
-    limits.check_fields(req, api.limits)
-    report = _report(raw_keys, req, api)
-    _check_prompt_logprobs(req)
+    report = _checked(req, raw_keys, api)
     if req.chat_template is not None and not api.allow_request_chat_template:
         raise ApiError(400, "`chat_template` in a request is disabled on this deployment "
                        "(start the server with --allow-request-chat-template)",
@@ -386,7 +244,7 @@ def chat_to_generate(req: ChatCompletionRequest, rid: str, reply_to: str, arriva
         chat_template_kwargs=dict(req.chat_template_kwargs or {}),
         max_tokens=max_tokens, max_tokens_field=field, chat_template=req.chat_template,
         guided=guided, **common)
-    out = _translated([gen], req, report, req.echo)
+    out = _translated([gen], req, report)
     out.tools = plan
     if api.reasoning_parser is not None and reasoning.get(api.reasoning_parser).active(
             gen.chat_template_kwargs):

@@ -28,7 +28,7 @@ def _decode_plan_bytes(num_seqs: int, context: int, block_size: int = 16) -> int
                            prompt_token_ids=[(7 * i + j) % 32000 + 1 for j in range(context)],
                            max_tokens=16, sampling=SamplingParams(temperature=0.0),
                            detok=DetokParams())
-        planner.waiting.append(SchedRequest(tok, i))
+        planner.waiting.push(SchedRequest(tok, i))
     encoder = msgspec.msgpack.Encoder()
     step_id = 0
     size = 0

@@ -175,6 +175,12 @@ def decode_group_blocks(k_cache: torch.Tensor, group_bytes: int = DECODE_GROUP_B
     return max(1, group_bytes // (2 * k_cache[0].numel() * k_cache.element_size()))
 
 
+def kv_slot(table: list[int], pos: int, block_size: int) -> int:
+    """The cache row (in the [num_blocks * block_size, ...] view) of position ``pos`` of a
+    sequence whose blocks are ``table``."""
+    return table[pos // block_size] * block_size + pos % block_size
+
+
 def build_metadata(
     chunks: list[tuple[int, int, list[int]]],
     num_decodes: int,
@@ -199,10 +205,9 @@ def build_metadata(
     slots: list[int] = []
     for start, n, table in chunks:
         if n == 1:
-            slots.append(table[start // block_size] * block_size + start % block_size)
+            slots.append(kv_slot(table, start, block_size))
         else:
-            slots.extend(table[pos // block_size] * block_size + pos % block_size
-                         for pos in range(start, start + n))
+            slots.extend(kv_slot(table, pos, block_size) for pos in range(start, start + n))
     slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
     if backend is not None:
         return backend.build(chunks, num_decodes, slot_mapping)

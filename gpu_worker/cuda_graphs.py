@@ -20,10 +20,10 @@ that size's graph instead of launching the model eagerly:
   slot_mapping)`` plans this step's (padded) batch and returns the metadata the model
   reads. With flashinfer that is a ``use_cuda_graph`` decode wrapper over fixed index
   buffers, re-planned on the host before each replay, and the same metadata object every
-  step (``GraphDecodeAttention``). ``TorchDecodeAttention`` builds fresh torch-path
-  metadata instead: it cannot be captured (its shapes follow the step's lengths), so that
-  path runs the same padded static-buffer function eagerly. The CPU tests use it to check
-  padding, buffers and dummy rows against the unpadded path.
+  step (``GraphDecodeAttention``). The CPU tests give it torch-path metadata instead,
+  built fresh each step: that cannot be captured (its shapes follow the step's lengths),
+  so it runs the same padded static-buffer function eagerly, which checks padding,
+  buffers and dummy rows against the unpadded path.
 
 Capture happens at start-up (``capture``, called by the runner before the worker reports
 ready), not lazily: capturing a size means a warm-up forward plus the capture itself,
@@ -40,7 +40,7 @@ from collections.abc import Callable
 
 import torch
 
-from gpu_worker.attention import AttentionMetadata, build_metadata
+from gpu_worker.attention import AttentionMetadata, kv_slot
 
 MAX_CAPTURE_SIZE = 256
 _BASE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
@@ -75,26 +75,12 @@ def pad_decodes(chunks: list[Chunk], ids: list[int], positions: list[int], size:
         raise ValueError(f"{n} decode rows do not pad to {size}")
     if any(num != 1 for _, num, _ in chunks):
         raise ValueError("only single-token decodes run at a padded size")
-    slots = [t[p // block_size] * block_size + p % block_size for p, _, t in chunks]
+    slots = [kv_slot(t, p, block_size) for p, _, t in chunks]
     pad = size - n
     padded = list(chunks) + [(0, 1, [scratch_block])] * pad
     rows = [list(ids) + [PAD_TOKEN] * pad, list(positions) + [0] * pad,
             slots + [scratch_block * block_size] * pad]
     return padded, rows
-
-
-class TorchDecodeAttention:
-    """Torch-path metadata for a padded decode batch (eager only, never captured)."""
-
-    graphable = False
-
-    def __init__(self, block_size: int, device: torch.device, **build_kwargs) -> None:
-        self.block_size, self.device, self.build_kwargs = block_size, device, build_kwargs
-
-    def meta(self, chunks: list[Chunk], slot_mapping: torch.Tensor) -> AttentionMetadata:
-        meta = build_metadata(chunks, len(chunks), self.block_size, self.device, **self.build_kwargs)
-        meta.slot_mapping = slot_mapping  # the static buffer, not the copy build_metadata made
-        return meta
 
 
 Model = Callable[[torch.Tensor, torch.Tensor, list, AttentionMetadata], torch.Tensor]

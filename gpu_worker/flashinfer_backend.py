@@ -53,7 +53,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gpu_worker.attention import AttentionMetadata, write_kv
+from gpu_worker.attention import AttentionMetadata, kv_slot, write_kv
 
 WORKSPACE_BYTES = 128 * 2**20
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
@@ -214,7 +214,7 @@ class FlashInferBackend:
         flat_k, flat_v = k_cache.view(-1, kvh, d), v_cache.view(-1, kvh, d)
 
         def reference(q, table, ctx):  # q: [n, h, d] for the last n positions of ctx
-            slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(ctx)], device=dev)
+            slots = torch.tensor([kv_slot(table, p, bs) for p in range(ctx)], device=dev)
             keys, vals = flat_k[slots].transpose(0, 1), flat_v[slots].transpose(0, 1)
             n = q.shape[0]
             mask = torch.arange(ctx, device=dev)[None, :] <= torch.arange(ctx - n, ctx, device=dev)[:, None]

@@ -356,7 +356,6 @@ PARSERS: dict[str, Callable[[dict[str, Any], str], dict[str, Any]]] = {
     "mixtral": _mixtral, "gemma2": _gemma, "gemma3_text": _gemma, "phi3": _phi3, "granite": _granite,
     "olmo2": _olmo2, "smollm3": _smollm3, "starcoder2": _starcoder2,
 }
-SUPPORTED_MODEL_TYPES = set(PARSERS)
 
 
 def parse_config(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None = None) -> ModelConfig:

@@ -177,12 +177,6 @@ class ModelRunner:
             self.model, self.kv_caches, make_attention, sizes, scratch_block=self.scratch_block,
             block_size=self.block_size, hidden_size=cfg.hidden_size, dtype=self.dtype, device=self.device)
 
-    def torch_decode_attention(self) -> cuda_graphs.TorchDecodeAttention:
-        """Torch-path attention for ``static_decode`` (eager; what the CPU tests run)."""
-        return cuda_graphs.TorchDecodeAttention(
-            self.block_size, self.device, group_blocks=self.decode_group_blocks,
-            scratch=self.gather_scratch, decode_kernel=self.decode_kernel, cascade=self.cascade)
-
     # ------------------------------------------------------------------ state
 
     def _update_requests(self, plan: StepPlan) -> None:

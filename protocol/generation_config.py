@@ -12,8 +12,6 @@ import msgspec
 
 from protocol.topology import SAMPLING_DEFAULT_FIELDS, SamplingDefaults
 
-GENERATION_CONFIG_MODES = ("auto", "vllm", "none")
-
 
 class GenerationConfigError(Exception):
     """The named generation config cannot be read."""

@@ -23,7 +23,6 @@ import shutil
 # before it sets ENV for itself.
 
 ENV = "PROMETHEUS_MULTIPROC_DIR"
-PREFIX = "candor_"
 
 # Latency buckets in seconds: sub-millisecond CPU steps up to multi-minute generations.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,

@@ -26,9 +26,9 @@ BlockKey = tuple[int, str | None, tuple[int, ...]]
 ROOT_HASH = 0  # the "parent" of a prompt's first block
 
 
-def chain_hash(parent_hash: int, salt: str | None, tokens: tuple[int, ...]) -> int:
-    """Chained hash of a full block (process-local: Python's tuple hash)."""
-    return hash((parent_hash, salt, tokens))
+def chain_hash(key: BlockKey) -> int:
+    """Chained hash of a full block, from its key (process-local: Python's tuple hash)."""
+    return hash(key)
 
 
 class BlockAllocator:
@@ -112,6 +112,3 @@ class BlockAllocator:
         self._cached[key] = block
         self._key[block] = key
         self._parent[block] = parent_block
-
-    def is_registered(self, block: int) -> bool:
-        return self._key[block] is not None

@@ -42,7 +42,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from protocol.ipc import PLACEHOLDER_TOKEN, SamplingParams, SeqChunk
-from scheduler.block_manager import ROOT_HASH, BlockAllocator
+from scheduler.block_manager import BlockAllocator
 from scheduler.request import SchedRequest
 from scheduler.waiting import WaitQueue
 
@@ -151,13 +151,11 @@ class Planner:
         full = min(req.num_computed // self.block_size, len(req.block_table))
         if full <= req.num_registered:
             return
-        hashes = req.full_block_hashes(full, self.block_size)
-        salt = req.req.cache_salt
-        bs = self.block_size
+        req.full_block_hashes(full, self.block_size)
         table = req.block_table
         for i in range(req.num_registered, full):
-            key = (hashes[i - 1] if i else ROOT_HASH, salt, tuple(req.token_ids[i * bs:(i + 1) * bs]))
-            self.allocator.register(table[i], key, table[i - 1] if i else -1)
+            self.allocator.register(table[i], req.block_key(i, self.block_size),
+                                    table[i - 1] if i else -1)
         req.num_registered = full
 
     def step_returned(self, step: PlannedStep) -> None:
@@ -196,13 +194,11 @@ class Planner:
             return
         bs = self.block_size
         limit = (len(req.token_ids) - 1) // bs
-        hashes = req.full_block_hashes(limit, bs)
-        salt = req.req.cache_salt
+        req.full_block_hashes(limit, bs)
         alloc = self.allocator
         parent = -1
         for i in range(limit):
-            key = (hashes[i - 1] if i else ROOT_HASH, salt, tuple(req.token_ids[i * bs:(i + 1) * bs]))
-            block = alloc.lookup(key, parent)
+            block = alloc.lookup(req.block_key(i, bs), parent)
             if block is None:
                 break
             alloc.acquire(block)

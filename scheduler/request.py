@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from protocol.ipc import TokenizedReq
-from scheduler.block_manager import ROOT_HASH, chain_hash
+from scheduler.block_manager import ROOT_HASH, BlockKey, chain_hash
 
 
 @dataclass(eq=False)
@@ -45,12 +45,15 @@ class SchedRequest:
         """Chained hashes of the first ``num_blocks`` full blocks (memoised: token ids
         of a full block never change)."""
         hashes = self.block_hashes
-        salt = self.req.cache_salt
         while len(hashes) < num_blocks:
-            i = len(hashes)
-            parent = hashes[-1] if hashes else ROOT_HASH
-            hashes.append(chain_hash(parent, salt, tuple(self.token_ids[i * block_size:(i + 1) * block_size])))
+            hashes.append(chain_hash(self.block_key(len(hashes), block_size)))
         return hashes
+
+    def block_key(self, i: int, block_size: int) -> BlockKey:
+        """The prefix-cache key of full block ``i``: its parent's chained hash (the
+        hashes of blocks before ``i`` must be computed), the salt and its token ids."""
+        parent = self.block_hashes[i - 1] if i else ROOT_HASH
+        return parent, self.req.cache_salt, tuple(self.token_ids[i * block_size:(i + 1) * block_size])
 
     @property
     def num_pending(self) -> int:
@@ -85,13 +88,13 @@ class SchedRequest:
         self.num_computed = self.num_scheduled = num_computed
 
     def finish_reason_after(self, token_id: int) -> str | None:
-        """Why generation ends after this newly sampled token, if it does."""
+        """Why generation ends after this newly sampled token, if it does. ``min_tokens``
+        is the sampler's: it never samples eos or a stop id before then."""
         req = self.req
-        if self.num_generated >= req.min_tokens:
-            if not req.ignore_eos and token_id in req.eos_token_ids:
-                return "stop"
-            if token_id in req.stop_token_ids:
-                return "stop"
+        if not req.ignore_eos and token_id in req.eos_token_ids:
+            return "stop"
+        if token_id in req.stop_token_ids:
+            return "stop"
         if self.num_generated >= req.max_tokens:
             return "length"
         return None

@@ -38,12 +38,6 @@ class WaitQueue:
         self._keys.insert(i, key)
         self._items.insert(i, req)
 
-    append = push  # the order is the key's, wherever a caller would put it
-
-    def extend(self, reqs) -> None:
-        for r in reqs:
-            self.push(r)
-
     def popleft(self) -> SchedRequest:
         self._keys.pop(0)
         return self._items.pop(0)

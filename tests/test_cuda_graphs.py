@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from gpu_worker import cuda_graphs, flashinfer_backend
-from gpu_worker.attention import select_backend
+from gpu_worker.attention import AttentionMetadata, build_metadata, select_backend
 from gpu_worker.cuda_graphs import capture_sizes, pad_decodes, padded_size
 from gpu_worker.model_runner import ModelRunner
 from protocol.ipc import SeqChunk, StepPlan
@@ -78,6 +78,27 @@ def test_paged_indices_are_host_int32_csr():
 # ---------------------------------------------------------------- padded decode, torch path
 
 
+class TorchDecodeAttention:
+    """Torch-path metadata for a padded decode batch: fresh each step, so eager only."""
+
+    graphable = False
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+
+    def meta(self, chunks, slot_mapping: torch.Tensor) -> AttentionMetadata:
+        r = self.runner
+        meta = build_metadata(chunks, len(chunks), r.block_size, r.device,
+                              group_blocks=r.decode_group_blocks, scratch=r.gather_scratch,
+                              decode_kernel=r.decode_kernel, cascade=r.cascade)
+        meta.slot_mapping = slot_mapping  # the static buffer, not the copy build_metadata made
+        return meta
+
+
+def _torch_decode(runner: ModelRunner, sizes: list[int]) -> cuda_graphs.DecodeGraphRunner:
+    return runner.static_decode(lambda size: TorchDecodeAttention(runner), sizes)
+
+
 def _decode_plan(step, rows):
     return StepPlan(step, [SeqChunk(rid, [tok], pos, table, True) for rid, tok, pos, table in rows])
 
@@ -85,7 +106,7 @@ def _decode_plan(step, rows):
 def test_padded_decode_matches_unpadded_and_touches_only_scratch(tiny_dir):
     plain = ModelRunner(str(tiny_dir), num_blocks=12)
     padded = ModelRunner(str(tiny_dir), num_blocks=12)
-    padded.decode_graphs = padded.static_decode(lambda s: padded.torch_decode_attention(), [2, 8])
+    padded.decode_graphs = _torch_decode(padded, [2, 8])
     for r in (plain, padded):
         r.execute(StepPlan(0, [SeqChunk("a", list(range(1, 20)), 0, [3, 5], True),
                                SeqChunk("b", list(range(30, 37)), 0, [1], True),
@@ -110,7 +131,7 @@ def test_padded_decode_matches_unpadded_and_touches_only_scratch(tiny_dir):
 
 def test_large_or_mixed_batches_skip_the_padded_path(tiny_dir):
     runner = ModelRunner(str(tiny_dir), num_blocks=12)
-    runner.decode_graphs = runner.static_decode(lambda s: runner.torch_decode_attention(), [1])
+    runner.decode_graphs = _torch_decode(runner, [1])
     runner.execute(StepPlan(0, [SeqChunk("a", [1, 2, 3], 0, [0], True), SeqChunk("b", [4, 5], 0, [1], True)],
                             {"a": GREEDY, "b": GREEDY}))
     runner.execute(_decode_plan(1, [("a", 7, 3, [0]), ("b", 8, 2, [1])]))  # 2 > largest size 1
@@ -123,7 +144,7 @@ def test_large_or_mixed_batches_skip_the_padded_path(tiny_dir):
 
 def test_padded_static_decode_matches_hf(tiny_dir, prompts, hf_reference):
     runner = ModelRunner(str(tiny_dir), block_size=16, num_blocks=40)
-    runner.decode_graphs = runner.static_decode(lambda s: runner.torch_decode_attention(), [1, 2, 4, 8])
+    runner.decode_graphs = _torch_decode(runner, [1, 2, 4, 8])
     ours = run_continuous(runner, prompts, [GREEDY] * len(prompts), arrivals=ARRIVALS)
     for plen, got, want in zip(PROMPT_LENS, ours, hf_reference):
         assert got == want, f"prompt of {plen} tokens diverged"

@@ -6,6 +6,11 @@ from scheduler.planner import Planner
 from scheduler.request import SchedRequest
 
 
+def _wait(planner, *reqs):
+    for req in reqs:
+        planner.waiting.push(req)
+
+
 def _req(rid: str, prompt_len: int, max_tokens: int = 8, seq: int = 0) -> SchedRequest:
     tok = TokenizedReq(rid=rid, reply_to="ipc://x", prompt_token_ids=list(range(1, prompt_len + 1)),
                        max_tokens=max_tokens, sampling=SamplingParams(temperature=0.0),
@@ -37,11 +42,11 @@ def test_allocator_accounting():
 def test_long_prompt_is_chunked_and_decodes_share_the_step():
     planner = Planner(BlockAllocator(64), block_size=4, max_num_seqs=8, max_num_batched_tokens=16)
     short = _req("short", 3)
-    planner.waiting.append(short)
+    planner.waiting.push(short)
     chunks = _run_step(planner)
     assert [(c.rid, len(c.token_ids), c.sample) for c in chunks] == [("short", 3, True)]
     long = _req("long", 40, seq=1)
-    planner.waiting.append(long)
+    planner.waiting.push(long)
     chunks = _run_step(planner)
     # the running decode goes first, the new prompt gets the rest of the budget
     assert [(c.rid, len(c.token_ids), c.start_pos, c.sample) for c in chunks] == [
@@ -59,7 +64,7 @@ def test_long_prompt_is_chunked_and_decodes_share_the_step():
 def test_preemption_frees_blocks_and_resumes_with_generated_tokens():
     planner = Planner(BlockAllocator(4), block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
     a, b = _req("a", 4, seq=0), _req("b", 4, seq=1)
-    planner.waiting.extend([a, b])
+    _wait(planner, a, b)
     _run_step(planner)          # both prefilled: 1 block each, 2 free
     _run_step(planner)          # decode pos 4: each needs a 2nd block -> 0 free
     assert planner.allocator.num_free == 0
@@ -79,7 +84,7 @@ def test_preemption_frees_blocks_and_resumes_with_generated_tokens():
 
 def test_max_num_seqs_limits_admission():
     planner = Planner(BlockAllocator(64), block_size=4, max_num_seqs=2, max_num_batched_tokens=64)
-    planner.waiting.extend([_req(str(i), 2, seq=i) for i in range(3)])
+    _wait(planner, *(_req(str(i), 2, seq=i) for i in range(3)))
     chunks = _run_step(planner)
     assert [c.rid for c in chunks] == ["0", "1"] and len(planner.waiting) == 1
 
@@ -100,7 +105,7 @@ def test_lookahead_plan_feeds_a_placeholder_and_never_preempts():
 
     planner = Planner(BlockAllocator(6), block_size=4, max_num_seqs=8, max_num_batched_tokens=6)
     a, b = _req("a", 3, max_tokens=8, seq=0), _req("b", 9, max_tokens=8, seq=1)
-    planner.waiting.extend([a, b])
+    _wait(planner, a, b)
     first = planner.plan()                       # a's prompt (3) + b's first 3 prompt tokens
     assert [(c.rid, c.start_pos, c.sample) for c in first.chunks] == [("a", 0, True), ("b", 0, False)]
     ahead = planner.plan(lookahead=True)         # a decodes its in-flight token; b continues
@@ -122,7 +127,7 @@ def test_lookahead_plan_feeds_a_placeholder_and_never_preempts():
 def test_lookahead_skips_a_request_whose_last_token_is_in_flight():
     planner = Planner(BlockAllocator(16), block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
     a = _req("a", 3, max_tokens=1)
-    planner.waiting.append(a)
+    planner.waiting.push(a)
     assert [c.rid for c in planner.plan().chunks] == ["a"]
     assert planner.plan(lookahead=True).chunks == []
 
@@ -148,7 +153,7 @@ def test_plans_carry_block_diffs_that_rebuild_every_table_through_preemption():
     diffs gives exactly the planner's tables, across growth, preemption and re-admission."""
     planner = Planner(BlockAllocator(6), block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
     a, b = _req("a", 6, max_tokens=12, seq=0), _req("b", 6, max_tokens=12, seq=1)
-    planner.waiting.extend([a, b])
+    _wait(planner, a, b)
     worker = _WorkerTables()
     preempted = False
     for _ in range(14):
@@ -175,7 +180,7 @@ def test_decode_plan_size_does_not_grow_with_context():
     for context in (64, 4096):
         planner = Planner(BlockAllocator(context // 4 + 4), block_size=4, max_num_seqs=1,
                           max_num_batched_tokens=context)
-        planner.waiting.append(_req("r", context, max_tokens=4))
+        planner.waiting.push(_req("r", context, max_tokens=4))
         planner.postprocess(planner.plan(), [7])
         step = planner.plan()
         sizes.append(len(msgspec.msgpack.encode(StepPlan(2, step.chunks))))
@@ -185,7 +190,7 @@ def test_decode_plan_size_does_not_grow_with_context():
 def test_postprocess_appends_finishes_and_releases_in_the_next_plan():
     planner = Planner(BlockAllocator(16), block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
     a, b = _req("a", 3, max_tokens=2, seq=0), _req("b", 3, max_tokens=8, seq=1)
-    planner.waiting.extend([a, b])
+    _wait(planner, a, b)
     out = planner.postprocess(planner.plan(), [5, 6])
     assert [(s.req.rid, s.token, s.row, s.finish_reason) for s in out] == [
         ("a", 5, 0, None), ("b", 6, 1, None)]
@@ -195,7 +200,7 @@ def test_postprocess_appends_finishes_and_releases_in_the_next_plan():
     assert a.finished and b.finished and not planner.running
     assert planner.allocator.num_free == 16
     c = _req("c", 2, seq=2)
-    planner.waiting.append(c)
+    planner.waiting.push(c)
     assert planner.plan().released == ["a", "b"]  # the worker forgets them with the next step
 
 
@@ -204,7 +209,7 @@ def test_postprocess_drops_the_sample_of_a_request_finished_while_in_flight():
     sample reaches the request, and its blocks are back at once."""
     planner = Planner(BlockAllocator(16), block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
     a, b = _req("a", 3, seq=0), _req("b", 3, seq=1)
-    planner.waiting.extend([a, b])
+    _wait(planner, a, b)
     first = planner.plan()
     ahead = planner.plan(lookahead=True)
     planner.finish(a)
@@ -217,7 +222,7 @@ def test_postprocess_drops_the_sample_of_a_request_finished_while_in_flight():
 def test_step_failed_finishes_its_live_requests():
     planner = Planner(BlockAllocator(16), block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
     a = _req("a", 3)
-    planner.waiting.append(a)
+    planner.waiting.push(a)
     step = planner.plan()
     assert planner.step_failed(step) == [a]
     assert a.finished and planner.allocator.num_free == 16 and a.steps_in_flight == 0

@@ -9,6 +9,11 @@ from scheduler.planner import Planner
 from scheduler.request import SchedRequest
 
 
+def _wait(planner, *reqs):
+    for req in reqs:
+        planner.waiting.push(req)
+
+
 def _req(rid, prompt, seq=0, salt=None, priority=0, max_tokens=4):
     tok = TokenizedReq(rid=rid, reply_to="ipc://x", prompt_token_ids=list(prompt),
                        max_tokens=max_tokens, sampling=SamplingParams(temperature=0.0),
@@ -62,10 +67,10 @@ def test_second_request_reuses_full_prefix_blocks_and_reports_cached_tokens():
     planner = _planner()
     prompt = list(range(1, 11))              # 10 tokens: 2 full blocks of 4 + 2
     a = _req("a", prompt)
-    planner.waiting.append(a)
+    planner.waiting.push(a)
     _step(planner)
     b = _req("b", prompt + [99], seq=1)
-    planner.waiting.append(b)
+    planner.waiting.push(b)
     chunks = _step(planner)
     got = {c.rid: c for c in chunks}
     assert got["b"].start_pos == 8 and got["b"].token_ids == [9, 10, 99]
@@ -80,11 +85,11 @@ def test_whole_prompt_hit_still_computes_the_last_token():
     planner = _planner()
     prompt = list(range(1, 9))               # exactly 2 full blocks
     a = _req("a", prompt)
-    planner.waiting.append(a)
+    planner.waiting.push(a)
     _step(planner)
     _finish(planner, a)
     b = _req("b", prompt, seq=1)
-    planner.waiting.append(b)
+    planner.waiting.push(b)
     (chunk,) = _step(planner)
     assert chunk.start_pos == 4 and chunk.token_ids == [5, 6, 7, 8] and chunk.sample
     assert b.cached_tokens == 4
@@ -94,11 +99,11 @@ def test_different_salts_never_share():
     planner = _planner()
     prompt = list(range(1, 11))
     a = _req("a", prompt, salt="tenant-1")
-    planner.waiting.append(a)
+    planner.waiting.push(a)
     _step(planner)
     b = _req("b", prompt, seq=1, salt="tenant-2")
     c = _req("c", prompt, seq=2, salt="tenant-1")
-    planner.waiting.extend([b, c])
+    _wait(planner, b, c)
     _step(planner)
     assert b.cached_tokens == 0 and not set(b.block_table) & set(a.block_table)
     assert c.cached_tokens == 8
@@ -106,14 +111,14 @@ def test_different_salts_never_share():
 
 def test_hash_collisions_are_checked_not_assumed(monkeypatch):
     # every block hashes alike: only the stored token ids and parent block tell them apart
-    monkeypatch.setattr(request_mod, "chain_hash", lambda parent, salt, tokens: 42)
+    monkeypatch.setattr(request_mod, "chain_hash", lambda key: 42)
     planner = _planner()
     a = _req("a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
-    planner.waiting.append(a)
+    planner.waiting.push(a)
     _step(planner)
     b = _req("b", [9, 9, 9, 9, 5, 6, 7, 8, 9], seq=1)    # block 1 equal, block 0 differs
     c = _req("c", [1, 2, 3, 4, 0, 0, 0, 0, 9], seq=2)    # block 0 equal only
-    planner.waiting.extend([b, c])
+    _wait(planner, b, c)
     _step(planner)
     assert b.cached_tokens == 0
     # c waited a step: b's blocks hash alike, so c's block 1 looked like one being written
@@ -127,7 +132,7 @@ def test_hash_collisions_are_checked_not_assumed(monkeypatch):
 def test_freed_cached_blocks_are_reused_after_preemption():
     planner = _planner(blocks=4, bs=4)
     a, b = _req("a", range(1, 5), seq=0), _req("b", range(11, 15), seq=1)
-    planner.waiting.extend([a, b])
+    _wait(planner, a, b)
     for _ in range(5):
         _step(planner)                       # both at 8 tokens + 1: 2 blocks each
     chunks = _step(planner)                  # position 8 needs a 3rd block: b preempted
@@ -145,7 +150,7 @@ def test_priority_orders_waiting_fcfs_within_a_priority():
     planner = Planner(BlockAllocator(64), block_size=4, max_num_seqs=2, max_num_batched_tokens=64)
     reqs = [_req("low0", [1, 2], seq=0, priority=5), _req("hi0", [1, 3], seq=1, priority=-1),
             _req("mid", [1, 4], seq=2), _req("hi1", [1, 5], seq=3, priority=-1)]
-    planner.waiting.extend(reqs)
+    _wait(planner, *reqs)
     assert [r.rid for r in planner.waiting] == ["hi0", "hi1", "mid", "low0"]
     chunks = _step(planner)
     assert [c.rid for c in chunks] == ["hi0", "hi1"]
@@ -157,7 +162,7 @@ def test_request_waits_a_step_for_a_prefix_block_being_written():
     planner = _planner(blocks=32, bs=4, budget=64)
     prefix = list(range(100, 116))  # 4 full blocks
     a, b = _req("a", prefix + [1, 2], seq=0), _req("b", prefix + [3, 4], seq=1)
-    planner.waiting.extend([a, b])
+    _wait(planner, a, b)
     first = planner.plan()
     assert [c.rid for c in first.chunks] == ["a"] and len(first.writing) == 4
     ahead = planner.plan(lookahead=True)  # a's blocks still being written: b keeps waiting
@@ -182,12 +187,12 @@ def test_prompt_logprobs_request_computes_its_whole_prompt_but_shares_its_blocks
     planner = _planner()
     prompt = list(range(1, 11))
     a = _req("a", prompt)
-    planner.waiting.append(a)
+    planner.waiting.push(a)
     _step(planner)
     wants = _req("wants", prompt + [99], seq=1)
     wants.req = msgspec.structs.replace(
         wants.req, sampling=SamplingParams(temperature=0.0, prompt_logprobs=0))
-    planner.waiting.append(wants)
+    planner.waiting.push(wants)
     got = {c.rid: c for c in _step(planner)}
     assert got["wants"].start_pos == 0 and len(got["wants"].token_ids) == 11
     assert wants.cached_tokens == 0
@@ -197,9 +202,9 @@ def test_prompt_logprobs_request_computes_its_whole_prompt_but_shares_its_blocks
     first = _req("first", fresh, seq=2)
     first.req = wants.req.__class__(**{**msgspec.structs.asdict(wants.req), "rid": "first",
                                        "prompt_token_ids": fresh})
-    planner.waiting.append(first)
+    planner.waiting.push(first)
     _step(planner)
     c = _req("c", fresh + [5], seq=3)
-    planner.waiting.append(c)
+    planner.waiting.push(c)
     got = {ch.rid: ch for ch in _step(planner)}
     assert got["c"].start_pos == 8 and c.block_table[:2] == first.block_table[:2]

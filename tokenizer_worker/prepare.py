@@ -294,7 +294,7 @@ class RequestPreparer:
             rid=req.rid, reply_to=req.reply_to, prompt_token_ids=ids, max_tokens=max_tokens,
             sampling=sampling, detok=req.detok, eos_token_ids=eos,
             stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
-            min_tokens=req.min_tokens, arrival_time=req.arrival_time, priority=req.priority,
+            arrival_time=req.arrival_time, priority=req.priority,
             cache_salt=req.cache_salt, probe=req.probe)
         prompt_text = None
         if req.echo_prompt:

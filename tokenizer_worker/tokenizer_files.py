@@ -232,10 +232,6 @@ class CheckpointTokenizer:
 
     # --- chat ----------------------------------------------------------------------------------------------------
 
-    @property
-    def chat_template_names(self) -> list[str]:
-        return list(self._chat_templates)
-
     def chat_template(self, tools_present: bool) -> ChatTemplate | None:
         """The template HF would pick: ``tool_use`` when tools are passed and it exists, else ``default``.
 

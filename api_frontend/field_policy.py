@@ -1,0 +1,389 @@
+"""The request-field table: every field's tier on each endpoint, and what it means.
+
+One row per fact. The code reads it for ``GET /v1/capabilities`` (``tiers``), the
+``candor`` report and strict mode (``report``), and the 400 for a foreign field that would
+change the output (``foreign_notes``); ``api_frontend.fields_doc`` renders the same rows
+into ``docs/fields.md``. A tier is one of ``TIER_MEANINGS``; a deployment shifts it:
+``--strict`` turns ignored and clamped into rejected, ``--max-tokens-policy clamp`` turns
+``clamps`` rows into clamped, and an ``only_with`` row is rejected unless its flag is on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import msgspec
+
+from api_frontend.errors import ApiError
+from protocol.openai_api import CandorReport, ChatCompletionRequest, CompletionRequest, FieldNote
+from protocol.topology import ApiSpec
+
+Tier = Literal["honoured", "clamped", "ignored", "extension", "rejected"]
+Endpoint = Literal["chat", "completions"]
+
+TIER_MEANINGS: dict[str, str] = {
+    "honoured": "maps onto sampling/decoding",
+    "clamped": "accepted, rewritten and reported",
+    "ignored": "accepted, not acted on, reported",
+    "extension": "not an OpenAI field, honoured",
+    "rejected": "400 naming it",
+}
+
+UNKNOWN = "<unknown field>"  # the tier key every field not in the table falls under
+
+
+class Row(msgspec.Struct, frozen=True, kw_only=True):
+    """Request fields that share a tier and a description. ``chat`` / ``completions``:
+    their tier on that endpoint (None: not a field there). ``label`` names a row that is a
+    behaviour rather than fields. ``reason``: why an ignored field is ignored (reported)."""
+
+    fields: tuple[str, ...] = ()
+    chat: Tier | None = None
+    completions: Tier | None = None
+    candor: str
+    vllm: str = "—"
+    sglang: str = "—"
+    tests: str = ""
+    label: str = ""
+    reason: str = ""
+    clamps: bool = False
+    only_with: str = ""  # an ApiSpec flag; without it the field is rejected
+
+    def tier(self, kind: Endpoint) -> Tier | None:
+        return self.chat if kind == "chat" else self.completions
+
+
+class Foreign(msgspec.Struct, frozen=True):
+    """A vLLM or SGLang field Candor does not implement. Rejected: a 400
+    ``unsupported_field`` unless the value is one of ``harmless`` (values that ask for
+    what Candor does anyway, reported as ignored). Ignored: it cannot change the output."""
+
+    field: str
+    tier: Literal["rejected", "ignored"]
+    reason: str
+    harmless: tuple[Any, ...] = ()
+
+
+BOTH = {"chat": "honoured", "completions": "honoured"}
+EXT = {"chat": "extension", "completions": "extension"}
+
+ROWS: tuple[Row, ...] = (
+    Row(fields=("model",), **BOTH, candor="honoured; unknown → 404 listing served names",
+        vllm="404", sglang="no check; `:` = LoRA",
+        tests="H `test_unknown_model_route_and_method`, C `test_sdk_exception_classes`"),
+    Row(fields=("max_tokens",), **BOTH, clamps=True,
+        candor="honoured; overflow → 400 naming the field used and both counts; "
+        "`--max-tokens-policy clamp` → clamped and reported",
+        vllm="clamp silently", sglang="400 with accounting",
+        tests="H `test_context_overflow_names_the_field_and_both_counts`, "
+        "P `test_clamp_policy_reports_the_clamp`"),
+    Row(fields=("max_completion_tokens",), chat="honoured", clamps=True,
+        candor="as `max_tokens`, and wins over it", vllm="same", sglang="same",
+        tests="S `test_max_completion_tokens_wins`"),
+    Row(fields=("temperature",), **BOTH,
+        candor="honoured; 0 = greedy argmax, no RNG; (0, 0.01) kept (fp32-safe); range 0..2",
+        vllm="raised to 0.01", sglang="top_k=1 at 0",
+        tests="C `test_out_of_range_values_are_400_naming_the_field`, "
+        "S `test_top_k_1_and_min_p_1_are_greedy`"),
+    Row(fields=("top_p",), **BOTH, candor="honoured, (0, 1]", vllm="honoured",
+        sglang="honoured", tests="C ranges, model parity `test_sampler_filters`"),
+    Row(fields=("n",), **BOTH,
+        candor="honoured: n choices (seed + i per choice); temperature 0 → computed once, "
+        "n identical choices; usage counts every choice; at most `max_n` (400 naming the "
+        "limit), and n × prompts at most `max_request_share` of the waiting queue",
+        vllm="400 at temperature 0", sglang="n identical samples",
+        tests="S `test_n_choices_sampled_and_greedy`, "
+        "A `test_fan_out_limits_are_400_naming_field_and_limit`"),
+    Row(fields=("stream", "stream_options"), **BOTH,
+        candor="honoured; `stream_options` without `stream` → 400", vllm="400",
+        sglang="ignored",
+        tests="H `test_sse_framing_finish_length_and_usage`, C `test_sdk_exception_classes`"),
+    Row(fields=("stop",), **BOTH,
+        candor="honoured, trimmed; at most `max_stop_strings`, each at most "
+        "`max_stop_string_chars`", vllm="honoured", sglang="honoured",
+        tests="H `test_finish_reason_stop_on_stop_string_is_trimmed`, A limits"),
+    Row(fields=("seed",), **BOTH,
+        candor="honoured: per-request generator, same tokens alone or in any batch",
+        vllm="hint", sglang="hint",
+        tests="S `test_seed_gives_same_tokens_alone_and_in_a_busy_batch`"),
+    Row(fields=("presence_penalty", "frequency_penalty"), **BOTH,
+        candor="honoured over generated tokens, -2..2 (checked against an HF reference)",
+        vllm="honoured", sglang="honoured",
+        tests="S `test_penalties_match_hf_reference`, "
+        "U `test_penalties_match_a_dense_reference`"),
+    Row(fields=("logit_bias",), **BOTH,
+        candor="at most `max_logit_bias` entries; honoured, sparse (index_put over entries, "
+        "cost ∝ entries); ids checked against the vocabulary → 400 `logit_bias`",
+        vllm="sparse; off under spec decoding", sglang="dense B×V fp32",
+        tests="S `test_logit_bias_forces_and_bans_tokens`, "
+        "S `test_logit_bias_errors_name_the_field`, U `test_logit_bias_is_sparse_and_exact`"),
+    Row(fields=("logprobs", "top_logprobs"), chat="honoured",
+        candor="honoured, raw log-softmax before filters; `top_logprobs` 0..`max_logprobs` "
+        "(default 20, `--max-logprobs`) and only with `logprobs: true`",
+        vllm="same split", sglang="same",
+        tests="L `test_chat_logprobs_match_hf_and_parse`, L `test_logprobs_validation`"),
+    Row(fields=("logprobs", "echo"), completions="honoured",
+        candor="honoured; `logprobs` 0..`max_logprobs`; echo returns the prompt and its "
+        "logprobs (first token `null`)", vllm="honoured (`--max-logprobs`)",
+        sglang="honoured", tests="L `test_completion_logprobs_with_echo_match_hf`"),
+    Row(fields=("prompt",), completions="honoured",
+        candor="honoured: a string, token ids, or a list of up to `max_prompts` strings / "
+        "token-id lists; one choice per prompt × n, `index = prompt_index * n + i`, streamed "
+        "too, usage summed over prompts; render takes one prompt", vllm="honoured",
+        sglang="honoured", tests="A `test_prompt_list_with_the_openai_sdk`"),
+    Row(fields=("messages",), chat="honoured",
+        candor="honoured; at most `max_messages`; a system / developer / user message "
+        "without `content` → 400 `messages[i].content`", vllm="400",
+        tests="A `test_message_without_content_names_the_path`"),
+    Row(fields=("prompt_logprobs",), **EXT,
+        candor="extension: 0..`limits.max_logprobs` alternatives per prompt token, as vLLM: "
+        "`choices[].prompt_logprobs` (completions) / top-level (chat), first entry null, each "
+        "`{token_id: {logprob, rank, decoded_token}}`; never truncated: such a request skips "
+        "prefix-cache hits; with `stream` → 400", vllm="same (stream → 400)",
+        tests="L `test_prompt_logprobs_extension_on_completions_matches_hf`, "
+        "L `test_echo_logprobs_are_whole_on_a_prefix_cache_hit`"),
+    Row(fields=("user",), chat="ignored", completions="ignored",
+        reason="accepted for compatibility; Candor does not use it (no per-user policy)",
+        candor="ignored, reported; strict → 400", vllm="ignored silently", sglang="absent",
+        tests="H `test_ignored_fields_are_reported_not_dropped_silently`, "
+        "X `test_strict_server_rejects_ignored_fields`"),
+    Row(fields=("suffix",), completions="ignored",
+        reason="accepted for compatibility; insertion (fill-in-the-middle) is not implemented",
+        candor="ignored, reported; strict → 400", vllm="ignored silently", sglang="absent",
+        tests="C `test_report_on_first_stream_frame_only`, X"),
+    Row(fields=(UNKNOWN,), label="unknown fields", chat="ignored", completions="ignored",
+        reason="not a field Candor knows", candor="ignored, reported; strict → 400",
+        vllm="ignored", sglang="ignored",
+        tests="C `test_report_lists_ignored_extensions_and_template`, X"),
+    Row(fields=("tools",), chat="honoured",
+        candor="honoured: at most `max_tools`; `[]`, a tool without `function.name` (1-64 of "
+        "`A-Za-z0-9_.-`), a name given twice, non-object `parameters` → 400 naming the path "
+        "(`tools[i].function.name` …); rendered by the chat template", vllm="honoured",
+        sglang="honoured",
+        tests="T `test_tool_validation_names_the_field`, "
+        "T `test_assistant_tool_calls_and_tool_results_render`"),
+    Row(fields=("tool_choice",), chat="honoured",
+        candor="honoured. `none`: no parsing. `auto` (default with tools): free generation "
+        "read by the deployment's tool-call parser (`--tool-call-parser`, or detected from the "
+        "chat template; reported as `candor.tool_parser` and in `/v1/capabilities` "
+        "`policy.tool_call_parser[_source]`); no parser → 400 rather than calls arriving as "
+        "content. `required` / named: constrained decoding (a JSON list of `{name, "
+        "parameters}` / the named function's arguments object), so arguments always parse "
+        "and validate. Without `tools`, or naming a function not in `tools` → 400 "
+        "`tool_choice`",
+        vllm="auto needs `--enable-auto-tool-choice`; required/named guided", sglang="guided",
+        tests="T `test_required_calls_always_validate`, "
+        "T `test_named_call_validates_and_streams_the_same_arguments`, "
+        "T `test_auto_reads_hermes_calls_whole_and_streamed`, "
+        "T `test_auto_without_a_parser_is_a_400`"),
+    Row(fields=("parallel_tool_calls",), chat="honoured",
+        candor="honoured for `required`: `false` → the grammar allows exactly one call (no "
+        "tokens spent on others)", vllm="truncates after generating every call",
+        tests="T `test_parallel_false_yields_exactly_one_call`"),
+    Row(label="tool-call output",
+        candor="`message.tool_calls` (`id`, `type`, `function.name`, `function.arguments` as "
+        "JSON text), `content` null when the reply is only calls; streamed as OpenAI deltas "
+        "(id, type, name in a call's first delta, then `arguments` fragments that concatenate "
+        "to exactly the non-streamed arguments); tags never reach `content`; `finish_reason: "
+        "\"tool_calls\"` exactly when calls were emitted. Parsers: hermes (Hermes / Qwen2.5 / "
+        "Qwen3), llama3_json (with or without `<\\|python_tag\\|>`), mistral, deepseek_v31, "
+        "granite, pythonic", vllm="same shape", sglang="same",
+        tests="TP (every parser on its real template's text, streamed in pieces of 1..n "
+        "characters)"),
+    Row(fields=("response_format",), chat="honoured", completions="extension",
+        candor="honoured: `text`; `json_object`; `json_schema` (`strict` or not: always "
+        "enforced). Also accepted on `/v1/completions` (extension, as vLLM). A schema keyword "
+        "the engine cannot enforce → 400 `unsupported_constraint` naming "
+        "`response_format.json_schema.schema` before generation", vllm="honoured",
+        sglang="honoured",
+        tests="G `test_json_schema_always_validates`, "
+        "G `test_unenforceable_constraints_are_400s_naming_the_field`"),
+    Row(fields=("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                "structured_outputs"), **EXT,
+        candor="extensions, enforced by the one grammar engine (llguidance; compiled and "
+        "checked by the tokenizer worker, cached by hash; the worker masks every sampled "
+        "token). `guided_grammar` is Lark or GBNF; `structured_outputs` takes `json`, `regex`, "
+        "`choice`, `grammar`, `json_object`. JSON is compact (no free whitespace). At most one "
+        "constraint per request (two → 400 naming the second); with `tool_choice` "
+        "required/named → 400; with `ignore_eos` → 400. Holds with `n`, `seed`, `logprobs` "
+        "(raw, before the mask), `logit_bias`, stop strings, streaming and preemption. Objects "
+        "listing `properties` without `additionalProperties` get `false` (as vLLM's default "
+        "engine). With a reasoning parser the `<think>` block stays free and the answer after "
+        "`</think>` is constrained", vllm="honoured", sglang="`regex`, `ebnf`, `json_schema`",
+        tests="G `test_each_guided_field_is_enforced`, "
+        "G `test_constraint_survives_preemption_with_the_same_tokens`, "
+        "G `test_stop_string_cuts_constrained_output`"),
+    Row(fields=("top_k",), **EXT, candor="extension, -1 or ≥ 1 (0 = off)", vllm="extension",
+        sglang="extension", tests="S `test_top_k_1_and_min_p_1_are_greedy`, C ranges"),
+    Row(fields=("min_p",), **EXT, candor="extension, 0..1", vllm="extension",
+        sglang="extension",
+        tests="S `test_top_k_1_and_min_p_1_are_greedy`, "
+        "U `test_min_p_keeps_only_tokens_near_the_top`"),
+    Row(fields=("repetition_penalty",), **EXT,
+        candor="extension, over prompt + generated (HF), (0, 2]", vllm="extension",
+        sglang="extension", tests="S `test_penalties_match_hf_reference`"),
+    Row(fields=("min_tokens",), **EXT,
+        candor="extension: eos and `stop_token_ids` masked until reached", vllm="extension",
+        sglang="`min_new_tokens`",
+        tests="S `test_stop_token_ids_min_tokens_and_ignore_eos`, "
+        "U `test_min_tokens_suppresses_stop_ids_until_reached`"),
+    Row(fields=("ignore_eos", "stop_token_ids"), **EXT,
+        candor="extension; at most `max_stop_token_ids` ids", vllm="extension",
+        sglang="extension", tests="S `test_stop_token_ids_min_tokens_and_ignore_eos`"),
+    Row(fields=("include_stop_str_in_output",), **EXT, candor="extension", vllm="extension",
+        sglang="`no_stop_trim`", tests="S `test_stop_string_include_stop_str_in_output`"),
+    Row(fields=("return_token_ids", "skip_special_tokens"), **EXT, candor="extension",
+        vllm="extension", sglang="extension", tests="H `test_usage_counts_equal_tokens_produced`"),
+    Row(fields=("strict",), **EXT, candor="extension: this request in strict mode",
+        tests="C `test_per_request_strict_turns_ignored_into_400`"),
+    Row(fields=("add_generation_prompt", "continue_final_message"), chat="extension",
+        candor="extension; both true → 400", vllm="400",
+        tests="H `test_chat_validation_errors`, "
+        "C `test_render_tokenize_detokenize_agree_with_generation`"),
+    Row(fields=("chat_template_kwargs",), chat="extension",
+        candor="extension; keys the template does not declare are reported ignored with the "
+        "declared variables; strict → 400", vllm="dropped silently",
+        tests="C `test_report_lists_ignored_extensions_and_template`, "
+        "C `test_per_request_strict_turns_ignored_into_400`"),
+    Row(label="reasoning (`--reasoning-parser qwen3 \\| deepseek_r1`, or detected)",
+        candor="`<think>` text → `message.reasoning_content` / `delta.reasoning_content`, "
+        "never `content`; `chat_template_kwargs.enable_thinking: false` (qwen3) / `thinking: "
+        "false` (deepseek_r1) turn it off per request; reported as `candor.reasoning_parser`",
+        vllm="same field", sglang="same",
+        tests="TP `test_reasoning_split_whole_and_streamed`, "
+        "T `test_reasoning_parser_fills_reasoning_content_whole_and_streamed`, "
+        "G `test_constraint_applies_after_the_reasoning_block`"),
+    Row(fields=("chat_template",), chat="extension", only_with="allow_request_chat_template",
+        candor="extension only with `--allow-request-chat-template`, else 400; source "
+        "reported as `request`", vllm="honoured", sglang="honoured",
+        tests="C `test_request_chat_template_needs_the_server_flag`, "
+        "P `test_template_sources_and_string_content_format`"),
+    Row(fields=("echo",), chat="extension",
+        candor="extension: the final assistant message's content is prepended", vllm="same",
+        tests="C `test_chat_echo_prepends_the_final_assistant_message`"),
+    Row(label="message `content` as list of text parts",
+        candor="honoured; for templates that read content as a string, parts are joined with "
+        "\"\\n\"", vllm="content-format detection",
+        tests="P `test_template_sources_and_string_content_format`"),
+)
+
+_NO_GUIDED = "use guided_json / guided_regex / guided_grammar or response_format"
+_NO_BEAM = "beam search is not implemented"
+_BEAM_ONLY = "only applies to beam search, which Candor rejects"
+_NO_LORA = "LoRA adapters are not served"
+_NO_PROCESSORS = "custom logits processors are not implemented"
+FOREIGN: tuple[Foreign, ...] = (
+    Foreign("regex", "rejected", _NO_GUIDED + " (SGLang `regex`)"),
+    Foreign("ebnf", "rejected", _NO_GUIDED + " (SGLang `ebnf`)"),
+    Foreign("json_schema", "rejected", _NO_GUIDED + " (SGLang `json_schema`)"),
+    Foreign("guided_decoding_backend", "ignored", "Candor has one grammar engine "
+            "(llguidance); the constraint itself is honoured"),
+    Foreign("guided_whitespace_pattern", "rejected", "JSON output is always compact (no "
+            "whitespace between tokens)"),
+    Foreign("use_beam_search", "rejected", _NO_BEAM, (False,)),
+    Foreign("best_of", "rejected", "best_of > 1 (sample several, return the best) is not "
+            "implemented", (1,)),
+    Foreign("length_penalty", "ignored", _BEAM_ONLY),
+    Foreign("early_stopping", "ignored", _BEAM_ONLY),
+    Foreign("lora_request", "rejected", _NO_LORA),
+    Foreign("lora_path", "rejected", _NO_LORA),
+    Foreign("spaces_between_special_tokens", "rejected",
+            "only the default (true) detokenization is implemented", (True,)),
+    Foreign("truncate_prompt_tokens", "rejected", "prompt truncation is not implemented"),
+    Foreign("logits_processors", "rejected", _NO_PROCESSORS),
+    Foreign("custom_logit_processor", "rejected", _NO_PROCESSORS),
+    Foreign("bad_words", "rejected", "bad_words is not implemented", ([],)),
+    Foreign("allowed_token_ids", "rejected", "allowed_token_ids is not implemented"),
+    Foreign("vllm_xargs", "rejected", "vLLM's extra sampling arguments are not implemented"),
+    Foreign("return_hidden_states", "rejected", "hidden states are not returned", (False,)),
+    Foreign("return_tokens_as_token_ids", "rejected",
+            "logprob tokens are always returned as text", (False,)),
+    Foreign("min_new_tokens", "rejected", "SGLang's name; Candor's field is `min_tokens`"),
+    Foreign("no_stop_trim", "rejected",
+            "SGLang's name; Candor's field is `include_stop_str_in_output`", (False,)),
+    Foreign("stop_regex", "rejected", "regular-expression stops are not implemented"),
+    Foreign("typical_p", "rejected", "typical sampling is not implemented", (1, 1.0)),
+    Foreign("documents", "rejected", "chat documents (RAG templates) are not implemented"),
+    Foreign("request_id", "ignored", "send the X-Request-Id header instead; it is echoed"),
+    Foreign("kv_transfer_params", "ignored", "disaggregated prefill is not part of Candor"),
+)
+FOREIGN_FIELDS: dict[str, Foreign] = {f.field: f for f in FOREIGN}
+
+
+def _deployed(row: Row, tier: Tier, api: ApiSpec) -> Tier:
+    """``tier`` as this deployment's flags shift it."""
+    if row.clamps and api.max_tokens_policy == "clamp":
+        tier = "clamped"
+    if row.only_with and not getattr(api, row.only_with):
+        tier = "rejected"
+    return "rejected" if api.strict and tier in ("ignored", "clamped") else tier
+
+
+def tiers(kind: Endpoint, api: ApiSpec) -> dict[str, Tier]:
+    """The tier of every request field of ``kind`` under ``api`` (``UNKNOWN`` for the
+    rest), as GET /v1/capabilities publishes it."""
+    out: dict[str, Tier] = {}
+    for row in ROWS:
+        tier = row.tier(kind)
+        if tier is not None:
+            out.update({f: _deployed(row, tier, api) for f in row.fields})
+    unknown = out.pop(UNKNOWN)
+    out.update({f.field: "rejected" if f.tier == "rejected" else
+                ("rejected" if api.strict else "ignored") for f in FOREIGN})
+    out[UNKNOWN] = unknown
+    return out
+
+
+_EXTENSIONS: dict[Endpoint, frozenset[str]] = {
+    kind: frozenset(f for f, t in tiers(kind, ApiSpec()).items() if t == "extension")
+    for kind in ("chat", "completions")}
+_IGNORED: dict[Endpoint, tuple[tuple[str, str], ...]] = {
+    kind: tuple((f, row.reason) for row in ROWS if row.tier(kind) == "ignored"
+                for f in row.fields if f != UNKNOWN)
+    for kind in ("chat", "completions")}
+_UNKNOWN_REASON = next(row.reason for row in ROWS if UNKNOWN in row.fields)
+_VALUE = msgspec.json.Decoder()
+
+
+def foreign_notes(raw: Mapping[str, Any] | list[str], known: set[str]) -> list[FieldNote]:
+    """400 for a foreign field that would change the output; notes for the harmless ones."""
+    notes = []
+    for key in raw:
+        spec = FOREIGN_FIELDS.get(key)
+        if spec is None or key in known:
+            continue
+        if spec.tier == "rejected":
+            value = _VALUE.decode(raw[key]) if isinstance(raw, dict) else None
+            if not any(value == h and type(value) is type(h) for h in spec.harmless):
+                raise ApiError(400, f"`{key}` is not supported by Candor ({spec.reason}); "
+                               "remove it rather than have it ignored", key,
+                               "unsupported_field")
+            notes.append(FieldNote(key, f"the value asks for Candor's own behaviour "
+                                   f"({spec.reason})"))
+        else:
+            notes.append(FieldNote(key, spec.reason))
+    return notes
+
+
+def report(raw_keys: Mapping[str, Any] | list[str],
+           req: CompletionRequest | ChatCompletionRequest, api: ApiSpec) -> CandorReport:
+    """The ``candor`` report for a request whose body had ``raw_keys``: the ignored fields
+    it sent (a 400 in strict mode), the extensions it used, and the defaults it took."""
+    kind: Endpoint = "chat" if isinstance(req, ChatCompletionRequest) else "completions"
+    known = set(req.__struct_fields__)
+    ignored = [FieldNote(f, reason) for f, reason in _IGNORED[kind]
+               if getattr(req, f) is not None]
+    ignored += foreign_notes(raw_keys, known)
+    ignored += [FieldNote(k, _UNKNOWN_REASON) for k in raw_keys
+                if k not in known and k not in FOREIGN_FIELDS]
+    extensions = [k for k in raw_keys if k in _EXTENSIONS[kind]]
+    strict = api.strict or req.strict
+    if strict and ignored:
+        note = ignored[0]
+        raise ApiError(400, f"`{note.field}` would be ignored ({note.reason}); strict mode "
+                       "turns ignored fields into errors", note.field, "ignored_field")
+    defaults = [FieldNote(k, f"omitted; default from {api.sampling_defaults.source}", to=v)
+                for k, v in api.sampling_defaults.items().items() if k not in raw_keys]
+    return CandorReport(ignored=ignored, extensions=extensions, defaults=defaults,
+                        strict=strict)

@@ -1,0 +1,22 @@
+"""docs/fields.md is generated from the field table; these fail when it is stale or cites
+a test that does not exist."""
+
+import re
+from pathlib import Path
+
+from api_frontend import fields_doc
+
+TESTS = Path(__file__).resolve().parent
+
+
+def test_checked_in_page_matches_the_table():
+    assert fields_doc.PATH.read_text() == fields_doc.render(), (
+        f"docs/fields.md is stale: run `{fields_doc.COMMAND}`")
+
+
+def test_every_cited_test_exists():
+    defined = set()
+    for path in TESTS.glob("test_*.py"):
+        defined.update(re.findall(r"def (test_\w+)", path.read_text()))
+    cited = set(re.findall(r"`(test_\w+)`", fields_doc.render()))
+    assert cited and not cited - defined, sorted(cited - defined)
