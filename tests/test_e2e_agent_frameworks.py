@@ -1,6 +1,6 @@
 """Agent frameworks end to end against the running server (random weights).
 
-LangChain's ``ChatOpenAI`` runs in the test environment; instructor cannot share it (its
+LangChain's ``ChatOpenAI`` and pydantic-ai's ``Agent`` run in the test environment; instructor cannot share it (its
 ``jiter`` pin conflicts with the openai SDK the other tests use), so it runs as a separate
 program in ``.venv-instructor``, which ``make test`` builds. Every structured answer must
 validate against the client's pydantic model, which only constrained decoding can promise
@@ -9,6 +9,7 @@ with random weights.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -66,6 +67,28 @@ def test_langchain_streams_tool_call_chunks(server):
     whole = bound.invoke("Weather in Rome?").tool_calls
     assert [(c["name"], c["args"]) for c in merged.tool_calls] == \
         [(c["name"], c["args"]) for c in whole]
+
+
+def test_pydantic_ai_output_types(server):
+    """pydantic-ai's default (tool) output, ``ToolOutput`` and ``NativeOutput`` (a
+    json_schema response_format), whole and streamed, with no retries allowed."""
+    from pydantic_ai import Agent, NativeOutput, ToolOutput
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    model = OpenAIChatModel("tiny-llama", provider=OpenAIProvider(
+        base_url=server.base_url + "/v1", api_key="unused"))
+    settings = {"max_tokens": 200, "seed": 1}
+    for output in (Person, ToolOutput(Person), NativeOutput(Person)):
+        agent = Agent(model, output_type=output, retries=0, model_settings=settings)
+        assert isinstance(agent.run_sync("Describe a person").output, Person), output
+
+    async def streamed() -> Person:
+        agent = Agent(model, output_type=Person, retries=0, model_settings=settings)
+        async with agent.run_stream("Describe a person") as run:
+            return await run.get_output()
+
+    assert isinstance(asyncio.run(streamed()), Person)
 
 
 def test_instructor_modes_validate(server):
