@@ -224,9 +224,11 @@ ROWS: tuple[Row, ...] = (
         candor="extension, over prompt + generated (HF), (0, 2]", vllm="extension",
         sglang="extension", tests="S `test_penalties_match_hf_reference`"),
     Row(fields=("min_tokens",), **EXT,
-        candor="extension: eos and `stop_token_ids` masked until reached", vllm="extension",
+        candor="extension: eos and `stop_token_ids` masked until reached; stop strings "
+        "count only where they end after those tokens (as vLLM)", vllm="extension",
         sglang="`min_new_tokens`",
         tests="S `test_stop_token_ids_min_tokens_and_ignore_eos`, "
+        "S `test_min_tokens_holds_back_stop_strings`, "
         "U `test_min_tokens_suppresses_stop_ids_until_reached`"),
     Row(fields=("ignore_eos", "stop_token_ids"), **EXT,
         candor="extension; at most `max_stop_token_ids` ids", vllm="extension",

@@ -144,7 +144,8 @@ def _detok(req: CompletionRequest | ChatCompletionRequest) -> ipc.DetokParams:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     return ipc.DetokParams(stop=stop, include_stop_str_in_output=req.include_stop_str_in_output,
                            skip_special_tokens=req.skip_special_tokens,
-                           return_token_ids=req.return_token_ids)
+                           return_token_ids=req.return_token_ids,
+                           min_tokens=req.min_tokens or 0)
 
 
 def _common(req: CompletionRequest | ChatCompletionRequest, rid: str, reply_to: str,

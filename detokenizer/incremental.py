@@ -34,6 +34,7 @@ class RequestDetokenizer:
         self._emitted = 0       # characters of self.text already sent
         self.num_tokens = 0     # generated tokens consumed (usage.completion_tokens)
         self.stopped = False    # a stop string matched
+        self._min_end = 0       # stop strings must end after this (min_tokens' text)
 
     def add_token(self, token_id: int) -> None:
         """Consume one generated id. After a stop string matches, later ids are ignored."""
@@ -44,11 +45,13 @@ class RequestDetokenizer:
         if not piece:
             return
         self.text += piece
+        if self.num_tokens <= self._params.min_tokens:
+            self._min_end = len(self.text)
         if self._stops.active:
             self._check_stops()
 
     def _check_stops(self) -> None:
-        found = self._stops.feed(self.text)
+        found = self._stops.feed(self.text, self._min_end)
         if found is None:
             return
         at, stop_end = found

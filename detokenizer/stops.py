@@ -26,10 +26,11 @@ class StopMatcher:
             self._automaton.make_automaton()
         self.hold_from = 0  # text before this index can no longer start a stop string
 
-    def feed(self, text: str) -> tuple[int, int] | None:
+    def feed(self, text: str, min_end: int = 0) -> tuple[int, int] | None:
         """``text``: everything so far (the previous call's text plus new characters).
         Returns (start, end) of the stop string that starts first (on a tie, the one
-        listed first), or None and advances ``hold_from``."""
+        listed first) among those ending after ``min_end``, or None and advances
+        ``hold_from``."""
         if not self.active:
             self.hold_from = len(text)
             return None
@@ -37,6 +38,8 @@ class StopMatcher:
         start = self.hold_from
         best: tuple[int, int, int] | None = None  # (start, order, length)
         for last, (order, length) in automaton.iter(text, start):
+            if last < min_end:
+                continue
             found = (last - length + 1, order, length)
             if best is None or found < best:
                 best = found

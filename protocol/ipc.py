@@ -69,6 +69,9 @@ class DetokParams(msgspec.Struct, frozen=True, omit_defaults=True):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     return_token_ids: bool = False
+    # stop strings count only where they end after the first ``min_tokens`` tokens' text
+    # (vLLM's rule: min_tokens holds back every stop condition)
+    min_tokens: int = 0
 
 
 # ---------------------------------------------------------------- frontend -> tokenizer

@@ -56,6 +56,19 @@ def test_stop_strings_are_trimmed_across_tokens(tokenizer, stop, include, expect
         assert all(stop not in d for d in deltas)
 
 
+def test_min_tokens_holds_back_stop_strings_ending_inside_them(tokenizer):
+    """vLLM's rule: a stop string counts only where it ends after the first min_tokens
+    tokens' text; one that straddles that boundary still stops."""
+    ids = tokenizer.encode(TEXT, add_special_tokens=False).ids
+    cut = next(k for k in range(1, len(ids)) if "café" in tokenizer.decode(ids[:k]))
+    deltas, detok = _run(tokenizer, TEXT, DetokParams(stop=["café"], min_tokens=cut))
+    assert not detok.stopped and "".join(deltas) == TEXT
+    deltas, detok = _run(tokenizer, TEXT, DetokParams(stop=["café"], min_tokens=cut - 1))
+    assert detok.stopped and "".join(deltas) == "Über "
+    deltas, _ = _run(tokenizer, TEXT, DetokParams(stop=["café", "emoji"], min_tokens=cut))
+    assert "".join(deltas) == TEXT[:TEXT.index("emoji")]
+
+
 def test_earliest_of_several_stop_strings_wins(tokenizer):
     deltas, _ = _run(tokenizer, TEXT, DetokParams(stop=["emoji", "café"]))
     assert "".join(deltas) == "Über "

@@ -119,6 +119,23 @@ async def test_stop_string_include_stop_str_in_output(server):
     assert kept["choices"][0]["text"] == text[:text.index(stop) + len(stop)]
 
 
+async def test_min_tokens_holds_back_stop_strings(server):
+    """A stop string inside the first min_tokens tokens does not end the request (as in
+    vLLM, min_tokens holds back every stop condition)."""
+    full = await _complete(server, {"max_tokens": 12, "temperature": 0, "ignore_eos": True,
+                                    "return_token_ids": True})
+    text = full["choices"][0]["text"]
+    stop = text[1:3]
+    early = await _complete(server, {"max_tokens": 12, "temperature": 0, "ignore_eos": True,
+                                     "stop": [stop]})
+    assert early["choices"][0]["finish_reason"] == "stop", "the stop string must occur early"
+    assert early["usage"]["completion_tokens"] < 6
+    held = await _complete(server, {"max_tokens": 12, "temperature": 0, "ignore_eos": True,
+                                    "stop": [stop], "min_tokens": 6, "return_token_ids": True})
+    assert _ids(held)[:6] == _ids(full)[:6] and len(_ids(held)) >= 6
+    assert held["choices"][0]["text"].startswith(text[:3])
+
+
 async def test_seed_gives_same_tokens_alone_and_in_a_busy_batch(server):
     seeded = {"max_tokens": 12, "temperature": 1.0, "seed": 1234, "ignore_eos": True,
               "return_token_ids": True}
