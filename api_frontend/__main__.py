@@ -30,10 +30,11 @@ from api_frontend.topology_watch import TopologyWatch
 from protocol.checkpoint import effective_max_model_len
 from protocol.lifecycle import die_with_parent, read_config, setup_logging
 from protocol.openai_api import ModelCard
+from protocol.process_config import FrontendConfig
 
 
 async def serve() -> None:
-    cfg = read_config()
+    cfg = read_config(FrontendConfig)
     log = setup_logging(cfg)
     metrics = FrontendMetrics()
     engine = EngineClient(cfg, metrics)

@@ -30,7 +30,7 @@ from api_frontend.metrics import FrontendMetrics, RequestTimer
 from api_frontend.replica_router import ReplicaRouter, affinity_text
 from protocol import ipc
 from protocol.routing import detokenizer_index
-from protocol.topology import ProcessConfig
+from protocol.process_config import FrontendConfig
 from protocol.transport import Receiver, Sender, async_context
 
 HEARTBEAT_STALE_S = 2.0
@@ -72,7 +72,7 @@ def _exit_if_reader_died(task: asyncio.Task) -> None:
 
 
 class EngineClient:
-    def __init__(self, cfg: ProcessConfig, metrics: FrontendMetrics | None = None) -> None:
+    def __init__(self, cfg: FrontendConfig, metrics: FrontendMetrics | None = None) -> None:
         self.ctx = async_context(cfg.security)
         a = cfg.addresses
         self.reply_to = a.frontend_results[cfg.index]

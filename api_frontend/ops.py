@@ -22,7 +22,7 @@ from api_frontend.probe import PROBE_KEY, GenerationProbe
 from api_frontend.topology_watch import TopologyWatch
 from protocol import ipc
 from protocol.metrics import render
-from protocol.topology import ProcessConfig
+from protocol.process_config import FrontendConfig
 from protocol.version import VERSION
 
 PROBE_TIMEOUT_S = 10.0
@@ -33,7 +33,7 @@ GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
 class Ops:
     """Everything the ops routes read; one per frontend process."""
 
-    def __init__(self, cfg: ProcessConfig, engine: EngineClient, watch: TopologyWatch,
+    def __init__(self, cfg: FrontendConfig, engine: EngineClient, watch: TopologyWatch,
                  metrics: FrontendMetrics) -> None:
         self.cfg = cfg
         self.engine = engine

@@ -19,6 +19,7 @@ import zmq
 from protocol import ipc
 from protocol.checkpoint import effective_max_model_len
 from protocol.lifecycle import StopFlag, die_with_parent, read_config, setup_logging
+from protocol.process_config import WorkerConfig
 from protocol.transport import Receiver, Sender, sync_context
 
 
@@ -34,7 +35,7 @@ def _default_threads(ranks: int) -> int:
 
 def main() -> None:
     die_with_parent()
-    cfg = read_config()
+    cfg = read_config(WorkerConfig)
     log = setup_logging(cfg)
     stop = StopFlag()
     rank, size = cfg.tp_rank, cfg.tensor_parallel

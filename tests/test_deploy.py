@@ -14,7 +14,8 @@ import msgspec
 import pytest
 import yaml
 
-from protocol.topology import ROLES, Topology, load_topology, process_configs
+from protocol.process_config import process_configs
+from protocol.topology import ROLES, Topology, load_topology
 from protocol.topology_check import TopologyError, check_topology
 from tests.metrics_text import scrape
 from tests.server import REPO

@@ -209,7 +209,8 @@ addresses:
   worker_out: tcp://{{host}}:{ports[3]}
   tp_rendezvous: tcp://{{host}}:{ports[4]}
 """)
-    from protocol.topology import load_topology, process_configs
+    from protocol.process_config import process_configs
+    from protocol.topology import load_topology
     placed = {(c.node, c.role, c.index) for c in process_configs(load_topology(str(topo)), "/r")
               if c.role == "gpu_worker"}
     assert placed == {("gateway", "gpu_worker", 0), ("rank1", "gpu_worker", 1)}
