@@ -66,7 +66,6 @@ def main() -> None:
         max_model_len=effective_max_model_len(cfg.model_path, cfg.max_model_len),
         load_format=cfg.load_format, seed=eng.seed, enforce_eager=eng.enforce_eager,
         max_num_seqs=eng.max_num_seqs, ranks=ranks)
-    runner.fault_token_id = eng.fault_token_id
     kv_mib = runner.num_blocks * runner.block_bytes / 2**20
     log.info("rank %d/%d: model loaded in %.2fs, %d threads, dtype %s (%s); KV cache %d blocks "
              "= %.0f MiB = %d tokens (%s)", rank, size, time.perf_counter() - started,

@@ -148,7 +148,6 @@ class ModelRunner:
         self.failed_last_step: set[str] = set()  # rids of the previous step, if it failed
         self.tracker = RequestTracker()  # token history (penalties) and prompt logprobs
         self.grammars = GrammarStates(model_path, cfg.vocab_size)  # constrained decoding
-        self.fault_token_id: int | None = None  # test hook, see EngineSpec.fault_token_id
         self.decode_graphs: cuda_graphs.DecodeGraphRunner | None = None
         if self.attn_backend is not None and not enforce_eager and ranks.size > 1:
             log.info("tensor parallel: decode steps run eagerly (no CUDA graphs across ranks)")
@@ -286,8 +285,6 @@ class ModelRunner:
         vocab = self.config.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise ValueError(f"token id outside vocabulary [0, {vocab})")
-        if self.fault_token_id is not None and self.fault_token_id in ids:
-            raise RuntimeError(f"injected fault: token {self.fault_token_id} was fed")
         to_sample = [s for s in seqs if s.sample]  # plan order
         rids = [s.rid for s in to_sample]
         masked = self.grammars.constrained(rids)

@@ -69,9 +69,6 @@ class EngineSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # No CUDA graphs: decode-only steps launch eagerly (vLLM's --enforce-eager). Graphs
     # are used only with the flashinfer backend on CUDA; elsewhere this changes nothing.
     enforce_eager: bool = False
-    # Test hook: a step that feeds this token id fails in the worker, exercising the
-    # "failure after the stream started" path end to end. Never set in production.
-    fault_token_id: int | None = None
 
 
 class CorsSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
