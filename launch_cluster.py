@@ -39,19 +39,19 @@ import msgspec
 import zmq
 
 from api_frontend.tool_parsers.resolve import resolve_tool_parser
-from protocol.health import STATUS_INTERVAL_S, ChildStatus, NodeStatus
-from protocol.metrics import ENV as METRICS_ENV
-from protocol.metrics import prepare_dir as prepare_metrics_dir
-from protocol.metrics import process_exited
-from protocol.metrics_view import NodeMetricsInfo, ProcessEntry, write_node_info
-from protocol.node_http import serve_node_http
-from protocol.process_config import ProcessConfig, ReplicaConfig, process_configs
-from protocol.topology import HttpSpec, NodeSpec, Topology, load_topology
-from protocol.generation_config import GenerationConfigError, sampling_defaults
-from protocol.hf_cache import ModelNotFound, resolve_model
-from protocol.serve_cli import (DEFAULT_MODEL_DIR, ServeArgsError, model_argument,
+from cluster.generation_config import GenerationConfigError, sampling_defaults
+from cluster.hf_cache import ModelNotFound, resolve_model
+from cluster.metrics import ENV as METRICS_ENV
+from cluster.metrics import prepare_dir as prepare_metrics_dir
+from cluster.metrics import process_exited
+from cluster.metrics_view import NodeMetricsInfo, ProcessEntry, write_node_info
+from cluster.node_http import serve_node_http
+from cluster.process_config import ProcessConfig, ReplicaConfig, process_configs
+from cluster.serve_cli import (DEFAULT_MODEL_DIR, ServeArgsError, model_argument,
                                 normalize_argv, serve_parser, serve_topology)
-from protocol.topology_check import TopologyError, check_topology
+from cluster.topology import HttpSpec, NodeSpec, Topology, load_topology
+from cluster.topology_check import TopologyError, check_topology
+from protocol.health import STATUS_INTERVAL_S, ChildStatus, NodeStatus
 from protocol.transport import Sender, sync_context
 
 GRACE_S = 10.0

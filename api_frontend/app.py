@@ -19,9 +19,9 @@ from api_frontend.errors import ApiError, check_served_model, from_decode_error
 from api_frontend.generate import LOG_REQUESTS_KEY, REQUEST_ID_KEY, run_generation
 from api_frontend.openapi import build_openapi
 from api_frontend.translate import prompt_list
+from cluster.topology import ApiSpec
 from protocol.openai_api import (ChatCompletionRequest, CompletionRequest, ModelCard,
                                  ModelList)
-from protocol.topology import ApiSpec
 
 log = logging.getLogger("api_frontend")
 _JSON = msgspec.json.Encoder()

@@ -28,9 +28,9 @@ import zmq
 from api_frontend.errors import ApiError
 from api_frontend.metrics import FrontendMetrics, RequestTimer
 from api_frontend.replica_router import ReplicaRouter, affinity_text
+from cluster.process_config import FrontendConfig
 from protocol import ipc
 from protocol.routing import detokenizer_index
-from protocol.process_config import FrontendConfig
 from protocol.transport import Receiver, Sender, async_context
 
 READER_DIED_EXIT = 70  # EX_SOFTWARE: an internal failure the launcher reports

@@ -15,11 +15,11 @@ from api_frontend.engine_client import EngineClient
 from api_frontend.errors import ApiError, check_served_model, from_decode_error
 from api_frontend.generate import complete_report
 from api_frontend.translate import chat_to_generate, completion_to_generate, field_tiers
+from cluster.topology import ApiSpec
 from protocol import ipc
 from protocol.openai_api import (ChatCompletionRequest, DetokenizeRequest,
                                  DetokenizeResponse, ModelCard, RenderResponse, TemplateRef,
                                  TokenizeRequest, TokenizeResponse, TokenizerInfoResponse)
-from protocol.topology import ApiSpec
 
 _JSON = msgspec.json.Encoder()
 _DECODERS = {t: msgspec.json.Decoder(t) for t in (TokenizeRequest, DetokenizeRequest)}

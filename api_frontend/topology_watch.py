@@ -17,8 +17,8 @@ from typing import Callable
 import zmq
 import zmq.asyncio
 
+from cluster.process_config import FrontendConfig
 from protocol.health import NodeStatus
-from protocol.process_config import FrontendConfig
 from protocol.transport import Receiver
 
 

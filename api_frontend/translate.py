@@ -19,10 +19,10 @@ from api_frontend import limits, reasoning
 from api_frontend.constraints import guided_spec
 from api_frontend.errors import ApiError
 from api_frontend.tools import ToolPlan, tool_plan
+from cluster.topology import ApiSpec
 from protocol import ipc
 from protocol.openai_api import (INT64_MAX, INT64_MIN, TOKEN_ID_MAX, CandorReport,
                                  ChatCompletionRequest, CompletionRequest, FieldNote)
-from protocol.topology import ApiSpec
 
 _COMMON_HONOURED = ("model", "max_tokens", "temperature", "top_p", "n", "stream",
                     "stream_options", "stop", "seed", "presence_penalty", "frequency_penalty",

@@ -6,9 +6,9 @@ import os
 
 from tokenizers import Tokenizer
 
+from cluster.lifecycle import StopFlag, die_with_parent, read_config, setup_logging
+from cluster.process_config import DetokenizerConfig
 from protocol import ipc
-from protocol.lifecycle import StopFlag, die_with_parent, read_config, setup_logging
-from protocol.process_config import DetokenizerConfig
 from protocol.transport import Receiver, Sender, SenderPool, sync_context
 from detokenizer.incremental import RequestDetokenizer
 from detokenizer.logprobs import TokenTexts

@@ -16,10 +16,10 @@ import traceback
 
 import zmq
 
+from cluster.checkpoint import effective_max_model_len
+from cluster.lifecycle import StopFlag, die_with_parent, read_config, setup_logging
+from cluster.process_config import WorkerConfig
 from protocol import ipc
-from protocol.checkpoint import effective_max_model_len
-from protocol.lifecycle import StopFlag, die_with_parent, read_config, setup_logging
-from protocol.process_config import WorkerConfig
 from protocol.transport import Receiver, Sender, sync_context
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cluster import checkpoint
 from gpu_worker import cpu_decode, cuda_graphs
 from gpu_worker.attention import GatherScratch, build_metadata, decode_group_blocks, select_backend
 from gpu_worker.grammar import GrammarStates
@@ -36,7 +37,6 @@ from gpu_worker.progress import Progress
 from gpu_worker.request_state import RequestTracker
 from gpu_worker.tp_shard import tp_shard
 from gpu_worker.sampler import Sampler
-from protocol import checkpoint
 from protocol.ipc import (PLACEHOLDER_TOKEN, SampleLogprobs, SamplingParams, SeqChunk, StepPlan,
                           StepResult, TokenLogprob)
 
@@ -59,7 +59,7 @@ class _Batch:
 
 
 def resolve_dtype(name: str, model_path: str, device: torch.device) -> tuple[torch.dtype, str]:
-    """(torch dtype, why) for ``--dtype name`` (see ``protocol.checkpoint.resolve_dtype``)."""
+    """(torch dtype, why) for ``--dtype name`` (see ``cluster.checkpoint.resolve_dtype``)."""
     canonical, why = checkpoint.resolve_dtype(name, device.type, model_path)
     return _DTYPES[canonical], why
 
@@ -89,7 +89,7 @@ class ModelRunner:
         self.dtype, self.dtype_reason = resolve_dtype(dtype, model_path, self.device)
         self.block_size = block_size
 
-        # The context limit is settled before this process starts (protocol.checkpoint's
+        # The context limit is settled before this process starts (cluster.checkpoint's
         # effective_max_model_len, which every role uses); windows do not shorten it.
         limit = cfg.max_position_embeddings
         self.max_model_len = min(limit, max_model_len) if max_model_len else limit

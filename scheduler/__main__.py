@@ -1,7 +1,7 @@
 """Scheduler process: continuous batching over the paged KV cache."""
 
-from protocol.lifecycle import StopFlag, die_with_parent, read_config, setup_logging
-from protocol.process_config import SchedulerConfig
+from cluster.lifecycle import StopFlag, die_with_parent, read_config, setup_logging
+from cluster.process_config import SchedulerConfig
 from protocol.transport import sync_context
 from scheduler.engine_loop import EngineLoop
 

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import zmq
 
+from cluster.process_config import SchedulerConfig
 from protocol import ipc
-from protocol.process_config import SchedulerConfig
 from protocol.routing import detokenizer_index
 from protocol.transport import Receiver, Sender, SenderPool
 from scheduler.block_manager import BlockAllocator

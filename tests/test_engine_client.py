@@ -15,9 +15,9 @@ import zmq.asyncio
 
 from api_frontend import engine_client
 from api_frontend.engine_client import EngineClient
+from cluster.process_config import FrontendConfig
+from cluster.topology import ResolvedAddresses, SupervisionSpec
 from protocol import ipc
-from protocol.process_config import FrontendConfig
-from protocol.topology import ResolvedAddresses, SupervisionSpec
 
 
 @pytest.mark.parametrize("replicas", [1, 2])

@@ -13,8 +13,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from protocol.process_config import process_configs
-from protocol.topology import load_topology
+from cluster.process_config import process_configs
+from cluster.topology import load_topology
 from tests.server import REPO, CandorServer, pid_alive, role_of
 
 LEAN_ROLES = ("api_frontend", "tokenizer_worker", "scheduler", "detokenizer")
@@ -102,8 +102,8 @@ def test_shipped_topologies_are_valid(path):
 def test_each_role_decodes_only_its_own_slice(tmp_path):
     """A child's JSON carries its role's slice of the topology and decodes as that role's
     type only (the role is the tag)."""
-    from protocol.lifecycle import read_config
-    from protocol.process_config import (DetokenizerConfig, FrontendConfig, SchedulerConfig,
+    from cluster.lifecycle import read_config
+    from cluster.process_config import (DetokenizerConfig, FrontendConfig, SchedulerConfig,
                                          TokenizerConfig, WorkerConfig)
 
     topo = tmp_path / "t.yaml"

@@ -5,10 +5,10 @@ from __future__ import annotations
 import logging
 from collections import deque
 
+from cluster.checkpoint import effective_max_model_len, read_model_config
+from cluster.lifecycle import StopFlag, die_with_parent, read_config, setup_logging
+from cluster.process_config import TokenizerConfig
 from protocol import ipc
-from protocol.checkpoint import effective_max_model_len, read_model_config
-from protocol.lifecycle import StopFlag, die_with_parent, read_config, setup_logging
-from protocol.process_config import TokenizerConfig
 from protocol.transport import Receiver, Sender, SenderPool, sync_context
 from tokenizer_worker.deadline import Watchdog
 from tokenizer_worker.memory import TRIM_AFTER_BYTES, release_memory

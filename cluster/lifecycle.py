@@ -18,7 +18,7 @@ from typing import TypeVar
 
 import msgspec
 
-from protocol.process_config import ProcessConfig
+from cluster.process_config import ProcessConfig
 
 C = TypeVar("C", bound=ProcessConfig)
 

@@ -2,7 +2,7 @@
 
 A YAML file decodes straight into ``Topology`` (msgspec.yaml, unknown keys rejected, so
 a typo names the bad key). ``resolve`` turns its address templates into one address set
-per engine replica; ``protocol.process_config`` cuts it into each process's config.
+per engine replica; ``cluster.process_config`` cuts it into each process's config.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import msgspec
 
-from protocol.topology import (LOCAL_NODE, ApiSpec, EngineSpec, HttpSpec, ResolvedAddresses,
+from cluster.topology import (LOCAL_NODE, ApiSpec, EngineSpec, HttpSpec, ResolvedAddresses,
                                RouterSpec, SecuritySpec, SupervisionSpec, Topology, resolve)
 
 

@@ -17,7 +17,7 @@ import re
 
 import msgspec
 
-from protocol.topology import Topology
+from cluster.topology import Topology
 
 DEFAULT_MODEL_DIR = os.path.expanduser(
     os.environ.get("CANDOR_MODEL_DIR", "~/.cache/candor/models/tiny-llama"))
