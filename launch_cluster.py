@@ -39,19 +39,19 @@ import msgspec
 import zmq
 
 from api_frontend.tool_parsers.resolve import resolve_tool_parser
-from protocol.health import STATUS_INTERVAL_S, ChildStatus, NodeStatus
-from protocol.metrics import ENV as METRICS_ENV
-from protocol.metrics import prepare_dir as prepare_metrics_dir
-from protocol.metrics import process_exited
-from protocol.metrics_view import NodeMetricsInfo, ProcessEntry, write_node_info
-from protocol.node_http import serve_node_http
-from protocol.topology import (HttpSpec, NodeSpec, ProcessConfig, Topology, load_topology,
-                               process_configs)
-from protocol.generation_config import GenerationConfigError, sampling_defaults
-from protocol.hf_cache import ModelNotFound, resolve_model
-from protocol.serve_cli import (DEFAULT_MODEL_DIR, ServeArgsError, model_argument,
+from cluster.generation_config import GenerationConfigError, sampling_defaults
+from cluster.hf_cache import ModelNotFound, resolve_model
+from cluster.metrics import ENV as METRICS_ENV
+from cluster.metrics import prepare_dir as prepare_metrics_dir
+from cluster.metrics import process_exited
+from cluster.metrics_view import NodeMetricsInfo, ProcessEntry, write_node_info
+from cluster.node_http import serve_node_http
+from cluster.process_config import ProcessConfig, ReplicaConfig, process_configs
+from cluster.serve_cli import (DEFAULT_MODEL_DIR, ServeArgsError, model_argument,
                                 normalize_argv, serve_parser, serve_topology)
-from protocol.topology_check import TopologyError, check_topology
+from cluster.topology import HttpSpec, NodeSpec, Topology, load_topology
+from cluster.topology_check import TopologyError, check_topology
+from protocol.health import STATUS_INTERVAL_S, ChildStatus, NodeStatus
 from protocol.transport import Sender, sync_context
 
 GRACE_S = 10.0
@@ -76,21 +76,18 @@ class Child:
 
     @property
     def name(self) -> str:
-        return f"{self.config.role}[{self.config.index}]"
+        return self.config.name
 
     @property
     def replica(self) -> int | None:
         """The engine replica this process belongs to (None: shared by all)."""
-        return self.config.replica if self.config.role in REPLICA_ROLES else None
+        return self.config.replica if isinstance(self.config, ReplicaConfig) else None
 
     def status(self) -> ChildStatus:
         code = self.proc.poll()
         return ChildStatus(self.config.role, self.config.index, self.proc.pid, code is None,
                            code if code is not None else self.last_exit, self.restarts,
                            self.replica)
-
-
-REPLICA_ROLES = ("scheduler", "gpu_worker")
 
 
 RUN_DIR_PREFIX = "candor-"
@@ -101,7 +98,8 @@ _KEY_ENVS = (KEYS_ENV, "CANDOR_API_KEY", "VLLM_API_KEY")
 
 
 def _spawn(cfg: ProcessConfig, devices: list[int], api_keys: list[str],
-           gpu_workers: list[int] | None = None) -> subprocess.Popen:
+           gpu_workers: list[int]) -> subprocess.Popen:
+    """``gpu_workers``: the gpu_worker indexes this node runs, in ``devices``' order."""
     env = {k: v for k, v in os.environ.items() if k not in _KEY_ENVS}
     if cfg.role == "api_frontend" and api_keys:
         env[KEYS_ENV] = "\n".join(api_keys)
@@ -110,10 +108,8 @@ def _spawn(cfg: ProcessConfig, devices: list[int], api_keys: list[str],
     else:
         env = {**_WORKER_ENV, **env}
         if devices:  # one device per rank this node runs, when it lists enough
-            here = gpu_workers if gpu_workers is not None else \
-                list(range(cfg.tensor_parallel * cfg.replicas))
-            mine = [devices[here.index(cfg.index)]] if len(devices) >= len(here) > 1 \
-                else devices
+            mine = [devices[gpu_workers.index(cfg.index)]] \
+                if len(devices) >= len(gpu_workers) > 1 else devices
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in mine)
     if cfg.metrics_dir is not None:  # read by prometheus_client when a child imports it
         env[METRICS_ENV] = cfg.metrics_dir
@@ -167,6 +163,8 @@ class NodeSupervisor:
         prepare_metrics_dir(self.metrics_dir)
         os.environ[METRICS_ENV] = self.metrics_dir  # before prometheus_client is imported
         self.configs = process_configs(topology, run_dir, node.name, self.metrics_dir)
+        self.gpu_workers = node.gpu_workers if node.gpu_workers is not None else \
+            list(range(topology.tensor_parallel * topology.replicas))
         index = [n.name for n in topology.effective_nodes()].index(node.name)
         self.status_address = self.configs[0].addresses.node_status[index] if self.configs \
             else None
@@ -228,8 +226,7 @@ class NodeSupervisor:
         process_exited(self.metrics_dir, child.proc.pid)
         child.last_exit = code
         child.restarts += 1
-        child.proc = _spawn(child.config, self.node.devices, self.api_keys,
-                            self.node.gpu_workers)
+        child.proc = _spawn(child.config, self.node.devices, self.api_keys, self.gpu_workers)
         self.write_metrics_info()
         self.restarts.labels(self.node.name, child.config.role).inc()
         self.publish(force=True)
@@ -265,8 +262,8 @@ class NodeSupervisor:
         if self.node.metrics_port is not None:
             serve_node_http(self.node.host, self.node.metrics_port, self.metrics_dir,
                             self.local_problems)
-        self.children = [Child(cfg, _spawn(cfg, self.node.devices, self.api_keys, self.node.gpu_workers))
-                         for cfg in self.configs]
+        self.children = [Child(cfg, _spawn(cfg, self.node.devices, self.api_keys,
+                                           self.gpu_workers)) for cfg in self.configs]
         self.write_metrics_info()
         _say(f"node {self.node.name}: started {len(self.children)} processes: "
              + ", ".join(c.name for c in self.children))

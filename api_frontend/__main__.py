@@ -27,13 +27,14 @@ from api_frontend.http_server import JsonErrorAppRunner
 from api_frontend.metrics import FrontendMetrics
 from api_frontend.ops import Ops, install_ops
 from api_frontend.topology_watch import TopologyWatch
-from protocol.checkpoint import effective_max_model_len
-from protocol.lifecycle import die_with_parent, read_config, setup_logging
+from cluster.checkpoint import effective_max_model_len
+from cluster.lifecycle import die_with_parent, read_config, setup_logging
+from cluster.process_config import FrontendConfig
 from protocol.openai_api import ModelCard
 
 
 async def serve() -> None:
-    cfg = read_config()
+    cfg = read_config(FrontendConfig)
     log = setup_logging(cfg)
     metrics = FrontendMetrics()
     engine = EngineClient(cfg, metrics)

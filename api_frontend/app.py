@@ -20,9 +20,9 @@ from api_frontend.generate import LOG_REQUESTS_KEY, REQUEST_ID_KEY, run_generati
 from api_frontend.json_body import check_json_body, decode_request, json_response
 from api_frontend.openapi import build_openapi
 from api_frontend.translate import prompt_list
+from cluster.topology import ApiSpec
 from protocol.openai_api import (ChatCompletionRequest, CompletionRequest, ModelCard,
                                  ModelList)
-from protocol.topology import ApiSpec
 
 log = logging.getLogger("api_frontend")
 REQUEST_ID_HEADER = "X-Request-Id"

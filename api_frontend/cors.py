@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from protocol.topology import CorsSpec
+from cluster.topology import CorsSpec
 
 _PREFLIGHT_MAX_AGE_S = "600"
 

@@ -28,12 +28,11 @@ import zmq
 from api_frontend.errors import ApiError
 from api_frontend.metrics import FrontendMetrics, RequestTimer
 from api_frontend.replica_router import ReplicaRouter, affinity_text
+from cluster.process_config import FrontendConfig
 from protocol import ipc
 from protocol.routing import detokenizer_index
-from protocol.topology import ProcessConfig
 from protocol.transport import Receiver, Sender, async_context
 
-HEARTBEAT_STALE_S = 2.0
 READER_DIED_EXIT = 70  # EX_SOFTWARE: an internal failure the launcher reports
 log = logging.getLogger("api_frontend")
 
@@ -72,7 +71,7 @@ def _exit_if_reader_died(task: asyncio.Task) -> None:
 
 
 class EngineClient:
-    def __init__(self, cfg: ProcessConfig, metrics: FrontendMetrics | None = None) -> None:
+    def __init__(self, cfg: FrontendConfig, metrics: FrontendMetrics | None = None) -> None:
         self.ctx = async_context(cfg.security)
         a = cfg.addresses
         self.reply_to = a.frontend_results[cfg.index]
@@ -89,6 +88,8 @@ class EngineClient:
         self._to_scheduler = [Sender(self.ctx, addr)
                               for addr in a.replica_scheduler_in or [a.scheduler_in]]
         self.router = ReplicaRouter(self.replicas, cfg.router)
+        # a replica whose last heartbeat is older than this is out of rotation (/health 503)
+        self.heartbeat_stale_s = cfg.supervision.heartbeat_stale_s
         self._replica_of: dict[str, int] = {}  # rid -> replica, while in flight
         self._replica_load = [0] * self.replicas  # this frontend's requests in flight
         self._reports: dict[int, tuple[ipc.SchedulerStats, float]] = {}
@@ -222,7 +223,8 @@ class EngineClient:
         """Replicas that can take a request now."""
         now = time.monotonic()
         return [r for r, (stats, at) in sorted(self._reports.items())
-                if r not in self.lost and stats.worker_ready and now - at <= HEARTBEAT_STALE_S]
+                if r not in self.lost and stats.worker_ready
+                and now - at <= self.heartbeat_stale_s]
 
     def _route(self, req: ipc.GenerateReq) -> None:
         if self.replicas == 1:
@@ -266,7 +268,7 @@ class EngineClient:
             if report.worker_ready:
                 self.started.add(report.replica)
             fresh = [s for r, (s, at) in sorted(self._reports.items())
-                     if r not in self.lost and now - at <= HEARTBEAT_STALE_S]
+                     if r not in self.lost and now - at <= self.heartbeat_stale_s]
             self.stats = combine_stats(fresh or [report])
             self._update_replica_gauges()
             self._track()  # finish_reasons is popped by the ops middleware, not here
@@ -302,7 +304,7 @@ class EngineClient:
         if self.stats is None:
             return "no heartbeat from the scheduler yet"
         age = time.monotonic() - self.stats_received_at
-        if age > HEARTBEAT_STALE_S:
+        if age > self.heartbeat_stale_s:
             return f"scheduler heartbeat is {age:.1f}s old"
         if not self.stats.worker_ready:
             return "the gpu_worker is still loading the model"

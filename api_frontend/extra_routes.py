@@ -17,11 +17,11 @@ from api_frontend.errors import ApiError, check_served_model
 from api_frontend.generate import complete_report
 from api_frontend.json_body import decode, json_response
 from api_frontend.translate import chat_to_generate, completion_to_generate
+from cluster.topology import ApiSpec
 from protocol import ipc
 from protocol.openai_api import (ChatCompletionRequest, DetokenizeRequest,
                                  DetokenizeResponse, ModelCard, RenderResponse, TemplateRef,
                                  TokenizeRequest, TokenizeResponse, TokenizerInfoResponse)
-from protocol.topology import ApiSpec
 
 
 async def _ask(engine: EngineClient, req: ipc.RenderReq) -> ipc.RenderResult:

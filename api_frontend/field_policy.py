@@ -17,7 +17,7 @@ import msgspec
 
 from api_frontend.errors import ApiError
 from protocol.openai_api import CandorReport, ChatCompletionRequest, CompletionRequest, FieldNote
-from protocol.topology import ApiSpec
+from cluster.topology import ApiSpec
 
 Tier = Literal["honoured", "clamped", "ignored", "extension", "rejected"]
 Endpoint = Literal["chat", "completions"]

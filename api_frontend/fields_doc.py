@@ -13,7 +13,7 @@ from pathlib import Path
 import msgspec
 
 from api_frontend.field_policy import FOREIGN, ROWS, TIER_MEANINGS, UNKNOWN, Foreign, Row
-from protocol.topology import RequestLimits
+from cluster.topology import RequestLimits
 
 PATH = Path(__file__).resolve().parent.parent / "docs" / "fields.md"
 COMMAND = "python -m api_frontend.fields_doc"

@@ -24,10 +24,10 @@ from api_frontend.responses import (DONE_FRAME, ChatAssembler, Collected,
                                    CompletionAssembler, sse)
 from api_frontend.tools import FirstCallCut
 from api_frontend.translate import Translated, chat_to_generate, completion_to_generate
+from cluster.topology import ApiSpec
 from protocol import ipc
 from protocol.openai_api import (CandorReport, ChatCompletionRequest, FieldNote, ModelCard,
                                  TemplateRef)
-from protocol.topology import ApiSpec
 
 _JSON = msgspec.json.Encoder()
 log = logging.getLogger("api_frontend")

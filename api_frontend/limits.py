@@ -9,8 +9,8 @@ fit in its share is refused outright (a retry would not help), not shed with a 5
 from __future__ import annotations
 
 from api_frontend.errors import ApiError
+from cluster.topology import RequestLimits
 from protocol.openai_api import ChatCompletionRequest, CompletionRequest
-from protocol.topology import RequestLimits
 
 
 def _over(field: str, count: int, limit: int, what: str, limit_name: str) -> ApiError:

@@ -1,6 +1,6 @@
 """What the frontends count: requests, tokens, latencies as the client sees them,
 mid-stream errors and event-loop lag. Written into the host's multiprocess directory
-(see protocol/metrics.py); each frontend counts only the requests it served."""
+(see cluster/metrics.py); each frontend counts only the requests it served."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from protocol.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS
+from cluster.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS
 
 LAG_INTERVAL_S = 0.1
 

@@ -20,9 +20,9 @@ from api_frontend.errors import RETRY_AFTER_S, ApiError
 from api_frontend.metrics import FrontendMetrics
 from api_frontend.probe import PROBE_KEY, GenerationProbe
 from api_frontend.topology_watch import TopologyWatch
+from cluster.metrics import render
+from cluster.process_config import FrontendConfig
 from protocol import ipc
-from protocol.metrics import render
-from protocol.topology import ProcessConfig
 from protocol.version import VERSION
 
 PROBE_TIMEOUT_S = 10.0
@@ -33,7 +33,7 @@ GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
 class Ops:
     """Everything the ops routes read; one per frontend process."""
 
-    def __init__(self, cfg: ProcessConfig, engine: EngineClient, watch: TopologyWatch,
+    def __init__(self, cfg: FrontendConfig, engine: EngineClient, watch: TopologyWatch,
                  metrics: FrontendMetrics) -> None:
         self.cfg = cfg
         self.engine = engine

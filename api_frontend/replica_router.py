@@ -17,8 +17,8 @@ from collections import OrderedDict
 
 import msgspec
 
+from cluster.topology import RouterSpec
 from protocol import ipc
-from protocol.topology import RouterSpec
 
 MAX_KEY_CHUNKS = 64  # prefixes longer than this many chunks route by their head
 

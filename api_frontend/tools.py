@@ -19,10 +19,10 @@ import msgspec
 from api_frontend import tool_parsers
 from api_frontend.errors import ApiError
 from api_frontend.tool_parsers import NamedCallParser, RequiredCallsParser, ToolParser
+from cluster.topology import ApiSpec
 from protocol import ipc
 from protocol.ipc import GuidedSpec
 from protocol.openai_api import ChatCompletionRequest
-from protocol.topology import ApiSpec
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 

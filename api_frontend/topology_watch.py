@@ -17,13 +17,13 @@ from typing import Callable
 import zmq
 import zmq.asyncio
 
+from cluster.process_config import FrontendConfig
 from protocol.health import NodeStatus
-from protocol.topology import ProcessConfig
 from protocol.transport import Receiver
 
 
 class TopologyWatch:
-    def __init__(self, ctx: zmq.asyncio.Context, cfg: ProcessConfig,
+    def __init__(self, ctx: zmq.asyncio.Context, cfg: FrontendConfig,
                  on_lost: Callable[[str, int, str], None],
                  on_failed: Callable[[str], None],
                  on_replica_lost: Callable[[int, str], None] = lambda r, why: None) -> None:

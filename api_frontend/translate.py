@@ -14,10 +14,10 @@ from api_frontend import field_policy, limits, reasoning
 from api_frontend.constraints import guided_spec
 from api_frontend.errors import ApiError
 from api_frontend.tools import ToolPlan, tool_plan
+from cluster.topology import ApiSpec
 from protocol import ipc
 from protocol.openai_api import (INT64_MIN, TOKEN_ID_MAX, CandorReport, ChatCompletionRequest,
                                  CompletionRequest)
-from protocol.topology import ApiSpec
 
 def _choice_seed(seed: int, i: int) -> int:
     """seed + i, wrapped into int64 so the sum still crosses the process boundary."""

@@ -6,6 +6,11 @@ grammar engine works on every step); the free workload generates the same number
 tokens with ``ignore_eos``. Rounds alternate so drift in the machine's load hits both.
 
     python -m bench.structured --base-url http://127.0.0.1:8000 --concurrency 32
+    python -m bench.structured --serve tiny llama-100m --threads 1
+
+``--serve`` builds each named checkpoint (bench.models) and serves it itself, one after
+the other, printing one summary per model: the mask's cost is per row and per step, so
+its share of a step shrinks as the model grows.
 """
 
 from __future__ import annotations
@@ -13,8 +18,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
+import tempfile
+from pathlib import Path
 
+from bench.compare import candor_server
 from bench.loadgen import Workload, run
+from bench.models import build_llama_100m, build_tiny
 
 
 def schema(items: int) -> dict:
@@ -60,9 +70,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--items", type=int, default=64)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--serve", nargs="*", choices=("tiny", "llama-100m"), default=None,
+                   help="serve these checkpoints here instead of using --base-url")
+    p.add_argument("--threads", type=int, default=1, help="worker threads with --serve")
     args = p.parse_args(argv)
-    print(json.dumps(asyncio.run(measure(args.base_url, args.model, args.concurrency,
-                                         args.items, args.rounds)), indent=2))
+    if not args.serve:
+        print(json.dumps(asyncio.run(measure(args.base_url, args.model, args.concurrency,
+                                             args.items, args.rounds)), indent=2))
+        return 0
+    scratch = Path(tempfile.mkdtemp(prefix="candor-structured-"))
+    try:
+        tiny = build_tiny(scratch)
+        for name in args.serve:
+            path = tiny if name == "tiny" else build_llama_100m(scratch, tiny)
+            server = candor_server(path, name, args.threads, 4096)
+            server.start()
+            try:
+                server.wait_ready(600)
+                summary = asyncio.run(measure(server.url, name, args.concurrency, args.items,
+                                              args.rounds))
+            finally:
+                server.stop()
+            print(json.dumps({"model": name, "threads": args.threads, **summary}), flush=True)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     return 0
 
 

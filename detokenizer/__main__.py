@@ -6,8 +6,9 @@ import os
 
 from tokenizers import Tokenizer
 
+from cluster.lifecycle import StopFlag, die_with_parent, read_config, setup_logging
+from cluster.process_config import DetokenizerConfig
 from protocol import ipc
-from protocol.lifecycle import StopFlag, die_with_parent, read_config, setup_logging
 from protocol.transport import Receiver, Sender, SenderPool, sync_context
 from detokenizer.incremental import RequestDetokenizer
 from detokenizer.logprobs import TokenTexts
@@ -28,7 +29,7 @@ class _Live:
 
 def main() -> None:
     die_with_parent()
-    cfg = read_config()
+    cfg = read_config(DetokenizerConfig)
     log = setup_logging(cfg)
     stop = StopFlag()
     tokenizer = Tokenizer.from_file(os.path.join(cfg.model_path, "tokenizer.json"))

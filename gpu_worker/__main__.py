@@ -16,9 +16,10 @@ import traceback
 
 import zmq
 
+from cluster.checkpoint import effective_max_model_len
+from cluster.lifecycle import StopFlag, die_with_parent, read_config, setup_logging
+from cluster.process_config import WorkerConfig
 from protocol import ipc
-from protocol.checkpoint import effective_max_model_len
-from protocol.lifecycle import StopFlag, die_with_parent, read_config, setup_logging
 from protocol.transport import Receiver, Sender, sync_context
 
 
@@ -34,7 +35,7 @@ def _default_threads(ranks: int) -> int:
 
 def main() -> None:
     die_with_parent()
-    cfg = read_config()
+    cfg = read_config(WorkerConfig)
     log = setup_logging(cfg)
     stop = StopFlag()
     rank, size = cfg.tp_rank, cfg.tensor_parallel
@@ -65,7 +66,6 @@ def main() -> None:
         max_model_len=effective_max_model_len(cfg.model_path, cfg.max_model_len),
         load_format=cfg.load_format, seed=eng.seed, enforce_eager=eng.enforce_eager,
         max_num_seqs=eng.max_num_seqs, ranks=ranks)
-    runner.fault_token_id = eng.fault_token_id
     kv_mib = runner.num_blocks * runner.block_bytes / 2**20
     log.info("rank %d/%d: model loaded in %.2fs, %d threads, dtype %s (%s); KV cache %d blocks "
              "= %.0f MiB = %d tokens (%s)", rank, size, time.perf_counter() - started,

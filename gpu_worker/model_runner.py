@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cluster import checkpoint
 from gpu_worker import cpu_decode, cuda_graphs
 from gpu_worker.attention import GatherScratch, build_metadata, decode_group_blocks, select_backend
 from gpu_worker.grammar import GrammarStates
@@ -36,7 +37,6 @@ from gpu_worker.progress import Progress
 from gpu_worker.request_state import RequestTracker
 from gpu_worker.tp_shard import tp_shard
 from gpu_worker.sampler import Sampler
-from protocol import checkpoint
 from protocol.ipc import (PLACEHOLDER_TOKEN, SampleLogprobs, SamplingParams, SeqChunk, StepPlan,
                           StepResult, TokenLogprob)
 
@@ -59,7 +59,7 @@ class _Batch:
 
 
 def resolve_dtype(name: str, model_path: str, device: torch.device) -> tuple[torch.dtype, str]:
-    """(torch dtype, why) for ``--dtype name`` (see ``protocol.checkpoint.resolve_dtype``)."""
+    """(torch dtype, why) for ``--dtype name`` (see ``cluster.checkpoint.resolve_dtype``)."""
     canonical, why = checkpoint.resolve_dtype(name, device.type, model_path)
     return _DTYPES[canonical], why
 
@@ -89,7 +89,7 @@ class ModelRunner:
         self.dtype, self.dtype_reason = resolve_dtype(dtype, model_path, self.device)
         self.block_size = block_size
 
-        # The context limit is settled before this process starts (protocol.checkpoint's
+        # The context limit is settled before this process starts (cluster.checkpoint's
         # effective_max_model_len, which every role uses); windows do not shorten it.
         limit = cfg.max_position_embeddings
         self.max_model_len = min(limit, max_model_len) if max_model_len else limit
@@ -148,7 +148,6 @@ class ModelRunner:
         self.failed_last_step: set[str] = set()  # rids of the previous step, if it failed
         self.tracker = RequestTracker()  # token history (penalties) and prompt logprobs
         self.grammars = GrammarStates(model_path, cfg.vocab_size)  # constrained decoding
-        self.fault_token_id: int | None = None  # test hook, see EngineSpec.fault_token_id
         self.decode_graphs: cuda_graphs.DecodeGraphRunner | None = None
         if self.attn_backend is not None and not enforce_eager and ranks.size > 1:
             log.info("tensor parallel: decode steps run eagerly (no CUDA graphs across ranks)")
@@ -279,8 +278,6 @@ class ModelRunner:
         vocab = self.config.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise ValueError(f"token id outside vocabulary [0, {vocab})")
-        if self.fault_token_id is not None and self.fault_token_id in ids:
-            raise RuntimeError(f"injected fault: token {self.fault_token_id} was fed")
         to_sample = [s for s in seqs if s.sample]  # plan order
         rids = [s.rid for s in to_sample]
         masked = self.grammars.constrained(rids)

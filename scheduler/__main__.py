@@ -1,13 +1,14 @@
 """Scheduler process: continuous batching over the paged KV cache."""
 
-from protocol.lifecycle import StopFlag, die_with_parent, read_config, setup_logging
+from cluster.lifecycle import StopFlag, die_with_parent, read_config, setup_logging
+from cluster.process_config import SchedulerConfig
 from protocol.transport import sync_context
 from scheduler.engine_loop import EngineLoop
 
 
 def main() -> None:
     die_with_parent()
-    cfg = read_config()
+    cfg = read_config(SchedulerConfig)
     log = setup_logging(cfg)
     stop = StopFlag()
     ctx = sync_context(cfg.security)

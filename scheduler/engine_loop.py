@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import zmq
 
+from cluster.process_config import SchedulerConfig
 from protocol import ipc
-from protocol.topology import ProcessConfig
 from protocol.routing import detokenizer_index
 from protocol.transport import Receiver, Sender, SenderPool
 from scheduler.block_manager import BlockAllocator
@@ -63,7 +63,7 @@ def _output(rid: str, ids: list[int], reason: str | None, lp: ipc.SampleLogprobs
 
 
 class EngineLoop:
-    def __init__(self, cfg: ProcessConfig, ctx: zmq.Context, log: logging.Logger) -> None:
+    def __init__(self, cfg: SchedulerConfig, ctx: zmq.Context, log: logging.Logger) -> None:
         self.cfg = cfg
         self.log = log
         a = cfg.addresses

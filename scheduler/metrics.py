@@ -14,8 +14,8 @@ from collections import deque
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from cluster.metrics import LATENCY_BUCKETS, STEP_BUCKETS
 from protocol import ipc
-from protocol.metrics import LATENCY_BUCKETS, STEP_BUCKETS
 
 ABORT_CAUSES = ("disconnect", "stop_string", "error")
 

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from api_frontend.replica_router import ReplicaRouter
-from protocol.topology import RouterSpec
+from cluster.topology import RouterSpec
 from tests.metrics_text import scrape
 from tests.server import CandorServer, role_of
 

@@ -14,8 +14,9 @@ import msgspec
 import pytest
 import yaml
 
-from protocol.topology import ROLES, Topology, load_topology, process_configs
-from protocol.topology_check import TopologyError, check_topology
+from cluster.process_config import process_configs
+from cluster.topology import ROLES, Topology, load_topology
+from cluster.topology_check import TopologyError, check_topology
 from tests.metrics_text import scrape
 from tests.server import REPO
 
@@ -295,8 +296,8 @@ def test_images_build_from_source_only():
     assert "import flashinfer" in cuda  # the build fails when it cannot be imported
     for text in (cpu, cuda):
         assert "COPY . " not in text
-        for package in ("protocol", "api_frontend", "tokenizer_worker", "scheduler",
-                        "gpu_worker", "detokenizer"):
+        for package in ("protocol", "cluster", "api_frontend", "tokenizer_worker",
+                        "scheduler", "gpu_worker", "detokenizer"):
             assert f"COPY {package} /app/{package}" in text, package
 
 

@@ -358,7 +358,7 @@ addresses:
 
 def _inject(scheduler_in: str, reply_dir: str, keys: Path | None) -> bool:
     """Push one well-formed request to the scheduler; True when its tokens come back."""
-    from protocol.topology import CurveSpec, SecuritySpec
+    from cluster.topology import CurveSpec, SecuritySpec
     from protocol.transport import Receiver, Sender, sync_context
 
     security = SecuritySpec(curve=CurveSpec(key_dir=str(keys))) if keys else None
@@ -407,7 +407,7 @@ def test_curve_two_node_topology_serves_and_refuses_plain_clients(tiny_model_dir
 def test_shipped_multi_node_deployments_use_curve():
     import yaml
 
-    from protocol.topology import Topology, load_topology
+    from cluster.topology import Topology, load_topology
 
     deploy = REPO / "deploy"
     two_node = load_topology(str(deploy / "topologies" / "two-node.yaml"))

@@ -1,6 +1,7 @@
 """Server flags that change the contract, on a dedicated server: --max-tokens-policy clamp,
 --chat-template (a string-content template), --allow-request-chat-template,
---max-body-mb, and the worker fault hook for a failure after the stream started."""
+--max-body-mb, and a failure after the stream started (a fault the test injects into the
+gpu_worker, tests/faults.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import aiohttp
 import openai
 import pytest
 
+from tests.faults import fault_env
 from tests.server import CandorServer
 
 MODEL = "tiny-llama"
@@ -23,7 +25,7 @@ def policy_server(tiny_model_dir):
     srv = CandorServer(tiny_model_dir, "--served-model-name", MODEL, "--max-model-len", "1024",
                        "--max-tokens-policy", "clamp", "--chat-template", str(TEMPLATE),
                        "--allow-request-chat-template", "--max-body-mb", "1",
-                       "--fault-token-id", str(FAULT_TOKEN)).start()
+                       env=fault_env(FAULT_TOKEN)).start()
     yield srv
     assert srv.stop() == 0
 

@@ -18,8 +18,8 @@ import pytest
 
 from api_frontend.errors import ApiError
 from api_frontend.translate import chat_to_generate
+from cluster.topology import ApiSpec
 from protocol.openai_api import ChatCompletionRequest
-from protocol.topology import ApiSpec
 from tests.server import CandorServer
 
 WEATHER = {"type": "object", "properties": {

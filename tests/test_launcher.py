@@ -13,7 +13,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from protocol.topology import load_topology, process_configs
+from cluster.process_config import process_configs
+from cluster.topology import load_topology
 from tests.server import REPO, CandorServer, pid_alive, role_of
 
 LEAN_ROLES = ("api_frontend", "tokenizer_worker", "scheduler", "detokenizer")
@@ -96,3 +97,38 @@ def test_shipped_topologies_are_valid(path):
     configs = process_configs(topology, "/tmp/candor-test")
     assert {c.role for c in configs} == {"api_frontend", "tokenizer_worker", "scheduler",
                                          "gpu_worker", "detokenizer"}
+
+
+def test_each_role_decodes_only_its_own_slice(tmp_path):
+    """A child's JSON carries its role's slice of the topology and decodes as that role's
+    type only (the role is the tag)."""
+    from cluster.lifecycle import read_config
+    from cluster.process_config import (DetokenizerConfig, FrontendConfig, SchedulerConfig,
+                                         TokenizerConfig, WorkerConfig)
+
+    topo = tmp_path / "t.yaml"
+    topo.write_text("model: {path: /m, max_model_len: 64}\ntensor_parallel: 2\nreplicas: 2\n"
+                    "supervision: {heartbeat_stale_s: 5.0}\n")
+    kinds = {"api_frontend": FrontendConfig, "tokenizer_worker": TokenizerConfig,
+             "scheduler": SchedulerConfig, "gpu_worker": WorkerConfig,
+             "detokenizer": DetokenizerConfig}
+    slices = {"api_frontend": {"http", "api", "supervision", "router", "nodes"},
+              "tokenizer_worker": {"api", "max_model_len"}, "detokenizer": {"model_path"},
+              "scheduler": {"engine", "replica"}, "gpu_worker": {"engine", "dtype"}}
+    unused = {"api_frontend": {"engine"}, "tokenizer_worker": {"http", "engine"},
+              "detokenizer": {"api", "http", "engine", "max_model_len"},
+              "scheduler": {"http", "api", "model_path"}, "gpu_worker": {"http", "api"}}
+    configs = process_configs(load_topology(str(topo)), "/tmp/r")
+    for cfg in configs:
+        raw = msgspec.json.encode(cfg).decode()
+        fields = set(msgspec.json.decode(raw))
+        assert fields >= slices[cfg.role] | {"role", "index", "addresses", "security"}
+        assert not fields & unused[cfg.role], (cfg.role, fields & unused[cfg.role])
+        assert read_config(kinds[cfg.role], [raw]) == cfg
+        other = kinds["detokenizer" if cfg.role != "detokenizer" else "scheduler"]
+        with pytest.raises(msgspec.ValidationError, match="role"):
+            read_config(other, [raw])
+    workers = [c for c in configs if c.role == "gpu_worker"]
+    assert [(c.replica, c.tp_rank) for c in workers] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    front = next(c for c in configs if c.role == "api_frontend")
+    assert front.supervision.heartbeat_stale_s == 5.0 and front.replicas == 2

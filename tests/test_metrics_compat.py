@@ -15,7 +15,7 @@ import urllib.request
 
 import pytest
 
-from protocol import metrics_view
+from cluster import metrics_view
 from tests.metrics_text import Scrape, scrape
 
 MODEL = "tiny-llama"

@@ -17,6 +17,7 @@ from gpu_worker.model_runner import ModelRunner
 from gpu_worker.sampler import Sampler
 from gpu_worker.tiny_model import build_tiny_model, init_weights
 from protocol.ipc import PLACEHOLDER_TOKEN, SamplingParams, SeqChunk, StepPlan
+from tests.faults import failing_forward
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPT_LENS = [1, 7, 16, 17, 64, 100, 190, 300]
@@ -167,10 +168,10 @@ def test_placeholder_decodes_match_hf(tiny_dir, prompts, hf_reference):
 
 
 def test_failed_step_does_not_fail_the_next_steps_other_requests(tiny_dir, prompts, hf_reference):
-    """Step 1 fails (fault hook) after step 2 was planned with a placeholder for its
-    request: step 2 still runs, and its other request gets HF's token."""
+    """Step 1 fails (a fault injected on token 999) after step 2 was planned with a
+    placeholder for its request: step 2 still runs, and its other request gets HF's token."""
     runner = ModelRunner(str(tiny_dir), num_blocks=64)
-    runner.fault_token_id = 999
+    runner._forward = failing_forward(runner._forward, 999)
     with pytest.raises(RuntimeError, match="injected fault"):
         runner.execute(StepPlan(0, [SeqChunk("bad", [5, 999, 6], 0, [0], True)], {"bad": GREEDY}))
     step2 = StepPlan(1, [SeqChunk("bad", [PLACEHOLDER_TOKEN], 3, [0], True),

@@ -152,7 +152,7 @@ def test_rope_tables_equal_hf_rotary(arch, built):
 
 
 def test_dtype_auto_follows_the_checkpoint_on_cuda_and_is_fp32_on_cpu(tmp_path):
-    from protocol.checkpoint import resolve_dtype
+    from cluster.checkpoint import resolve_dtype
 
     (tmp_path / "config.json").write_text('{"model_type": "llama", "torch_dtype": "bfloat16"}')
     assert resolve_dtype("auto", "cuda:0", str(tmp_path))[0] == "bfloat16"

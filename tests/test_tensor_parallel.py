@@ -209,7 +209,8 @@ addresses:
   worker_out: tcp://{{host}}:{ports[3]}
   tp_rendezvous: tcp://{{host}}:{ports[4]}
 """)
-    from protocol.topology import load_topology, process_configs
+    from cluster.process_config import process_configs
+    from cluster.topology import load_topology
     placed = {(c.node, c.role, c.index) for c in process_configs(load_topology(str(topo)), "/r")
               if c.role == "gpu_worker"}
     assert placed == {("gateway", "gpu_worker", 0), ("rank1", "gpu_worker", 1)}
@@ -237,8 +238,8 @@ addresses:
 def test_ranks_across_nodes_must_be_named_once_with_a_fixed_rendezvous(tiny_model_dir):
     import msgspec
 
-    from protocol.topology import Topology
-    from protocol.topology_check import TopologyError, check_topology
+    from cluster.topology import Topology
+    from cluster.topology_check import TopologyError, check_topology
 
     def problems(nodes: list[dict], **addresses) -> str:
         topo = msgspec.convert({"model": {"path": str(tiny_model_dir)}, "tensor_parallel": 2,

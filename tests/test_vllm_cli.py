@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from cluster.generation_config import GenerationConfigError, sampling_defaults
+from cluster.hf_cache import ModelNotFound, hub_cache_dir, resolve_model
+from cluster.serve_cli import normalize_argv, parse_size, serve_parser
 from launch_cluster import serve_args_to_topology, settle_defaults
-from protocol.generation_config import GenerationConfigError, sampling_defaults
-from protocol.hf_cache import ModelNotFound, hub_cache_dir, resolve_model
-from protocol.serve_cli import normalize_argv, parse_size, serve_parser
 from tests.server import REPO, CandorServer
 
 DOC = REPO / "docs" / "migrating-from-vllm.md"

@@ -5,9 +5,10 @@ from __future__ import annotations
 import logging
 from collections import deque
 
+from cluster.checkpoint import effective_max_model_len, read_model_config
+from cluster.lifecycle import StopFlag, die_with_parent, read_config, setup_logging
+from cluster.process_config import TokenizerConfig
 from protocol import ipc
-from protocol.checkpoint import effective_max_model_len, read_model_config
-from protocol.lifecycle import StopFlag, die_with_parent, read_config, setup_logging
 from protocol.transport import Receiver, Sender, SenderPool, sync_context
 from tokenizer_worker.deadline import Watchdog
 from tokenizer_worker.memory import TRIM_AFTER_BYTES, release_memory
@@ -47,7 +48,7 @@ def _serve_one(req: ipc.GenerateReq | ipc.RenderReq, preparer: RequestPreparer,
 
 def main() -> None:
     die_with_parent()
-    cfg = read_config()
+    cfg = read_config(TokenizerConfig)
     log = setup_logging(cfg)
     stop = StopFlag()
     vocab = read_model_config(cfg.model_path).get("vocab_size")

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import msgspec
 
+from cluster.topology import ApiSpec
 from protocol import ipc
-from protocol.topology import ApiSpec
 from tokenizer_worker.budget import resolve_max_tokens
 from tokenizer_worker.chat_template import ChatTemplate, ChatTemplateError
 from tokenizer_worker.content_format import detect_content_format, flatten_content

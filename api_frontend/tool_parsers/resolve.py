@@ -8,7 +8,7 @@ from __future__ import annotations
 import msgspec
 
 from api_frontend import reasoning, tool_parsers
-from protocol.topology import Topology
+from cluster.topology import Topology
 
 
 def _template_source(topology: Topology) -> tuple[str | None, str]:

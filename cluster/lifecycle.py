@@ -14,10 +14,13 @@ import os
 import signal
 import sys
 import threading
+from typing import TypeVar
 
 import msgspec
 
-from protocol.topology import ProcessConfig
+from cluster.process_config import ProcessConfig
+
+C = TypeVar("C", bound=ProcessConfig)
 
 _PR_SET_PDEATHSIG = 1
 
@@ -52,15 +55,16 @@ class StopFlag:
         return self._event.is_set()
 
 
-def read_config(argv: list[str] | None = None) -> ProcessConfig:
+def read_config(kind: type[C], argv: list[str] | None = None) -> C:
+    """This process's config, of its role's type (``kind``), from its one argument."""
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        raise SystemExit("usage: python -m <role> '<ProcessConfig JSON>'")
-    return msgspec.json.decode(argv[0], type=ProcessConfig)
+        raise SystemExit(f"usage: python -m <role> '<{kind.__name__} JSON>'")
+    return msgspec.json.decode(argv[0], type=kind)
 
 
 def setup_logging(cfg: ProcessConfig) -> logging.Logger:
-    name = f"{cfg.role}[{cfg.index}]"
+    name = cfg.name
     logging.basicConfig(
         level=os.environ.get("CANDOR_LOG_LEVEL", "INFO"),
         format=f"%(asctime)s {name} %(levelname)s %(message)s", stream=sys.stderr)

@@ -1,8 +1,8 @@
 """The topology: which roles run, how many, and the ZeroMQ addresses between them.
 
 A YAML file decodes straight into ``Topology`` (msgspec.yaml, unknown keys rejected, so
-a typo names the bad key). The launcher resolves it into one ``ProcessConfig`` per OS
-process and hands each child its own config as JSON on the command line.
+a typo names the bad key). ``resolve`` turns its address templates into one address set
+per engine replica; ``cluster.process_config`` cuts it into each process's config.
 """
 
 from __future__ import annotations
@@ -69,9 +69,6 @@ class EngineSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # No CUDA graphs: decode-only steps launch eagerly (vLLM's --enforce-eager). Graphs
     # are used only with the flashinfer backend on CUDA; elsewhere this changes nothing.
     enforce_eager: bool = False
-    # Test hook: a step that feeds this token id fails in the worker, exercising the
-    # "failure after the stream started" path end to end. Never set in production.
-    fault_token_id: int | None = None
 
 
 class CorsSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -334,41 +331,6 @@ class ResolvedAddresses(msgspec.Struct, kw_only=True):
     replica_scheduler_pub: list[str] = []
 
 
-class ProcessConfig(msgspec.Struct, kw_only=True):
-    """Everything one child process needs; nothing else is read from the environment."""
-
-    role: str
-    index: int
-    model_path: str
-    served_model_name: str
-    served_model_aliases: list[str] = []  # further names that answer, after the primary
-    max_model_len: int | None
-    dtype: str
-    load_format: str
-    engine: EngineSpec
-    http: HttpSpec
-    addresses: ResolvedAddresses
-    node: str = LOCAL_NODE
-    nodes: list[str] = []  # every node's name, in the order of addresses.node_status
-    supervision: SupervisionSpec = msgspec.field(default_factory=SupervisionSpec)
-    metrics_dir: str | None = None  # prometheus multiprocess directory of this host
-    api: ApiSpec = msgspec.field(default_factory=ApiSpec)
-    security: SecuritySpec = msgspec.field(default_factory=SecuritySpec)
-    tensor_parallel: int = 1  # ranks in one replica's gpu_worker group
-    replicas: int = 1
-    replica: int = 0  # this scheduler's / gpu_worker's replica (0 for shared roles)
-    router: RouterSpec = msgspec.field(default_factory=RouterSpec)
-
-    @property
-    def tp_rank(self) -> int:
-        """A gpu_worker's rank in its replica (its index counts across replicas)."""
-        return self.index % self.tensor_parallel
-
-    @property
-    def tp_address(self) -> str:
-        return self.addresses.tp_rendezvous
-
-
 def _free_port() -> int:
     """A port free on this machine (the launcher of the node running the ranks)."""
     import socket
@@ -443,36 +405,3 @@ def resolve(topology: Topology, run_dir: str) -> list[ResolvedAddresses]:
                          "needs '{i}' in its address template, node_status needs '{n}', "
                          "scheduler and worker addresses need '{r}' with several replicas)")
     return resolved
-
-
-def process_configs(topology: Topology, run_dir: str, node: str | None = None,
-                    metrics_dir: str | None = None) -> list[ProcessConfig]:
-    """One config per process, in start order (consumers of a socket before producers
-    does not matter for ZeroMQ, but the worker goes first because it loads the model).
-    With ``node``, only the processes placed on that node."""
-    per_replica = resolve(topology, run_dir)
-    tp = topology.tensor_parallel
-    model = topology.model
-    nodes = topology.effective_nodes()
-    counts = {"gpu_worker": topology.replicas * tp, "scheduler": topology.replicas, "detokenizer": topology.roles.detokenizer,
-              "tokenizer_worker": topology.roles.tokenizer_worker,
-              "api_frontend": topology.roles.api_frontend}
-    configs = []
-    for role, count in counts.items():
-        for index in range(count):
-            placed_on = topology.node_of(role, index).name
-            if node is not None and placed_on != node:
-                continue
-            replica = {"gpu_worker": index // tp, "scheduler": index}.get(role, 0)
-            addresses = per_replica[replica]
-            configs.append(ProcessConfig(
-                role=role, index=index, model_path=model.resolved_path(),
-                served_model_name=model.name(), served_model_aliases=model.names()[1:],
-                max_model_len=model.max_model_len,
-                dtype=model.dtype, load_format=model.load_format, engine=topology.engine,
-                http=topology.http, addresses=addresses, node=placed_on,
-                nodes=[n.name for n in nodes], supervision=topology.supervision,
-                metrics_dir=metrics_dir, api=topology.api, security=topology.security,
-                tensor_parallel=tp, replicas=topology.replicas, replica=replica,
-                router=topology.router))
-    return configs

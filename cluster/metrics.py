@@ -50,7 +50,7 @@ def process_exited(path: str, pid: int) -> None:
 
 def render(path: str) -> tuple[bytes, str]:
     """The exposition text of every process that wrote into ``path``, labelled with the
-    model, plus vLLM's names and per-role process metrics (protocol/metrics_view.py)."""
-    from protocol.metrics_view import render_node
+    model, plus vLLM's names and per-role process metrics (cluster/metrics_view.py)."""
+    from cluster.metrics_view import render_node
 
     return render_node(path)

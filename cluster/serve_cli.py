@@ -17,7 +17,7 @@ import re
 
 import msgspec
 
-from protocol.topology import Topology
+from cluster.topology import Topology
 
 DEFAULT_MODEL_DIR = os.path.expanduser(
     os.environ.get("CANDOR_MODEL_DIR", "~/.cache/candor/models/tiny-llama"))
@@ -167,7 +167,6 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                    help=argparse.SUPPRESS)
     g.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs for decode steps (used only on CUDA with flashinfer)")
-    g.add_argument("--fault-token-id", type=int, default=None, help=argparse.SUPPRESS)
 
     g = serve.add_argument_group("processes")
     g.add_argument("--frontends", type=int, default=1)
@@ -303,8 +302,7 @@ def serve_topology(args: argparse.Namespace, model_path: str, default_name: str,
                    "worker_threads": args.worker_threads, "seed": args.seed,
                    "max_waiting_requests": args.max_waiting_requests,
                    "enable_prefix_caching": args.enable_prefix_caching,
-                   "device": args.device, "enforce_eager": args.enforce_eager,
-                   "fault_token_id": args.fault_token_id},
+                   "device": args.device, "enforce_eager": args.enforce_eager},
         "http": {"host": args.host, "port": args.port, "max_body_mb": args.max_body_mb,
                  "keepalive_timeout_s": args.keepalive_timeout_s,
                  "body_read_timeout_s": args.body_read_timeout_s,

@@ -13,7 +13,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 
-from protocol.metrics import render
+from cluster.metrics import render
 
 
 def serve_node_http(host: str, port: int, metrics_dir: str,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from urllib.parse import urlsplit
 
-from protocol.topology import (BINDERS, CONNECTORS, ROLES, ResolvedAddresses, Topology,
+from cluster.topology import (BINDERS, CONNECTORS, ROLES, ResolvedAddresses, Topology,
                                resolve)
 
 RESTARTABLE = ("tokenizer_worker", "detokenizer")  # stateless: a restart loses nothing

@@ -10,7 +10,7 @@ import os
 
 import msgspec
 
-from protocol.topology import SAMPLING_DEFAULT_FIELDS, SamplingDefaults
+from cluster.topology import SAMPLING_DEFAULT_FIELDS, SamplingDefaults
 
 
 class GenerationConfigError(Exception):

@@ -1,0 +1,65 @@
+"""The frontend's EngineClient over real sockets, with its clock in the test's hands:
+the topology's ``supervision.heartbeat_stale_s`` decides when a scheduler's heartbeat
+is too old for /health and for routing."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+
+from api_frontend import engine_client
+from api_frontend.engine_client import EngineClient
+from cluster.process_config import FrontendConfig
+from cluster.topology import ResolvedAddresses, SupervisionSpec
+from protocol import ipc
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+async def test_a_configured_heartbeat_stale_s_takes_effect(tmp_path, monkeypatch, replicas):
+    clock = SimpleNamespace(now=100.0)
+    monkeypatch.setattr(engine_client, "time", SimpleNamespace(monotonic=lambda: clock.now))
+    pubs = [f"ipc://{tmp_path}/pub-{r}" for r in range(replicas)]
+    cfg = FrontendConfig(
+        index=0, model_path="/m", served_model_name="m", replicas=replicas,
+        supervision=SupervisionSpec(heartbeat_stale_s=5.0),
+        addresses=ResolvedAddresses(
+            scheduler_in=f"ipc://{tmp_path}/in-0", scheduler_pub=pubs[0],
+            worker_in="", worker_out="", tokenizer_in=[f"ipc://{tmp_path}/tok"],
+            detokenizer_in=[f"ipc://{tmp_path}/detok"],
+            frontend_results=[f"ipc://{tmp_path}/front"],
+            replica_scheduler_in=[f"ipc://{tmp_path}/in-{r}" for r in range(replicas)],
+            replica_scheduler_pub=pubs))
+    ctx = zmq.asyncio.Context()
+    schedulers = [ctx.socket(zmq.PUB) for _ in pubs]
+    for sock, addr in zip(schedulers, pubs):
+        sock.bind(addr)
+    client = EngineClient(cfg)
+    client.start()
+    try:
+        deadline = time.monotonic() + 10
+        while len(client.in_rotation()) < replicas:  # a SUB joins a little after connecting
+            assert time.monotonic() < deadline, "no heartbeat arrived"
+            for r, sock in enumerate(schedulers):
+                await sock.send(msgspec.msgpack.encode(ipc.SchedulerStats(
+                    0.0, 0, 0, 8, 8, 0, True, replica=r)))
+            await asyncio.sleep(0.02)
+        assert client.engine_problem() is None
+        clock.now += 3.0  # past the default 2 s, within the configured 5 s
+        assert client.in_rotation() == list(range(replicas))
+        assert client.engine_problem() is None
+        clock.now += 3.0
+        assert client.in_rotation() == []
+        problem = client.engine_problem()
+        assert problem is not None and ("6.0s old" in problem if replicas == 1
+                                        else "no engine replica is serving" in problem)
+    finally:
+        await client.close()
+        for sock in schedulers:
+            sock.close(linger=0)
+        ctx.destroy(linger=0)
