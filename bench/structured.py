@@ -40,6 +40,11 @@ async def measure(base_url: str, model: str, concurrency: int, items: int,
                                "type": "json_schema",
                                "json_schema": {"name": "digits", "schema": schema(items)}}})
     out: dict[str, list[dict]] = {"free": [], "json_schema": []}
+    # warm-up, not counted: first-use costs (the grammar engine's vocabulary, the
+    # schema's compile, torch's first passes) would land on whichever runs first
+    for extra in (constrained.extra_body, {}):
+        await run(base_url, model, Workload(num_requests=4, concurrency=4, prompt_len=(64, 64),
+                                            output_len=(16, 16), seed=99, extra_body=extra))
     for _ in range(rounds):
         got = await run(base_url, model, constrained)
         out["json_schema"].append(got)
