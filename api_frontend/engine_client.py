@@ -77,7 +77,7 @@ class EngineClient:
         self.reply_to = a.frontend_results[cfg.index]
         self._results: Receiver = Receiver(self.ctx, self.reply_to, ipc.FrontendInbound)
         self.replicas = max(1, cfg.replicas)
-        self._stats: Receiver = Receiver(self.ctx, a.replica_scheduler_pub or [a.scheduler_pub],
+        self._stats: Receiver = Receiver(self.ctx, a.schedulers_pub(),
                                          ipc.SchedulerBroadcast, bind=False, kind=zmq.SUB)
         self._to_tokenizers = [Sender(self.ctx, addr) for addr in a.tokenizer_in]
         self._encoder = msgspec.msgpack.Encoder()
@@ -86,7 +86,7 @@ class EngineClient:
         self._tokenizer_load = [0] * len(a.tokenizer_in)
         self._next_tokenizer = itertools.cycle(range(len(a.tokenizer_in)))
         self._to_scheduler = [Sender(self.ctx, addr)
-                              for addr in a.replica_scheduler_in or [a.scheduler_in]]
+                              for addr in a.schedulers_in()]
         self.router = ReplicaRouter(self.replicas, cfg.router)
         # a replica whose last heartbeat is older than this is out of rotation (/health 503)
         self.heartbeat_stale_s = cfg.supervision.heartbeat_stale_s

@@ -330,6 +330,13 @@ class ResolvedAddresses(msgspec.Struct, kw_only=True):
     replica_scheduler_in: list[str] = []
     replica_scheduler_pub: list[str] = []
 
+    def schedulers_in(self) -> list[str]:
+        """Every replica's scheduler inbound address, in replica order."""
+        return self.replica_scheduler_in or [self.scheduler_in]
+
+    def schedulers_pub(self) -> list[str]:
+        return self.replica_scheduler_pub or [self.scheduler_pub]
+
 
 def _free_port() -> int:
     """A port free on this machine (the launcher of the node running the ranks)."""

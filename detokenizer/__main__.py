@@ -37,8 +37,7 @@ def main() -> None:
     inbound: Receiver = Receiver(ctx, cfg.addresses.detokenizer_in[cfg.index],
                                  ipc.DetokenizerInbound)
     # one per engine replica: a stop-string abort goes to the replica running the request
-    to_schedulers = [Sender(ctx, addr) for addr in cfg.addresses.replica_scheduler_in
-                     or [cfg.addresses.scheduler_in]]
+    to_schedulers = [Sender(ctx, addr) for addr in cfg.addresses.schedulers_in()]
     to_frontends = SenderPool(ctx)
     live: dict[str, _Live] = {}
     texts = TokenTexts(tokenizer)

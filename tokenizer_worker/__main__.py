@@ -59,8 +59,7 @@ def main() -> None:
     inbound: Receiver = Receiver(ctx, cfg.addresses.tokenizer_in[cfg.index],
                                  ipc.TokenizerInbound)
     # one per engine replica; the frontend's router named the replica in the request
-    to_scheduler = [Sender(ctx, addr) for addr in cfg.addresses.replica_scheduler_in
-                    or [cfg.addresses.scheduler_in]]
+    to_scheduler = [Sender(ctx, addr) for addr in cfg.addresses.schedulers_in()]
     replies = SenderPool(ctx)
     metrics = TokenizerMetrics()
     # Received requests wait here rather than in the socket, so the backlog is visible
