@@ -91,7 +91,7 @@ def test_length_floor_never_exceeds_the_real_count(tiny_model_dir):
         assert bound.min_tokens(size) <= len(tok.encode(text, add_special_tokens=False)), text[:20]
 
 
-# ---------------------------------------------------------------- item 2: huge prompts
+# ---------------------------------------------------------------- huge prompts
 
 
 async def test_huge_prompt_is_refused_before_tokenizing_and_memory_returns(tok_server):
@@ -137,7 +137,7 @@ async def test_prompt_near_the_context_is_not_refused_by_the_floor(tok_server):
     assert status == 400 and f"{count} in the prompt" in body["error"]["message"]
 
 
-# ---------------------------------------------------------------- item 3: templates
+# ---------------------------------------------------------------- templates
 
 
 async def test_request_template_that_loops_forever_is_cut_at_the_time_limit(tok_server):
@@ -219,7 +219,7 @@ async def test_lost_tokenizer_worker_is_restarted_and_fails_only_its_requests(to
         assert status == 200
 
 
-# ---------------------------------------------------------------- item 5 (part)
+# ---------------------------------------------------------------- reserved template kwargs
 
 
 @pytest.mark.parametrize("key,top", [("add_generation_prompt", "add_generation_prompt"),
@@ -232,7 +232,7 @@ async def test_reserved_chat_template_kwargs_are_400(tok_server, key, top):
     assert f"`{top}`" in body["error"]["message"]
 
 
-# ---------------------------------------------------------------- item 16 (part)
+# ---------------------------------------------------------------- vLLM's /tokenize fields
 
 
 async def test_tokenize_speaks_vllms_fields(tok_server):

@@ -36,7 +36,7 @@ def test_sigterm_stops_every_child_and_exits_zero(tiny_model_dir, capsys):
     roles = sorted(role_of(p) for p in children)
     assert roles == sorted(["api_frontend[0]", "tokenizer_worker[0]", "tokenizer_worker[1]",
                             "scheduler[0]", "gpu_worker[0]", "detokenizer[0]"])
-    # lean roles never load torch; each role's RSS is printed for the issue note
+    # lean roles never load torch; each role's RSS is printed (what a role costs)
     for pid in children:
         role = role_of(pid)
         print(f"RSS {role}: {_rss_mb(pid):.0f} MiB")
