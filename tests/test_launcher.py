@@ -7,13 +7,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import msgspec
 import pytest
 
 from protocol.topology import load_topology, process_configs
+from tests.polling import wait_until
 from tests.server import REPO, CandorServer, pid_alive, role_of
 
 LEAN_ROLES = ("api_frontend", "tokenizer_worker", "scheduler", "detokenizer")
@@ -42,10 +42,8 @@ def test_sigterm_stops_every_child_and_exits_zero(tiny_model_dir, capsys):
         print(f"RSS {role}: {_rss_mb(pid):.0f} MiB")
         assert _maps_torch(pid) == role.startswith("gpu_worker"), f"{role}: torch mapping"
     assert srv.stop() == 0
-    deadline = time.monotonic() + 5
-    while any(pid_alive(p) for p in children) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not any(pid_alive(p) for p in children)
+    wait_until(lambda: not any(pid_alive(p) for p in children),
+               "every child gone after a clean stop", timeout=5)
 
 
 def test_dead_child_stops_the_topology_nonzero(tiny_model_dir):
@@ -54,10 +52,8 @@ def test_dead_child_stops_the_topology_nonzero(tiny_model_dir):
     victim = next(p for p in children if role_of(p).startswith("detokenizer"))
     os.kill(victim, signal.SIGKILL)
     assert srv.proc.wait(timeout=30) == 1
-    deadline = time.monotonic() + 5
-    while any(pid_alive(p) for p in children) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not any(pid_alive(p) for p in children)
+    wait_until(lambda: not any(pid_alive(p) for p in children),
+               "every child gone after the topology stopped", timeout=5)
 
 
 def test_children_die_with_a_killed_launcher(tiny_model_dir):
@@ -66,10 +62,8 @@ def test_children_die_with_a_killed_launcher(tiny_model_dir):
     roles = {p: role_of(p) for p in children}
     srv.proc.kill()          # SIGKILL: the launcher gets no chance to clean up
     srv.proc.wait()
-    deadline = time.monotonic() + 20
-    while any(pid_alive(p) for p in children) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert [roles[p] for p in children if pid_alive(p)] == []
+    wait_until(lambda: [roles[p] for p in children if pid_alive(p)] == [],
+               "every child gone after its launcher was killed", timeout=20)
 
 
 def test_topology_yaml_errors_name_the_bad_key(tmp_path):
