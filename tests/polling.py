@@ -2,8 +2,9 @@
 
 A test that needs something to have happened (a heartbeat carrying new counters, a
 process gone, a request admitted) polls for it: fast when the machine is fast, and a
-failure that names what never happened, with the last value seen, when it is not. Async
-tests call it through ``asyncio.to_thread`` so their own tasks keep running meanwhile.
+failure that names what never happened, with the last value seen, when it is not. An
+async test with tasks in flight calls it through ``asyncio.to_thread`` so they keep
+running meanwhile.
 """
 
 from __future__ import annotations
