@@ -59,7 +59,7 @@ def build_llama3_8b_dummy(root: Path, tiny: Path) -> Path:
     """config.json of Llama-3-8B's shape in bf16 (serve it with ``--load-format dummy``)
     and the tiny tokenizer widened to the 128256-id vocabulary: every id the random model
     samples then decodes to some text (" w<id>"), so TTFT/ITL, measured on text frames,
-    stay meaningful. Prompts keep tokenizing as before: the merges are unchanged."""
+    stay meaningful. Prompts tokenize as with the tiny tokenizer: the merges are the same."""
     path = root / "llama3-8b-dummy"
     if (path / "config.json").exists():
         return path

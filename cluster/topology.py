@@ -192,7 +192,7 @@ SAMPLING_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition
 
 
 class ApiSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """The deployment's API policy (issue 4); published by GET /v1/capabilities.
+    """The deployment's API policy; published by GET /v1/capabilities.
 
     strict: every ignored or clamped field is a 400 naming it. max_tokens_policy: what a
     prompt + max_tokens beyond the context gets (reject: 400 with the accounting; clamp:

@@ -4,9 +4,9 @@ Why: the torch path gathers each decode's KV blocks into a scratch copy before S
 so every KV byte is read from DRAM, written, then read again. The kernel reads the
 cache in place, once per pass, in memory order, with AVX2+FMA where the CPU has them
 (~2x the torch path per layer on a (b)-shaped batch: 32 streams, 12 heads, contexts
-128-256; the memory-order V pass and vector exp took it from 3.8 to 2.8 ms). It also
-returns each head's log-sum-exp, so the cascade path merges it with a shared prefix's
-attention. It is compiled with the system C++ compiler via
+128-256, about 2.8 ms a layer; the V pass walks memory in order and exp is vectorised).
+It also returns each head's log-sum-exp, so the cascade path merges it with a shared
+prefix's attention. It is compiled with the system C++ compiler via
 ``torch.utils.cpp_extension`` (~45 s the first time, then cached under
 ``TORCH_EXTENSIONS_DIR``); where that fails, ``load`` returns None and the torch path
 stays in use. ``CANDOR_CPU_DECODE_KERNEL=0`` turns it off.

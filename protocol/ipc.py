@@ -105,7 +105,7 @@ class GenerateReq(_Message, tag="generate", omit_defaults=True):
     priority: int = 0  # extension: lower runs first; FCFS within a priority
     cache_salt: str | None = None  # extension: prefix-cache blocks are shared only within a salt
     probe: bool = False  # /health/generate: served ahead of queued traffic
-    # the API's policy extensions (each defaulted, so a sender may leave it out)
+    # per-request policy, template, echo, constraints and routing (defaults: plain serving)
     strict: bool = False             # every ignored/clamped field becomes a 400
     chat_template: str | None = None  # request-supplied template (frontend checked the flag)
     echo_prompt: bool = False        # return the prompt text in RequestInfo (completions echo)
@@ -399,7 +399,7 @@ class SchedulerStats(_Message, tag="stats"):
     preemptions: int = 0  # cumulative requests preempted (recompute)
     # Cumulative since start, exported as Prometheus counters by scheduler/metrics.py.
     aborts: dict[str, int] = {}  # by cause: disconnect | stop_string | error
-    # Prefix cache, in prompt tokens: looked up, and found cached.
+    # Prefix cache, in prompt tokens: looked up, and found cached (the planner counts both).
     prefix_cache_queried_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
     step_in_flight_s: float = 0.0  # age of the step the worker is running, 0 when idle

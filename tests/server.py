@@ -8,10 +8,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from tests.polling import wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -90,15 +91,19 @@ class CandorServer:
 
     def start(self, timeout: float = 180, log_path: str | Path | None = None) -> "CandorServer":
         self.spawn(log_path)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+
+        def healthy() -> bool:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"launcher exited with {self.proc.returncode}")
-            if self.health()[0] == 200:
-                return self
-            time.sleep(0.2)
-        self.stop()
-        raise TimeoutError("server did not become healthy")
+            return self.health()[0] == 200
+
+        try:
+            wait_until(healthy, "the server's /health to answer 200", timeout=timeout,
+                       interval=0.2)
+        except AssertionError:
+            self.stop()
+            raise
+        return self
 
     def health(self) -> tuple[int, dict]:
         try:
@@ -116,15 +121,11 @@ class CandorServer:
 
     def wait_all_blocks_free(self, timeout: float = 10) -> dict:
         """KV accounting settles within a few steps once no request is running."""
-        deadline = time.monotonic() + timeout
-        stats = self.engine_stats()
-        while time.monotonic() < deadline:
-            stats = self.engine_stats()
-            if (stats["free_blocks"] == stats["total_blocks"] and stats["running"] == 0
-                    and stats["waiting"] == 0):
-                return stats
-            time.sleep(0.1)
-        raise AssertionError(f"KV blocks not all free: {stats}")
+        return wait_until(
+            self.engine_stats, "every KV block free and no request running or waiting",
+            until=lambda s: (s["free_blocks"] == s["total_blocks"] and s["running"] == 0
+                             and s["waiting"] == 0),
+            timeout=timeout, interval=0.1)
 
     def children(self) -> list[int]:
         assert self.proc is not None

@@ -15,7 +15,6 @@ import json
 import os
 import random
 import signal
-import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -24,6 +23,7 @@ import pytest
 from api_frontend.replica_router import ReplicaRouter
 from cluster.topology import RouterSpec
 from tests.metrics_text import scrape
+from tests.polling import wait_until
 from tests.server import CandorServer, role_of
 
 MODEL = "tiny-llama"
@@ -127,10 +127,9 @@ def _shared_prefix_hit_rate(model_dir, tmp_path, policy: str) -> float:
                                "temperature": 0})[0]
         with ThreadPoolExecutor(4) as pool:
             assert set(pool.map(one, work)) == {200}
-        stats = srv.wait_all_blocks_free()
-        deadline = time.monotonic() + 5  # the last heartbeat carries the last lookups
-        while stats["prefix_cache_queried_tokens"] == 0 and time.monotonic() < deadline:
-            stats = srv.engine_stats()
+        srv.wait_all_blocks_free()
+        stats = wait_until(srv.engine_stats, "a heartbeat carrying the prefix lookups",
+                           until=lambda s: s["prefix_cache_queried_tokens"] > 0, timeout=5)
         return stats["prefix_cache_hit_tokens"] / stats["prefix_cache_queried_tokens"]
     finally:
         assert srv.stop() == 0
@@ -151,19 +150,14 @@ def test_losing_a_replica_fails_its_requests_and_the_other_serves_on(tiny_model_
         with ThreadPoolExecutor(8) as pool:
             futures = [pool.submit(_post, srv, {**long, "prompt": f"{i} {long['prompt']}"})
                        for i in range(8)]
-            deadline = time.monotonic() + 30
-            while True:  # both replicas decoding
-                replicas = srv.health()[1].get("replicas", [])
-                if all((r["running"] or 0) > 0 for r in replicas) and replicas:
-                    break
-                assert time.monotonic() < deadline, replicas
-                time.sleep(0.05)
+            wait_until(lambda: srv.health()[1].get("replicas", []), "both replicas decoding",
+                       until=lambda rs: rs and all((r["running"] or 0) > 0 for r in rs),
+                       timeout=30)
             rank = next(p for p in srv.children() if role_of(p) == "gpu_worker[1]")
             os.kill(rank, signal.SIGKILL)
-            started = time.monotonic()
-            while (health := srv.health())[1].get("status") != "degraded":
-                assert time.monotonic() - started < 2.0, health
-                time.sleep(0.02)
+            health = wait_until(srv.health, "/health degraded within two seconds",
+                                until=lambda h: h[1].get("status") == "degraded",
+                                timeout=2.0, interval=0.02)
             assert health[0] == 200
             lost = health[1]["replicas"][1]
             assert lost["state"] == "lost" and "gpu_worker[1]" in lost["why"]

@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from tests.metrics_text import scrape
+from tests.polling import wait_until
 from tests.server import CandorServer
 
 MODEL = "tiny-llama"
@@ -51,16 +52,16 @@ def _error(payload: bytes) -> dict:
 def _tables_settle(srv, timeout: float = 10.0) -> dict[str, float]:
     """Every per-request table of the frontend back at 0 (polled: gauges follow the
     scheduler's heartbeat)."""
-    deadline = time.monotonic() + timeout
-    while True:
+    def state() -> dict[str, float]:
         scraped = scrape(srv)
         assert "candor_frontend_request_state_entries" in scraped.families, "no such gauge"
-        state = {t: scraped.value("candor_frontend_request_state_entries", table=t)
-                 for t in ("queues", "unanswered", "timers", "finish_reasons")}
-        state["inflight"] = scraped.value("candor_frontend_inflight_requests")
-        if not any(state.values()) or time.monotonic() > deadline:
-            return state
-        time.sleep(0.1)
+        out = {t: scraped.value("candor_frontend_request_state_entries", table=t)
+               for t in ("queues", "unanswered", "timers", "finish_reasons")}
+        out["inflight"] = scraped.value("candor_frontend_inflight_requests")
+        return out
+
+    return wait_until(state, "every per-request table of the frontend back at 0",
+                      until=lambda s: not any(s.values()), timeout=timeout, interval=0.1)
 
 
 LIMIT_CASES = [

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.metrics_text import scrape
+from tests.polling import wait_until
 from tests.server import CandorServer, free_port
 
 MODEL = "tiny-llama"
@@ -21,14 +22,6 @@ MODEL = "tiny-llama"
 async def _post(session, server, path: str, body: dict) -> tuple[int, dict]:
     async with session.post(server.base_url + path, json={"model": MODEL, **body}) as resp:
         return resp.status, await resp.json()
-
-
-async def _wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 # ---------------------------------------------------------------- stop strings
@@ -96,8 +89,9 @@ async def test_probe_is_answered_while_queued_requests_wait(one_seq_server):
         long = [asyncio.create_task(_post(session, server, "/v1/completions", {
             "prompt": f"long request {i}", "max_tokens": 900, "temperature": 0,
             "ignore_eos": True})) for i in range(4)]
-        await _wait_for(lambda: server.engine_stats()["waiting"] >= 3, 30,
-                        "three requests queued behind the running one")
+        await asyncio.to_thread(wait_until, server.engine_stats,
+                                "three requests queued behind the running one",
+                                until=lambda s: s["waiting"] >= 3, timeout=30)
         async with session.get(server.base_url + "/health/generate?timeout=60") as resp:
             assert resp.status == 200, await resp.text()
             assert (await resp.json())["tokens"] == 1

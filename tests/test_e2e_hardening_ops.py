@@ -20,6 +20,7 @@ import pytest
 import zmq
 
 from protocol import ipc
+from tests.polling import wait_until
 from tests.server import REPO, CandorServer, child_pids, free_port, pid_alive
 
 MODEL = "tiny-ops"
@@ -244,9 +245,8 @@ def test_busy_port_fails_naming_it_and_cleans_a_killed_launchers_run_dir(srv,
     children = victim.children()
     victim.proc.kill()
     victim.proc.wait()
-    deadline = time.monotonic() + 15
-    while any(pid_alive(p) for p in children) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_until(lambda: not any(pid_alive(p) for p in children),
+               "the killed launcher's children to exit", timeout=15, interval=0.1)
     assert os.path.isdir(run_dir)
     # a second server on a busy port: fails in one line naming the port, and cleans up
     second = CandorServer(tiny_model_dir, "--served-model-name", MODEL, port=srv.port)

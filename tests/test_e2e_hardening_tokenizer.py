@@ -17,6 +17,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from tests.polling import wait_until
 from tests.server import REPO, CandorServer, role_of
 
 MODEL = "tiny-llama"
@@ -91,7 +92,7 @@ def test_length_floor_never_exceeds_the_real_count(tiny_model_dir):
         assert bound.min_tokens(size) <= len(tok.encode(text, add_special_tokens=False)), text[:20]
 
 
-# ---------------------------------------------------------------- item 2: huge prompts
+# ---------------------------------------------------------------- huge prompts
 
 
 async def test_huge_prompt_is_refused_before_tokenizing_and_memory_returns(tok_server):
@@ -137,7 +138,7 @@ async def test_prompt_near_the_context_is_not_refused_by_the_floor(tok_server):
     assert status == 400 and f"{count} in the prompt" in body["error"]["message"]
 
 
-# ---------------------------------------------------------------- item 3: templates
+# ---------------------------------------------------------------- templates
 
 
 async def test_request_template_that_loops_forever_is_cut_at_the_time_limit(tok_server):
@@ -191,12 +192,14 @@ def _cpu_ticks(pid: int) -> int:
 
 async def test_lost_tokenizer_worker_is_restarted_and_fails_only_its_requests(tok_server):
     pids_before = set(_tokenizer_pids(tok_server))
+    ticks = {pid: _cpu_ticks(pid) for pid in pids_before}
     held = asyncio.create_task(_post(tok_server, "/v1/chat/completions",
                                      _chat(chat_template=NESTED_LOOPS), timeout=60))
-    await asyncio.sleep(0.3)
-    ticks = {pid: _cpu_ticks(pid) for pid in pids_before}
-    await asyncio.sleep(0.5)
-    busy = max(pids_before, key=lambda pid: _cpu_ticks(pid) - ticks[pid])
+    # the worker rendering the held template burns CPU (0.2 s of it); the other one idles
+    busy = await asyncio.to_thread(
+        wait_until, lambda: next((pid for pid in pids_before
+                                  if _cpu_ticks(pid) - ticks[pid] >= 20), None),
+        "a tokenizer worker busy with the held request")
     # The other worker keeps serving while one is busy: requests go to the least loaded.
     for _ in range(3):
         status, _ = await _post(tok_server, "/v1/chat/completions", _chat(), timeout=10)
@@ -206,12 +209,8 @@ async def test_lost_tokenizer_worker_is_restarted_and_fails_only_its_requests(to
     assert status == 503, body
     assert body["error"]["code"] == "tokenizer_lost"
     assert "tokenizer_worker" in body["error"]["message"]
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if tok_server.health()[0] == 200 and len(_tokenizer_pids(tok_server)) == 2:
-            break
-        await asyncio.sleep(0.2)
-    assert tok_server.health()[0] == 200
+    wait_until(lambda: tok_server.health()[0] == 200 and len(_tokenizer_pids(tok_server)) == 2,
+               "the lost tokenizer worker replaced and /health 200", timeout=30, interval=0.2)
     now = set(_tokenizer_pids(tok_server))
     assert busy not in now and pids_before - {busy} <= now  # only the lost one was replaced
     for _ in range(4):
@@ -219,7 +218,7 @@ async def test_lost_tokenizer_worker_is_restarted_and_fails_only_its_requests(to
         assert status == 200
 
 
-# ---------------------------------------------------------------- item 5 (part)
+# ---------------------------------------------------------------- reserved template kwargs
 
 
 @pytest.mark.parametrize("key,top", [("add_generation_prompt", "add_generation_prompt"),
@@ -232,7 +231,7 @@ async def test_reserved_chat_template_kwargs_are_400(tok_server, key, top):
     assert f"`{top}`" in body["error"]["message"]
 
 
-# ---------------------------------------------------------------- item 16 (part)
+# ---------------------------------------------------------------- vLLM's /tokenize fields
 
 
 async def test_tokenize_speaks_vllms_fields(tok_server):

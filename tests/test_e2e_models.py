@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests import model_zoo
+from tests.polling import wait_until
 from tests.server import CandorServer
 
 MAX_NEW = 20
@@ -100,12 +101,7 @@ def test_unsupported_config_is_refused_before_any_process_starts(tmp_path, tiny_
 
 def test_version_names_the_resolved_device_and_dtype(server):
     """--dtype auto (the default) on CPU computes in float32, and /version says so."""
-    import time
-
-    deadline = time.monotonic() + 10
-    while True:
-        version = json.loads(server.get("/version")[1])
-        if version.get("dtype") or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
+    version = wait_until(lambda: json.loads(server.get("/version")[1]),
+                         "/version to name the worker's dtype",
+                         until=lambda v: v.get("dtype"), interval=0.1)
     assert version["device"] == "cpu" and version["dtype"] == "float32", version

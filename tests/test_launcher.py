@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import msgspec
@@ -15,6 +14,7 @@ import pytest
 
 from cluster.process_config import process_configs
 from cluster.topology import load_topology
+from tests.polling import wait_until
 from tests.server import REPO, CandorServer, pid_alive, role_of
 
 LEAN_ROLES = ("api_frontend", "tokenizer_worker", "scheduler", "detokenizer")
@@ -37,16 +37,14 @@ def test_sigterm_stops_every_child_and_exits_zero(tiny_model_dir, capsys):
     roles = sorted(role_of(p) for p in children)
     assert roles == sorted(["api_frontend[0]", "tokenizer_worker[0]", "tokenizer_worker[1]",
                             "scheduler[0]", "gpu_worker[0]", "detokenizer[0]"])
-    # lean roles never load torch; each role's RSS is printed for the issue note
+    # lean roles never load torch; each role's RSS is printed (what a role costs)
     for pid in children:
         role = role_of(pid)
         print(f"RSS {role}: {_rss_mb(pid):.0f} MiB")
         assert _maps_torch(pid) == role.startswith("gpu_worker"), f"{role}: torch mapping"
     assert srv.stop() == 0
-    deadline = time.monotonic() + 5
-    while any(pid_alive(p) for p in children) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not any(pid_alive(p) for p in children)
+    wait_until(lambda: not any(pid_alive(p) for p in children),
+               "every child gone after a clean stop", timeout=5)
 
 
 def test_dead_child_stops_the_topology_nonzero(tiny_model_dir):
@@ -55,10 +53,8 @@ def test_dead_child_stops_the_topology_nonzero(tiny_model_dir):
     victim = next(p for p in children if role_of(p).startswith("detokenizer"))
     os.kill(victim, signal.SIGKILL)
     assert srv.proc.wait(timeout=30) == 1
-    deadline = time.monotonic() + 5
-    while any(pid_alive(p) for p in children) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not any(pid_alive(p) for p in children)
+    wait_until(lambda: not any(pid_alive(p) for p in children),
+               "every child gone after the topology stopped", timeout=5)
 
 
 def test_children_die_with_a_killed_launcher(tiny_model_dir):
@@ -67,10 +63,8 @@ def test_children_die_with_a_killed_launcher(tiny_model_dir):
     roles = {p: role_of(p) for p in children}
     srv.proc.kill()          # SIGKILL: the launcher gets no chance to clean up
     srv.proc.wait()
-    deadline = time.monotonic() + 20
-    while any(pid_alive(p) for p in children) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert [roles[p] for p in children if pid_alive(p)] == []
+    wait_until(lambda: [roles[p] for p in children if pid_alive(p)] == [],
+               "every child gone after its launcher was killed", timeout=20)
 
 
 def test_topology_yaml_errors_name_the_bad_key(tmp_path):

@@ -9,7 +9,8 @@ import time
 
 import aiohttp
 
-from tests.metrics_text import scrape
+from tests.metrics_text import Scrape, scrape
+from tests.polling import wait_until
 
 MODEL = "tiny-llama"
 C = "/v1/completions"
@@ -22,16 +23,8 @@ async def _complete(server, body: dict) -> dict | bytes:
             return json.loads(payload) if not body.get("stream") else payload
 
 
-def _settled(server, check, timeout: float = 5.0):
-    """Scheduler counters reach the scrape with its next heartbeat (every 0.25 s)."""
-    deadline = time.monotonic() + timeout
-    while not check(scrape(server)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    time.sleep(0.6)  # two more heartbeats: the counters exported with them catch up
-    return scrape(server)
-
-
 async def test_scrape_deltas_after_real_requests(server):
+    server.wait_all_blocks_free()  # earlier requests' counters are in the baseline
     before = scrape(server)
     results = await asyncio.gather(*[_complete(server, {
         "prompt": f"count {i}", "max_tokens": 6, "temperature": 0, "ignore_eos": True})
@@ -42,30 +35,43 @@ async def test_scrape_deltas_after_real_requests(server):
     rejected = await _complete(server, {"prompt": "x", "max_tokens": -3})
     assert "error" in rejected
     prompt = sum(r["usage"]["prompt_tokens"] for r in results)
-    after = _settled(server, lambda s: s.total("candor_queue_time_seconds_count")
-                     - before.total("candor_queue_time_seconds_count") >= 4)
+    exact = {  # (family, labels): the delta four served requests and one 400 make
+        ("candor_http_requests_total", (("route", C), ("status", "200"),
+                                        ("finish_reason", "length"))): 4,
+        ("candor_http_requests_total", (("route", C), ("status", "400"))): 1,
+        ("candor_generation_tokens_total", ()): 3 * 6 + 5,
+        ("candor_time_to_first_token_seconds_count", ()): 4,
+        ("candor_e2e_request_latency_seconds_count", ()): 4,
+        ("candor_inter_token_latency_seconds_count", ()): 3 * 5 + 4,
+        ("candor_queue_time_seconds_count", ()): 4,
+        ("candor_tokenizer_requests_total", (("outcome", "ok"),)): 4,
+        # a 400 from the frontend's own validation never reaches a tokenizer worker
+        ("candor_tokenizer_requests_total", (("outcome", "rejected"),)): 0,
+    }
+    at_least = {
+        ("candor_prompt_tokens_total", ()): prompt + 1,
+        ("candor_step_duration_seconds_count", (("phase", "prefill"),)): 1,
+        ("candor_step_duration_seconds_count", (("phase", "decode"),)): 5,
+        ("candor_scheduler_steps_total", ()): 6,
+    }
 
-    def delta(name, **labels):
-        return after.total(name, **labels) - before.total(name, **labels)
+    def observe() -> tuple[Scrape, dict]:
+        now = scrape(server)
+        return now, {key: now.total(key[0], **dict(key[1])) - before.total(key[0], **dict(key[1]))
+                     for key in [*exact, *at_least]}
 
-    assert delta("candor_http_requests_total", route=C, status="200",
-                 finish_reason="length") == 4
-    assert delta("candor_http_requests_total", route=C, status="400") == 1
-    assert delta("candor_generation_tokens_total") == 3 * 6 + 5
-    assert delta("candor_prompt_tokens_total") >= prompt + 1
-    assert delta("candor_time_to_first_token_seconds_count") == 4
-    assert delta("candor_e2e_request_latency_seconds_count") == 4
-    assert delta("candor_inter_token_latency_seconds_count") == 3 * 5 + 4
-    assert delta("candor_queue_time_seconds_count") == 4
-    assert delta("candor_tokenizer_requests_total", outcome="ok") == 4
-    assert delta("candor_tokenizer_requests_total", outcome="rejected") == 0  # a 400 from
-    # the frontend's own validation never reaches a tokenizer worker
-    assert delta("candor_step_duration_seconds_count", phase="prefill") >= 1
-    assert delta("candor_step_duration_seconds_count", phase="decode") >= 5
-    assert delta("candor_scheduler_steps_total") >= 6
+    def settled(seen: tuple[Scrape, dict]) -> bool:
+        now, delta = seen
+        return (all(delta[k] >= v for k, v in [*exact.items(), *at_least.items()])
+                and now.value("candor_kv_blocks_used") == 0
+                and now.value("candor_requests_running") == 0)
+
+    # counters only grow; the scheduler's reach the scrape with its heartbeat (0.25 s)
+    after, delta = wait_until(observe, "every counter to reach its delta, nothing running",
+                              until=settled)
+    assert {k: delta[k] for k in exact} == exact
+    assert all(delta[k] >= v for k, v in at_least.items()), (delta, at_least)
     assert after.value("candor_kv_blocks_total") > 0
-    assert after.value("candor_kv_blocks_used") == 0
-    assert after.value("candor_requests_running") == 0
     assert after.value("candor_process_up", node="local", role="gpu_worker", index="0") == 1
 
 
@@ -86,6 +92,7 @@ async def test_every_metric_is_prefixed_documented_and_unit_named(server):
 
 
 async def test_disconnect_is_counted_as_an_abort(server):
+    server.wait_all_blocks_free()  # earlier requests' aborts are in the baseline
     before = scrape(server)
     async with aiohttp.ClientSession() as session:
         async with session.post(server.base_url + C, json={
@@ -93,8 +100,13 @@ async def test_disconnect_is_counted_as_an_abort(server):
                 "stream": True}) as resp:
             async for _ in resp.content:
                 break
-    after = _settled(server, lambda s: s.total("candor_aborts_total", cause="disconnect")
-                     > before.total("candor_aborts_total", cause="disconnect"))
+    after = wait_until(lambda: scrape(server), "a disconnect abort and a 499 counted",
+                       until=lambda s: (
+                           s.total("candor_aborts_total", cause="disconnect")
+                           > before.total("candor_aborts_total", cause="disconnect")
+                           and s.total("candor_http_requests_total", route=C, status="499")
+                           > before.total("candor_http_requests_total", route=C,
+                                          status="499")))
     assert (after.total("candor_aborts_total", cause="disconnect")
             - before.total("candor_aborts_total", cause="disconnect")) == 1
     assert (after.total("candor_http_requests_total", route=C, status="499")
@@ -118,8 +130,10 @@ async def test_health_generate_is_served_ahead_of_queued_traffic(server):
         return await _complete(server, {"prompt": "busy", "max_tokens": 300,
                                         "ignore_eos": True})
 
+    server.wait_all_blocks_free()
     burst = [asyncio.create_task(long_one()) for _ in range(6)]
-    await asyncio.sleep(0.3)
+    await asyncio.to_thread(wait_until, server.engine_stats, "the burst admitted",
+                            until=lambda s: s["running"] + s["waiting"] >= 6)
     started = time.monotonic()
     status, payload = await asyncio.to_thread(server.get, "/health/generate")
     probe_s = time.monotonic() - started

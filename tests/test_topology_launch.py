@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 import urllib.request
 
+from tests.polling import wait_until
 from tests.server import REPO, free_port
 
 
@@ -20,17 +20,15 @@ def test_yaml_topology_serves_requests(tiny_model_dir, tmp_path):
     topo.write_text(yaml_text)
     proc = subprocess.Popen([sys.executable, str(REPO / "launch_cluster.py"), str(topo)], cwd=REPO)
     try:
-        deadline = time.monotonic() + 120
-        while True:
+        def healthy() -> bool:
             assert proc.poll() is None, "launcher exited"
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
-                    if r.status == 200:
-                        break
+                    return r.status == 200
             except OSError:
-                pass
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
+                return False
+
+        wait_until(healthy, "/health 200", timeout=120, interval=0.2)
         req = urllib.request.Request(
             f"http://127.0.0.1:{port}/v1/completions",
             data=json.dumps({"model": "tiny-llama", "prompt": "hi", "max_tokens": 3}).encode(),

@@ -281,7 +281,12 @@ def test_second_doc_command_line_serves(tmp_path, tiny_model_dir):
         status, _, _ = _post(srv, "/v1/completions",
                              {"model": "tiny-llama", "prompt": "hello", "max_tokens": 2})
         from tests.metrics_text import scrape
-        assert scrape(srv).total("candor_prefix_cache_queried_tokens_total") == 0
+        from tests.polling import wait_until
+
+        # prefix counters are exported with the heartbeat that carries both requests' steps
+        after = wait_until(lambda: scrape(srv), "a heartbeat after both requests' four steps",
+                           until=lambda s: s.total("candor_scheduler_steps_total") >= 4)
+        assert after.total("candor_prefix_cache_queried_tokens_total") == 0
     finally:
         assert srv.stop() == 0
 
