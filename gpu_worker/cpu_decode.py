@@ -14,25 +14,14 @@ stays in use. ``CANDOR_CPU_DECODE_KERNEL=0`` turns it off.
 
 from __future__ import annotations
 
-import hashlib
-import logging
 import os
 from pathlib import Path
 
 import torch
 
+from gpu_worker.cpu_extension import build
+
 _SOURCE = Path(__file__).with_name("paged_decode.cpp")
-log = logging.getLogger(__name__)
-
-
-def _isa_flags() -> tuple[str, list[str]]:
-    """AVX2+FMA code where torch's own dispatch found AVX2 (or better) on this CPU.
-
-    The ISA is part of the extension's name, so a build cache shared between machines
-    never hands an AVX2 binary to a CPU without it."""
-    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
-        return "avx2", ["-mavx2", "-mfma"]
-    return "generic", []
 
 
 def load(device: torch.device, dtype: torch.dtype):
@@ -44,22 +33,8 @@ def load(device: torch.device, dtype: torch.dtype):
         return None
     if os.environ.get("CANDOR_CPU_DECODE_KERNEL", "1") == "0":
         return None
-    try:
-        from torch.utils.cpp_extension import load_inline
-
-        isa, flags = _isa_flags()
-        source = _SOURCE.read_text()
-        # The source's hash is in the name too: checkouts with different kernels sharing one
-        # build cache must never load each other's binary (the signature may differ).
-        digest = hashlib.sha256(source.encode()).hexdigest()[:12]
-        module = load_inline(
-            f"candor_paged_decode_{isa}_{digest}",
-            cpp_sources=[source],
-            functions=["paged_decode"],
-            extra_cflags=["-O3", "-fopenmp", *flags],
-        )
-    except Exception as exc:  # no compiler, no headers, ...: the torch path still works
-        log.warning("CPU decode kernel unavailable, using the torch path: %s", exc)
+    module = build(_SOURCE, ["paged_decode"], openmp=True)
+    if module is None:
         return None
     kernel = module.paged_decode
 

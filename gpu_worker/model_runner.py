@@ -140,14 +140,14 @@ class ModelRunner:
         self.decode_group_blocks = decode_group_blocks(self.kv_caches[0][0])
         self.gather_scratch = GatherScratch()
         self.decode_kernel = None if self.attn_backend else cpu_decode.load(self.device, self.dtype)
-        self.sampler = Sampler(self.device, seed)
+        self.grammars = GrammarStates(model_path, cfg.vocab_size, self.device)
+        self.sampler = Sampler(self.device, seed, apply_masks=self.grammars.apply_masks)
         self.sampling: dict[str, SamplingParams] = {}
         self.generators: dict[str, torch.Generator] = {}
         self.last_sampled: dict[str, int] = {}  # rid -> its latest token (fills placeholders)
         self.block_tables: dict[str, list[int]] = {}  # rid -> its table, built from plan diffs
         self.failed_last_step: set[str] = set()  # rids of the previous step, if it failed
         self.tracker = RequestTracker()  # token history (penalties) and prompt logprobs
-        self.grammars = GrammarStates(model_path, cfg.vocab_size)  # constrained decoding
         self.decode_graphs: cuda_graphs.DecodeGraphRunner | None = None
         if self.attn_backend is not None and not enforce_eager and ranks.size > 1:
             log.info("tensor parallel: decode steps run eagerly (no CUDA graphs across ranks)")

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from gpu_worker.grammar import apply_masks
+from gpu_worker.grammar import MaskApplier, apply_masks
 from protocol.ipc import SamplingParams, SampleLogprobs, TokenLogprob
 
 # (all token ids fed so far, number of those that are prompt) for one row
@@ -38,8 +38,10 @@ def needs_history(p: SamplingParams) -> bool:
 
 
 class Sampler:
-    def __init__(self, device: torch.device | str = "cpu", seed: int = 0) -> None:
+    def __init__(self, device: torch.device | str = "cpu", seed: int = 0,
+                 apply_masks: MaskApplier = apply_masks) -> None:
         self.device = torch.device(device)
+        self.apply_masks = apply_masks  # grammar masks (the worker's compiled one on CPU)
         # Shared by every unseeded request.
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
 
@@ -61,7 +63,7 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits[lp_rows].float(), dim=-1) if lp_rows else None
         logits = self._process(logits.float(), params, histories or [None] * len(params))
         if masks is not None:
-            apply_masks(logits, *masks)
+            self.apply_masks(logits, *masks)
         tokens = logits.argmax(dim=-1)
         rand_rows = [i for i, p in enumerate(params) if p.temperature > 0]
         if rand_rows:

@@ -1,0 +1,53 @@
+"""The compiled CPU bitmask kernel against the torch path it replaces: same logits,
+bit for bit, on masks with whole-clear, whole-set and mixed words, a subset of rows,
+and a vocabulary wider than the mask (those tokens are never allowed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpu_worker.cpu_extension import build
+from gpu_worker.grammar import apply_masks
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    module = build(Path(__file__).parents[1] / "gpu_worker" / "bitmask.cpp", ["apply_bitmask"])
+    assert module is not None, "the bitmask kernel must build where the decode kernel does"
+    return module.apply_bitmask
+
+
+def _mask(rows: int, words: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.randint(-2**31, 2**31 - 1, (rows, words), dtype=torch.int32, generator=g)
+    mask[:, ::3] = 0     # whole words disallowed
+    mask[:, 1::5] = -1   # whole words allowed
+    return mask
+
+
+@pytest.mark.parametrize("vocab, words, rows", [(2048, 64, [0, 1, 2, 3]), (100, 4, [2, 0]),
+                                                (130, 4, [1]), (64, 2, [3])])
+def test_kernel_equals_the_torch_path(kernel, vocab, words, rows):
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(1))
+    mask = _mask(len(rows), words, seed=vocab)
+    want, got = logits.clone(), logits.clone()
+    if 32 * words >= vocab:
+        apply_masks(want, rows, mask)
+    else:  # the torch path needs a mask covering the vocabulary; pad it with clear bits
+        padded = torch.zeros(len(rows), -(-vocab // 32), dtype=torch.int32)
+        padded[:, :words] = mask
+        apply_masks(want, rows, padded)
+    kernel(got, mask, torch.tensor(rows, dtype=torch.int64))
+    assert torch.equal(torch.isinf(want), torch.isinf(got))
+    assert torch.equal(want, got)
+    untouched = [r for r in range(4) if r not in rows]
+    assert torch.equal(got[untouched], logits[untouched])
+
+
+def test_kernel_refuses_a_row_out_of_range(kernel):
+    with pytest.raises(RuntimeError, match="row out of range"):
+        kernel(torch.zeros(2, 64), torch.zeros(1, 2, dtype=torch.int32),
+               torch.tensor([5], dtype=torch.int64))
