@@ -16,7 +16,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from bench.compare import candor_server, vllm_server
+from bench.compare import candor_server, start_warm, vllm_server
 from bench.loadgen import Workload, run
 from bench.models import ARCH_SHAPES, build_arch, build_tiny, num_params
 
@@ -39,13 +39,8 @@ def main(argv: list[str] | None = None) -> int:
             servers = [candor_server(path, name, a.threads, 4096)]
             if a.peer_python:
                 servers.append(vllm_server(a.peer_python, path, name, scratch))
-            for s in servers:
-                s.start()
             try:
-                for s in servers:
-                    s.wait_ready(600)
-                    asyncio.run(run(s.url, name, Workload(num_requests=4, concurrency=4,
-                                                          output_len=(8, 8), seed=99)))
+                start_warm(servers, name)
                 for r in range(a.rounds):
                     for s in servers if r % 2 == 0 else servers[::-1]:
                         w = Workload(**{**WORKLOAD.__dict__, "seed": 1000 * r + 1})

@@ -122,6 +122,18 @@ def vllm_server(python: str, model: Path, name: str, scratch: Path) -> Server:
     return Server("vllm", cmd, env, port)
 
 
+def start_warm(servers: list[Server], model: str, timeout: float = 600) -> None:
+    """Start every server, wait until each is healthy, and warm each with four short
+    requests (first passes and compiles stay out of the counted rounds)."""
+    for s in servers:
+        s.start()
+    warm = Workload(num_requests=4, concurrency=4, prompt_len=(64, 64), output_len=(8, 8),
+                    seed=99)
+    for s in servers:
+        s.wait_ready(timeout)
+        asyncio.run(run(s.url, model, warm))
+
+
 def hf_reference(model: Path, workload: Workload, threads: int, scratch: Path) -> dict:
     prompts = scratch / "prompts.json"
     prompts.write_text(json.dumps(workload.prompts()))
@@ -193,14 +205,8 @@ def main(argv: list[str] | None = None) -> int:
             servers = [candor_server(model, model_key, a.threads, kv)]
             if a.peer_python:
                 servers.append(vllm_server(a.peer_python, model, model_key, scratch))
-            for s in servers:
-                s.start()
             try:
-                for s in servers:
-                    s.wait_ready(600)
-                    warm = Workload(num_requests=4, concurrency=4, prompt_len=(64, 64),
-                                    output_len=(8, 8), seed=99)
-                    asyncio.run(run(s.url, model_key, warm))
+                start_warm(servers, model_key)
                 for wl in wls:
                     workload = WORKLOADS[wl][1]
                     per = results.setdefault(wl, {"desc": f"{model_key} {workload}",
