@@ -5,12 +5,20 @@ it under ``TORCH_EXTENSIONS_DIR``. The ISA and a hash of the source are part of 
 module's name, so a cache shared between machines never hands an AVX2 binary to a CPU
 without it, and checkouts with different sources never load each other's binary.
 Where the build fails, ``build`` returns None and the caller keeps its torch path.
+
+torch serialises builders with a ``lock`` file that a process killed mid-build leaves
+behind, after which every later load waits on it forever (a worker stopped during its
+start-up build is enough). ``build`` therefore holds an OS lock (``flock``, released when
+its holder dies) around the load, and under it any torch ``lock`` file is a stale one.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
+import os
+import sys
 from pathlib import Path
 
 import torch
@@ -25,17 +33,35 @@ def isa_flags() -> tuple[str, list[str]]:
     return "generic", []
 
 
+def build_dir(source: Path) -> tuple[str, str]:
+    """(module name, build directory) of ``source``: its ISA and a hash of its text, the
+    Python and the torch it is built against."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    isa, _ = isa_flags()
+    key = f"{source.read_text()}\0{sys.version_info[:2]}\0{torch.__version__}"
+    name = f"candor_{source.stem}_{isa}_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    return name, os.path.join(get_default_build_root(), name)
+
+
 def build(source: Path, functions: list[str], openmp: bool = False):
     """The compiled module exposing ``functions``, or None (logged) if it cannot be built."""
     try:
         from torch.utils.cpp_extension import load_inline
 
-        isa, flags = isa_flags()
+        _, flags = isa_flags()
         text = source.read_text()
-        digest = hashlib.sha256(text.encode()).hexdigest()[:12]
-        return load_inline(f"candor_{source.stem}_{isa}_{digest}", cpp_sources=[text],
-                           functions=functions,
-                           extra_cflags=["-O3", *(["-fopenmp"] if openmp else []), *flags])
+        name, build_dir_ = build_dir(source)
+        os.makedirs(build_dir_, exist_ok=True)
+        with open(os.path.join(build_dir_, "candor.flock"), "w") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)
+            try:
+                os.remove(os.path.join(build_dir_, "lock"))  # only a dead builder's
+            except FileNotFoundError:
+                pass
+            return load_inline(name, cpp_sources=[text], functions=functions,
+                               extra_cflags=["-O3", *(["-fopenmp"] if openmp else []), *flags],
+                               build_directory=build_dir_)
     except Exception as exc:  # no compiler, no headers, ...: the torch path still works
         log.warning("CPU kernel %s unavailable, using the torch path: %s", source.name, exc)
         return None

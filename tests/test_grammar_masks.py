@@ -9,15 +9,34 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_worker.cpu_extension import build
+from gpu_worker.cpu_extension import build, build_dir
 from gpu_worker.grammar import apply_masks
+
+
+SOURCE = Path(__file__).parents[1] / "gpu_worker" / "bitmask.cpp"
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    module = build(Path(__file__).parents[1] / "gpu_worker" / "bitmask.cpp", ["apply_bitmask"])
+    module = build(SOURCE, ["apply_bitmask"])
     assert module is not None, "the bitmask kernel must build where the decode kernel does"
     return module.apply_bitmask
+
+
+def test_a_dead_builders_lock_does_not_block_the_next_build(kernel, tmp_path):
+    """torch's ``lock`` file, left by a builder killed mid-build, made every later load
+    wait forever; a new build clears it and loads (in a fresh process, as a worker would)."""
+    import subprocess
+    import sys
+
+    lock = Path(build_dir(SOURCE)[1]) / "lock"
+    lock.touch()
+    code = ("from pathlib import Path; from gpu_worker.cpu_extension import build; "
+            f"assert build(Path({str(SOURCE)!r}), ['apply_bitmask']) is not None")
+    run = subprocess.run([sys.executable, "-c", code], cwd=SOURCE.parents[1], timeout=300,
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert not lock.exists()
 
 
 def _mask(rows: int, words: int, seed: int) -> torch.Tensor:
