@@ -52,14 +52,14 @@ class ToolCallStream:
         for k, call in enumerate(view.calls):
             if call.name is None:
                 break
-            fragment = call.arguments[self.args_sent[k]:] if k < len(self.ids) \
-                else call.arguments
-            if k == len(self.ids):
+            if k == len(self.ids):  # a new call: one delta with its name and arguments so far
                 self.ids.append(self.parser.make_id())
-                self.args_sent.append(len(fragment))
+                self.args_sent.append(len(call.arguments))
                 out.append(DeltaToolCall(k, self.ids[k], "function",
-                                         DeltaFunction(call.name, fragment)))
-            elif fragment:
+                                         DeltaFunction(call.name, call.arguments)))
+                continue
+            fragment = call.arguments[self.args_sent[k]:]
+            if fragment:
                 self.args_sent[k] = len(call.arguments)
                 out.append(DeltaToolCall(k, function=DeltaFunction(arguments=fragment)))
         return new_content, out
