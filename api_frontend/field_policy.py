@@ -16,8 +16,8 @@ from typing import Any, Literal
 import msgspec
 
 from api_frontend.errors import ApiError
-from protocol.openai_api import CandorReport, ChatCompletionRequest, CompletionRequest, FieldNote
 from cluster.topology import ApiSpec
+from protocol.openai_api import CandorReport, ChatCompletionRequest, CompletionRequest, FieldNote
 
 Tier = Literal["honoured", "clamped", "ignored", "extension", "rejected"]
 Endpoint = Literal["chat", "completions"]
@@ -313,13 +313,18 @@ FOREIGN: tuple[Foreign, ...] = (
 FOREIGN_FIELDS: dict[str, Foreign] = {f.field: f for f in FOREIGN}
 
 
+def _strict(tier: Tier, api: ApiSpec) -> Tier:
+    """A strict deployment rejects what it would otherwise ignore or clamp."""
+    return "rejected" if api.strict and tier in ("ignored", "clamped") else tier
+
+
 def _deployed(row: Row, tier: Tier, api: ApiSpec) -> Tier:
     """``tier`` as this deployment's flags shift it."""
     if row.clamps and api.max_tokens_policy == "clamp":
         tier = "clamped"
     if row.only_with and not getattr(api, row.only_with):
         tier = "rejected"
-    return "rejected" if api.strict and tier in ("ignored", "clamped") else tier
+    return _strict(tier, api)
 
 
 def tiers(kind: Endpoint, api: ApiSpec) -> dict[str, Tier]:
@@ -331,8 +336,7 @@ def tiers(kind: Endpoint, api: ApiSpec) -> dict[str, Tier]:
         if tier is not None:
             out.update({f: _deployed(row, tier, api) for f in row.fields})
     unknown = out.pop(UNKNOWN)
-    out.update({f.field: "rejected" if f.tier == "rejected" else
-                ("rejected" if api.strict else "ignored") for f in FOREIGN})
+    out.update({f.field: _strict(f.tier, api) for f in FOREIGN})
     out[UNKNOWN] = unknown
     return out
 

@@ -13,7 +13,7 @@ from api_frontend.errors import ApiError, from_decode_error
 
 T = TypeVar("T")
 _ENCODER = msgspec.json.Encoder()
-_RAW_OBJECT = msgspec.json.Decoder(dict[str, msgspec.Raw])
+_RAW_OBJECT = dict[str, msgspec.Raw]  # a body's top-level fields, values undecoded
 _NULL = b"null"
 
 
@@ -40,7 +40,7 @@ def decode_request(body: bytes, kind: type[T]) -> tuple[T, dict[str, msgspec.Raw
     """The typed request and its top-level fields as sent. A field sent as ``null`` is
     absent (SDKs send explicit nulls for unset options), so it is dropped before the
     typed decode and never reported."""
-    fields = decode(body, dict[str, msgspec.Raw])
+    fields = decode(body, _RAW_OBJECT)
     sent = {k: v for k, v in fields.items() if bytes(v) != _NULL}
     if len(sent) != len(fields):
         body = _ENCODER.encode(sent)
@@ -58,7 +58,7 @@ def check_json_body(request: web.Request, body: bytes) -> None:
         raise ApiError(415, f"Content-Type {request.content_type!r} is not supported; send "
                        "the body as application/json", None, "unsupported_media_type")
     try:
-        _RAW_OBJECT.decode(body)
+        _decoder(_RAW_OBJECT).decode(body)
     except RecursionError:
         raise _too_deep() from None
     except msgspec.MsgspecError:
