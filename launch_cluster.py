@@ -48,7 +48,7 @@ from cluster.metrics_view import NodeMetricsInfo, ProcessEntry, write_node_info
 from cluster.node_http import serve_node_http
 from cluster.process_config import ProcessConfig, ReplicaConfig, process_configs
 from cluster.serve_cli import (DEFAULT_MODEL_DIR, ServeArgsError, model_argument,
-                                normalize_argv, serve_parser, serve_topology)
+                               normalize_argv, serve_parser, serve_topology)
 from cluster.topology import HttpSpec, NodeSpec, Topology, load_topology
 from cluster.topology_check import TopologyError, check_topology
 from protocol.health import STATUS_INTERVAL_S, ChildStatus, NodeStatus

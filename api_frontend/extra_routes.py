@@ -50,7 +50,7 @@ async def render(request: web.Request, engine: EngineClient, card: ModelCard, ap
     result = await _ask(engine, ipc.RenderReq(rid, engine.reply_to, gen=tr.gen))
     info = ipc.RequestInfo(rid, len(result.token_ids), result.template, result.adjustments)
     return json_response(RenderResponse(result.prompt_text, result.token_ids, card.id,
-                                _template(result), complete_report(tr.report, info)))
+                                        _template(result), complete_report(tr.report, info)))
 
 
 async def tokenize(request: web.Request, engine: EngineClient, card: ModelCard,
@@ -93,7 +93,7 @@ async def tokenize(request: web.Request, engine: EngineClient, card: ModelCard,
         rid, engine.reply_to, gen=gen, with_token_strs=bool(body.return_token_strs),
         tokenize_only=True, add_special_tokens=body.add_special_tokens))
     return json_response(TokenizeResponse(len(result.token_ids), card.max_model_len,
-                                  result.token_ids, result.token_strs))
+                                          result.token_ids, result.token_strs))
 
 
 async def detokenize(request: web.Request, engine: EngineClient, card: ModelCard,

@@ -19,6 +19,7 @@ from protocol import ipc
 from protocol.openai_api import (INT64_MIN, TOKEN_ID_MAX, CandorReport, ChatCompletionRequest,
                                  CompletionRequest)
 
+
 def _choice_seed(seed: int, i: int) -> int:
     """seed + i, wrapped into int64 so the sum still crosses the process boundary."""
     return (seed + i - INT64_MIN) % 2**64 + INT64_MIN

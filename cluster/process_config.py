@@ -12,7 +12,7 @@ from __future__ import annotations
 import msgspec
 
 from cluster.topology import (LOCAL_NODE, ApiSpec, EngineSpec, HttpSpec, ResolvedAddresses,
-                               RouterSpec, SecuritySpec, SupervisionSpec, Topology, resolve)
+                              RouterSpec, SecuritySpec, SupervisionSpec, Topology, resolve)
 
 
 class ProcessConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,

@@ -12,7 +12,7 @@ import os
 from urllib.parse import urlsplit
 
 from cluster.topology import (BINDERS, CONNECTORS, ROLES, ResolvedAddresses, Topology,
-                               resolve)
+                              resolve)
 
 RESTARTABLE = ("tokenizer_worker", "detokenizer")  # stateless: a restart loses nothing
 

@@ -188,7 +188,6 @@ class GrammarStates:
             if self._states[rids[row]].matcher.validate_tokens([token]) == 0:
                 words[row, token // 32] &= np.int32(_int32(~(1 << (token % 32))))
 
-
     def apply_masks(self, logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
         """``apply_masks`` with the compiled kernel where it applies (CPU fp32 logits):
         a masked fill over a bool view of every token costs about 20x more."""

@@ -31,7 +31,7 @@ from gpu_worker.grammar import GrammarStates
 from gpu_worker.kv_budget import auto_kv_bytes
 from gpu_worker.distributed import Ranks
 from gpu_worker.loader import load_weights
-from gpu_worker.model_config import ModelConfig, load_config
+from gpu_worker.model_config import load_config
 from gpu_worker.models.registry import model_class
 from gpu_worker.progress import Progress
 from gpu_worker.request_state import RequestTracker

@@ -98,7 +98,7 @@ def test_each_role_decodes_only_its_own_slice(tmp_path):
     type only (the role is the tag)."""
     from cluster.lifecycle import read_config
     from cluster.process_config import (DetokenizerConfig, FrontendConfig, SchedulerConfig,
-                                         TokenizerConfig, WorkerConfig)
+                                        TokenizerConfig, WorkerConfig)
 
     topo = tmp_path / "t.yaml"
     topo.write_text("model: {path: /m, max_model_len: 64}\ntensor_parallel: 2\nreplicas: 2\n"
