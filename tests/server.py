@@ -10,6 +10,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 from tests.polling import wait_until
@@ -119,12 +120,16 @@ class CandorServer:
         assert status == 200, body
         return body["engine"]
 
-    def wait_all_blocks_free(self, timeout: float = 10) -> dict:
-        """KV accounting settles within a few steps once no request is running."""
+    def wait_all_blocks_free(self, timeout: float = 10, what: str = "the engine at rest",
+                             until: Callable[[dict], bool] = lambda stats: True) -> dict:
+        """Stats from a heartbeat sent at rest (every KV block free, nothing running,
+        waiting or on the worker: KV accounting settles within a few steps) for which
+        ``until`` holds; its cumulative counters include every request answered so far."""
         return wait_until(
-            self.engine_stats, "every KV block free and no request running or waiting",
+            self.engine_stats, f"{what} (every KV block free, no request running, waiting "
+            "or on the worker)",
             until=lambda s: (s["free_blocks"] == s["total_blocks"] and s["running"] == 0
-                             and s["waiting"] == 0),
+                             and s["waiting"] == 0 and s["step_in_flight_s"] == 0 and until(s)),
             timeout=timeout, interval=0.1)
 
     def children(self) -> list[int]:

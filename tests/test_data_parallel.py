@@ -18,7 +18,6 @@ import signal
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-import pytest
 
 from api_frontend.replica_router import ReplicaRouter
 from cluster.topology import RouterSpec
@@ -127,9 +126,9 @@ def _shared_prefix_hit_rate(model_dir, tmp_path, policy: str) -> float:
                                "temperature": 0})[0]
         with ThreadPoolExecutor(4) as pool:
             assert set(pool.map(one, work)) == {200}
-        srv.wait_all_blocks_free()
-        stats = wait_until(srv.engine_stats, "a heartbeat carrying the prefix lookups",
-                           until=lambda s: s["prefix_cache_queried_tokens"] > 0, timeout=5)
+        stats = srv.wait_all_blocks_free(
+            what="a heartbeat carrying the prefix lookups",
+            until=lambda s: s["prefix_cache_queried_tokens"] > 0)
         return stats["prefix_cache_hit_tokens"] / stats["prefix_cache_queried_tokens"]
     finally:
         assert srv.stop() == 0

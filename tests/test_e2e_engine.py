@@ -11,7 +11,6 @@ import aiohttp
 import pytest
 import torch
 
-from tests.polling import wait_until
 from tests.server import CandorServer
 
 MODEL = "tiny-llama"
@@ -24,16 +23,6 @@ def _hf_greedy(model, ids: list[int], n: int) -> list[int]:
         out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                              max_new_tokens=n, do_sample=False)
     return out[0, len(ids):].tolist()
-
-
-def _at_rest(srv: CandorServer, what: str = "the engine at rest",
-             until=lambda s: True) -> dict:
-    """Stats from a heartbeat sent after every step came back (nothing running, waiting or
-    on the worker, every KV block free) for which ``until`` holds: the cumulative
-    counters in it include every request answered so far."""
-    return wait_until(srv.engine_stats, what, until=lambda s: (
-        s["running"] == s["waiting"] == 0 and s["step_in_flight_s"] == 0
-        and s["free_blocks"] == s["total_blocks"] and until(s)))
 
 
 async def _complete(session, server, body: dict) -> tuple[int, dict, dict]:
@@ -54,7 +43,7 @@ def tight_server(tiny_model_dir):
 
 async def test_prefix_cache_hit_reports_cached_tokens_and_matches_hf(server, hf_model):
     model, tok = hf_model
-    hits_before = _at_rest(server)["prefix_hit_blocks"]
+    hits_before = server.wait_all_blocks_free()["prefix_hit_blocks"]
     head = _TEXT * 4
     first, second = head + "First tail.", head + "A different second tail."
     async with aiohttp.ClientSession() as session:
@@ -74,13 +63,14 @@ async def test_prefix_cache_hit_reports_cached_tokens_and_matches_hf(server, hf_
     for prompt, r in [(first, r1), (second, r2), (second, r3)]:
         ids = tok(prompt)["input_ids"]
         assert r["choices"][0]["token_ids"] == _hf_greedy(model, ids, 12)
-    _at_rest(server, f"at least {cached // 16} prefix-cache block hits",
-             lambda s: s["prefix_hit_blocks"] - hits_before >= cached // 16)
+    server.wait_all_blocks_free(
+        what=f"at least {cached // 16} prefix-cache block hits",
+        until=lambda s: s["prefix_hit_blocks"] - hits_before >= cached // 16)
 
 
 async def test_preempted_requests_keep_greedy_tokens_identical_to_hf(tight_server, hf_model):
     model, tok = hf_model
-    preempted_before = _at_rest(tight_server)["preemptions"]
+    preempted_before = tight_server.wait_all_blocks_free()["preemptions"]
     prompts = [f"Request {i}: " + _TEXT[: 60 + 25 * i] for i in range(4)]
     async with aiohttp.ClientSession() as session:
         results = await asyncio.gather(*[
@@ -92,8 +82,9 @@ async def test_preempted_requests_keep_greedy_tokens_identical_to_hf(tight_serve
         got = body["choices"][0]["token_ids"]
         assert len(got) == 40
         assert got == _hf_greedy(model, ids, 40)[:len(got)], prompt
-    _at_rest(tight_server, "a preemption (the KV cache was meant to be too small for all four)",
-             lambda s: s["preemptions"] > preempted_before)
+    tight_server.wait_all_blocks_free(
+        what="a preemption (the KV cache was meant to be too small for all four)",
+        until=lambda s: s["preemptions"] > preempted_before)
 
 
 async def test_full_waiting_queue_answers_503_with_retry_after(tight_server):
@@ -122,7 +113,7 @@ async def test_worker_idle_time_counts_only_gaps_with_work_queued(tight_server):
     """``worker_idle_s`` sums the worker's gaps between sending a result and receiving the
     next plan, counting a gap only when work was queued during it (a stalled pipeline, not
     an idle server); ``worker_busy_s`` sums the time inside steps."""
-    rest = _at_rest(tight_server)
+    rest = tight_server.wait_all_blocks_free()
     assert rest["max_waiting"] == 4
     # A deliberate quiet spell: the worker's last result came before this heartbeat and its
     # next plan comes after the request below, so its gap is longer than ``quiet_s``.
@@ -132,14 +123,16 @@ async def test_worker_idle_time_counts_only_gaps_with_work_queued(tight_server):
         status, _, body = await _complete(session, tight_server, {
             "prompt": "one step", "max_tokens": 1})
         assert status == 200, body
-        one = _at_rest(tight_server, "the one-step request's busy time",
-                       lambda s: s["worker_busy_s"] > rest["worker_busy_s"])
+        one = tight_server.wait_all_blocks_free(
+            what="the one-step request's busy time",
+            until=lambda s: s["worker_busy_s"] > rest["worker_busy_s"])
         # the quiet gap is not counted (a lookahead step's few-ms gap behind it may be)
         assert one["worker_idle_s"] - rest["worker_idle_s"] < quiet_s, (quiet_s, rest, one)
         status, _, body = await _complete(session, tight_server, {
             "prompt": "several steps", "max_tokens": 8, "ignore_eos": True})
         assert status == 200, body
-    several = _at_rest(tight_server, "the eight-step request's busy time",
-                       lambda s: s["worker_busy_s"] > one["worker_busy_s"])
+    several = tight_server.wait_all_blocks_free(
+        what="the eight-step request's busy time",
+        until=lambda s: s["worker_busy_s"] > one["worker_busy_s"])
     # after each of its first seven results the request was still running: those gaps count
     assert several["worker_idle_s"] > one["worker_idle_s"], (one, several)

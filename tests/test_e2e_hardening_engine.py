@@ -5,12 +5,10 @@ logprobs that are complete and identical whether or not the prefix cache had the
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 
 import aiohttp
 import pytest
-import torch
 
 from tests.metrics_text import scrape
 from tests.polling import wait_until

@@ -21,7 +21,7 @@ import zmq
 
 from protocol import ipc
 from tests.polling import wait_until
-from tests.server import REPO, CandorServer, child_pids, free_port, pid_alive
+from tests.server import REPO, CandorServer, free_port, pid_alive
 
 MODEL = "tiny-ops"
 KEYS = {"flag": "sk-flag-key", "file": "sk-file-key", "env": "sk-env-key"}

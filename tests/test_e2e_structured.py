@@ -15,7 +15,6 @@ import openai
 import pytest
 
 from protocol.ipc import GuidedSpec
-from tests.polling import wait_until
 from tests.server import CandorServer
 
 MODEL = "tiny-llama"
@@ -167,9 +166,8 @@ async def test_constraint_survives_preemption_with_the_same_tokens(tight_server)
     for a, b in zip(alone, together):
         jsonschema.validate(json.loads(b.choices[0].text), BOOLS)
         assert a.choices[0].text == b.choices[0].text
-    tight_server.wait_all_blocks_free()
-    wait_until(tight_server.engine_stats, "a preemption (the KV cache was sized for one)",
-               until=lambda s: s["preemptions"] > 0)
+    tight_server.wait_all_blocks_free(what="a preemption (the KV cache was sized for one)",
+                                      until=lambda s: s["preemptions"] > 0)
 
 
 @pytest.mark.parametrize("seed", range(3))
