@@ -9,6 +9,7 @@ STAMP     := $(VENV)/.installed
 INSTRUCTOR_VENV := .venv-instructor
 INSTRUCTOR_PY   := $(INSTRUCTOR_VENV)/bin/python
 INSTRUCTOR_STAMP := $(INSTRUCTOR_VENV)/.installed
+INSTRUCTOR_REQS := tests/clients/requirements-instructor.txt
 
 .PHONY: install model serve test clean
 
@@ -24,9 +25,9 @@ $(STAMP): $(PY) pyproject.toml
 
 install: $(STAMP)
 
-$(INSTRUCTOR_STAMP):
+$(INSTRUCTOR_STAMP): $(INSTRUCTOR_REQS)
 	python3 -m venv $(INSTRUCTOR_VENV)
-	$(INSTRUCTOR_PY) -m pip install -q instructor==1.17.0
+	$(INSTRUCTOR_PY) -m pip install -q -r $(INSTRUCTOR_REQS)
 	touch $(INSTRUCTOR_STAMP)
 
 model: install
