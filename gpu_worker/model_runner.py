@@ -25,8 +25,9 @@ from dataclasses import dataclass
 import torch
 
 from cluster import checkpoint
-from gpu_worker import cpu_decode, cuda_graphs
-from gpu_worker.attention import GatherScratch, build_metadata, decode_group_blocks, select_backend
+from gpu_worker import cuda_graphs
+from gpu_worker.attention.base import AttentionSpec
+from gpu_worker.attention.registry import select_backend
 from gpu_worker.grammar import GrammarStates
 from gpu_worker.kv_budget import auto_kv_bytes
 from gpu_worker.distributed import Ranks
@@ -132,14 +133,10 @@ class ModelRunner:
         progress.finish()
 
         # Layers whose attention differs (window, soft-cap) get their own backend plan.
-        self.layer_kinds = [(layer.window, cfg.attn_softcap) for layer in cfg.layers]
-        self.cascade = all(kind == (None, None) for kind in self.layer_kinds)
-        self.attn_backend = select_backend(shard.heads, shard.kv_heads, cfg.head_dim,
-                                           block_size, self.dtype, self.device,
-                                           sm_scale=cfg.scale, layer_kinds=self.layer_kinds)
-        self.decode_group_blocks = decode_group_blocks(self.kv_caches[0][0])
-        self.gather_scratch = GatherScratch()
-        self.decode_kernel = None if self.attn_backend else cpu_decode.load(self.device, self.dtype)
+        self.attn_spec = AttentionSpec(
+            shard.heads, shard.kv_heads, cfg.head_dim, block_size, self.dtype, self.device, cfg.scale,
+            tuple((layer.window, cfg.attn_softcap) for layer in cfg.layers))
+        self.attn_backend = select_backend(self.attn_spec)
         self.grammars = GrammarStates(model_path, cfg.vocab_size, self.device)
         self.sampler = Sampler(self.device, seed, apply_masks=self.grammars.apply_masks)
         self.sampling: dict[str, SamplingParams] = {}
@@ -149,14 +146,11 @@ class ModelRunner:
         self.failed_last_step: set[str] = set()  # rids of the previous step, if it failed
         self.tracker = RequestTracker()  # token history (penalties) and prompt logprobs
         self.decode_graphs: cuda_graphs.DecodeGraphRunner | None = None
-        if self.attn_backend is not None and not enforce_eager and ranks.size > 1:
+        if self.attn_backend.capturable and not enforce_eager and ranks.size > 1:
             log.info("tensor parallel: decode steps run eagerly (no CUDA graphs across ranks)")
-        elif self.attn_backend is not None and not enforce_eager:
+        elif self.attn_backend.capturable and not enforce_eager:
             sizes = cuda_graphs.capture_sizes(max_num_seqs)
-            pages_per_seq = -(-self.max_model_len // block_size)
-            page_ids = torch.zeros(sizes[-1] * pages_per_seq, dtype=torch.int32, device=self.device)
-            self.decode_graphs = self.static_decode(
-                lambda size: self.attn_backend.graph_decode(size, page_ids), sizes)
+            self.decode_graphs = self.static_decode(sizes)
             started = time.perf_counter()
             try:
                 with torch.inference_mode():
@@ -168,13 +162,14 @@ class ModelRunner:
                 log.info("captured %d decode CUDA graphs (batch sizes %s) in %.1fs", n, sizes,
                          time.perf_counter() - started)
 
-    def static_decode(self, make_attention, sizes: list[int]) -> cuda_graphs.DecodeGraphRunner:
-        """A padded static-buffer decode path over this runner's model and cache
-        (``make_attention(size)``: see ``cuda_graphs``); assign it to ``decode_graphs``."""
-        cfg = self.config
+    def static_decode(self, sizes: list[int]) -> cuda_graphs.DecodeGraphRunner:
+        """A padded static-buffer decode path at batch ``sizes`` over this runner's model,
+        cache and attention backend (see ``cuda_graphs``); assign it to ``decode_graphs``."""
+        pages_per_seq = -(-self.max_model_len // self.block_size)
         return cuda_graphs.DecodeGraphRunner(
-            self.model, self.kv_caches, make_attention, sizes, scratch_block=self.scratch_block,
-            block_size=self.block_size, hidden_size=cfg.hidden_size, dtype=self.dtype, device=self.device)
+            self.model, self.kv_caches, self.attn_backend.graph_attention(sizes, pages_per_seq),
+            scratch_block=self.scratch_block, block_size=self.block_size,
+            hidden_size=self.config.hidden_size, dtype=self.dtype, device=self.device)
 
     # ------------------------------------------------------------------ state
 
@@ -303,11 +298,7 @@ class ModelRunner:
         if not prefills and self.decode_graphs is not None and self.decode_graphs.fits(len(decodes)):
             hidden = self.decode_graphs.run(chunks, ids, positions)
         else:
-            meta = build_metadata(
-                chunks, len(decodes), self.block_size, dev, backend=self.attn_backend,
-                group_blocks=self.decode_group_blocks, scratch=self.gather_scratch,
-                decode_kernel=self.decode_kernel, cascade=self.cascade,
-            )
+            meta = self.attn_backend.build(chunks, len(decodes))
             hidden = self.model(
                 torch.tensor(ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev),

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_worker.attention import AttentionMetadata, paged_attention
+from gpu_worker.attention.base import AttentionMetadata
 from gpu_worker.model_config import LayerSpec, ModelConfig
 from gpu_worker.models.blocks import RMSNorm, RotaryEmbedding, activation, make_norm
 from gpu_worker.models.parallel import RowLinear, ShardedRMSNorm, TPGroup, VocabEmbedding
@@ -35,7 +35,6 @@ class Attention(nn.Module):
         shard = tp.shard
         self.num_heads, self.num_kv_heads, self.head_dim = shard.heads, shard.kv_heads, cfg.head_dim
         self.q_size, self.kv_size = shard.q_size, shard.kv_size
-        self.scale = cfg.scale
         self.window, self.softcap, self.rope = spec.window, cfg.attn_softcap, spec.rope
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = RowLinear(self.q_size, cfg.hidden_size, cfg.o_bias, tp)
@@ -71,7 +70,7 @@ class Attention(nn.Module):
             if cos_sin is not None:
                 q, k = RotaryEmbedding.rotate(q, cos_sin), RotaryEmbedding.rotate(k, cos_sin)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window, self.softcap)
+        out = meta.attend(q, k, v, kv_cache[0], kv_cache[1], self.window, self.softcap)
         return self.o_proj(out.view(n, self.q_size))
 
 
