@@ -13,13 +13,9 @@ from pathlib import Path
 
 from tests.server import REPO
 
-PACKAGES = ("protocol", "cluster", "api_frontend", "tokenizer_worker", "scheduler", "gpu_worker",
-            "detokenizer", "bench", "tests")
-
-
 def _modules() -> dict[str, Path]:
     out = {"launch_cluster": REPO / "launch_cluster.py"}
-    for top in PACKAGES:
+    for top in sorted(p.parent.name for p in REPO.glob("*/__init__.py")):
         for path in (REPO / top).rglob("*.py"):
             parts = list(path.relative_to(REPO).with_suffix("").parts)
             if parts[-1] == "__init__":

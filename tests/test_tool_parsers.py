@@ -16,7 +16,7 @@ import pytest
 
 from api_frontend import tool_parsers
 from api_frontend.tool_parsers.stream import ToolCallStream, parse_whole
-from tokenizer_worker.chat_template import ChatTemplate
+from tokenization.chat_template import ChatTemplate
 
 DATA = Path(__file__).parent / "data" / "chat_templates"
 WEATHER = {"type": "function", "function": {
