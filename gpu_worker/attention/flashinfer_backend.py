@@ -158,7 +158,7 @@ class FlashInferBackend(AttentionBackend):
     @classmethod
     def unavailable(cls, spec: AttentionSpec) -> str | None:
         if spec.device.type != "cuda":
-            return f"not a CUDA device ({spec.device.type})"
+            return "not a CUDA device"
         if not available(spec.device):
             return "flashinfer is not installed (or CUDA is unavailable)"
         return unsupported_reason(spec.head_dim, spec.dtype)

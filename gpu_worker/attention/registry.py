@@ -49,7 +49,7 @@ def select_backend(spec: AttentionSpec, names: list[str] | None = None) -> Atten
                 reason = f"failed at start-up: {type(exc).__name__}: {exc}"
             failed = failed or reason is not None
         if reason is None:
-            skipped = f" (not {'; '.join(declined)})" if declined else ""
+            skipped = f" (skipped {'; '.join(declined)})" if declined else ""
             log.log(logging.WARNING if failed else logging.INFO, "attention: %s on %s%s",
                     name, spec.device, skipped)
             return backend
