@@ -1038,10 +1038,24 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("cell", _cells(metafunc.config.getoption("--full") or FULL_ENV))
 
 
+def topology_problem(name: str, srv: CandorServer, log: str) -> str | None:
+    """Why the server is not running its engine feature, or None."""
+    status, health = srv.health()
+    roles = [r.split("[")[0] for roles in health.get("nodes", {}).values() for r in roles]
+    counts = {role: roles.count(role) for role in ("gpu_worker", "scheduler")}
+    want = {"tp2": {"gpu_worker": 2, "scheduler": 1},
+            "dp2": {"gpu_worker": 2, "scheduler": 2}}.get(name, {"gpu_worker": 1,
+                                                                "scheduler": 1})
+    if status != 200 or counts != want:
+        return f"{name}: /health {status}, processes {counts}, want {want}"
+    if name == "sync" and "run-ahead off" not in log:
+        return "the no-run-ahead hook did not load in the scheduler"
+    return None
+
+
 def test_interaction_cell(cell: Cell, pool, bystanders):
     target = pool.get(cell.server)
-    if cell.server == "sync":
-        assert "run-ahead off" in pool.log("sync"), "the no-run-ahead hook did not load"
+    assert (why := topology_problem(cell.server, target, pool.log(cell.server))) is None, why
     outcome = asyncio.run(run_cell(cell, pool, target, bystanders))
     assert not outcome.problems, "\n".join(
         [f"cell {cell.id}", f"body {json.dumps(outcome.body)}", *outcome.problems])
@@ -1078,6 +1092,7 @@ def fuzz_requests(draw) -> dict[str, Any]:
             ("stop_token_ids", st.lists(st.integers(0, 2047), max_size=3)),
             ("n", st.integers(1, 3)),
             ("cache_salt", st.sampled_from(["shared-a", "shared-b"])),
+            ("priority", st.sampled_from([-5, 0, 3])),
             ("include_stop_str_in_output", st.booleans()),
             ("skip_special_tokens", st.booleans()),
             ("ignore_eos", st.booleans())]:
