@@ -186,7 +186,7 @@ GRAMMAR_ENDS_BEFORE_MIN_TOKENS: Combo = (("min_tokens", (True,)), ("constraint",
 GRAMMAR_NEEDS_MASKED_STOP_ID: Combo = (("min_tokens", (True,)), ("stop", ("token_id",)),
                                        ("constraint", FORCED_GRAMMARS))
 STOP_INSIDE_TOOL_CALL: Combo = (("stop", ("string", "token_id", "string_at_end")),
-                                ("constraint", ("tools_named", "tools_auto")))
+                                ("constraint", TOOL_CONSTRAINTS))
 
 
 @dataclass(frozen=True)
@@ -208,7 +208,7 @@ CONFLICTS: tuple[Conflict, ...] = (
     Conflict(GRAMMAR_NEEDS_MASKED_STOP_ID,
              ("min_tokens", "stop_token_ids", "response_format", "guided_", "tool"),
              waived="min_tokens"),
-    Conflict(STOP_INSIDE_TOOL_CALL, ("stop", "stop_token_ids", "tool_choice")),
+    Conflict(STOP_INSIDE_TOOL_CALL, ("stop", "stop_token_ids", "tool")),
 )
 
 
@@ -278,9 +278,10 @@ KNOWN: tuple[Known, ...] = (
           "UTF-8 character (whole: summed token strings; streamed: emitted text)",
           check="text_offsets"),
     Known(None, STOP_INSIDE_TOOL_CALL,
-          "a stop (string or stop_token_ids) that ends a tool_choice named/auto reply inside "
-          "its call still answers finish_reason tool_calls, with arguments that do not parse "
-          "(a fragment, or '' when a reasoning parser never reached the answer)"),
+          "a stop (string or stop_token_ids) that ends a tool_choice required/named/auto "
+          "reply inside a call's arguments still answers finish_reason tool_calls, with "
+          "arguments that do not parse (a fragment, or '' when a reasoning parser never "
+          "reached the answer)"),
 )
 
 GATED_CHECKS = frozenset(k.check for k in KNOWN if k.check)
@@ -494,8 +495,7 @@ def parse_stream(status: int, frames: list[Any]) -> Reply:
                 ch.text += d.get("content") or ""
                 ch.reasoning += d.get("reasoning_content") or ""
                 for t in d.get("tool_calls") or []:
-                    calls = {i: call for i, call in enumerate(ch.calls)}
-                    if t["index"] not in calls:
+                    if t["index"] == len(ch.calls):  # a call's first delta names it
                         ch.calls.append([t["function"]["name"], ""])
                     ch.calls[t["index"]][1] += t["function"].get("arguments") or ""
                 if c.get("logprobs"):
@@ -514,25 +514,19 @@ async def send(http: aiohttp.ClientSession, srv: CandorServer, body: dict,
                salt: str | None = None) -> Reply:
     body = {**body, "cache_salt": salt or uuid.uuid4().hex}
     async with http.post(srv.base_url + path_of(body), json=body) as resp:
-        if not body.get("stream") or resp.status != 200:
-            payload = await resp.read()
-            try:
-                return parse_whole(resp.status, json.loads(payload))
-            except ValueError:
-                return Reply(resp.status, error=payload.decode("utf-8", "replace"))
-        frames, done = [], False
-        async for raw in resp.content:
-            line = raw.decode().strip()
-            if not line.startswith("data: "):
-                continue
-            if line == "data: [DONE]":
-                done = True
-                continue
-            frames.append(json.loads(line[len("data: "):]))
-        reply = parse_stream(resp.status, frames)
-        if not done:
-            reply.error = reply.error or "the stream ended without data: [DONE]"
-        return reply
+        status, payload = resp.status, await resp.read()
+    if not body.get("stream") or status != 200:
+        try:
+            return parse_whole(status, json.loads(payload))
+        except ValueError:
+            return Reply(status, error=payload.decode("utf-8", "replace"))
+    lines = [line for line in payload.decode().split("\n") if line.startswith("data: ")]
+    done = bool(lines) and lines[-1] == "data: [DONE]"
+    reply = parse_stream(status, [json.loads(line[len("data: "):]) for line in lines
+                                  if line != "data: [DONE]"])
+    if not done:
+        reply.error = reply.error or "the stream did not end with data: [DONE]"
+    return reply
 
 
 # ------------------------------------------------------------------ comparisons
@@ -729,6 +723,7 @@ def choose_stop(kind: str, probe: Choice, min_tokens: bool) -> dict[str, Any]:
     if kind == "token_id":
         ks = [k for k in window if ids[k] not in ids[:k] and ids[k] not in EOS_IDS]
         return {"stop_token_ids": [ids[ks[len(ks) // 2]]]} if ks else {}
+
     def usable(k: int, shortest: int) -> bool:  # plain text, first seen at token k
         t = texts[k].strip()
         return (texts[k].isascii() and t.isalnum() and len(t) >= shortest
