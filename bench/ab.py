@@ -153,8 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{s.name}: {s.about}")
     before = box.sample_before_run()
     cpus = procstat.box_busy_s()[1]
-    print(f"box: {cpus} CPUs; before the run: load average {before.loadavg:.2f}, other "
-          f"processes {before.others_cores:.2f} cores")
+    print(box.describe_before(before, cpus))
     print(f"rounds: {policy.min_rounds} to {policy.max_rounds} (more while tok/s deviates "
           f"over {policy.wide:.0%}), {policy.warmup_rounds} warm-up round(s) per side, "
           "order alternating")

@@ -61,6 +61,13 @@ def sample_before_run(window_s: float = PRE_RUN_WINDOW_S) -> BoxSample:
     return meter.stop()
 
 
+def describe_before(before: BoxSample, cpus: int) -> str:
+    busy = busy_warning(before, [], cpus)
+    return (f"box: {cpus} CPUs; before the run: load average {before.loadavg:.2f}, other "
+            f"processes {before.others_cores:.2f} cores"
+            + (" (busy: see the warning at the end)" if busy else ""))
+
+
 def busy_warning(before: BoxSample, rounds_others: list[float], cpus: int,
                  share: float = BUSY_SHARE) -> str | None:
     """A warning naming what made the box busy, or None when it was quiet: other

@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                           list(by_model(names)))
     before = box.sample_before_run()
     cpus = procstat.box_busy_s()[1]
+    print(box.describe_before(before, cpus))
     results: dict = {}
     try:
         for model_key, wls in by_model(names).items():

@@ -13,8 +13,10 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
+from bench import procstat
 from bench.loadgen import Workload, run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -109,9 +111,11 @@ def candor_server(model: Path, served_name: str, threads: int | None = None,
     return Server(name, cmd, env, port, repo, log_dir)
 
 
-def start_warm(servers: list[Server], model: str, timeout: float = 600) -> None:
-    """Start every server, wait until each is healthy, and warm each with four short
-    requests (first passes, kernel builds and compiles stay out of the counted rounds)."""
+def start_warm(servers: list[Server], model: str, timeout: float = 600,
+               say: Callable[[str], None] = print) -> None:
+    """Start every server, wait until each is healthy, warm each with four short
+    requests, then wait until every server's processes are idle (first passes, kernel
+    builds and compiles stay out of the counted rounds)."""
     for s in servers:
         s.start()
     for s in servers:
@@ -120,3 +124,28 @@ def start_warm(servers: list[Server], model: str, timeout: float = 600) -> None:
         if out["errors"]:
             raise RuntimeError(f"{s.name} failed its warm-up: {out.get('first_error')}; "
                                f"{s.log_path}:\n{s.log_tail()}")
+    for s in servers:
+        waited, busy = wait_settled(s.pid, timeout)
+        if busy:
+            say(f"{s.name}: waited {waited:.0f}s after warm-up for background work in its "
+                f"processes to end ({', '.join(busy)})")
+
+
+def wait_settled(root: int, timeout: float, window_s: float = 1.0,
+                 max_cores: float = 0.2) -> tuple[float, list[str]]:
+    """Wait until the process tree of ``root`` uses at most ``max_cores`` over a window
+    with no request in flight: a server that is still building a kernel (Candor's CPU
+    kernels compile on first use, in a thread or a child compiler) or compiling a graph
+    would otherwise charge that work to the first rounds. Returns the seconds waited and
+    the names of the processes that were busy meanwhile (empty if none)."""
+    started = time.monotonic()
+    busy: list[str] = []
+    while True:
+        before = {p.pid: p.cpu_s for p in procstat.tree(root, procstat.processes())}
+        time.sleep(window_s)
+        after = procstat.tree(root, procstat.processes())
+        used = {p.name: p.cpu_s - before.get(p.pid, 0.0) for p in after}
+        total = sum(after_p.cpu_s for after_p in after) - sum(before.values())
+        if total <= max_cores * window_s or time.monotonic() - started > timeout:
+            return time.monotonic() - started, busy
+        busy.extend(n for n, secs in used.items() if secs > 0.05 and n not in busy)

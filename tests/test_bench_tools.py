@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from bench import ab, box, procstat, profile
+from bench import ab, box, procstat, profile, servers
 from bench.rounds import RoundPolicy
 from bench.stats import Spread, pair_ratios, ratio_text, rel_mad, summary_table
 from tests.polling import wait_until
@@ -136,6 +136,26 @@ def test_tree_cpu_keeps_a_reaped_grandchilds_time():
         assert grandchild not in {p.pid for p in procstat.tree(parent.pid, procs)}
         total = sum(procstat.cpu_by_role([parent.pid], procs).values())
         assert 0.4 <= total < 0.4 + 5  # the parent's own start-up is the rest
+    finally:
+        parent.kill()
+        parent.wait()
+
+
+def test_wait_settled_waits_out_background_work_in_the_tree():
+    """A server still compiling after its warm-up: its child's CPU keeps the wait going
+    and is named; an idle tree returns after one window."""
+    parent = _parent(f"""
+        import subprocess, sys
+        subprocess.run([sys.executable, "-c", {BURN.format(s=1.5)!r}])
+        print("done", flush=True)
+        sys.stdin.read()
+        """)
+    try:
+        waited, busy = servers.wait_settled(parent.pid, timeout=60, window_s=0.5)
+        assert parent.stdout.readline().strip() == "done"  # the burn had ended
+        assert waited >= 1.0 and busy
+        waited, busy = servers.wait_settled(parent.pid, timeout=60, window_s=0.5)
+        assert waited < 5 and busy == []
     finally:
         parent.kill()
         parent.wait()
