@@ -95,7 +95,8 @@ def python_for(deps: list[str], current: list[str], cache: Path) -> tuple[str, s
                            "['purelib'])"], check=True, capture_output=True,
                           text=True).stdout.strip()
     Path(site, "zz-candor-bench-parent.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    subprocess.run([str(python), "-m", "pip", "install", "-q", *deps], check=True)
+    subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                    *deps], check=True)
     done.write_text("\n".join(deps) + "\n")
     added = sorted(set(deps) - set(current))
     return str(python), (f"venv {path}, built now: its dependencies differ from this "

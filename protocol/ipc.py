@@ -416,12 +416,12 @@ class SchedulerStats(_Message, tag="stats"):
     prefix_cache_queried_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
     step_in_flight_s: float = 0.0  # age of the step the worker is running, 0 when idle
-    # Cumulative wall seconds of the step loop by phase: the scheduler's own (sched_*)
-    # and the worker's (worker_*, from WorkerTimings); candor_step_phase_seconds.
-    step_phases_s: dict[str, float] = {}
     worker_device: str = ""  # the device and dtype the gpu_worker computes in
     worker_dtype: str = ""
     replica: int = 0  # which engine replica's scheduler this is
+    # Cumulative wall seconds of the step loop by phase: the scheduler's own (sched_*)
+    # and the worker's (worker_*, from WorkerTimings); candor_step_phase_seconds.
+    step_phases_s: dict[str, float] = {}
 
 
 # One tagged union per receiving socket.

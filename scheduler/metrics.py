@@ -13,7 +13,6 @@ import time
 from collections import deque
 
 import msgspec
-
 from prometheus_client import Counter, Gauge, Histogram
 
 from cluster.metrics import LATENCY_BUCKETS, STEP_BUCKETS
@@ -117,7 +116,7 @@ class SchedulerMetrics:
 
 class SchedulerPhases(msgspec.Struct):
     """Cumulative wall seconds of the scheduler's own step-loop phases; the loop adds
-    perf_counter deltas around work it does anyway (a few per step, ~0.1 us each)."""
+    perf_counter deltas around work it does anyway (a handful per step)."""
 
     intake: float = 0.0  # new requests and aborts drained from the inbound socket
     plan: float = 0.0  # Planner.plan and building the StepPlan
