@@ -137,15 +137,18 @@ def wait_settled(root: int, timeout: float, window_s: float = 1.0,
     with no request in flight: a server that is still building a kernel (Candor's CPU
     kernels compile on first use, in a thread or a child compiler) or compiling a graph
     would otherwise charge that work to the first rounds. Returns the seconds waited and
-    the names of the processes that were busy meanwhile (empty if none)."""
+    the roles or names of the processes that used the most CPU meanwhile."""
     started = time.monotonic()
     busy: list[str] = []
     while True:
         before = {p.pid: p.cpu_s for p in procstat.tree(root, procstat.processes())}
         time.sleep(window_s)
         after = procstat.tree(root, procstat.processes())
-        used = {p.name: p.cpu_s - before.get(p.pid, 0.0) for p in after}
-        total = sum(after_p.cpu_s for after_p in after) - sum(before.values())
+        total = sum(p.cpu_s for p in after) - sum(before.values())
         if total <= max_cores * window_s or time.monotonic() - started > timeout:
             return time.monotonic() - started, busy
-        busy.extend(n for n, secs in used.items() if secs > 0.05 and n not in busy)
+        used = sorted(after, key=lambda p: before.get(p.pid, 0.0) - p.cpu_s)
+        for p in used[:3]:
+            name = procstat.role_of(p.pid, p.name)
+            if name not in busy and p.cpu_s > before.get(p.pid, 0.0):
+                busy.append(name)

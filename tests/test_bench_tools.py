@@ -151,10 +151,13 @@ def test_wait_settled_waits_out_background_work_in_the_tree():
         sys.stdin.read()
         """)
     try:
-        waited, busy = servers.wait_settled(parent.pid, timeout=60, window_s=0.5)
+        # a low bar, so even a small share of a crowded box's cores counts as busy
+        waited, busy = servers.wait_settled(parent.pid, timeout=60, window_s=0.5,
+                                            max_cores=0.05)
         assert parent.stdout.readline().strip() == "done"  # the burn had ended
         assert waited >= 1.0 and busy
-        waited, busy = servers.wait_settled(parent.pid, timeout=60, window_s=0.5)
+        waited, busy = servers.wait_settled(parent.pid, timeout=60, window_s=0.5,
+                                            max_cores=0.05)
         assert waited < 5 and busy == []
     finally:
         parent.kill()
@@ -167,15 +170,22 @@ def test_box_meter_counts_what_is_not_ours_as_others():
     burner = subprocess.Popen([sys.executable, "-c", BURN.format(s=0.5)])
     try:
         mine, not_mine = box.BoxMeter(lambda: [burner.pid]), box.BoxMeter()
+        t0 = time.monotonic()
         cpu_before = procstat.processes()[burner.pid].cpu_s
         mine.start()
         not_mine.start()
+        gap = time.monotonic() - t0
         end = wait_until(lambda: procstat.processes()[burner.pid], "the burner's CPU",
                          until=lambda p: p.cpu_s >= 0.5, timeout=30)  # a zombie keeps it
+        t0 = time.monotonic()
         seen_mine, seen_others = mine.stop(), not_mine.stop()
+        gap += time.monotonic() - t0
         burnt = (seen_others.others_cores * seen_others.wall_s
                  - seen_mine.others_cores * seen_mine.wall_s)
-        assert burnt == pytest.approx(end.cpu_s - cpu_before, abs=0.1)
+        # the two windows differ by the time between their reads: whatever the box did
+        # then (at most every CPU busy) is the only slack
+        slack = 0.03 + procstat.box_busy_s()[1] * gap
+        assert burnt == pytest.approx(end.cpu_s - cpu_before, abs=slack)
     finally:
         burner.kill()
         burner.wait()
@@ -276,10 +286,14 @@ def test_python_for_builds_a_layered_venv_once_for_other_dependencies(tmp_path):
 
 # ------------------------------------------------------------------ smoke
 
-@pytest.mark.timeout(240)
+@pytest.mark.skipif(not os.environ.get("CANDOR_BENCH_SMOKE"), reason=(
+    "starts two whole servers (HEAD's worktree and this tree): over a minute on the 2-core "
+    "box (208 s measured while it was shared), past the ~60 s a default test may take; "
+    "CANDOR_BENCH_SMOKE=1 runs it"))
+@pytest.mark.timeout(600)
 def test_ab_smoke_one_round_against_head_itself(tmp_path, capsys):
-    """Two real servers (HEAD's worktree and this tree), one tiny round each. About a
-    minute on a quiet 2-core box (most of it two servers starting); longer when busy."""
+    """Two real servers (HEAD's worktree and this tree), one tiny round each, through
+    ``bench.ab``'s own entry point: worktree, venv choice, warm-up, rounds, tables, JSON."""
     cache = tmp_path / "cache"
     out_json = tmp_path / "ab.json"
     started = time.monotonic()
