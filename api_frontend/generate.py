@@ -128,7 +128,8 @@ async def run_generation(request: web.Request, engine: EngineClient, card: Model
             assembler = CompletionAssembler(rid, int(arrival), card.id, parsed.return_token_ids,
                                             echo_texts=echo, prompts=len(tr.gens), **common)
 
-        first_call = FirstCallCut(tr.tools) if FirstCallCut.applies(tr.tools) else None
+        first_call = (FirstCallCut(tr.tools, tr.reasoning) if FirstCallCut.applies(tr.tools)
+                      else None)
 
         async def cut(d: ipc.TextDelta) -> ipc.TextDelta:
             """The delta that completes the first call ends its sequence (see FirstCallCut)."""
