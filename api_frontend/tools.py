@@ -39,10 +39,11 @@ class ToolPlan(msgspec.Struct):
         """A fresh parser for one choice (None: the text is plain content)."""
         if self.mode == "named":
             return NamedCallParser(self.function)
+        names = [t["function"]["name"] for t in self.tools or ()]
         if self.mode == "required":
-            return RequiredCallsParser()
+            return RequiredCallsParser(names)
         if self.mode == "auto":
-            return tool_parsers.get(self.parser_name)
+            return tool_parsers.get(self.parser_name, names)
         return None
 
 

@@ -293,6 +293,8 @@ SCRIPTS = {
     101: f"<think>I could call {DRAFT} but the user wants none.</think>It is noon.",
     # a drafted call in <think>, then two real calls
     102: f"<think>Plan: {DRAFT}</think>{WEATHER_CALL}{DRAFT}",
+    # a call to a tool the request does not declare
+    103: '<tool_call>{"name": "launch_rockets", "arguments": {"count": 3}}</tool_call>',
 }
 
 
@@ -360,3 +362,11 @@ def test_parallel_false_keeps_the_first_call_after_think(think_server, stream):
     assert [(n, json.loads(a)) for n, a in calls] == [
         ("get_weather", {"city": "Rome", "days": 2, "metric": True})]
     assert finish == "tool_calls" and billed < full[4]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_to_an_undeclared_tool_stays_content(think_server, stream):
+    """Policy (README): a name no tool in `tools` has is not a call; the text stays
+    `content`, verbatim, and the reply finishes `stop`."""
+    thought, content, calls, finish, _ = _think_reply(think_server, stream, seed=103)
+    assert (thought, content, calls, finish) == (None, SCRIPTS[103], [], "stop")
