@@ -237,6 +237,14 @@ ROWS: tuple[Row, ...] = (
         sglang="`no_stop_trim`", tests="S `test_stop_string_include_stop_str_in_output`"),
     Row(fields=("return_token_ids", "skip_special_tokens"), **EXT, candor="extension",
         vllm="extension", sglang="extension", tests="H `test_usage_counts_equal_tokens_produced`"),
+    Row(fields=("priority",), **EXT, only_with="priority_scheduling",
+        candor="extension with `--scheduling-policy priority` (`api.scheduling_policy`): "
+        "lower runs first when requests wait, arrival order within one; -2^31..2^31-1; no "
+        "aging (a steady stream of lower values starves higher ones). Default `fcfs`: "
+        "arrival order, a non-zero `priority` → 400 `priority`",
+        vllm="400 unless `--scheduling-policy priority`; no bound", sglang="extension",
+        tests="P `test_priority_needs_the_priority_scheduling_policy`, test_prefix_cache.py "
+        "`test_priority_orders_waiting_fcfs_within_a_priority`"),
     Row(fields=("strict",), **EXT, candor="extension: this request in strict mode",
         tests="C `test_per_request_strict_turns_ignored_into_400`"),
     Row(fields=("add_generation_prompt", "continue_final_message"), chat="extension",
@@ -341,8 +349,9 @@ def tiers(kind: Endpoint, api: ApiSpec) -> dict[str, Tier]:
     return out
 
 
+# a field reaches the report only where its deployment accepted it (``only_with`` rows too)
 _EXTENSIONS: dict[Endpoint, frozenset[str]] = {
-    kind: frozenset(f for f, t in tiers(kind, ApiSpec()).items() if t == "extension")
+    kind: frozenset(f for row in ROWS if row.tier(kind) == "extension" for f in row.fields)
     for kind in ("chat", "completions")}
 _IGNORED: dict[Endpoint, tuple[tuple[str, str], ...]] = {
     kind: tuple((f, row.reason) for row in ROWS if row.tier(kind) == "ignored"

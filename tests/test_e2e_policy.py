@@ -1,5 +1,6 @@
 """Server flags that change the contract, on a dedicated server: --max-tokens-policy clamp,
 --chat-template (a string-content template), --allow-request-chat-template,
+--scheduling-policy priority,
 --max-body-mb, and a failure after the stream started (a fault the test injects into the
 gpu_worker, tests/faults.py)."""
 
@@ -25,7 +26,7 @@ def policy_server(tiny_model_dir):
     srv = CandorServer(tiny_model_dir, "--served-model-name", MODEL, "--max-model-len", "1024",
                        "--max-tokens-policy", "clamp", "--chat-template", str(TEMPLATE),
                        "--allow-request-chat-template", "--max-body-mb", "1",
-                       env=fault_env(FAULT_TOKEN)).start()
+                       "--scheduling-policy", "priority", env=fault_env(FAULT_TOKEN)).start()
     yield srv
     assert srv.stop() == 0
 
@@ -156,3 +157,41 @@ async def test_tool_call_arguments_that_are_no_json_object_are_a_400(policy_serv
             "model": MODEL, "messages": messages, "max_tokens": 2, "chat_template": source})
         err = json.loads(payload)["error"]
         assert status == 400 and err["param"] == "messages[1].tool_calls[0].function.arguments"
+
+
+async def _capabilities(server) -> dict:
+    async with aiohttp.ClientSession() as session:
+        async with session.get(server.base_url + "/v1/capabilities") as resp:
+            return await resp.json()
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "Hi"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})])
+async def test_priority_needs_the_priority_scheduling_policy(server, policy_server, path, body):
+    """As vLLM: a non-zero `priority` is a 400 naming it unless the deployment runs
+    `--scheduling-policy priority` (fcfs, the default, serves in arrival order, so no
+    client can jump the queue); where it is on, it is bounded to 32 bits."""
+    body = {"model": MODEL, "max_tokens": 1, **body}
+    status, _, payload = await _post(server, path, {**body, "priority": -5})
+    err = json.loads(payload)["error"]
+    assert status == 400 and err["param"] == "priority", err
+    assert "--scheduling-policy priority" in err["message"]
+    for srv in (server, policy_server):  # the issue's value: past the bound everywhere
+        status, _, payload = await _post(srv, path, {**body, "priority": -(2**63)})
+        assert status == 400 and json.loads(payload)["error"]["param"] == "priority"
+    for priority in (0, -(2**31), 2**31 - 1):
+        expected = (200 if priority == 0 else 400, 200)
+        for srv, want in zip((server, policy_server), expected):
+            status, _, payload = await _post(srv, path, {**body, "priority": priority})
+            assert status == want, (srv is server, priority, payload)
+    for priority in (-(2**31) - 1, 2**31):
+        status, _, payload = await _post(policy_server, path, {**body, "priority": priority})
+        assert status == 400 and json.loads(payload)["error"]["param"] == "priority"
+    status, _, payload = await _post(policy_server, path, {**body, "priority": 3})
+    assert "priority" in json.loads(payload)["candor"]["extensions"]
+    fcfs, priority = await _capabilities(server), await _capabilities(policy_server)
+    assert fcfs["policy"]["scheduling_policy"] == "fcfs"
+    assert priority["policy"]["scheduling_policy"] == "priority"
+    assert fcfs["fields"][path]["priority"] == "rejected"
+    assert priority["fields"][path]["priority"] == "extension"
