@@ -232,6 +232,8 @@ class RequestPreparer:
             self._fail(req, f"{owner} took longer than "
                        f"{self.api.limits.template_render_timeout_s:g}s to render "
                        "(limits.template_render_timeout_s)", param, "chat_template_timeout")
+        if err.limit == "value":
+            self._fail(req, f"{owner} was stopped: {err}", param, "chat_template_too_large")
         if err.limit == "output":
             self._fail(req, f"{owner} rendered more text than fits the context: past "
                        f"{self.bound.max_bytes(room)} bytes the prompt has more than {room} "
