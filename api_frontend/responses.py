@@ -46,7 +46,7 @@ class Collected:
         self.logprobs: list[ipc.DecodedLogprob] = []
         self.prompt_logprobs: list[ipc.DecodedLogprob] | None = None
         self.last: ipc.TextDelta | None = None
-        self.text_offset: list[int] = []  # of each logprobs entry, from where its delta's text starts
+        self.text_offset: list[int] = []  # each logprobs entry's, in the generated text
         self._chars = 0
 
     def add(self, delta: ipc.TextDelta) -> None:

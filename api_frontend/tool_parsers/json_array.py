@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import secrets
 import string
+from collections.abc import Collection
 
 from api_frontend.tool_parsers.base import ScanView, ToolParser, held, json_sequence
 
@@ -16,7 +17,7 @@ _OPEN = re.compile(r"\s*(\[)?\s*")
 class JsonArrayParser(ToolParser):
     marker = ""
 
-    def __init__(self, tools) -> None:
+    def __init__(self, tools: Collection[str]) -> None:
         super().__init__(tools)
         self.markers = (self.marker,) if self.marker else ()
 

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import ast
 import json
+from collections.abc import Collection
 
 from api_frontend.tool_parsers.base import CallView, ScanView, ToolParser
 
 
-def _calls(source: str, tools) -> list[CallView] | None:
+def _calls(source: str, tools: Collection[str]) -> list[CallView] | None:
     try:
         tree = ast.parse(source, mode="eval").body
     except SyntaxError:
