@@ -30,7 +30,7 @@ from pathlib import Path
 
 from bench import box, procstat
 from bench.profile import profile_table
-from bench.rounds import add_round_args, policy_from, run_rounds
+from bench.rounds import add_round_args, foreign_warning, policy_from, run_rounds
 from bench.servers import REPO, candor_server, start_warm
 from bench.stats import summary_table
 from bench.workloads import KV_BLOCKS, WORKLOADS, build_models, by_model, parse_workloads
@@ -179,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
                           f"{len(per_side['head'])} rounds")
                     print(summary_table(per_side, ("head", "base")))
                     print(profile_table(per_side, ("head", "base")))
+                    if warning := foreign_warning(per_side):
+                        print(warning)
             finally:
                 for s in servers:
                     s.stop()

@@ -27,7 +27,7 @@ from pathlib import Path
 from bench import box, procstat
 from bench.loadgen import Workload
 from bench.profile import profile_table
-from bench.rounds import add_round_args, policy_from, run_rounds
+from bench.rounds import add_round_args, foreign_warning, policy_from, run_rounds
 from bench.servers import REPO, Server, candor_server, free_port, start_warm
 from bench.stats import summary_table
 from bench.workloads import KV_BLOCKS, WORKLOADS, build_models, by_model, parse_workloads
@@ -69,6 +69,8 @@ def report(results: dict) -> str:
             lines.append(f"hf static-batch generate: {hf['output_tokens_per_s']:.0f} tok/s, "
                          f"first token of the batch {1000 * hf['ttft_s_p50']:.1f} ms")
         lines.append(profile_table(rounds, ratio))
+        if warning := foreign_warning(rounds):
+            lines.append(warning)
         lines.append(f"threads: {per.get('threads', '-')}")
     return "\n".join(lines)
 

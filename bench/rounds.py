@@ -68,8 +68,9 @@ def policy_from(a: argparse.Namespace) -> RoundPolicy:
 
 def measure_round(server: Server, model: str, workload, meter: BoxMeter) -> dict:
     """One run of ``workload`` against ``server``: the load generator's summary plus
-    ``cpu_by_role``, ``cpu_s``, ``cpu_s_per_1k_tokens``, ``phases_s``, ``others_cores``
-    and ``loadavg``."""
+    ``cpu_by_role``, ``cpu_s``, ``cpu_s_per_1k_tokens``, ``phases_s``, ``others_cores``,
+    ``loadavg`` and ``foreign_cpu`` (CPU of processes in the server's tree that were not
+    there once it settled: a build that started late)."""
     phases0 = profile.scrape_phases(server.url)
     cpu0 = procstat.cpu_by_role([server.pid])
     meter.start()
@@ -85,7 +86,25 @@ def measure_round(server: Server, model: str, workload, meter: BoxMeter) -> dict
     return {**out, "cpu_by_role": by_role, "cpu_s": cpu,
             "cpu_s_per_1k_tokens": 1000 * cpu / tokens if tokens else float("nan"),
             "phases_s": profile.delta(phases1, phases0) if phases1 else {},
-            "others_cores": box.others_cores, "loadavg": box.loadavg}
+            "others_cores": box.others_cores, "loadavg": box.loadavg,
+            "foreign_cpu": {role: secs for role, secs in by_role.items()
+                            if server.own_roles and role not in server.own_roles and secs}}
+
+
+def foreign_warning(per_side: dict[str, list[dict]]) -> str | None:
+    """Which rounds ran beside processes that are not the server's own, or None."""
+    seen: dict[str, list[str]] = {}
+    for name, rounds in per_side.items():
+        for i, r in enumerate(rounds):
+            for role in r.get("foreign_cpu", {}):
+                seen.setdefault(f"{name}: {role}", []).append(f"r{i}")
+    if not seen:
+        return None
+    return ("WARNING: processes that are not the server's own ran in its process tree during "
+            "some rounds (a kernel build or a compile that started after the warm-up), and "
+            "their CPU is in those rounds: "
+            + "; ".join(f"{k} in {', '.join(v)}" for k, v in seen.items())
+            + ". Rerun once the build is done (its result is cached).")
 
 
 def run_rounds(servers: list[Server], bench: Bench, policy: RoundPolicy, tag: str,

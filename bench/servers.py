@@ -35,6 +35,9 @@ class Server:
                  cwd: Path = REPO, log_dir: Path | None = None) -> None:
         self.name, self.cmd, self.env, self.port, self.cwd = name, cmd, env, port, cwd
         self.proc: subprocess.Popen | None = None
+        # the roles its tree held once settled after warm-up; anything else in a round
+        # (a compiler a kernel build started late) is flagged there
+        self.own_roles: set[str] = set()
         log_dir = log_dir or Path(tempfile.mkdtemp(prefix=f"bench-{name}-"))
         self.log_path = log_dir / f"{name}.log"
 
@@ -129,6 +132,7 @@ def start_warm(servers: list[Server], model: str, timeout: float = 600,
         if busy:
             say(f"{s.name}: waited {waited:.0f}s after warm-up for background work in its "
                 f"processes to end ({', '.join(busy)})")
+        s.own_roles = set(procstat.cpu_by_role([s.pid]))
 
 
 def wait_settled(root: int, timeout: float, window_s: float = 1.0,

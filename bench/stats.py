@@ -120,7 +120,10 @@ def summary_table(per_side: dict[str, list[dict]], ratio: tuple[str, str] | None
 
 def round_line(tag: str, name: str, res: dict) -> str:
     """One measured round, as it finishes."""
+    foreign = res.get("foreign_cpu") or {}
     return (f"[{tag}] {name:>6}: {res['output_tokens_per_s']:7.0f} tok/s  TTFT p50 "
             f"{1000 * res['ttft_s_p50']:6.1f} ms  ITL p50 {1000 * res['itl_s_p50']:5.1f} ms  "
             f"CPU {res.get('cpu_s_per_1k_tokens', math.nan):.3f} s/1k tok  others "
-            f"{res.get('others_cores', math.nan):.2f} cores  errors {res['errors']}")
+            f"{res.get('others_cores', math.nan):.2f} cores  errors {res['errors']}"
+            + ("  ! also ran: " + ", ".join(f"{k} {v:.2f}s" for k, v in foreign.items())
+               if foreign else ""))

@@ -17,8 +17,9 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from bench import ab, box, procstat, profile, servers
-from bench.rounds import RoundPolicy
-from bench.stats import Spread, pair_ratios, ratio_text, rel_mad, summary_table
+from bench.rounds import RoundPolicy, foreign_warning
+from bench.stats import (Spread, pair_ratios, ratio_text, rel_mad, round_line,
+                         summary_table)
 from tests.polling import wait_until
 
 BURN = "import time\nt = time.process_time()\nwhile time.process_time() - t < {s}: pass\n"
@@ -68,6 +69,17 @@ def test_round_policy_runs_more_rounds_only_while_the_spread_is_wide():
     assert not policy.more({"a": rounds(100, 101, 99), "b": rounds(50, 51, 50)})
     assert policy.more({"a": rounds(100, 101, 99), "b": rounds(50, 80, 30)})
     assert not policy.more({"a": rounds(*[100] * 6), "b": rounds(50, 80, 30, 60, 20, 90)})
+
+
+def test_a_build_running_beside_a_round_is_flagged():
+    clean = {"output_tokens_per_s": 100.0, "ttft_s_p50": 0.1, "itl_s_p50": 0.01,
+             "errors": 0, "foreign_cpu": {}}
+    built = {**clean, "foreign_cpu": {"cc1plus": 0.75}}
+    assert "also ran" not in round_line("a r0", "base", clean)
+    assert round_line("a r1", "head", built).endswith("! also ran: cc1plus 0.75s")
+    assert foreign_warning({"base": [clean, clean], "head": [clean, clean]}) is None
+    warning = foreign_warning({"base": [clean, clean], "head": [built, clean, built]})
+    assert "head: cc1plus in r0, r2" in warning and "base" not in warning
 
 
 # ------------------------------------------------------------------ /proc accounting
