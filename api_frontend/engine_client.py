@@ -48,7 +48,7 @@ def combine_stats(reports: list[ipc.SchedulerStats]) -> ipc.SchedulerStats:
             out[name] = max(values)
         elif name == "worker_ready":
             out[name] = all(values)
-        elif name == "aborts":
+        elif isinstance(values[0], dict):  # aborts by cause, step phases: key by key
             out[name] = {k: sum(v.get(k, 0) for v in values) for d in values for k in d}
         elif name == "replica":
             out[name] = 0
