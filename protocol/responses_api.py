@@ -166,6 +166,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     frequency_penalty: Penalty = 0.0
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = None
+    logit_bias: dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]] | None = None
     min_tokens: NonNegativeInt = 0
     cache_salt: str | None = None
     strict: bool = False

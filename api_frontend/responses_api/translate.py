@@ -32,7 +32,7 @@ PASSTHROUGH = ("seed", "top_k", "min_p", "repetition_penalty", "presence_penalty
                "frequency_penalty", "stop", "stop_token_ids", "min_tokens", "cache_salt",
                "strict", "chat_template_kwargs", "guided_json", "guided_regex",
                "guided_choice", "guided_grammar", "structured_outputs", "temperature",
-               "top_p", "parallel_tool_calls", "stream")
+               "top_p", "parallel_tool_calls", "stream", "logit_bias")
 TEXT_PARTS = ("input_text", "output_text", "refusal")
 METADATA_MAX_KEYS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's bounds
 _ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
@@ -117,36 +117,34 @@ def _text(content: str | list) -> str | list[dict[str, str]]:
 
 
 def chat_messages(instructions: str | None, items: list[Item]) -> list[dict[str, Any]]:
-    """The conversation as chat messages. Consecutive function calls (and the assistant
-    text before them) are one assistant turn; a reasoning item's text becomes the next
-    assistant turn's ``reasoning_content``, which templates that keep reasoning render."""
+    """The conversation as chat messages. A reasoning item opens an assistant turn (its
+    text as ``reasoning_content``, which templates that keep reasoning render); the
+    assistant text and function calls after it, and consecutive calls, join that turn."""
     out: list[dict[str, Any]] = []
     if instructions is not None:
         out.append({"role": "system", "content": instructions})
-    thought: list[str] = []
     for item in items:
+        last = out[-1] if out and out[-1]["role"] == "assistant" else None
         if isinstance(item, ReasoningItem):
-            thought += [p.text for p in item.content] or [p.text for p in item.summary]
-            continue
-        if isinstance(item, FunctionCallOutputItem):
+            thought = [p.text for p in item.content] or [p.text for p in item.summary]
+            out.append({"role": "assistant", "content": "",
+                        "reasoning_content": "".join(thought)})
+        elif isinstance(item, FunctionCallOutputItem):
             output = item.output if isinstance(item.output, str) else "".join(
                 p.text for p in item.output)
             out.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
-            continue
-        if isinstance(item, FunctionCallItem):
+        elif isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": item.name, "arguments": item.arguments}}
-            last = out[-1] if out else None
-            if last is not None and last["role"] == "assistant" and not thought:
+            if last is not None:
                 last.setdefault("tool_calls", []).append(call)
-                continue
-            message = {"role": "assistant", "content": None, "tool_calls": [call]}
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif (item.role == "assistant" and last is not None and "reasoning_content" in last
+              and not last["content"] and "tool_calls" not in last):
+            last["content"] = _text(item.content)  # the answer after its reasoning
         else:
-            message = {"role": item.role, "content": _text(item.content)}
-        if thought and message["role"] == "assistant":
-            message["reasoning_content"] = "".join(thought)
-            thought = []
-        out.append(message)
+            out.append({"role": item.role, "content": _text(item.content)})
     return out
 
 
