@@ -373,8 +373,8 @@ RESPONSES_ROWS: tuple[Row, ...] = (
         candor="with a reasoning parser (`--reasoning-parser`, or detected) the `<think>` "
         "text is a `reasoning` output item (`content: [{type: reasoning_text}]`, `summary: "
         "[]`), streamed as `response.reasoning_text.delta` / `.done`; "
-        "`usage.output_tokens_details.reasoning_tokens` counts the tokens up to the last "
-        "one that produced reasoning text", vllm="same item; summary events differ",
+        "`usage.output_tokens_details.reasoning_tokens` counts the tokens before the answer "
+        "began (all of them when it never did)", vllm="same item; summary events differ",
         tests="R `test_reasoning_items_whole_and_streamed`"),
     Row(fields=("reasoning.effort", "reasoning.summary", "reasoning.generate_summary"),
         responses="ignored", reason="Candor has no reasoning-effort control and writes no "

@@ -267,92 +267,86 @@ class _Event(msgspec.Struct, tag_field="type", kw_only=True):
     sequence_number: int = 0
 
 
-class ResponseCreated(_Event, tag="response.created"):
+class _Lifecycle(_Event):
     response: ResponseObject
 
 
-class ResponseInProgress(_Event, tag="response.in_progress"):
-    response: ResponseObject
+class ResponseCreated(_Lifecycle, tag="response.created"):
+    pass
 
 
-class ResponseCompleted(_Event, tag="response.completed"):
-    response: ResponseObject
+class ResponseInProgress(_Lifecycle, tag="response.in_progress"):
+    pass
 
 
-class ResponseIncomplete(_Event, tag="response.incomplete"):
-    response: ResponseObject
+class ResponseCompleted(_Lifecycle, tag="response.completed"):
+    pass
 
 
-class ResponseFailed(_Event, tag="response.failed"):
-    response: ResponseObject
+class ResponseIncomplete(_Lifecycle, tag="response.incomplete"):
+    pass
 
 
-class OutputItemAdded(_Event, tag="response.output_item.added"):
+class ResponseFailed(_Lifecycle, tag="response.failed"):
+    pass
+
+
+class _ItemEvent(_Event):
     output_index: int
     item: Item
 
 
-class OutputItemDone(_Event, tag="response.output_item.done"):
+class OutputItemAdded(_ItemEvent, tag="response.output_item.added"):
+    pass
+
+
+class OutputItemDone(_ItemEvent, tag="response.output_item.done"):
+    pass
+
+
+class _InItem(_Event):
+    item_id: str
     output_index: int
-    item: Item
+
+
+class _InPart(_InItem):
+    content_index: int
 
 
 ContentPart = OutputText | ReasoningText
 
 
-class ContentPartAdded(_Event, tag="response.content_part.added"):
-    item_id: str
-    output_index: int
-    content_index: int
+class ContentPartAdded(_InPart, tag="response.content_part.added"):
     part: ContentPart
 
 
-class ContentPartDone(_Event, tag="response.content_part.done"):
-    item_id: str
-    output_index: int
-    content_index: int
+class ContentPartDone(_InPart, tag="response.content_part.done"):
     part: ContentPart
 
 
-class OutputTextDelta(_Event, tag="response.output_text.delta"):
-    item_id: str
-    output_index: int
-    content_index: int
+class OutputTextDelta(_InPart, tag="response.output_text.delta"):
     delta: str
     logprobs: list[Any] = []
 
 
-class OutputTextDone(_Event, tag="response.output_text.done"):
-    item_id: str
-    output_index: int
-    content_index: int
+class OutputTextDone(_InPart, tag="response.output_text.done"):
     text: str
     logprobs: list[Any] = []
 
 
-class ReasoningTextDelta(_Event, tag="response.reasoning_text.delta"):
-    item_id: str
-    output_index: int
-    content_index: int
+class ReasoningTextDelta(_InPart, tag="response.reasoning_text.delta"):
     delta: str
 
 
-class ReasoningTextDone(_Event, tag="response.reasoning_text.done"):
-    item_id: str
-    output_index: int
-    content_index: int
+class ReasoningTextDone(_InPart, tag="response.reasoning_text.done"):
     text: str
 
 
-class FunctionCallArgumentsDelta(_Event, tag="response.function_call_arguments.delta"):
-    item_id: str
-    output_index: int
+class FunctionCallArgumentsDelta(_InItem, tag="response.function_call_arguments.delta"):
     delta: str
 
 
-class FunctionCallArgumentsDone(_Event, tag="response.function_call_arguments.done"):
-    item_id: str
-    output_index: int
+class FunctionCallArgumentsDone(_InItem, tag="response.function_call_arguments.done"):
     name: str
     arguments: str
 
