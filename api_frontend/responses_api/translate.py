@@ -270,7 +270,7 @@ _RENAMES = ((re.compile(r"^response_format\.json_schema\.schema"), "text.format.
             (re.compile(r"^tools\[(\d+)\]\.function\."), r"tools[\1]."),
             (re.compile(r"^tools\[(\d+)\]\.function$"), r"tools[\1]"),
             (re.compile(r"^tool_choice\.function\.name"), "tool_choice.name"),
-            (re.compile(r"^messages(\[\d+\])?"), "input"))
+            (re.compile(r"^messages.*"), "input"))  # a message is not an item: the whole
 
 
 def responses_name(err: ApiError) -> ApiError:
