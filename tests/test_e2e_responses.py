@@ -466,20 +466,22 @@ def test_agents_sdk_runs_a_tool_agent(server):
     class Report(BaseModel):
         sunny: bool
 
-    model = OpenAIResponsesModel(model=MODEL, openai_client=openai.AsyncOpenAI(
-        base_url=server.base_url + "/v1", api_key="unused", max_retries=0))
-    agent = Agent(name="weather", instructions="Use the tool.", tools=[get_weather],
-                  model=model, output_type=Report,
-                  model_settings=ModelSettings(tool_choice="required", max_tokens=120,
-                                               temperature=0))
-    result = Runner.run_sync(agent, "Weather in Paris?")
+    def make_agent() -> Agent:  # an async client belongs to the event loop it runs on
+        model = OpenAIResponsesModel(model=MODEL, openai_client=openai.AsyncOpenAI(
+            base_url=server.base_url + "/v1", api_key="unused", max_retries=0))
+        return Agent(name="weather", instructions="Use the tool.", tools=[get_weather],
+                     model=model, output_type=Report,
+                     model_settings=ModelSettings(tool_choice="required", max_tokens=120,
+                                                  temperature=0))
+
+    result = Runner.run_sync(make_agent(), "Weather in Paris?")
     assert isinstance(result.final_output, Report)
     assert len(calls) >= 1 and all(isinstance(c[0], str) for c in calls)
     kinds = [item.type for item in result.new_items]
     assert "tool_call_item" in kinds and "tool_call_output_item" in kinds
 
     async def streamed():
-        run = Runner.run_streamed(agent, "Weather in Rome?")
+        run = Runner.run_streamed(make_agent(), "Weather in Rome?")
         events = [e.type async for e in run.stream_events()]
         return run.final_output, events
 
