@@ -147,5 +147,5 @@ def capabilities(card: ModelCard, api: ApiSpec) -> web.Response:
 
 def embeddings(card: ModelCard) -> web.Response:
     raise ApiError(404, f"This deployment serves text generation only: model {card.id!r} on "
-                   "/v1/chat/completions and /v1/completions. No embedding model is served "
-                   "here.", "model", "model_not_found")
+                   "/v1/chat/completions, /v1/completions and /v1/responses. No embedding "
+                   "model is served here.", "model", "model_not_found")
