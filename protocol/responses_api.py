@@ -15,7 +15,7 @@ import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
 from protocol.openai_api import (CandorReport, Int64, NonNegativeInt, Penalty, PositiveInt,
-                                 Temperature, TokenId, TopK, TopP)
+                                 Priority, Temperature, TokenId, TopK, TopP)
 
 # ---------------------------------------------------------------- items
 
@@ -169,6 +169,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     logit_bias: dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]] | None = None
     min_tokens: NonNegativeInt = 0
     cache_salt: str | None = None
+    priority: Priority = 0
     strict: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None

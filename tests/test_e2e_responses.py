@@ -288,6 +288,7 @@ def test_bad_requests_are_4xx_naming_the_field(server):
         ({"include": ["reasoning.encrypted_content"]}, 400, "include[0]"),
         ({"truncation": "auto"}, 400, "truncation"),
         ({"top_logprobs": 3}, 400, "top_logprobs"),
+        ({"priority": 1}, 400, "priority"),
         ({"guided_json": {"type": "object"}, "text": {"format": {"type": "json_object"}}},
          400, "guided_json"),
     ]

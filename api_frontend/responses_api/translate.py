@@ -32,7 +32,7 @@ PASSTHROUGH = ("seed", "top_k", "min_p", "repetition_penalty", "presence_penalty
                "frequency_penalty", "stop", "stop_token_ids", "min_tokens", "cache_salt",
                "strict", "chat_template_kwargs", "guided_json", "guided_regex",
                "guided_choice", "guided_grammar", "structured_outputs", "temperature",
-               "top_p", "parallel_tool_calls", "stream", "logit_bias")
+               "top_p", "parallel_tool_calls", "stream", "logit_bias", "priority")
 TEXT_PARTS = ("input_text", "output_text", "refusal")
 METADATA_MAX_KEYS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's bounds
 _ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
