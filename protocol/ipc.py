@@ -426,11 +426,31 @@ class SchedulerStats(_Message, tag="stats"):
     step_phases_s: dict[str, float] = {}
 
 
+class StoreQuery(_Message, tag="store_query"):
+    """One frontend asks the frontend that stored a ``/v1/responses`` result for it (or to
+    delete it); the response id names that frontend. The answer goes to ``reply_to``."""
+
+    qid: str
+    reply_to: str
+    response_id: str
+    op: Literal["get", "delete"] = "get"
+
+
+class StoreAnswer(_Message, tag="store_answer"):
+    """``entry``: the encoded ``StoredResponse`` (get); ``why``: what became of a missing id."""
+
+    qid: str
+    found: bool
+    entry: bytes = b""
+    why: str = ""
+
+
 # One tagged union per receiving socket.
 TokenizerInbound = Union[GenerateReq, RenderReq]
 SchedulerInbound = Union[TokenizedReq, Abort]
 WorkerInbound = Union[StepPlan, Shutdown]
 WorkerOutbound = Union[WorkerReady, StepResult, WorkerError]
 DetokenizerInbound = Union[DetokStart, TokenBatch]
-FrontendInbound = Union[TextDeltas, RequestError, RequestInfo, RenderResult]
+FrontendInbound = Union[TextDeltas, RequestError, RequestInfo, RenderResult, StoreQuery,
+                        StoreAnswer]
 SchedulerBroadcast = SchedulerStats
