@@ -265,6 +265,14 @@ ROWS: tuple[Row, ...] = (
         vllm="400 unless `--scheduling-policy priority`; no bound", sglang="extension",
         tests="P `test_priority_needs_the_priority_scheduling_policy`, test_prefix_cache.py "
         "`test_priority_orders_waiting_fcfs_within_a_priority`"),
+    Row(fields=("cache_salt",), **EXT,
+        candor="extension: prefix-cache blocks are shared only between requests with the "
+        "same salt (none: the unsalted pool), so one tenant cannot time another's prompts; "
+        "with several replicas the salt is also an affinity key",
+        vllm="extension", sglang="—",
+        tests="test_e2e_engine.py `test_prefix_cache_hit_reports_cached_tokens_and_matches_hf`"
+        ", test_data_parallel.py "
+        "`test_cache_salt_is_an_affinity_key_and_separates_equal_prompts`"),
     Row(fields=("strict",), **EXT, candor="extension: this request in strict mode",
         tests="C `test_per_request_strict_turns_ignored_into_400`"),
     Row(fields=("add_generation_prompt", "continue_final_message"), chat="extension",
