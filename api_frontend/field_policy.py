@@ -120,9 +120,13 @@ ROWS: tuple[Row, ...] = (
         "S `test_logit_bias_errors_name_the_field`, U `test_logit_bias_is_sparse_and_exact`"),
     Row(fields=("logprobs", "top_logprobs"), chat="honoured",
         candor="honoured, raw log-softmax before filters; `top_logprobs` 0..`max_logprobs` "
-        "(default 20, `--max-logprobs`) and only with `logprobs: true`",
-        vllm="same split", sglang="same",
-        tests="L `test_chat_logprobs_match_hf_and_parse`, L `test_logprobs_validation`"),
+        "(default 20, `--max-logprobs`) and only with `logprobs: true`. `bytes` are the "
+        "token's own bytes: a token holding part of a UTF-8 character has `token` U+FFFD "
+        "and its real byte(s) in `bytes` (top_logprobs too), so they rebuild the text",
+        vllm="same split; `bytes` the UTF-8 of the text (U+FFFD's for part of a character)",
+        sglang="same",
+        tests="L `test_chat_logprobs_match_hf_and_parse`, L `test_logprobs_validation`, "
+        "L `test_chat_logprob_bytes_are_the_tokens_own_bytes`"),
     Row(fields=("logprobs", "echo"), completions="honoured",
         candor="honoured; `logprobs` 0..`max_logprobs`; echo returns the prompt and its "
         "logprobs (first token `null`); `text_offset` is where each token starts in the "

@@ -69,14 +69,15 @@ class Collected:
         return "".join(self.parts)
 
 
-def _bytes(token: str) -> list[int]:
-    return list(token.encode("utf-8"))
+def _bytes(entry: ipc.DecodedLogprob | ipc.TopLogprob) -> list[int]:
+    """The token's own bytes (not the UTF-8 of U+FFFD for part of a character)."""
+    return list(entry.raw if entry.raw is not None else entry.token.encode("utf-8"))
 
 
 def chat_logprobs(entries: list[ipc.DecodedLogprob]) -> ChatLogprobs:
     return ChatLogprobs([ChatLogprobEntry(e.token, e.logprob if e.logprob is not None else 0.0,
-                                          _bytes(e.token),
-                                          [TopLogprobEntry(t.token, t.logprob, _bytes(t.token))
+                                          _bytes(e),
+                                          [TopLogprobEntry(t.token, t.logprob, _bytes(t))
                                            for t in e.top]) for e in entries])
 
 
