@@ -50,6 +50,16 @@ _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:argument
 _CLOSE = re.compile(r"\s*\}")
 
 
+def parses(arguments: str) -> bool:
+    """The arguments are a whole JSON object: the call was written to its end (a reply
+    cut by a stop or max_tokens may end inside one; then it finishes ``stop``/``length``,
+    never ``tool_calls``)."""
+    try:
+        return isinstance(json.loads(arguments), dict)
+    except ValueError:
+        return False
+
+
 def held(text: str, markers: tuple[str, ...]) -> int:
     """Length of the longest end of ``text`` that is a proper prefix of a marker."""
     best = 0

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import msgspec
 
-from api_frontend.tool_parsers.base import ScanView, ToolParser
+from api_frontend.tool_parsers.base import ScanView, ToolParser, parses
 from protocol.openai_api import (DeltaFunction, DeltaToolCall, ResponseFunction,
                                  ResponseToolCall)
 
@@ -22,6 +22,7 @@ from protocol.openai_api import (DeltaFunction, DeltaToolCall, ResponseFunction,
 class ToolCallResult(msgspec.Struct):
     content: str | None
     calls: list[ResponseToolCall]
+    complete: bool = True  # every call's arguments parse (none was cut)
 
 
 def _content(view: ScanView, final: bool) -> str:
@@ -36,6 +37,7 @@ class ToolCallStream:
         self.content_sent = 0
         self.ids: list[str] = []
         self.args_sent: list[int] = []
+        self.complete = True  # after the final feed: every call's arguments parse
 
     @property
     def made_calls(self) -> bool:
@@ -48,6 +50,8 @@ class ToolCallStream:
         content = _content(view, final)
         new_content = content[self.content_sent:]
         self.content_sent = len(content)
+        if final:
+            self.complete = all(parses(c.arguments) for c in view.calls if c.name is not None)
         out: list[DeltaToolCall] = []
         for k, call in enumerate(view.calls):
             if call.name is None:
@@ -68,7 +72,9 @@ class ToolCallStream:
 def parse_whole(parser: ToolParser, text: str) -> ToolCallResult:
     """The non-streamed answer: content (None when the reply was only calls) and calls."""
     view = parser.scan(text, True)
+    named = [c for c in view.calls if c.name is not None]
     calls = [ResponseToolCall(parser.make_id(), ResponseFunction(c.name, c.arguments))
-             for c in view.calls if c.name is not None]
+             for c in named]
     content = _content(view, True)
-    return ToolCallResult(content if content or not calls else None, calls)
+    return ToolCallResult(content if content or not calls else None, calls,
+                          all(parses(c.arguments) for c in named))
