@@ -183,8 +183,8 @@ ROWS: tuple[Row, ...] = (
         "chat template; reported as `candor.tool_parser` and in `/v1/capabilities` "
         "`policy.tool_call_parser[_source]`); no parser → 400 rather than calls arriving as "
         "content. `required` / named: constrained decoding (a JSON list of `{name, "
-        "parameters}` / the named function's arguments object), so arguments always parse "
-        "and validate. Without `tools`, or naming a function not in `tools` → 400 "
+        "parameters}` / the named function's arguments object), so arguments parse and "
+        "validate whenever the reply finishes `tool_calls`. Without `tools`, or naming a function not in `tools` → 400 "
         "`tool_choice`",
         vllm="auto needs `--enable-auto-tool-choice`; required/named guided", sglang="guided",
         tests="T `test_required_calls_always_validate`, "
@@ -204,14 +204,19 @@ ROWS: tuple[Row, ...] = (
         "JSON text), `content` null when the reply is only calls; streamed as OpenAI deltas "
         "(id, type, name in a call's first delta, then `arguments` fragments that concatenate "
         "to exactly the non-streamed arguments); tags never reach `content`; `finish_reason: "
-        "\"tool_calls\"` exactly when calls were emitted. A call has arguments (or "
+        "\"tool_calls\"` exactly when calls were emitted and every call's arguments parse. "
+        "A reply that ends inside a call (a stop string or stop token, `max_tokens`, a "
+        "reasoning block never closed) finishes `stop` / `length` with that call as far as "
+        "it was written, whole and streamed alike (fragments stream as written, so neither "
+        "form drops it); a call whose name was not finished stays content. A call has arguments (or "
         "`parameters`) and a name one of `tools` declares; anything else, however call-like, "
         "stays `content` verbatim (finish `stop`); with a reasoning parser calls are read only "
         "after `</think>`. Parsers: hermes (Hermes / Qwen2.5 / Qwen3), llama3_json (with or "
         "without `<\\|python_tag\\|>`), mistral, deepseek_v31, granite, pythonic",
-        vllm="same shape; any name becomes a call", sglang="same; undeclared names dropped "
+        vllm="same shape; any name becomes a call; `tool_calls` even when `max_tokens` cut "
+        "the call (named: always `stop`)", sglang="same; undeclared names dropped "
         "(log line)",
-        tests="TP (every parser on its real template's text, streamed in pieces of 1..n "
+        tests="T `test_a_call_cut_before_its_end_never_finishes_tool_calls`, TP (every parser on its real template's text, streamed in pieces of 1..n "
         "characters), TP `test_only_declared_tools_are_called`, "
         "T `test_a_call_to_an_undeclared_tool_stays_content`, "
         "T `test_a_call_drafted_inside_think_is_reasoning_not_a_call`"),
