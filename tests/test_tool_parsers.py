@@ -153,6 +153,21 @@ CW, CT = ("get_weather", {"city": "Zürich"}), ("get_time", {"zone": "UTC"})
     ("deepseek_v31", "Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
      '{"city": "Zürich"}<｜tool▁call▁end｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>'
      '{"zone": "UTC"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>', [CW, CT], "Checking."),
+    # text between or after calls is content from there on, as written (it was dropped)
+    ("deepseek_v31", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+     '{"city": "Zürich"}<｜tool▁call▁end｜>Hmm.<｜tool▁call▁begin｜>get_time<｜tool▁sep｜>'
+     '{"zone": "UTC"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>', [CW],
+     'Hmm.<｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{"zone": "UTC"}<｜tool▁call▁end｜>'
+     "<｜tool▁calls▁end｜>"),
+    ("deepseek_v31", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+     '{"city": "Zürich"}<｜tool▁call▁end｜> Done.', [CW], "Done."),
+    ("deepseek_v31", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+     '{"city": "Zürich"}<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>get_time<｜tool▁sep｜>'
+     '{"zone": "UTC"}<｜tool▁call▁end｜>\n<｜tool▁calls▁end｜>', [CW, CT], None),
+    # a call whose name never ended (max_tokens) is no call: its text is content
+    ("deepseek_v31", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+     '{"city": "Zürich"}<｜tool▁call▁end｜><｜tool▁call▁begin｜>get_ti', [CW],
+     "<｜tool▁call▁begin｜>get_ti"),
     ("pythonic", '[get_weather(city="Zürich"), get_time(zone="UTC")]', [CW, CT], None),
     ("pythonic", "[get_weather(city='Zürich')]", [CW], None),
     ("pythonic", "[1, 2] is a list", [], "[1, 2] is a list"),
