@@ -25,12 +25,14 @@ class DeepSeekV31Parser(ToolParser):
     name = "deepseek_v31"
     markers = (CALLS_BEGIN,)
     special_markers = True
+    triggers = "<"  # every tag begins with it; arguments end only at a tag
 
     def scan(self, text: str, final: bool) -> ScanView:
         i = text.find(CALLS_BEGIN)
         if i < 0:
             keep = len(text) if final else len(text) - held(text, self.markers)
-            return ScanView(text[:keep], [])
+            return ScanView(text[:keep], [], "content" if keep == len(text) and not final
+                            else "")
         calls: list[CallView] = []
         head = text[:i]
         gap = i + len(CALLS_BEGIN)
@@ -57,9 +59,9 @@ class DeepSeekV31Parser(ToolParser):
             end = text.find(CALL_END, args_at)
             if end < 0:
                 args = text[args_at:]
-                if not final:
-                    args = args[:len(args) - held(args, (CALL_END,))]
-                calls.append(CallView(name, args, final))
-                return ScanView(head, calls)
+                kept = len(args) if final else len(args) - held(args, (CALL_END,))
+                calls.append(CallView(name, args[:kept], final))
+                return ScanView(head, calls,
+                                "arguments" if kept == len(args) and not final else "")
             calls.append(CallView(name, text[args_at:end], True, end + len(CALL_END)))
             gap = end + len(CALL_END)

@@ -18,4 +18,4 @@ class NamedCallParser(ToolParser):
         never closed) made none."""
         if not text.strip():
             return ScanView("", [])
-        return ScanView("", [CallView(self.function, text, final)])
+        return ScanView("", [CallView(self.function, text, final)], "" if final else "arguments")
