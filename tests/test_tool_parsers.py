@@ -343,3 +343,32 @@ def test_streaming_rescans_only_where_the_view_can_change(parser, text):
     assert content == (whole.content or "")
     assert list(args.values()) == [c.function.arguments for c in whole.calls]
     assert scans < len(pieces) // 10, f"{scans} scans for {len(pieces)} pieces"
+
+
+@pytest.mark.parametrize("name,text", [
+    ("qwen3", f"<think>{LONG_WORDS}</think>{LONG_WORDS}"),
+    ("deepseek_r1", f"{LONG_WORDS}</think>{LONG_WORDS}"),
+    ("qwen3", LONG_WORDS),  # thinking off: all answer
+])
+def test_reasoning_stream_rescans_only_near_tags(name, text):
+    """Reasoning replies are long (thousands of tokens): the stream reads the whole text
+    again only where a tag may begin, not for every token (a 32k-character reply cost
+    over a second of frontend CPU); it still concatenates to the whole split."""
+    parser = reasoning.get(name)
+    scans = 0
+    bounds = parser.bounds
+
+    def counted(t: str, final: bool):
+        nonlocal scans
+        scans += 1
+        return bounds(t, final)
+    parser.bounds = counted
+    stream = reasoning.ReasoningStream(parser)
+    pieces = [text[k:k + 4] for k in range(0, len(text), 4)]
+    out = ["", ""]
+    for k, piece in enumerate(pieces):
+        thought, content = stream.feed(piece, k == len(pieces) - 1)
+        out[0] += thought
+        out[1] += content
+    assert tuple(out) == reasoning.get(name).split(text, True)
+    assert scans < len(pieces) // 10, f"{scans} scans for {len(pieces)} pieces"
