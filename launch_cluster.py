@@ -164,7 +164,7 @@ class NodeSupervisor:
         os.environ[METRICS_ENV] = self.metrics_dir  # before prometheus_client is imported
         self.configs = process_configs(topology, run_dir, node.name, self.metrics_dir)
         self.gpu_workers = node.gpu_workers if node.gpu_workers is not None else \
-            list(range(topology.tensor_parallel * topology.replicas))
+            list(range(topology.total_gpu_workers))
         index = [n.name for n in topology.effective_nodes()].index(node.name)
         self.status_address = self.configs[0].addresses.node_status[index] if self.configs \
             else None
@@ -236,12 +236,14 @@ class NodeSupervisor:
         out: the replica's other processes are stopped, the frontends told (NodeStatus),
         and the rest serve on. Returns the deaths that still stop the topology (any
         shared role, or the last replica)."""
-        replicas = self.topology.replicas
-        if replicas == 1:
-            return fatal
         hit = sorted({c.replica for c in fatal if c.replica is not None})
-        if not hit or len(set(hit) | set(self.lost_replicas)) >= replicas:
+        # a model left without any replica stops the topology (each model counts alone)
+        groups = {self.topology.group_of_replica(r).index: self.topology.group_of_replica(r)
+                  for r in hit}
+        if not hit or any(set(g.replica_ids()) <= set(hit) | set(self.lost_replicas)
+                          for g in groups.values()):
             return fatal
+        replicas = self.topology.total_replicas
         for r in hit:
             why = "; ".join(f"{c.name} exited with code {c.proc.returncode}"
                             for c in fatal if c.replica == r)
@@ -255,7 +257,7 @@ class NodeSupervisor:
 
     def run(self, stop_requested) -> int:
         """Until a signal (drain, exit 0) or a fatal child death (exit 1)."""
-        ranks = self.topology.tensor_parallel * self.topology.replicas
+        ranks = self.topology.total_gpu_workers
         if "gpu_worker" in self.node.roles and len(self.node.devices) > ranks:
             _say(f"node {self.node.name}: devices {self.node.devices} are listed for "
                  f"{ranks} gpu_worker rank(s); the extra ones stay idle")
@@ -411,10 +413,17 @@ def resolve_api_keys(topology: Topology, flag_keys: list[str]) -> list[str]:
 
 def check_model_config(topology: Topology) -> None:
     """Refuse a checkpoint the gpu_worker cannot serve exactly, in one line naming the
-    field and value, before any process starts (the parser is torch-free)."""
+    field and value, before any process starts (the parsers are torch-free); say how a
+    pooling model pools."""
+    for group in topology.groups():
+        _check_model(group)
+
+
+def _check_model(group) -> None:
+    from cluster.pooling import UnsupportedPooling, auto_runner, read_pooling_config
     from gpu_worker.model_config import UnsupportedConfig, load_config
 
-    path = topology.model.resolved_path()
+    path = group.model.resolved_path()
     if not os.path.isfile(os.path.join(path, "config.json")):
         return  # another node holds the checkpoint; its launcher checks it
     from gpu_worker.tp_shard import shard_problems
@@ -422,10 +431,21 @@ def check_model_config(topology: Topology) -> None:
         cfg = load_config(path)
     except UnsupportedConfig as err:
         raise SystemExit(f"candor: cannot serve {path}: {err}") from None
-    problems = shard_problems(cfg, topology.tensor_parallel)
+    problems = shard_problems(cfg, group.tensor_parallel)
     if problems:
-        raise SystemExit(f"candor: cannot split {path} over {topology.tensor_parallel} "
+        raise SystemExit(f"candor: cannot split {path} over {group.tensor_parallel} "
                          f"ranks: {'; '.join(problems)}")
+    if group.runner == "generate" and auto_runner(path) == "pooling":
+        raise SystemExit(f"candor: {path} has no language-model head (a base model "
+                         "architecture): serve it with --runner pooling (runner: pooling)")
+    if group.runner == "pooling":
+        try:
+            pooling = read_pooling_config(path)
+        except (UnsupportedPooling, OSError, ValueError) as err:
+            raise SystemExit(f"candor: cannot pool {path}: {err}") from None
+        _say(f"{group.model.name()!r}: embeddings by {pooling.method} pooling"
+             f"{', L2-normalised' if pooling.normalize else ''}, {pooling.dimension} "
+             f"dimensions ({pooling.source})")
 
 
 def _usable_cores() -> int:
@@ -450,10 +470,16 @@ def settle_defaults(topology: Topology, node: NodeSpec) -> Topology:
         else:
             others = sum(1 for c in process_configs(topology, "run-dir", node.name)
                          if c.role != "gpu_worker")
-            threads = max(1, cores - others)
-            why = (f"{cores} usable cores less {others} for this node's other processes; "
-                   "--worker-threads to choose")
+            models = len(topology.groups())  # each served model's engine gets a share
+            threads = max(1, (cores - others) // models)
+            why = (f"{cores} usable cores less {others} for this node's other processes"
+                   + (f", shared by {models} models" if models > 1 else "")
+                   + "; --worker-threads to choose")
         engine = msgspec.structs.replace(engine, worker_threads=threads)
+        topology = msgspec.structs.replace(topology, models=[
+            m if m.engine.worker_threads is not None else msgspec.structs.replace(
+                m, engine=msgspec.structs.replace(m.engine, worker_threads=threads))
+            for m in topology.models])
         _say(f"gpu_worker threads: {threads} ({why})")
     model_dir = topology.model.resolved_path()
     if not api.sampling_defaults.items() and os.path.isdir(model_dir):

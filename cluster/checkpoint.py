@@ -15,13 +15,20 @@ def read_model_config(model_path: str) -> dict:
 
 
 def effective_max_model_len(model_path: str, requested: int | None) -> int:
-    """The context the deployment serves: the checkpoint's limit, or less if asked."""
+    """The context the deployment serves: the checkpoint's limit (an embedding
+    checkpoint's sentence-transformers ``max_seq_length`` bounds it too: longer inputs
+    were never trained), or less if asked."""
+    from cluster.pooling import max_seq_length
+
     limit = int(read_model_config(model_path).get("max_position_embeddings", 2048))
+    what = "max_position_embeddings"
+    st_limit = max_seq_length(model_path)
+    if st_limit is not None and st_limit < limit:
+        limit, what = st_limit, "sentence-transformers max_seq_length"
     if requested is None:
         return limit
     if requested > limit:
-        raise ValueError(f"max_model_len {requested} exceeds the checkpoint's "
-                         f"max_position_embeddings {limit}")
+        raise ValueError(f"max_model_len {requested} exceeds the checkpoint's {what} {limit}")
     return requested
 
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import msgspec
 
-from cluster.topology import (LOCAL_NODE, ApiSpec, EngineSpec, HttpSpec, ResolvedAddresses,
-                              RouterSpec, SecuritySpec, SupervisionSpec, Topology, resolve)
+from cluster.topology import (LOCAL_NODE, ApiSpec, EngineGroup, EngineSpec, HttpSpec,
+                              ResolvedAddresses, RouterSpec, SecuritySpec, SupervisionSpec,
+                              Topology, resolve)
 
 
 class ProcessConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
@@ -34,9 +35,23 @@ class ProcessConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
         return f"{self.role}[{self.index}]"
 
 
+class ServedEngine(msgspec.Struct, kw_only=True):
+    """One served model as a frontend routes to it: its names, checkpoint, runner, and
+    the processes (their indexes within each role) that serve it."""
+
+    names: list[str]
+    model_path: str
+    max_model_len: int | None = None
+    runner: str = "generate"
+    replicas: list[int]
+    tokenizers: list[int]
+    detokenizers: list[int]
+
+
 class FrontendConfig(ProcessConfig, kw_only=True, tag="api_frontend"):
     """HTTP, API policy, the served names, supervision thresholds for /health, and the
-    replicas it routes between."""
+    replicas it routes between. ``engines``: every served model (the first is the one
+    the fields above describe); empty: that model alone, on every replica."""
 
     model_path: str
     served_model_name: str
@@ -48,6 +63,17 @@ class FrontendConfig(ProcessConfig, kw_only=True, tag="api_frontend"):
     nodes: list[str] = []  # every node's name, in the order of addresses.node_status
     replicas: int = 1
     router: RouterSpec = msgspec.field(default_factory=RouterSpec)
+    runner: str = "generate"
+    engines: list[ServedEngine] = []
+
+    def served(self) -> list[ServedEngine]:
+        if self.engines:
+            return self.engines
+        return [ServedEngine(names=[self.served_model_name, *self.served_model_aliases],
+                             model_path=self.model_path, max_model_len=self.max_model_len,
+                             runner=self.runner, replicas=list(range(self.replicas)),
+                             tokenizers=list(range(len(self.addresses.tokenizer_in))),
+                             detokenizers=list(range(len(self.addresses.detokenizer_in))))]
 
 
 class TokenizerConfig(ProcessConfig, kw_only=True, tag="tokenizer_worker"):
@@ -56,6 +82,7 @@ class TokenizerConfig(ProcessConfig, kw_only=True, tag="tokenizer_worker"):
     model_path: str
     max_model_len: int | None = None
     api: ApiSpec = msgspec.field(default_factory=ApiSpec)
+    runner: str = "generate"
 
 
 class DetokenizerConfig(ProcessConfig, kw_only=True, tag="detokenizer"):
@@ -83,18 +110,31 @@ class WorkerConfig(ReplicaConfig, kw_only=True, tag="gpu_worker"):
     max_model_len: int | None = None
     dtype: str = "auto"
     load_format: str = "auto"
+    runner: str = "generate"
+    first_worker: int = 0  # the index of its model's first gpu_worker (several models)
 
     @property
     def tp_rank(self) -> int:
-        return self.index % self.tensor_parallel
+        return (self.index - self.first_worker) % self.tensor_parallel
 
     @property
     def tp_address(self) -> str:
         return self.addresses.tp_rendezvous
 
 
-def _role_config(role: str, topology: Topology, replica: int, **envelope) -> ProcessConfig:
-    model = topology.model
+def _engines(topology: Topology, groups: list[EngineGroup]) -> list[ServedEngine]:
+    if len(groups) == 1:
+        return []
+    return [ServedEngine(names=g.model.names(), model_path=g.model.resolved_path(),
+                         max_model_len=g.model.max_model_len, runner=g.runner,
+                         replicas=g.replica_ids(), tokenizers=g.tokenizer_ids(),
+                         detokenizers=g.detokenizer_ids()) for g in groups]
+
+
+def _role_config(role: str, topology: Topology, group: EngineGroup, replica: int,
+                 groups: list[EngineGroup], **envelope) -> ProcessConfig:
+    """``group``: the served model this process belongs to (a frontend's: the first)."""
+    model = group.model
     path = model.resolved_path()
     if role == "api_frontend":
         return FrontendConfig(
@@ -102,19 +142,35 @@ def _role_config(role: str, topology: Topology, replica: int, **envelope) -> Pro
             served_model_aliases=model.names()[1:], max_model_len=model.max_model_len,
             http=topology.http, api=topology.api, supervision=topology.supervision,
             nodes=[n.name for n in topology.effective_nodes()],
-            replicas=topology.replicas, router=topology.router)
+            replicas=topology.total_replicas, router=topology.router, runner=group.runner,
+            engines=_engines(topology, groups))
     if role == "tokenizer_worker":
         return TokenizerConfig(**envelope, model_path=path, max_model_len=model.max_model_len,
-                               api=topology.api)
+                               api=topology.api, runner=group.runner)
     if role == "detokenizer":
         return DetokenizerConfig(**envelope, model_path=path)
-    engine = dict(engine=topology.engine, tensor_parallel=topology.tensor_parallel,
+    engine = dict(engine=group.engine, tensor_parallel=group.tensor_parallel,
                   replica=replica)
     if role == "scheduler":
         return SchedulerConfig(**envelope, **engine)
     return WorkerConfig(**envelope, **engine, model_path=path,
                         max_model_len=model.max_model_len, dtype=model.dtype,
-                        load_format=model.load_format)
+                        load_format=model.load_format, runner=group.runner,
+                        first_worker=group.first_worker)
+
+
+def _owner(role: str, index: int, groups: list[EngineGroup]) -> tuple[EngineGroup, int]:
+    """(the served model a process belongs to, its engine replica: 0 for shared roles)."""
+    for g in groups:
+        if role == "gpu_worker" and index < g.first_worker + g.replicas * g.tensor_parallel:
+            return g, g.first_replica + (index - g.first_worker) // g.tensor_parallel
+        if role == "scheduler" and index in g.replica_ids():
+            return g, index
+        if role == "tokenizer_worker" and index in g.tokenizer_ids():
+            return g, 0
+        if role == "detokenizer" and index in g.detokenizer_ids():
+            return g, 0
+    return groups[0], 0
 
 
 def process_configs(topology: Topology, run_dir: str, node: str | None = None,
@@ -122,10 +178,10 @@ def process_configs(topology: Topology, run_dir: str, node: str | None = None,
     """One config per process, in start order (the worker first: it loads the model).
     With ``node``, only the processes placed on that node."""
     per_replica = resolve(topology, run_dir)
-    tp = topology.tensor_parallel
-    counts = {"gpu_worker": topology.replicas * tp, "scheduler": topology.replicas,
-              "detokenizer": topology.roles.detokenizer,
-              "tokenizer_worker": topology.roles.tokenizer_worker,
+    groups = topology.groups()
+    counts = {"gpu_worker": topology.total_gpu_workers, "scheduler": topology.total_replicas,
+              "detokenizer": sum(g.detokenizers for g in groups),
+              "tokenizer_worker": sum(g.tokenizer_workers for g in groups),
               "api_frontend": topology.roles.api_frontend}
     configs = []
     for role, count in counts.items():
@@ -133,9 +189,9 @@ def process_configs(topology: Topology, run_dir: str, node: str | None = None,
             placed_on = topology.node_of(role, index).name
             if node is not None and placed_on != node:
                 continue
-            replica = {"gpu_worker": index // tp, "scheduler": index}.get(role, 0)
+            group, replica = _owner(role, index, groups)
             configs.append(_role_config(
-                role, topology, replica, index=index, node=placed_on,
+                role, topology, group, replica, groups, index=index, node=placed_on,
                 addresses=per_replica[replica], security=topology.security,
                 metrics_dir=metrics_dir))
     return configs

@@ -8,6 +8,7 @@ per engine replica; ``cluster.process_config`` cuts it into each process's confi
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Annotated, Literal
 
 import msgspec
@@ -26,7 +27,10 @@ class ModelSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """``served_model_name``: one name or several (aliases; the first is the primary,
     every one answers). ``generation_config``: where requests that omit a sampling
     field get its default: auto (the checkpoint's generation_config.json), vllm or none
-    (the API's own defaults), or a directory holding a generation_config.json."""
+    (the API's own defaults), or a directory holding a generation_config.json.
+    ``runner`` (vLLM's --runner): generate serves the completion routes; pooling serves
+    /v1/embeddings (``cluster.pooling``); auto is pooling for a checkpoint without an LM
+    head (a base ``*Model`` architecture) and generate otherwise."""
 
     path: str
     served_model_name: str | list[str] | None = None
@@ -34,6 +38,18 @@ class ModelSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_model_len: Annotated[int, Meta(ge=16)] | None = None
     dtype: Literal["auto", "half", "float16", "bfloat16", "float", "float32"] = "auto"
     load_format: Literal["auto", "dummy"] = "auto"
+    runner: Literal["auto", "generate", "pooling"] = "auto"
+
+    def runner_kind(self) -> str:
+        """generate | pooling (auto settled from the checkpoint; without its config.json
+        here, generate)."""
+        if self.runner != "auto":
+            return self.runner
+        from cluster.pooling import auto_runner
+        try:
+            return auto_runner(self.resolved_path())
+        except (OSError, ValueError):
+            return "generate"
 
     def resolved_path(self) -> str:
         return os.path.abspath(os.path.expanduser(self.path))
@@ -302,11 +318,57 @@ class RouterSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_prefix_entries: Annotated[int, Meta(ge=1)] = 200_000
 
 
+class ServedModel(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A further model behind the same frontends (``Topology.models``), reached by the
+    ``model`` a request names: its own engine replicas (schedulers and gpu_worker ranks),
+    tokenizer workers and detokenizers (none needed by a pooling model). The frontends,
+    the router policy, the API policy and the nodes are the topology's."""
+
+    model: ModelSpec
+    tensor_parallel: Count = 1
+    replicas: Count = 1
+    engine: EngineSpec = msgspec.field(default_factory=EngineSpec)
+    tokenizer_workers: Count = 1
+    detokenizers: Annotated[int, Meta(ge=0, le=64)] | None = None  # None: 1; pooling: 0
+
+
+@dataclass(frozen=True)
+class EngineGroup:
+    """One served model's processes, numbered within the topology: its replicas, gpu_worker
+    ranks, tokenizer workers and detokenizers are the ``first_*`` onwards of their role
+    (every role's instances are numbered across models, so names and addresses stay
+    unique)."""
+
+    index: int
+    model: ModelSpec
+    runner: str
+    tensor_parallel: int
+    replicas: int
+    engine: EngineSpec
+    tokenizer_workers: int
+    detokenizers: int
+    first_replica: int
+    first_worker: int
+    first_tokenizer: int
+    first_detokenizer: int
+
+    def replica_ids(self) -> list[int]:
+        return list(range(self.first_replica, self.first_replica + self.replicas))
+
+    def tokenizer_ids(self) -> list[int]:
+        return list(range(self.first_tokenizer, self.first_tokenizer + self.tokenizer_workers))
+
+    def detokenizer_ids(self) -> list[int]:
+        return list(range(self.first_detokenizer, self.first_detokenizer + self.detokenizers))
+
+
 class Topology(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """``tensor_parallel``: gpu_worker ranks per engine replica, one torch.distributed
     group (vLLM's --tensor-parallel-size). ``replicas``: engine replicas (a scheduler and
     its ranks each) behind the same frontends, tokenizer workers and detokenizers
-    (--data-parallel-size), routed by ``router``."""
+    (--data-parallel-size), routed by ``router``. ``models``: further models served by
+    the same frontends beside ``model`` (e.g. an embedding model next to a chat model),
+    each with its own engines; requests are routed by their ``model`` field."""
 
     model: ModelSpec
     tensor_parallel: Count = 1
@@ -319,6 +381,39 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     nodes: list[NodeSpec] = []  # empty: one node "local" on 127.0.0.1 running every role
     supervision: SupervisionSpec = msgspec.field(default_factory=SupervisionSpec)
     security: SecuritySpec = msgspec.field(default_factory=SecuritySpec)
+    models: list[ServedModel] = []
+
+    def groups(self) -> list[EngineGroup]:
+        """Every served model's engines: ``model`` (with the top-level engine fields)
+        first, then ``models``."""
+        specs = [ServedModel(model=self.model, tensor_parallel=self.tensor_parallel,
+                             replicas=self.replicas, engine=self.engine,
+                             tokenizer_workers=self.roles.tokenizer_worker,
+                             detokenizers=self.roles.detokenizer), *self.models]
+        out, replica, worker, tok, detok = [], 0, 0, 0, 0
+        for i, spec in enumerate(specs):
+            runner = spec.model.runner_kind()
+            detoks = spec.detokenizers if spec.detokenizers is not None else (
+                0 if runner == "pooling" else 1)
+            out.append(EngineGroup(i, spec.model, runner, spec.tensor_parallel, spec.replicas,
+                                   spec.engine, spec.tokenizer_workers, detoks, replica,
+                                   worker, tok, detok))
+            replica += spec.replicas
+            worker += spec.replicas * spec.tensor_parallel
+            tok += spec.tokenizer_workers
+            detok += detoks
+        return out
+
+    def group_of_replica(self, replica: int) -> EngineGroup:
+        return next(g for g in self.groups() if replica in g.replica_ids())
+
+    @property
+    def total_replicas(self) -> int:
+        return self.replicas + sum(m.replicas for m in self.models)
+
+    @property
+    def total_gpu_workers(self) -> int:
+        return sum(g.replicas * g.tensor_parallel for g in self.groups())
 
     def effective_nodes(self) -> list[NodeSpec]:
         if self.nodes:
@@ -352,6 +447,14 @@ class ResolvedAddresses(msgspec.Struct, kw_only=True):
     # process's replica); roles shared by the replicas route over these
     replica_scheduler_in: list[str] = []
     replica_scheduler_pub: list[str] = []
+    # a scheduler's own model's detokenizers, where the topology serves several models
+    # (None: all of detokenizer_in; a pooling model has none)
+    group_detokenizer_in: list[str] | None = None
+
+    def detokenizers(self) -> list[str]:
+        """The detokenizers this replica's requests are decoded by."""
+        return self.detokenizer_in if self.group_detokenizer_in is None \
+            else self.group_detokenizer_in
 
     def schedulers_in(self) -> list[str]:
         """Every replica's scheduler inbound address, in replica order."""
@@ -391,10 +494,11 @@ CONNECTORS = {"scheduler_in": ("tokenizer_worker", "detokenizer", "api_frontend"
 
 
 def resolve(topology: Topology, run_dir: str) -> list[ResolvedAddresses]:
-    """One address set per engine replica (they differ in the scheduler and worker
-    addresses and the TP rendezvous; the shared roles use replica 0's)."""
+    """One address set per engine replica, numbered across served models (they differ in
+    the scheduler and worker addresses, the TP rendezvous and, with several models, the
+    detokenizers; the shared roles use replica 0's)."""
     a = topology.addresses
-    counts = topology.roles
+    groups = topology.groups()
 
     def host(key: str) -> str:
         return topology.node_of(BINDERS[key]).host
@@ -406,27 +510,33 @@ def resolve(topology: Topology, run_dir: str) -> list[ResolvedAddresses]:
         return [getattr(a, key).format(run_dir=run_dir, i=i, r=0, host=host(key))
                 for i in range(n)]
 
-    def rendezvous(r: int) -> str:
-        if topology.tensor_parallel == 1:
+    def rendezvous(group: EngineGroup, r: int) -> str:
+        if group.tensor_parallel == 1:
             return ""
         port = _free_port() if "{port}" in a.tp_rendezvous else 0
-        rank0 = topology.node_of("gpu_worker", r * topology.tensor_parallel)
+        first = group.first_worker + (r - group.first_replica) * group.tensor_parallel
+        rank0 = topology.node_of("gpu_worker", first)
         return a.tp_rendezvous.format(run_dir=run_dir, r=r, host=rank0.host, port=port)
 
-    replicas = range(topology.replicas)
+    replicas = range(topology.total_replicas)
+    detokenizers = many("detokenizer_in", sum(g.detokenizers for g in groups))
     shared = dict(
-        tokenizer_in=many("tokenizer_in", counts.tokenizer_worker),
-        detokenizer_in=many("detokenizer_in", counts.detokenizer),
-        frontend_results=many("frontend_results", counts.api_frontend),
+        tokenizer_in=many("tokenizer_in", sum(g.tokenizer_workers for g in groups)),
+        detokenizer_in=detokenizers,
+        frontend_results=many("frontend_results", topology.roles.api_frontend),
         node_status=[(node.status_address or a.node_status).format(
                          run_dir=run_dir, n=n, i=n, r=0, node=node.name, host=node.host)
                      for n, node in enumerate(topology.effective_nodes())],
         replica_scheduler_in=[one("scheduler_in", r) for r in replicas],
         replica_scheduler_pub=[one("scheduler_pub", r) for r in replicas])
-    resolved = [ResolvedAddresses(
-        scheduler_in=one("scheduler_in", r), scheduler_pub=one("scheduler_pub", r),
-        worker_in=one("worker_in", r), worker_out=one("worker_out", r),
-        tp_rendezvous=rendezvous(r), **shared) for r in replicas]
+    resolved = []
+    for group in groups:
+        own = [detokenizers[i] for i in group.detokenizer_ids()] if len(groups) > 1 else None
+        resolved += [ResolvedAddresses(
+            scheduler_in=one("scheduler_in", r), scheduler_pub=one("scheduler_pub", r),
+            worker_in=one("worker_in", r), worker_out=one("worker_out", r),
+            tp_rendezvous=rendezvous(group, r), group_detokenizer_in=own, **shared)
+            for r in group.replica_ids()]
     every = [x for ra in resolved for x in (ra.scheduler_in, ra.scheduler_pub, ra.worker_in,
                                             ra.worker_out)]
     every += [*shared["tokenizer_in"], *shared["detokenizer_in"],
@@ -435,5 +545,6 @@ def resolve(topology: Topology, run_dir: str) -> list[ResolvedAddresses]:
     if duplicates:
         raise ValueError(f"topology addresses collide: {duplicates} (a role with count > 1 "
                          "needs '{i}' in its address template, node_status needs '{n}', "
-                         "scheduler and worker addresses need '{r}' with several replicas)")
+                         "scheduler and worker addresses need '{r}' with several replicas "
+                         "or models)")
     return resolved

@@ -52,7 +52,7 @@ def _rank_placement(topology: Topology, problems: list[str]) -> None:
     """gpu_worker ranks may span nodes when each such node names its ``gpu_workers`` and
     together they name every rank once; the rendezvous then needs a fixed port."""
     nodes = topology.nodes_of("gpu_worker")
-    total = topology.replicas * topology.tensor_parallel
+    total = topology.total_gpu_workers
     if any(n.gpu_workers is None for n in nodes):
         problems.append(f"gpu_worker is placed on several nodes {[n.name for n in nodes]}: "
                         "each must list its gpu_workers (indices replica * tensor_parallel "
@@ -61,8 +61,7 @@ def _rank_placement(topology: Topology, problems: list[str]) -> None:
     named = sorted(i for n in nodes for i in n.gpu_workers)
     if named != list(range(total)):
         problems.append(f"the nodes' gpu_workers name {named}; they must name each of "
-                        f"0..{total - 1} once ({topology.replicas} replica(s) x "
-                        f"{topology.tensor_parallel} rank(s))")
+                        f"0..{total - 1} once (every model's replicas x ranks)")
     if "{port}" in topology.addresses.tp_rendezvous:
         problems.append("addresses.tp_rendezvous needs a fixed port when ranks span nodes "
                         "(e.g. tcp://{host}:29500); {port} is picked by one launcher only")
@@ -146,12 +145,25 @@ def _sockets(topology: Topology, resolved: list[ResolvedAddresses], problems: li
 
 
 def _model(topology: Topology, problems: list[str]) -> None:
-    path = topology.model.resolved_path()
-    for name in ("config.json", "tokenizer.json"):
-        if not os.path.isfile(os.path.join(path, name)):
-            problems.append(f"model.path {path!r} has no {name}: not a HF checkpoint "
-                            "directory")
-            return
+    for i, group in enumerate(topology.groups()):
+        label = "model.path" if i == 0 else f"models[{i - 1}].model.path"
+        path = group.model.resolved_path()
+        for name in ("config.json", "tokenizer.json"):
+            if not os.path.isfile(os.path.join(path, name)):
+                problems.append(f"{label} {path!r} has no {name}: not a HF checkpoint "
+                                "directory")
+                break
+
+
+def _served_names(topology: Topology, problems: list[str]) -> None:
+    """Requests reach a model by name: one name may answer for one model only."""
+    seen: dict[str, int] = {}
+    for group in topology.groups():
+        for name in group.model.names():
+            if name in seen and seen[name] != group.index:
+                problems.append(f"served model name {name!r} names two models; each "
+                                "model needs its own names (served_model_name)")
+            seen[name] = group.index
 
 
 def _security(topology: Topology, problems: list[str]) -> None:
@@ -181,6 +193,7 @@ def check_topology(topology: Topology, node: str | None = None,
     """Raise ``TopologyError`` naming every problem found, or return quietly."""
     problems: list[str] = []
     _placement(topology, problems)
+    _served_names(topology, problems)
     names = [n.name for n in topology.effective_nodes()]
     if node is not None and node not in names:
         problems.append(f"--node {node!r} is not in this topology; nodes: {names}")

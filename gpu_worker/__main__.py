@@ -17,6 +17,7 @@ import traceback
 import zmq
 
 from cluster.checkpoint import effective_max_model_len
+from cluster.pooling import read_pooling_config
 from cluster.lifecycle import StopFlag, die_with_parent, read_config, setup_logging
 from cluster.process_config import WorkerConfig
 from protocol import ipc
@@ -65,7 +66,8 @@ def main() -> None:
         gpu_memory_utilization=eng.gpu_memory_utilization,
         max_model_len=effective_max_model_len(cfg.model_path, cfg.max_model_len),
         load_format=cfg.load_format, seed=eng.seed, enforce_eager=eng.enforce_eager,
-        max_num_seqs=eng.max_num_seqs, ranks=ranks)
+        max_num_seqs=eng.max_num_seqs, ranks=ranks,
+        pooling=read_pooling_config(cfg.model_path) if cfg.runner == "pooling" else None)
     kv_mib = runner.num_blocks * runner.block_bytes / 2**20
     log.info("rank %d/%d: model loaded in %.2fs, %d threads, dtype %s (%s); KV cache %d blocks "
              "= %.0f MiB = %d tokens (%s)", rank, size, time.perf_counter() - started,

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from cluster import checkpoint
+from cluster.pooling import PoolingConfig
 from gpu_worker import cuda_graphs
 from gpu_worker.attention.base import AttentionBackend, AttentionSpec
 from gpu_worker.attention.registry import select_backend
@@ -34,6 +35,7 @@ from gpu_worker.distributed import Ranks
 from gpu_worker.loader import load_weights
 from gpu_worker.model_config import load_config
 from gpu_worker.models.decoder import DecoderForCausalLM
+from gpu_worker.pooler import Pooler
 from gpu_worker.progress import Progress
 from gpu_worker.request_state import RequestTracker
 from gpu_worker.tp_shard import tp_shard
@@ -68,7 +70,8 @@ def resolve_dtype(name: str, model_path: str, device: torch.device) -> tuple[tor
 class ModelRunner:
     """Start-up runs in named steps (``_build_model``, ``_size_kv_cache``,
     ``_allocate_kv_cache``, ``_pick_attention``, ``_capture_graphs``); ``execute`` runs one
-    plan."""
+    plan. With ``pooling`` (a pooling deployment) the model has no LM head and each
+    request's output is its pooled hidden state (``pooler``) instead of a sampled token."""
 
     def __init__(
         self,
@@ -86,8 +89,10 @@ class ModelRunner:
         enforce_eager: bool = False,
         max_num_seqs: int = cuda_graphs.MAX_CAPTURE_SIZE,
         ranks: Ranks | None = None,
+        pooling: PoolingConfig | None = None,
     ) -> None:
         self.config = cfg = load_config(model_path)
+        self.pooling = pooling
         self.ranks = ranks = ranks or Ranks()
         self.shard = tp_shard(cfg, ranks.rank, ranks.size)
         self.device = torch.device(device)
@@ -114,6 +119,7 @@ class ModelRunner:
         self.failed_last_step: set[str] = set()  # rids of the previous step, if it failed
         self.tracker = RequestTracker()  # token history (penalties) and prompt logprobs
         self.timings = WorkerTimings()  # cumulative, sent with every result
+        self.pooler = None if pooling is None else Pooler(pooling, self.model.final_norm)
 
         self.decode_graphs = self._capture_graphs(enforce_eager, max_num_seqs)
 
@@ -124,7 +130,8 @@ class ModelRunner:
         on meta (no init cost), then materialised; the loader writes every weight."""
         with torch.device("meta"):
             model = DecoderForCausalLM(self.config, max_positions=self.max_model_len, device=self.device,
-                                       dtype=self.dtype, tp=self.ranks.tp_group(self.shard))
+                                       dtype=self.dtype, tp=self.ranks.tp_group(self.shard),
+                                       lm_head=self.pooling is None)
         model = model.to_empty(device=self.device).to(self.dtype)
         load_weights(model, model_path, load_format, seed=seed)
         return model.eval()
@@ -182,8 +189,8 @@ class ModelRunner:
     def _capture_graphs(self, enforce_eager: bool, max_num_seqs: int) -> cuda_graphs.DecodeGraphRunner | None:
         """Decode-only steps as CUDA graphs, captured now (see ``cuda_graphs``), where the
         backend can be captured, eager mode is off and one rank serves; else None."""
-        if not self.attn_backend.capturable or enforce_eager:
-            return None
+        if not self.attn_backend.capturable or enforce_eager or self.pooling is not None:
+            return None  # (a pooling deployment runs no decode steps)
         if self.ranks.size > 1:
             log.info("tensor parallel: decode steps run eagerly (no CUDA graphs across ranks)")
             return None
@@ -220,6 +227,8 @@ class ModelRunner:
             self.block_tables.pop(rid, None)
             self.tracker.release(rid)
             self.grammars.release(rid)
+            if self.pooler is not None:
+                self.pooler.release(rid)
         for rid, params in plan.new_sampling.items():
             old = self.sampling.get(rid)
             self.sampling[rid] = params
@@ -229,6 +238,9 @@ class ModelRunner:
                 self.generators.pop(rid, None)
                 if params.seed is not None:
                     self.generators[rid] = torch.Generator(device=self.device).manual_seed(params.seed)
+        if self.pooler is not None:
+            for rid, pooling in plan.new_pooling.items():
+                self.pooler.register(rid, pooling)
 
     def _fill_placeholder(self, seq: SeqChunk, failed_before: set[str]) -> None:
         """A step planned before the previous one returned feeds the token sampled there.
@@ -287,16 +299,19 @@ class ModelRunner:
                 self._check(seq)
             sampled: list[int] = []
             logprobs: list[SampleLogprobs | None] = []
+            pooled: list[bytes] = []
             if plan.seqs:
                 with torch.inference_mode():
                     sampled, logprobs = self._forward(plan.seqs)
+                if self.pooler is not None:
+                    pooled = self.pooler.take()
         except Exception:
             self.failed_last_step = {s.rid for s in plan.seqs}
             raise
         total = time.perf_counter() - t0
         tm.prepare += total - (tm.forward + tm.sample + tm.grammar - inner_before)
         return StepResult(step_id=plan.step_id, sampled=sampled, forward_s=total,
-                          logprobs=logprobs, timings=tm)
+                          logprobs=logprobs, timings=tm, pooled=pooled)
 
     def _forward(self, seqs: list[SeqChunk]) -> tuple[list[int], list[SampleLogprobs | None]]:
         # Flattened order: prefill chunks, then decodes (attention batches those).
@@ -356,6 +371,9 @@ class ModelRunner:
         t_sample = time.perf_counter()
         tm.forward += t_sample - t_forward
         try:
+            if self.pooler is not None:  # no logits: each finished request's vector
+                self.pooler.pool(ordered, hidden, batch.last_row, batch.to_sample)
+                return [0] * len(batch.to_sample), []
             return self._sample(batch, hidden, pending)
         finally:
             tm.sample += time.perf_counter() - t_sample

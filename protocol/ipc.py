@@ -62,6 +62,14 @@ class GuidedSpec(msgspec.Struct, frozen=True):
     reasoning: str | None = None
 
 
+class PoolingParams(msgspec.Struct, frozen=True, omit_defaults=True):
+    """What the gpu_worker needs to pool one sequence of a pooling deployment (the
+    method and normalisation are the checkpoint's, fixed at start): ``dimensions`` keeps
+    the first n values (Matryoshka) before the vector is normalised."""
+
+    dimensions: int | None = None
+
+
 class DetokParams(msgspec.Struct, frozen=True, omit_defaults=True):
     """How the detokenizer turns ids into text for one request."""
 
@@ -110,6 +118,21 @@ class GenerateReq(_Message, tag="generate", omit_defaults=True):
     chat_template: str | None = None  # request-supplied template (frontend checked the flag)
     echo_prompt: bool = False        # return the prompt text in RequestInfo (completions echo)
     guided: GuidedSpec | None = None  # constrained decoding, compiled by the tokenizer worker
+    replica: int = 0  # the engine replica the frontend's router chose
+
+
+class PoolReq(_Message, tag="pool", omit_defaults=True):
+    """One input of an /v1/embeddings request: tokenize it, check it fits the context,
+    schedule it as a prefill whose result is the pooled hidden state. The tokenizer
+    worker answers with a RequestInfo (its token count) or a RequestError."""
+
+    rid: str
+    reply_to: str
+    input: str | list[int]
+    pooling: PoolingParams = PoolingParams()
+    add_special_tokens: bool = True
+    arrival_time: float = 0.0
+    priority: int = 0
     replica: int = 0  # the engine replica the frontend's router chose
 
 
@@ -205,6 +228,9 @@ class TokenizedReq(_Message, tag="tokenized", omit_defaults=True):
     priority: int = 0
     cache_salt: str | None = None
     probe: bool = False  # /health/generate: joins the head of the waiting queue
+    # set: a pooling request (prefill only; its one output is the pooled hidden state,
+    # sent to ``reply_to`` as ``Pooled``; max_tokens is 1, that output)
+    pooling: PoolingParams | None = None
 
 
 class Abort(_Message, tag="abort"):
@@ -250,6 +276,7 @@ class StepPlan(_Message, tag="step"):
     seqs: list[SeqChunk]
     new_sampling: dict[str, SamplingParams] = {}
     released: list[str] = []
+    new_pooling: dict[str, PoolingParams] = {}  # pooling rids among new_sampling's
 
 
 class Shutdown(_Message, tag="shutdown"):
@@ -307,6 +334,9 @@ class StepResult(_Message, tag="result"):
     idle_s: float = 0.0  # worker idle between sending the previous result and this plan
     logprobs: list[SampleLogprobs | None] = []
     timings: WorkerTimings | None = None
+    # a pooling deployment: each sampling row's pooled vector (little-endian float32
+    # bytes, OpenAI's base64 layout), aligned with ``sampled`` (whose ids are then 0)
+    pooled: list[bytes] = []
 
 
 class WorkerError(_Message, tag="worker_error"):
@@ -430,6 +460,15 @@ class SchedulerStats(_Message, tag="stats"):
     step_phases_s: dict[str, float] = {}
 
 
+class Pooled(_Message, tag="pooled"):
+    """Scheduler -> frontend: a pooling request's result (``PoolReq``), its vector as
+    little-endian float32 bytes."""
+
+    rid: str
+    data: bytes
+    prompt_tokens: int
+
+
 class StoreQuery(_Message, tag="store_query"):
     """One frontend asks the frontend that stored a ``/v1/responses`` result for it (or to
     delete it); the response id names that frontend. The answer goes to ``reply_to``."""
@@ -450,11 +489,11 @@ class StoreAnswer(_Message, tag="store_answer"):
 
 
 # One tagged union per receiving socket.
-TokenizerInbound = Union[GenerateReq, RenderReq]
+TokenizerInbound = Union[GenerateReq, RenderReq, PoolReq]
 SchedulerInbound = Union[TokenizedReq, Abort]
 WorkerInbound = Union[StepPlan, Shutdown]
 WorkerOutbound = Union[WorkerReady, StepResult, WorkerError]
 DetokenizerInbound = Union[DetokStart, TokenBatch]
 FrontendInbound = Union[TextDeltas, RequestError, RequestInfo, RenderResult, StoreQuery,
-                        StoreAnswer]
+                        StoreAnswer, Pooled]
 SchedulerBroadcast = SchedulerStats

@@ -14,6 +14,9 @@ detokenizers. The worker reports how long it sat idle before each plan; the hear
 publishes the sum and a recent median over steps where work was waiting
 (``worker_idle_*``).
 
+A pooling request (``TokenizedReq.pooling``) has no detokenizer leg: its one result, the
+worker's pooled vector, goes straight back to the frontend that asked (``Pooled``).
+
 Plans go out on one PUB socket that every tensor-parallel rank subscribes to (XPUB, so
 the loop can count the subscriptions): the worker counts as ready once rank 0 reported
 its KV capacity and all ranks are subscribed, so no rank misses the first plan.
@@ -75,7 +78,7 @@ class EngineLoop:
         self.subscribed = 0  # ranks subscribed to the plans
         self.ready: ipc.WorkerReady | None = None  # rank 0's report, until all subscribed
         self.stats_pub = Sender(ctx, a.scheduler_pub, bind=True, kind=zmq.PUB)
-        self.to_detok = [Sender(ctx, addr) for addr in a.detokenizer_in]
+        self.to_detok = [Sender(ctx, addr) for addr in a.detokenizers()]
         self.replies = SenderPool(ctx)
         self.poller = zmq.Poller()
         self.poller.register(self.inbound.sock, zmq.POLLIN)
@@ -117,7 +120,11 @@ class EngineLoop:
         self.planner.finish(sreq)
         self.requests.pop(sreq.rid, None)
         self.ops.forget(sreq.rid)
-        self._emit(sreq, new_ids, reason, logprobs, cached_tokens, batches)
+        if sreq.req.pooling is None:
+            self._emit(sreq, new_ids, reason, logprobs, cached_tokens, batches)
+        elif reason == "error":  # (an abort came from the frontend: nobody waits)
+            self._reject(sreq.req, 500, "the gpu_worker failed the step that pooled this "
+                         "input", None, "worker_error")
 
     def _emit(self, sreq: SchedRequest, ids: list[int], reason: str | None,
               lp: ipc.SampleLogprobs | None, cached: int | None,
@@ -171,8 +178,13 @@ class EngineLoop:
                          "requests); retry shortly", None, "queue_full")
             return
         capacity = self.planner.allocator.total * self.block_size
+        if req.pooling is not None and len(req.prompt_token_ids) > capacity:
+            self._reject(req, 400, f"this input has {len(req.prompt_token_ids)} tokens but "
+                         f"this deployment's KV cache holds {capacity}; shorten it", "input",
+                         "kv_cache_too_small")
+            return
         needed = len(req.prompt_token_ids) + req.max_tokens
-        if needed > capacity:
+        if needed > capacity and req.pooling is None:
             self._reject(req, 400,
                          f"this request needs KV cache for {needed} tokens "
                          f"({len(req.prompt_token_ids)} prompt + {req.max_tokens} to "
@@ -183,11 +195,12 @@ class EngineLoop:
         sreq = SchedRequest(req, self.arrivals)
         self.arrivals += 1
         self.requests[req.rid] = sreq
-        self._detok_for(req.rid).send(ipc.DetokStart(
-            req.rid, req.reply_to, len(req.prompt_token_ids), req.detok,
-            req.prompt_token_ids[-8:],
-            req.prompt_token_ids if req.detok.return_token_ids else None,
-            replica=self.cfg.replica))
+        if req.pooling is None:
+            self._detok_for(req.rid).send(ipc.DetokStart(
+                req.rid, req.reply_to, len(req.prompt_token_ids), req.detok,
+                req.prompt_token_ids[-8:],
+                req.prompt_token_ids if req.detok.return_token_ids else None,
+                replica=self.cfg.replica))
         self.planner.waiting.push(sreq)  # a /health/generate probe goes to the head
         self.ops.enqueued(req.rid)
 
@@ -240,7 +253,7 @@ class EngineLoop:
             return False
         self.step_id += 1
         plan = ipc.StepPlan(self.step_id, planned.chunks, planned.new_sampling,
-                            planned.released)
+                            planned.released, new_pooling=planned.new_pooling)
         t1 = time.perf_counter()
         self.to_worker.send(plan)
         phases.plan += t1 - t0
@@ -276,6 +289,11 @@ class EngineLoop:
                                msg.timings)
         for s in self.planner.postprocess(planned, msg.sampled):
             sreq = s.req
+            if sreq.req.pooling is not None:  # its one output ends it (max_tokens 1)
+                self._finish(sreq, "length", [], batches)
+                self.replies.send(sreq.req.reply_to, ipc.Pooled(
+                    sreq.rid, msg.pooled[s.row], len(sreq.req.prompt_token_ids)))
+                continue
             lp = msg.logprobs[s.row] if msg.logprobs else None
             # the hit is reported once, with the request's first token
             cached = sreq.cached_tokens if sreq.num_generated == 1 else None

@@ -24,6 +24,10 @@ full blocks are looked up in the allocator's cache and shared instead of recompu
 least one prompt token is always left to compute, because sampling needs its logits. A
 request that asks for prompt logprobs needs the logits of every prompt position, so it
 never takes a hit (as vLLM); its blocks are still offered to the cache for others.
+A pooling request (``TokenizedReq.pooling``: a prefill whose one output, its "sample", is
+the pooled hidden state) neither reads nor fills the cache: mean and cls pooling need the
+hidden state of positions a hit would skip, and last-token pooling's equality under a hit
+is not proven, so every pooling prompt is computed whole.
 Blocks become findable only after the step that wrote them has returned (``commit``), so
 no request ever reads a block the worker has not finished writing. A waiting request whose
 next block a planned step is filling (the same shared prefix, admitted a step earlier)
@@ -41,7 +45,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from protocol.ipc import PLACEHOLDER_TOKEN, SamplingParams, SeqChunk
+from protocol.ipc import PLACEHOLDER_TOKEN, PoolingParams, SamplingParams, SeqChunk
 from scheduler.block_manager import BlockAllocator
 from scheduler.request import SchedRequest
 from scheduler.waiting import WaitQueue
@@ -55,6 +59,7 @@ class PlannedStep:
     preempted: list[SchedRequest] = field(default_factory=list)
     writing: list[int] = field(default_factory=list)  # chained hashes of the full blocks it fills
     released: list[str] = field(default_factory=list)  # rids the worker may forget
+    new_pooling: dict[str, PoolingParams] = field(default_factory=dict)
 
 
 @dataclass
@@ -146,7 +151,7 @@ class Planner:
     def commit(self, req: SchedRequest) -> None:
         """After a step returned: offer the request's newly completed full blocks to the
         prefix cache (their KV is written now)."""
-        if not self.enable_prefix_caching or not req.block_table:
+        if not self.enable_prefix_caching or not req.block_table or req.req.pooling is not None:
             return
         full = min(req.num_computed // self.block_size, len(req.block_table))
         if full <= req.num_registered:
@@ -167,7 +172,7 @@ class Planner:
         """Record the full blocks of known tokens that this chunk completes."""
         bs = self.block_size
         end = min(start + n, len(req.token_ids)) // bs  # a placeholder's block is unknown
-        if not self.enable_prefix_caching or end <= start // bs:
+        if not self.enable_prefix_caching or end <= start // bs or req.req.pooling is not None:
             return
         hashes = req.full_block_hashes(end, bs)
         written = hashes[start // bs:end]
@@ -186,7 +191,8 @@ class Planner:
 
     def _reads_cache(self, req: SchedRequest) -> bool:
         """Whether ``req`` may be served from the prefix cache."""
-        return self.enable_prefix_caching and req.req.sampling.prompt_logprobs < 0
+        return (self.enable_prefix_caching and req.req.sampling.prompt_logprobs < 0
+                and req.req.pooling is None)
 
     def _match_prefix(self, req: SchedRequest) -> None:
         """Share the longest cached run of leading full blocks (never the whole prompt)."""
@@ -244,6 +250,8 @@ class Planner:
         step.members.append((req, n))
         if not req.seen_by_worker:
             step.new_sampling[req.rid] = req.req.sampling
+            if req.req.pooling is not None:
+                step.new_pooling[req.rid] = req.req.pooling
             req.seen_by_worker = True
 
     def plan(self, lookahead: bool = False) -> PlannedStep:

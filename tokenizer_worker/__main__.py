@@ -23,13 +23,14 @@ def watchdog_limit_s(render_timeout_s: float) -> float:
     return 3 * render_timeout_s + 10.0
 
 
-def _serve_one(req: ipc.GenerateReq | ipc.RenderReq, preparer: RequestPreparer,
+def _serve_one(req: ipc.GenerateReq | ipc.RenderReq | ipc.PoolReq, preparer: RequestPreparer,
                watchdog: Watchdog, replies: SenderPool, to_scheduler: list[Sender],
                metrics: TokenizerMetrics, log: logging.Logger) -> None:
     preparer.last_text_bytes = 0
     try:
         with watchdog.guard():
             out = (preparer.render(req) if isinstance(req, ipc.RenderReq)
+                   else preparer.prepare_pooling(req) if isinstance(req, ipc.PoolReq)
                    else preparer.prepare(req))
     except Exception as exc:  # one bad request must not take the worker down
         log.exception("preparing %s failed", req.rid)
@@ -64,7 +65,7 @@ def main() -> None:
     metrics = TokenizerMetrics()
     # Received requests wait here rather than in the socket, so the backlog is visible
     # (a metric) and health probes can go first.
-    backlog: deque[ipc.GenerateReq | ipc.RenderReq] = deque()
+    backlog: deque[ipc.GenerateReq | ipc.RenderReq | ipc.PoolReq] = deque()
     watchdog = Watchdog(watchdog_limit_s(cfg.api.limits.template_render_timeout_s))
     log.info("ready")
     while not stop.is_set():

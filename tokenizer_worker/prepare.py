@@ -85,7 +85,8 @@ class RequestPreparer:
 
     # ------------------------------------------------------------------ helpers
 
-    def _fail(self, req: ipc.GenerateReq, message: str, param: str | None, code: str) -> None:
+    def _fail(self, req: ipc.GenerateReq | ipc.PoolReq, message: str, param: str | None,
+              code: str) -> None:
         raise _Rejected(ipc.RequestError(req.rid, 400, message, param=param, code=code))
 
     def _template(self, req: ipc.GenerateReq) -> tuple[ChatTemplate | None, str]:
@@ -322,6 +323,46 @@ class RequestPreparer:
         info = ipc.RequestInfo(req.rid, len(ids), prompt.template, prompt.adjustments,
                                prompt_text, offsets)
         return tokenized, info
+
+    def prepare_pooling(self, req: ipc.PoolReq
+                        ) -> tuple[ipc.TokenizedReq, ipc.RequestInfo] | ipc.RequestError:
+        """One embedding input: tokenized as the checkpoint's tokenizer does by default
+        (its special tokens added, as sentence-transformers does), at most the whole
+        context (nothing is generated after it); never truncated. Errors name ``input``
+        (the frontend names the index)."""
+        try:
+            ids = self._pooling_ids(req)
+        except _Rejected as rej:
+            return rej.error
+        tokenized = ipc.TokenizedReq(
+            rid=req.rid, reply_to=req.reply_to, prompt_token_ids=ids, max_tokens=1,
+            sampling=ipc.SamplingParams(), detok=ipc.DetokParams(),
+            arrival_time=req.arrival_time, priority=req.priority, pooling=req.pooling)
+        return tokenized, ipc.RequestInfo(req.rid, len(ids))
+
+    def _pooling_ids(self, req: ipc.PoolReq) -> list[int]:
+        limit = self.max_model_len
+        if isinstance(req.input, str):
+            size = self.last_text_bytes = utf8_len(req.input)
+            max_bytes = self.bound.max_bytes(limit)
+            if max_bytes is not None and size > max_bytes:
+                self._fail(req, f"the input has at least {self.bound.min_tokens(size)} tokens "
+                           f"({size} bytes); this model's maximum context length is {limit} "
+                           "tokens. Shorten it.", "input", "context_length_exceeded")
+            ids = self.tokenizer.encode(req.input, add_special_tokens=req.add_special_tokens)
+        else:
+            ids = list(req.input)
+            bad = [i for i in ids if not 0 <= i < self.vocab_size]
+            if bad:
+                self._fail(req, f"token ids {bad[:5]} are outside the vocabulary "
+                           f"(0..{self.vocab_size - 1})", "input", "invalid_token_id")
+        if not ids:
+            self._fail(req, "the input is empty after tokenization", "input", "empty_input")
+        if len(ids) > limit:
+            self._fail(req, f"the input has {len(ids)} tokens; this model's maximum context "
+                       f"length is {limit} tokens. Shorten it.", "input",
+                       "context_length_exceeded")
+        return ids
 
     def tokenizer_info(self) -> ipc.TokenizerInfo:
         tok = self.tokenizer

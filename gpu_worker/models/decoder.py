@@ -243,16 +243,22 @@ class DecoderForCausalLM(nn.Module):
 
     The RoPE tables are plain tensors created on ``device`` (not parameters or buffers),
     so the module itself can be built on the meta device and materialised by the loader.
+
+    ``lm_head=False`` (a pooling deployment) builds no LM head and loads none: the
+    checkpoint may be a base model without one (sentence-transformers saves ``Qwen3Model``,
+    whose tensor names lack the ``model.`` prefix).
     """
 
     def __init__(self, cfg: ModelConfig, *, max_positions: int, device="cpu", dtype=torch.float32,
-                 tp: TPGroup | None = None) -> None:
+                 tp: TPGroup | None = None, lm_head: bool = True) -> None:
         super().__init__()
         self.config = cfg
         self.weight_names = architecture(cfg.model_type).weights
         self.tp = tp = tp or TPGroup(tp_shard(cfg))
         self.model = DecoderModel(cfg, tp)
-        self.lm_head = None if cfg.tie_word_embeddings else VocabParallelEmbedding(cfg.hidden_size, tp)
+        self.lm_head = (VocabParallelEmbedding(cfg.hidden_size, tp)
+                        if lm_head and not cfg.tie_word_embeddings else None)
+        self.has_lm_head = lm_head
         self.rotary = [RotaryEmbedding(cfg.head_dim, rope, max_positions, device, dtype,
                                        config_max_positions=cfg.max_position_embeddings)
                        for rope in cfg.ropes]
@@ -270,6 +276,10 @@ class DecoderForCausalLM(nn.Module):
             x = layer(x, cos_sins, kv, meta)
         return x
 
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The last norm over selected rows: HF's ``last_hidden_state`` (what pooling reads)."""
+        return self.model.norm(hidden)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits for selected rows only; the final norm is row-wise so it can run here."""
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
@@ -284,4 +294,8 @@ class DecoderForCausalLM(nn.Module):
     def checkpoint_target(self, name: str) -> tuple[str, tuple] | None:
         """Checkpoint tensor ``name`` -> (our parameter, the ids its layer's weight_loader
         takes), or None for a tensor that carries nothing we use."""
+        if not name.startswith(("model.", "lm_head.")):  # a base model's checkpoint
+            name = "model." + name
+        if name.startswith("lm_head.") and not self.has_lm_head:
+            return None
         return self.weight_names.target(name, self.config.tie_word_embeddings)
