@@ -28,11 +28,27 @@ from api_frontend.metrics import FrontendMetrics
 from api_frontend.ops import Ops, install_ops
 from api_frontend.responses_api.peers import ResponsePeers
 from api_frontend.responses_api.store import ResponseStore, StoreMetrics
+from api_frontend.served_models import ServedModel, ServedModels
 from api_frontend.topology_watch import TopologyWatch
 from cluster.checkpoint import effective_max_model_len
+from cluster.pooling import read_pooling_config
 from cluster.lifecycle import die_with_parent, read_config, setup_logging
 from cluster.process_config import FrontendConfig
 from protocol.openai_api import ModelCard
+
+
+def served_models(cfg: FrontendConfig, engine: EngineClient) -> ServedModels:
+    """Every model the topology serves, each reaching its own engines."""
+    now = int(time.time())
+    models = []
+    for i, served in enumerate(cfg.served()):
+        name = served.names[0]
+        card = ModelCard(id=name, created=now, root=name, max_model_len=effective_max_model_len(
+            served.model_path, served.max_model_len))
+        pooling = read_pooling_config(served.model_path) if served.runner == "pooling" else None
+        models.append(ServedModel(card, served.names[1:], served.runner, engine.view(i),
+                                  pooling))
+    return ServedModels(models)
 
 
 async def serve() -> None:
@@ -64,15 +80,12 @@ async def serve() -> None:
 
     watch = TopologyWatch(engine.ctx, cfg, on_lost, on_failed, on_replica_lost)
     watch.start()
-    card = ModelCard(id=cfg.served_model_name, created=int(time.time()),
-                     max_model_len=effective_max_model_len(cfg.model_path, cfg.max_model_len),
-                     root=cfg.served_model_name)
     store = ResponseStore(cfg.api.responses_store, StoreMetrics())
     peers = ResponsePeers(store, cfg.index, cfg.addresses.frontend_results, engine.reply_to,
                           engine.ctx, store.metrics)
     engine.on_peer_message = peers.on_message
-    app = build_app(engine, card, cfg.http.max_body_mb * 2**20, cfg.api,
-                    cfg.served_model_aliases, cfg.http.body_read_timeout_s, peers)
+    app = build_app(engine, served_models(cfg, engine), cfg.http.max_body_mb * 2**20, cfg.api,
+                    cfg.http.body_read_timeout_s, peers)
     app[LOG_REQUESTS_KEY] = cfg.http.log_requests
     ops = Ops(cfg, engine, watch, metrics)
     install_ops(app, ops)

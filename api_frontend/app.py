@@ -10,32 +10,31 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import msgspec
 from aiohttp import web
 
+from api_frontend import embeddings as embeddings_route
 from api_frontend import extra_routes
 from api_frontend.engine_client import EngineClient
-from api_frontend.errors import ApiError, check_served_model
+from api_frontend.errors import ApiError
 from api_frontend.generate import LOG_REQUESTS_KEY, REQUEST_ID_KEY, run_generation
 from api_frontend.json_body import check_json_body, decode_request, json_response
 from api_frontend.openapi import build_openapi
 from api_frontend.responses_api import routes as responses_routes
 from api_frontend.responses_api.peers import ResponsePeers
 from api_frontend.responses_api.store import ResponseStore
+from api_frontend.served_models import ServedModels
 from api_frontend.translate import prompt_list
 from cluster.topology import ApiSpec
-from protocol.openai_api import (ChatCompletionRequest, CompletionRequest, ModelCard,
-                                 ModelList)
+from protocol.openai_api import ChatCompletionRequest, CompletionRequest, ModelList
 
 log = logging.getLogger("api_frontend")
 REQUEST_ID_HEADER = "X-Request-Id"
 MAX_REQUEST_ID_CHARS = 256
 
 ENGINE_KEY = web.AppKey("engine", EngineClient)
-MODEL_KEY = web.AppKey("model", ModelCard)
+MODELS_KEY = web.AppKey("models", ServedModels)  # every served model, by name
 API_KEY = web.AppKey("api", ApiSpec)
 BODY_TIMEOUT_KEY = web.AppKey("body_read_timeout_s", float)
-ALIASES_KEY = web.AppKey("aliases", list)  # further served names, after the card's id
 RESPONSES_KEY = web.AppKey("responses", ResponsePeers)  # the /v1/responses store, reachable
 
 
@@ -89,26 +88,22 @@ async def error_middleware(request: web.Request, handler):
         return ApiError(500, "internal server error", None, "internal_error").response()
 
 
-def _check_model(request: web.Request, name: str) -> ModelCard:
-    return check_served_model(request.app[MODEL_KEY], name, request.app[ALIASES_KEY])
-
-
 async def _generate(request: web.Request, kind: type) -> web.StreamResponse:
     # admission (topology health, queue bound) is ops_middleware's, before this runs
     parsed, keys = decode_request(await request.read(), kind)
-    card = _check_model(request, parsed.model)
-    return await run_generation(request, request.app[ENGINE_KEY], card, request.app[API_KEY],
+    model, card = request.app[MODELS_KEY].of_kind(parsed.model, "generate", request.path)
+    return await run_generation(request, model.engine, card, request.app[API_KEY],
                                 parsed, keys)
 
 
 async def _render(request: web.Request, kind: type) -> web.Response:
     parsed, keys = decode_request(await request.read(), kind)
-    card = _check_model(request, parsed.model)
+    model, card = request.app[MODELS_KEY].of_kind(parsed.model, "generate", request.path)
     if isinstance(parsed, CompletionRequest) and len(prompt_list(parsed)) > 1:
         raise ApiError(400, "render takes one prompt; send each prompt on its own", "prompt",
                        "invalid_value")
-    return await extra_routes.render(request, request.app[ENGINE_KEY], card,
-                                     request.app[API_KEY], parsed, keys)
+    return await extra_routes.render(request, model.engine, card, request.app[API_KEY],
+                                     parsed, keys)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -128,31 +123,29 @@ async def completions_render(request: web.Request) -> web.Response:
 
 
 async def tokenize(request: web.Request) -> web.Response:
-    return await extra_routes.tokenize(request, request.app[ENGINE_KEY], request.app[MODEL_KEY],
-                                       request.app[API_KEY], request.app[ALIASES_KEY])
+    return await extra_routes.tokenize(request, request.app[MODELS_KEY], request.app[API_KEY])
 
 
 async def detokenize(request: web.Request) -> web.Response:
-    return await extra_routes.detokenize(request, request.app[ENGINE_KEY], request.app[MODEL_KEY],
-                                         request.app[ALIASES_KEY])
+    return await extra_routes.detokenize(request, request.app[MODELS_KEY])
 
 
 async def tokenizer_info(request: web.Request) -> web.Response:
-    return await extra_routes.tokenizer_info(request.app[ENGINE_KEY])
+    return await extra_routes.tokenizer_info(request.app[MODELS_KEY].primary.engine)
 
 
 async def capabilities(request: web.Request) -> web.Response:
-    return extra_routes.capabilities(request.app[MODEL_KEY], request.app[API_KEY])
+    return extra_routes.capabilities(request.app[MODELS_KEY], request.app[API_KEY])
 
 
 async def embeddings(request: web.Request) -> web.Response:
-    return extra_routes.embeddings(request.app[MODEL_KEY])
+    return await embeddings_route.create(request, request.app[MODELS_KEY], request.app[API_KEY])
 
 
 async def create_response(request: web.Request) -> web.StreamResponse:
     app = request.app
-    return await responses_routes.create(request, app[ENGINE_KEY], app[MODEL_KEY],
-                                         app[ALIASES_KEY], app[API_KEY], app[RESPONSES_KEY])
+    return await responses_routes.create(request, app[MODELS_KEY], app[API_KEY],
+                                         app[RESPONSES_KEY])
 
 
 async def get_response(request: web.Request) -> web.Response:
@@ -168,30 +161,27 @@ async def response_input_items(request: web.Request) -> web.Response:
 
 
 async def list_models(request: web.Request) -> web.Response:
-    card = request.app[MODEL_KEY]
-    return json_response(ModelList([card] + [msgspec.structs.replace(card, id=name)
-                                             for name in request.app[ALIASES_KEY]]))
+    return json_response(ModelList(request.app[MODELS_KEY].cards()))
 
 
 async def get_model(request: web.Request) -> web.Response:
-    return json_response(_check_model(request, request.match_info["model_id"]))
+    return json_response(request.app[MODELS_KEY].find(request.match_info["model_id"])[1])
 
 
 async def openapi(request: web.Request) -> web.Response:
     return json_response(build_openapi())
 
 
-def build_app(engine: EngineClient, card: ModelCard, max_body_bytes: int,
-              api: ApiSpec | None = None, aliases: list[str] | None = None,
-              body_read_timeout_s: float = 60.0,
+def build_app(engine: EngineClient, models: ServedModels, max_body_bytes: int,
+              api: ApiSpec | None = None, body_read_timeout_s: float = 60.0,
               responses: ResponsePeers | None = None) -> web.Application:
-    """``responses``: where /v1/responses are stored and found (default: this process's
-    store only, as with one frontend)."""
+    """``models``: what the routes serve, by name (each reaching its engines through
+    ``engine``); ``responses``: where /v1/responses are stored and found (default: this
+    process's store only, as with one frontend)."""
     app = web.Application(middlewares=[error_middleware], client_max_size=max_body_bytes)
     app[BODY_TIMEOUT_KEY] = body_read_timeout_s
     app[ENGINE_KEY] = engine
-    app[MODEL_KEY] = card
-    app[ALIASES_KEY] = list(aliases or [])
+    app[MODELS_KEY] = models
     app[LOG_REQUESTS_KEY] = False
     app[API_KEY] = api = api or ApiSpec()
     app[RESPONSES_KEY] = responses or ResponsePeers(

@@ -12,6 +12,10 @@ With several engine replicas, each generation request is stamped with the replic
 ``ReplicaRouter`` picks among those in rotation (heartbeat fresh, worker loaded, not
 lost), by load and prefix affinity; aborts go to that replica, and when a replica is
 lost exactly its requests fail. ``stats`` is then the sum over the replicas in rotation.
+
+A topology that serves several models gives each its own replicas, tokenizer workers and
+detokenizers (``FrontendConfig.engines``, numbered across models); ``view(i)`` is this
+client as model i's routes use it: its requests reach only model i's processes.
 """
 
 from __future__ import annotations
@@ -107,10 +111,14 @@ class EngineClient:
         # response x-request-id -> finish reason of a generation just answered; the ops
         # middleware pops it to label candor_http_requests
         self.finish_reasons: dict[str, str] = {}
-        self._num_detok = len(a.detokenizer_in)
         # another frontend's question about a stored /v1/responses result, or the answer to
         # ours: handed to the response store's peer link (api_frontend/responses_api)
         self.on_peer_message: Callable[[ipc.StoreQuery | ipc.StoreAnswer], None] | None = None
+        self.served = cfg.served()  # every served model's processes
+        self._served_by: dict[str, int] = {}  # rid -> the served model it went to
+
+    def view(self, engine: int) -> "EngineView":
+        return EngineView(self, engine)
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._read_results(), name="results"),
@@ -165,14 +173,19 @@ class EngineClient:
         if worker is not None:
             self._tokenizer_load[worker] -= 1
 
-    def _pick_tokenizer(self) -> int:
+    def _pick_tokenizer(self, among: list[int]) -> int:
         """Fewest unanswered requests first; ties go round-robin."""
-        low = min(self._tokenizer_load)
+        low = min(self._tokenizer_load[i] for i in among)
         for _ in range(len(self._tokenizer_load)):
             i = next(self._next_tokenizer)
-            if self._tokenizer_load[i] == low:
+            if i in among and self._tokenizer_load[i] == low:
                 return i
-        return 0
+        return among[0]
+
+    def _detokenizer_of(self, rid: str) -> int | None:
+        """The detokenizer (its index in the topology) a request's tokens go through."""
+        own = self.served[self._served_by.get(rid, 0)].detokenizers
+        return own[detokenizer_index(rid, len(own))] if own else None
 
     def fail_requests(self, message: str, code: str, detokenizer: int | None = None,
                       tokenizer: int | None = None) -> int:
@@ -181,7 +194,7 @@ class EngineClient:
         the scheduler frees their KV blocks."""
         failed = 0
         for rid, queue in list(self._queues.items()):
-            if detokenizer is not None and detokenizer_index(rid, self._num_detok) != detokenizer:
+            if detokenizer is not None and self._detokenizer_of(rid) != detokenizer:
                 continue
             if tokenizer is not None and self._at_tokenizer.get(rid) != tokenizer:
                 continue
@@ -233,11 +246,11 @@ class EngineClient:
                 if r not in self.lost and stats.worker_ready
                 and now - at <= self.heartbeat_stale_s]
 
-    def _route(self, req: ipc.GenerateReq) -> None:
+    def _route(self, req: ipc.GenerateReq | ipc.PoolReq, replicas: list[int]) -> None:
         if self.replicas == 1:
             return
-        alive = self.in_rotation() or [r for r in range(self.replicas) if r not in self.lost] \
-            or [0]
+        alive = ([r for r in self.in_rotation() if r in replicas]
+                 or [r for r in replicas if r not in self.lost] or replicas[:1])
         loads = [max(self._replica_load[r], (self._reports[r][0].running + self._reports[r][0].waiting)
                      if r in self._reports else 0) for r in range(self.replicas)]
         keys = self.router.keys(affinity_text(req), req.cache_salt)
@@ -296,18 +309,30 @@ class EngineClient:
                         "heartbeat_age_s": round(now - at, 3) if at is not None else None})
         return out
 
+    def _replicas_problem(self, replicas: list[int]) -> str | None:
+        """None when at least one of ``replicas`` is in rotation."""
+        starting = sorted(set(replicas) - self.started - set(self.lost))
+        if starting:  # a deployment is whole before it first says it is healthy
+            return f"engine replica(s) {starting} still loading"
+        if set(self.in_rotation()) & set(replicas):
+            return None
+        if set(replicas) <= set(self.lost):
+            return "every engine replica was lost: " + "; ".join(
+                self.lost[r] for r in replicas)
+        return "no engine replica is serving yet (heartbeats missing or workers loading)"
+
     def engine_problem(self) -> str | None:
         """None when the step loop's heartbeat is fresh and the worker is loaded (with
-        several replicas: when at least one replica is in rotation)."""
+        several replicas: when at least one replica is in rotation; with several models:
+        for each model)."""
+        if len(self.served) > 1:
+            for served in self.served:
+                problem = self._replicas_problem(served.replicas)
+                if problem is not None:
+                    return f"model {served.names[0]!r}: {problem}"
+            return None
         if self.replicas > 1:
-            starting = sorted(set(range(self.replicas)) - self.started - set(self.lost))
-            if starting:  # a deployment is whole before it first says it is healthy
-                return f"engine replica(s) {starting} still loading"
-            if self.in_rotation():
-                return None
-            if len(self.lost) == self.replicas:
-                return "every engine replica was lost: " + "; ".join(self.lost.values())
-            return "no engine replica is serving yet (heartbeats missing or workers loading)"
+            return self._replicas_problem(list(range(self.replicas)))
         if self.stats is None:
             return "no heartbeat from the scheduler yet"
         age = time.monotonic() - self.stats_received_at
@@ -336,30 +361,34 @@ class EngineClient:
                     f"{stats.max_waiting}); retry shortly")
         return None
 
-    async def submit(self, req: ipc.GenerateReq | ipc.RenderReq,
-                     queue: asyncio.Queue | None = None) -> asyncio.Queue:
-        """Send ``req``; its replies arrive on ``queue`` (several rids may share one).
+    async def submit(self, req: ipc.GenerateReq | ipc.RenderReq | ipc.PoolReq,
+                     queue: asyncio.Queue | None = None, engine: int = 0) -> asyncio.Queue:
+        """Send ``req`` to served model ``engine``'s processes; its replies arrive on
+        ``queue`` (several rids may share one).
 
         The message is encoded before anything is registered, so a request that cannot be
         encoded raises here and leaves nothing behind."""
-        is_generation = isinstance(req, ipc.GenerateReq)
+        served = self.served[engine]
+        is_generation = isinstance(req, (ipc.GenerateReq, ipc.PoolReq))
         if is_generation:
-            self._route(req)
+            self._route(req, served.replicas)
         try:
             frame = self._encoder.encode(req)
         except (msgspec.EncodeError, OverflowError) as exc:
             raise ApiError(400, f"the request cannot be encoded: {exc}", None,
                            "invalid_value") from None
         queue = queue if queue is not None else asyncio.Queue()
-        worker = self._pick_tokenizer()
+        worker = self._pick_tokenizer(served.tokenizers)
         self._queues[req.rid] = queue
+        if engine:
+            self._served_by[req.rid] = engine
         self._at_tokenizer[req.rid] = worker
         self._tokenizer_load[worker] += 1
         if is_generation:
             self._unanswered[req.rid] = time.monotonic()
             self._replica_of[req.rid] = req.replica
             self._replica_load[req.replica] += 1
-        if self.metrics is not None and is_generation and not req.probe:
+        if self.metrics is not None and isinstance(req, ipc.GenerateReq) and not req.probe:
             self._timers[req.rid] = RequestTimer(self.metrics, time.monotonic())
         try:
             await self._to_tokenizers[worker].sock.send(frame, copy=False)
@@ -375,6 +404,7 @@ class EngineClient:
 
     def release(self, rid: str) -> None:
         self._forget_replica(rid)
+        self._served_by.pop(rid, None)
         self._tokenizer_answered(rid)
         self._queues.pop(rid, None)
         self._unanswered.pop(rid, None)
@@ -385,3 +415,18 @@ class EngineClient:
         replica = self._replica_of.get(rid, 0)
         self.release(rid)
         await self._to_scheduler[replica].send(ipc.Abort(rid, reason))
+
+
+class EngineView:
+    """The client as one served model's routes use it: ``submit`` reaches that model's
+    tokenizer workers and replicas; everything else is the client's."""
+
+    def __init__(self, client: EngineClient, engine: int) -> None:
+        self._client = client
+        self.engine = engine
+
+    def __getattr__(self, name: str):
+        return getattr(self._client, name)
+
+    async def submit(self, req, queue: asyncio.Queue | None = None) -> asyncio.Queue:
+        return await self._client.submit(req, queue, engine=self.engine)

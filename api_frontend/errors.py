@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
 
 import msgspec
 from aiohttp import web
 
 from protocol.ipc import RequestError
-from protocol.openai_api import ErrorBody, ErrorDetail, ModelCard
+from protocol.openai_api import ErrorBody, ErrorDetail
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error",
           404: "not_found_error", 405: "invalid_request_error",
@@ -71,16 +70,3 @@ def from_decode_error(err: msgspec.MsgspecError) -> ApiError:
         field = missing.group("field")
         param = f"{param}.{field}" if param else field
     return ApiError(400, f"Invalid request: {text}", param, "invalid_value")
-
-
-def check_served_model(card: ModelCard, name: str, aliases: Sequence[str] = ()) -> ModelCard:
-    """The card under the name the client used (the primary or one of the
-    ``--served-model-name`` aliases), so responses carry that name; 404 naming every
-    served name otherwise."""
-    if name == card.id:
-        return card
-    if name in aliases:
-        return msgspec.structs.replace(card, id=name)
-    served = ", ".join(repr(n) for n in (card.id, *aliases))
-    raise ApiError(404, f"The model {name!r} does not exist on this deployment. "
-                   f"Served models: [{served}]", "model", "model_not_found")

@@ -1,4 +1,4 @@
-"""Endpoints around generation: capabilities, render, tokenize, detokenize, embeddings.
+"""Endpoints around generation: capabilities, render, tokenize, detokenize.
 
 Render and (de)tokenize run on a tokenizer worker like any request (the frontend never
 tokenizes): a RenderReq goes out and a RenderResult (or RequestError) comes back.
@@ -13,9 +13,10 @@ from aiohttp import web
 
 from api_frontend import field_policy
 from api_frontend.engine_client import EngineClient
-from api_frontend.errors import ApiError, check_served_model
+from api_frontend.errors import ApiError
 from api_frontend.generate import complete_report
 from api_frontend.json_body import decode, json_response
+from api_frontend.served_models import ROUTES, ServedModels
 from api_frontend.translate import chat_to_generate, completion_to_generate
 from cluster.topology import ApiSpec
 from protocol import ipc
@@ -53,11 +54,15 @@ async def render(request: web.Request, engine: EngineClient, card: ModelCard, ap
                                         _template(result), complete_report(tr.report, info)))
 
 
-async def tokenize(request: web.Request, engine: EngineClient, card: ModelCard,
-                   api: ApiSpec, aliases: list[str] = ()) -> web.Response:
+def _model(models: ServedModels, name: str | None):
+    """The served model a request names (none named: the first)."""
+    return models.find(name)[0] if name is not None else models.primary
+
+
+async def tokenize(request: web.Request, models: ServedModels, api: ApiSpec) -> web.Response:
     body = decode(await request.read(), TokenizeRequest)
-    if body.model is not None:
-        check_served_model(card, body.model, aliases)
+    model = _model(models, body.model)
+    engine, card = model.engine, model.card
     if (body.prompt is None) == (body.messages is None):
         raise ApiError(400, "send exactly one of `prompt` or `messages`", "prompt",
                        "invalid_value")
@@ -96,11 +101,9 @@ async def tokenize(request: web.Request, engine: EngineClient, card: ModelCard,
                                           result.token_ids, result.token_strs))
 
 
-async def detokenize(request: web.Request, engine: EngineClient, card: ModelCard,
-                     aliases: list[str] = ()) -> web.Response:
+async def detokenize(request: web.Request, models: ServedModels) -> web.Response:
     body = decode(await request.read(), DetokenizeRequest)
-    if body.model is not None:
-        check_served_model(card, body.model, aliases)
+    engine = _model(models, body.model).engine
     rid = f"detok-{uuid.uuid4().hex}"
     result = await _ask(engine, ipc.RenderReq(rid, engine.reply_to, token_ids=body.tokens))
     return json_response(DetokenizeResponse(result.prompt_text))
@@ -125,27 +128,36 @@ async def tokenizer_info(engine: EngineClient) -> web.Response:
     return json_response({**info.config, **special, **msgspec.to_builtins(effective)})
 
 
-def capabilities(card: ModelCard, api: ApiSpec) -> web.Response:
-    """The tier of every request field under this deployment's flags."""
+def capabilities(models: ServedModels, api: ApiSpec) -> web.Response:
+    """The tier of every request field under this deployment's flags, and each served
+    model's runner (what it serves) and, for an embedding model, its pooling."""
+    card = models.primary.card
+    generate, pooling = models.serves("generate"), models.serves("pooling")
+    fields, endpoints = {}, ["/v1/models"]
+    if generate:
+        fields.update({"/v1/chat/completions": field_policy.tiers("chat", api),
+                       "/v1/completions": field_policy.tiers("completions", api),
+                       "/v1/responses": field_policy.tiers("responses", api)})
+        endpoints += ["/v1/completions", "/v1/chat/completions", "/v1/responses",
+                      "/v1/responses/{id}", "/v1/responses/{id}/input_items",
+                      "/v1/completions/render", "/v1/chat/completions/render"]
+    if pooling:
+        fields["/v1/embeddings"] = field_policy.tiers("embeddings", api)
+        endpoints.append("/v1/embeddings")
+    endpoints += ["/tokenize", "/detokenize", "/tokenizer_info", "/v1/capabilities", "/health"]
     return json_response({
         "object": "capabilities",
         "model": card.id,
         "max_model_len": card.max_model_len,
-        "serves": ["chat.completions", "completions", "responses"],
+        "serves": (["chat.completions", "completions", "responses"] if generate else [])
+        + (["embeddings"] if pooling else []),
+        "models": [{"id": m.card.id, "aliases": m.aliases, "runner": m.runner,
+                    "routes": ROUTES[m.runner], "max_model_len": m.card.max_model_len,
+                    "pooling": msgspec.to_builtins(m.pooling) if m.pooling else None}
+                   for m in models.models],
         "policy": msgspec.to_builtins(api),
         "limits": msgspec.to_builtins(api.limits),
         "tiers": field_policy.TIER_MEANINGS,
-        "fields": {"/v1/chat/completions": field_policy.tiers("chat", api),
-                   "/v1/completions": field_policy.tiers("completions", api),
-                   "/v1/responses": field_policy.tiers("responses", api)},
-        "endpoints": ["/v1/models", "/v1/completions", "/v1/chat/completions",
-                      "/v1/responses", "/v1/responses/{id}", "/v1/responses/{id}/input_items",
-                      "/v1/completions/render", "/v1/chat/completions/render", "/tokenize",
-                      "/detokenize", "/tokenizer_info", "/v1/capabilities", "/health"],
+        "fields": fields,
+        "endpoints": endpoints,
     })
-
-
-def embeddings(card: ModelCard) -> web.Response:
-    raise ApiError(404, f"This deployment serves text generation only: model {card.id!r} on "
-                   "/v1/chat/completions, /v1/completions and /v1/responses. No embedding "
-                   "model is served here.", "model", "model_not_found")

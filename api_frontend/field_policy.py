@@ -17,11 +17,12 @@ import msgspec
 
 from api_frontend.errors import ApiError
 from cluster.topology import ApiSpec
-from protocol.openai_api import CandorReport, ChatCompletionRequest, CompletionRequest, FieldNote
+from protocol.openai_api import (CandorReport, ChatCompletionRequest, CompletionRequest,
+                                 EmbeddingRequest, FieldNote)
 from protocol.responses_api import ResponsesRequest
 
 Tier = Literal["honoured", "clamped", "ignored", "extension", "rejected"]
-Endpoint = Literal["chat", "completions", "responses"]
+Endpoint = Literal["chat", "completions", "responses", "embeddings"]
 
 TIER_MEANINGS: dict[str, str] = {
     "honoured": "maps onto sampling/decoding",
@@ -44,6 +45,7 @@ class Row(msgspec.Struct, frozen=True, kw_only=True):
     chat: Tier | None = None
     completions: Tier | None = None
     responses: Tier | None = None
+    embeddings: Tier | None = None
     candor: str
     vllm: str = "—"
     sglang: str = "—"
@@ -497,6 +499,87 @@ RESPONSES_ROWS: tuple[Row, ...] = (
         vllm="ignored", tests="R `test_ignored_and_unbuilt_fields_are_reported_or_400`"),
 )
 
+EMB = {"embeddings": "extension"}
+# /v1/embeddings on a pooling model (runner pooling); tests: E = test_e2e_embeddings.py,
+# PR = test_pooling_runner.py
+EMBEDDINGS_ROWS: tuple[Row, ...] = (
+    Row(fields=("model",), embeddings="honoured",
+        candor="honoured: routed to that model's engines; unknown → 404 listing served "
+        "names; a generation model → 400 `wrong_model_runner` naming its runner (and chat on "
+        "an embedding model likewise); a deployment without an embedding model → 404 "
+        "naming what it serves", vllm="404 (route not mounted) on a generation model",
+        tests="E `test_wrong_kind_of_model_is_a_400_naming_the_runner`, "
+        "C `test_embeddings_404_says_what_is_served`"),
+    Row(fields=("input",), embeddings="honoured",
+        candor="a string, token ids, or a list of up to `max_embedding_inputs` strings / "
+        "token-id lists, each embedded on its own (batched by the scheduler with other "
+        "requests; chunked like any prompt); an input longer than the context → 400 naming "
+        "`input[i]` and both counts, never truncated; an empty string or list, or ids "
+        "outside the vocabulary → 400 naming `input[i]`; inputs × requests bounded by "
+        "`max_request_share` of the waiting queue",
+        vllm="`truncate_prompt_tokens` to truncate; else 400",
+        tests="E `test_input_forms_match_sentence_transformers_through_the_sdk`, "
+        "E `test_bad_inputs_are_400s_naming_the_index`"),
+    Row(fields=("encoding_format",), embeddings="honoured",
+        candor="`float` (default) or `base64` (little-endian float32 bytes, OpenAI's "
+        "layout; the SDK's default)", vllm="same",
+        tests="E `test_input_forms_match_sentence_transformers_through_the_sdk`"),
+    Row(fields=("dimensions",), embeddings="honoured",
+        candor="only on a model that declares Matryoshka support (config.json "
+        "`matryoshka_dimensions` / `is_matryoshka`, vLLM's convention): the vector is cut "
+        "to its first n values, then normalised where the model normalises; any other "
+        "model, or a size it does not list → 400 naming `dimensions`",
+        vllm="same (truncate, then normalise)",
+        tests="E `test_dimensions_only_where_the_model_declares_matryoshka`, "
+        "PR `test_matryoshka_dimensions_cut_then_normalise`"),
+    Row(fields=("user",), embeddings="ignored",
+        reason="accepted for compatibility; Candor does not use it (no per-user policy)",
+        candor="ignored, reported; strict → 400", vllm="ignored silently",
+        tests="E `test_report_usage_and_strict`"),
+    Row(fields=("add_special_tokens",), **EMB,
+        candor="extension (vLLM's): false tokenizes each string without the tokenizer's "
+        "BOS/EOS; default true, as sentence-transformers", vllm="same",
+        tests="E `test_report_usage_and_strict`"),
+    Row(fields=("strict",), **EMB, candor="extension: this request in strict mode",
+        tests="E `test_report_usage_and_strict`"),
+    Row(fields=("priority",), **EMB, only_with="priority_scheduling",
+        candor="as chat: extension with `--scheduling-policy priority`, else a non-zero "
+        "value → 400 `priority`", vllm="same",
+        tests="E `test_bad_inputs_are_400s_naming_the_index`"),
+    Row(fields=(UNKNOWN,), label="unknown fields", embeddings="ignored",
+        reason="not a field Candor knows", candor="ignored, reported; strict → 400",
+        vllm="ignored", tests="E `test_report_usage_and_strict`"),
+    Row(label="pooling",
+        candor="the checkpoint's sentence-transformers files (`modules.json`, "
+        "`1_Pooling/config.json`: lasttoken / mean / cls; a `Normalize` module: L2), else "
+        "the last token L2-normalised; from the final normed hidden states in fp32; a "
+        "chunked prompt accumulates across chunks; the prefix cache is not used (mean and "
+        "cls need every position's state); equal to sentence-transformers to cosine ≥ "
+        "0.99999. Another module (`Dense` ...) or mode (`max` ...) → refused at start, "
+        "naming it. Strings are tokenized as given (sentence-transformers 6 renders them "
+        "through a chat template when the tokenizer has one)",
+        vllm="same sources; `--override-pooler-config`",
+        tests="PR `test_every_pooling_mode_matches_sentence_transformers_at_any_chunking`, "
+        "E `test_input_forms_match_sentence_transformers_through_the_sdk`"),
+    Row(label="usage",
+        candor="`prompt_tokens` = `total_tokens` = the tokens of every input, as embedded",
+        vllm="same", tests="E `test_report_usage_and_strict`"),
+)
+
+_NO_EMBED = "not built on /v1/embeddings"
+EMBEDDINGS_FOREIGN: tuple[Foreign, ...] = (
+    Foreign("truncate_prompt_tokens", "rejected", "inputs are never truncated: one longer "
+            "than the context is a 400 naming it"),
+    Foreign("normalize", "rejected", _NO_EMBED + ": the model's own files say whether "
+            "vectors are normalised"),
+    Foreign("embed_dtype", "rejected", _NO_EMBED + ": vectors are float32", ("float32",)),
+    Foreign("endianness", "rejected", _NO_EMBED + ": base64 is little-endian float32",
+            ("little",)),
+    Foreign("messages", "rejected", "chat-form embedding inputs are not built; send `input`"),
+    Foreign("request_id", "ignored", "send the X-Request-Id header instead; it is echoed"),
+    Foreign("cache_salt", "ignored", "embeddings never use the prefix cache"),
+)
+
 _NOT_BUILT = "not built on /v1/responses"
 # OpenAI Responses fields Candor does not build: a 400 naming them (harmless values pass)
 RESPONSES_UNBUILT: tuple[Foreign, ...] = (
@@ -529,11 +612,13 @@ def _deployed(row: Row, tier: Tier, api: ApiSpec) -> Tier:
 
 
 def rows(kind: Endpoint) -> tuple[Row, ...]:
-    return RESPONSES_ROWS if kind == "responses" else ROWS
+    return {"responses": RESPONSES_ROWS, "embeddings": EMBEDDINGS_ROWS}.get(kind, ROWS)
 
 
 def foreign(kind: Endpoint) -> tuple[Foreign, ...]:
     """The fields of other APIs the endpoint names (a 400 or ignored, never unknown)."""
+    if kind == "embeddings":
+        return EMBEDDINGS_FOREIGN
     return FOREIGN + RESPONSES_UNBUILT if kind == "responses" else FOREIGN
 
 
@@ -551,7 +636,7 @@ def tiers(kind: Endpoint, api: ApiSpec) -> dict[str, Tier]:
     return out
 
 
-ENDPOINTS: tuple[Endpoint, ...] = ("chat", "completions", "responses")
+ENDPOINTS: tuple[Endpoint, ...] = ("chat", "completions", "responses", "embeddings")
 # a field reaches the report only where its deployment accepted it (``only_with`` rows too)
 _EXTENSIONS: dict[Endpoint, frozenset[str]] = {
     kind: frozenset(f for row in rows(kind) if row.tier(kind) == "extension"
@@ -600,12 +685,13 @@ def foreign_notes(raw: Mapping[str, Any] | list[str], known: set[str],
 
 
 def report(raw_keys: Mapping[str, Any] | list[str],
-           req: CompletionRequest | ChatCompletionRequest | ResponsesRequest,
+           req: CompletionRequest | ChatCompletionRequest | ResponsesRequest | EmbeddingRequest,
            api: ApiSpec) -> CandorReport:
     """The ``candor`` report for a request whose body had ``raw_keys``: the ignored fields
     it sent (a 400 in strict mode), the extensions it used, and the defaults it took."""
     kind: Endpoint = ("chat" if isinstance(req, ChatCompletionRequest) else
-                      "responses" if isinstance(req, ResponsesRequest) else "completions")
+                      "responses" if isinstance(req, ResponsesRequest) else
+                      "embeddings" if isinstance(req, EmbeddingRequest) else "completions")
     known = set(req.__struct_fields__)
     ignored = [FieldNote(f, reason) for f, reason in _IGNORED[kind]
                if _value(req, f) is not None]
@@ -619,6 +705,7 @@ def report(raw_keys: Mapping[str, Any] | list[str],
         raise ApiError(400, f"`{note.field}` would be ignored ({note.reason}); strict mode "
                        "turns ignored fields into errors", note.field, "ignored_field")
     defaults = [FieldNote(k, f"omitted; default from {api.sampling_defaults.source}", to=v)
-                for k, v in api.sampling_defaults.items().items() if k not in raw_keys]
+                for k, v in api.sampling_defaults.items().items()
+                if k not in raw_keys and kind != "embeddings"]
     return CandorReport(ignored=ignored, extensions=extensions, defaults=defaults,
                         strict=strict)

@@ -46,7 +46,9 @@ class GenerationProbe:
         engine = self._engine
         rid = f"probe-{uuid.uuid4().hex}"
         started = time.monotonic()
-        queue = await engine.submit(ipc.GenerateReq(
+        pooling = engine.served[0].runner == "pooling"  # an embedding model: one vector
+        queue = await engine.submit(ipc.PoolReq(rid, engine.reply_to, "health", probe=True) if pooling
+                                    else ipc.GenerateReq(
             rid=rid, reply_to=engine.reply_to, sampling=ipc.SamplingParams(temperature=0.0),
             detok=ipc.DetokParams(), prompt="health", max_tokens=1, ignore_eos=True,
             arrival_time=time.time(), probe=True))
@@ -57,14 +59,16 @@ class GenerationProbe:
                 if isinstance(msg, ipc.RequestError):
                     engine.release(rid)
                     return ProbeResult("fail", message=msg.message)
-                if isinstance(msg, ipc.TextDelta) and msg.finish_reason is not None:
+                if isinstance(msg, ipc.Pooled) or (
+                        isinstance(msg, ipc.TextDelta) and msg.finish_reason is not None):
                     break
         except (asyncio.TimeoutError, TimeoutError):
             await engine.abort(rid, "error")
             return ProbeResult("timeout", message=f"no token within {timeout:g}s")
         engine.release(rid)
         engine.finish_reasons.pop(rid, None)
-        return ProbeResult("ok", msg.completion_tokens, round(time.monotonic() - started, 4))
+        tokens = 1 if pooling else msg.completion_tokens
+        return ProbeResult("ok", tokens, round(time.monotonic() - started, 4))
 
 
 PROBE_KEY = web.AppKey("generation_probe", GenerationProbe)

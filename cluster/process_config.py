@@ -82,7 +82,6 @@ class TokenizerConfig(ProcessConfig, kw_only=True, tag="tokenizer_worker"):
     model_path: str
     max_model_len: int | None = None
     api: ApiSpec = msgspec.field(default_factory=ApiSpec)
-    runner: str = "generate"
 
 
 class DetokenizerConfig(ProcessConfig, kw_only=True, tag="detokenizer"):
@@ -146,7 +145,7 @@ def _role_config(role: str, topology: Topology, group: EngineGroup, replica: int
             engines=_engines(topology, groups))
     if role == "tokenizer_worker":
         return TokenizerConfig(**envelope, model_path=path, max_model_len=model.max_model_len,
-                               api=topology.api, runner=group.runner)
+                               api=topology.api)
     if role == "detokenizer":
         return DetokenizerConfig(**envelope, model_path=path)
     engine = dict(engine=group.engine, tensor_parallel=group.tensor_parallel,

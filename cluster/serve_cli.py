@@ -126,6 +126,12 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                    choices=["auto", "half", "float16", "bfloat16", "float", "float32"],
                    help="auto: the checkpoint's dtype on CUDA, float32 on CPU")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    g.add_argument("--runner", default=None, choices=["auto", "generate", "pooling"],
+                   help="generate: the completion routes; pooling: /v1/embeddings (the "
+                        "checkpoint's sentence-transformers pooling, else last token + L2); "
+                        "auto (default): pooling for a checkpoint without an LM head")
+    g.add_argument("--task", default=None, metavar="auto|generate|embed",
+                   help="vLLM's older spelling: embed (or embedding) is --runner pooling")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="gpu_worker ranks sharing the model (torch.distributed: NCCL on "
                         "CUDA, gloo on CPU)")
@@ -275,6 +281,22 @@ def model_argument(args: argparse.Namespace) -> str:
     return args.model_tag or args.model or DEFAULT_MODEL_DIR
 
 
+_TASKS = {"auto": "auto", "generate": "generate", "embed": "pooling", "embedding": "pooling"}
+
+
+def runner(args: argparse.Namespace) -> str:
+    """--runner, or vLLM's --task as its alias (they must agree when both are given)."""
+    if args.task is None:
+        return args.runner or "auto"
+    if args.task not in _TASKS:
+        raise ServeArgsError(f"--task {args.task} is not served by Candor (auto, generate, "
+                             "embed); classify, score and reward models are not supported")
+    if args.runner is not None and args.runner != _TASKS[args.task]:
+        raise ServeArgsError(f"--task {args.task} means --runner {_TASKS[args.task]}, but "
+                             f"--runner {args.runner} was given; give one")
+    return _TASKS[args.task]
+
+
 def kv_cache_mb(args: argparse.Namespace, environ: dict[str, str]) -> int | None:
     """--kv-cache-memory, else vLLM's VLLM_CPU_KVCACHE_SPACE (GiB), else None (auto)."""
     if args.kv_cache_memory is not None:
@@ -303,7 +325,7 @@ def serve_topology(args: argparse.Namespace, model_path: str, default_name: str,
         "model": {"path": model_path,
                   "served_model_name": names if len(names) > 1 else names[0],
                   "max_model_len": args.max_model_len, "dtype": args.dtype,
-                  "load_format": args.load_format,
+                  "load_format": args.load_format, "runner": runner(args),
                   "generation_config": args.generation_config},
         "roles": {"api_frontend": args.frontends, "tokenizer_worker": args.tokenizer_workers,
                   "detokenizer": args.detokenizers},

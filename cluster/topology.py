@@ -175,6 +175,7 @@ class RequestLimits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     max_n: Annotated[int, Meta(ge=1)] = 128
     max_prompts: Annotated[int, Meta(ge=1)] = 256
+    max_embedding_inputs: Annotated[int, Meta(ge=1)] = 2048  # OpenAI's bound
     max_logprobs: Annotated[int, Meta(ge=0)] = 20
     max_stop_strings: Annotated[int, Meta(ge=0)] = 64
     max_stop_string_chars: Annotated[int, Meta(ge=1)] = 1024

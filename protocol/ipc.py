@@ -134,6 +134,7 @@ class PoolReq(_Message, tag="pool", omit_defaults=True):
     arrival_time: float = 0.0
     priority: int = 0
     replica: int = 0  # the engine replica the frontend's router chose
+    probe: bool = False  # /health/generate on an embedding model: ahead of queued traffic
 
 
 class TemplateInfo(msgspec.Struct, frozen=True):

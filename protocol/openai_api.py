@@ -402,3 +402,40 @@ class RenderResponse(msgspec.Struct, omit_defaults=True):
     model: str
     chat_template: TemplateRef | None = None
     candor: CandorReport | None = None
+
+
+# ---------------------------------------------------------------- embeddings
+
+
+class EmbeddingRequest(msgspec.Struct, kw_only=True):
+    """POST /v1/embeddings. ``input``: a string, token ids, or a list of either (checked
+    when the request is split into inputs: msgspec cannot express that union)."""
+
+    model: str
+    input: str | list[str | TokenId | list[TokenId]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: PositiveInt | None = None
+    user: str | None = None
+    # extensions
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS/EOS around each string
+    priority: Priority = 0
+    strict: bool = False
+
+
+class EmbeddingData(msgspec.Struct):
+    index: int
+    embedding: list[float] | str  # base64: little-endian float32 bytes
+    object: str = "embedding"
+
+
+class EmbeddingUsage(msgspec.Struct):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(msgspec.Struct, kw_only=True):
+    object: str = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
+    candor: CandorReport | UnsetType = UNSET

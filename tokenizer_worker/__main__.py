@@ -73,7 +73,7 @@ def main() -> None:
             if not inbound.sock.poll(200):
                 continue
         while (more := inbound.recv_nowait()) is not None:
-            probe = isinstance(more, ipc.GenerateReq) and more.probe
+            probe = isinstance(more, (ipc.GenerateReq, ipc.PoolReq)) and more.probe
             (backlog.appendleft if probe else backlog.append)(more)
         more = None
         if not backlog:

@@ -337,7 +337,8 @@ class RequestPreparer:
         tokenized = ipc.TokenizedReq(
             rid=req.rid, reply_to=req.reply_to, prompt_token_ids=ids, max_tokens=1,
             sampling=ipc.SamplingParams(), detok=ipc.DetokParams(),
-            arrival_time=req.arrival_time, priority=req.priority, pooling=req.pooling)
+            arrival_time=req.arrival_time, priority=req.priority, pooling=req.pooling,
+            probe=req.probe)
         return tokenized, ipc.RequestInfo(req.rid, len(ids))
 
     def _pooling_ids(self, req: ipc.PoolReq) -> list[int]:

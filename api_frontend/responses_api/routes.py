@@ -18,12 +18,13 @@ import msgspec
 from aiohttp import web
 
 from api_frontend import field_policy
-from api_frontend.errors import ApiError, check_served_model
+from api_frontend.errors import ApiError
 from api_frontend.generate import Flight, client_request_id, complete_report
 from api_frontend.json_body import decode_request, json_response
 from api_frontend.responses_api.builder import ResponseBuilder
 from api_frontend.responses_api.peers import ResponsePeers
 from api_frontend.responses_api.translate import ChatPlan, responses_name, to_chat
+from api_frontend.served_models import ServedModels
 from api_frontend.translate import Translated, chat_to_generate
 from cluster.topology import ApiSpec
 from protocol.openai_api import CandorReport, FieldNote, ModelCard
@@ -81,10 +82,11 @@ def _base(req: ResponsesRequest, rid: str, card: ModelCard, tr: Translated,
         candor=report)
 
 
-async def create(request: web.Request, engine, card: ModelCard, aliases: list[str],
-                 api: ApiSpec, peers: ResponsePeers) -> web.StreamResponse:
+async def create(request: web.Request, models: ServedModels, api: ApiSpec,
+                 peers: ResponsePeers) -> web.StreamResponse:
     req, keys = decode_request(await request.read(), ResponsesRequest)
-    card = check_served_model(card, req.model, aliases)
+    model, card = models.of_kind(req.model, "generate", ROUTE)
+    engine = model.engine
     previous = None
     if req.previous_response_id is not None:
         previous = await peers.get(req.previous_response_id, "previous_response_id")
