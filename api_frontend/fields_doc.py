@@ -12,8 +12,9 @@ from pathlib import Path
 
 import msgspec
 
-from api_frontend.field_policy import (FOREIGN, RESPONSES_ROWS, RESPONSES_UNBUILT, ROWS,
-                                      TIER_MEANINGS, UNKNOWN, Foreign, Row)
+from api_frontend.field_policy import (EMBEDDINGS_FOREIGN, EMBEDDINGS_ROWS, FOREIGN,
+                                      RESPONSES_ROWS, RESPONSES_UNBUILT, ROWS, TIER_MEANINGS,
+                                      UNKNOWN, Foreign, Row)
 from cluster.topology import RequestLimits
 
 PATH = Path(__file__).resolve().parent.parent / "docs" / "fields.md"
@@ -58,13 +59,25 @@ event's and the final one) and the `x-candor-adjustments` header. `GET /v1/respo
 `limit`, `after`, `before`) read the store from any frontend. `R` = test_e2e_responses.py.
 """
 
+_EMBEDDINGS_INTRO = """\
+## `/v1/embeddings`
+
+Served by a pooling model (`--runner pooling`, vLLM's flag; `--task embed`; `runner: pooling`
+in a topology, where it may sit beside a generation model behind the same frontends, routed
+by `model`). Each input is a prefill whose output is the pooled hidden state, batched by the
+model's scheduler with other requests. The report is the response's `candor` field and the
+`x-candor-adjustments` header. `E` = test_e2e_embeddings.py, `PR` = test_pooling_runner.py,
+`MM` = test_multi_model.py.
+"""
+
 _OUTRO = """\
 ## Endpoints, limits, HTTP
 
 Endpoints: `/v1/chat/completions/render` and `/v1/completions/render` (prompt, ids, template
 source + sha256; C `test_render_tokenize_detokenize_agree_with_generation`), `/tokenize`,
 `/detokenize`, `/v1/capabilities` (C `test_capabilities_publish_every_tier`), `/v1/embeddings`
-→ 404 naming what is served (C `test_embeddings_404_says_what_is_served`), 413 for bodies over
+on a deployment without an embedding model → 404 naming what is served
+(C `test_embeddings_404_says_what_is_served`), 413 for bodies over
 `--max-body-mb` (P `test_body_too_large_is_413`), a failure after the stream started is one
 `data:` error frame then `[DONE]` (P `test_failure_after_stream_started_is_an_error_frame_then_done`).
 
@@ -95,9 +108,9 @@ def _row(row: Row) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
-def _responses_row(row: Row) -> str:
+def _endpoint_row(row: Row, kind: str = "responses") -> str:
     label = row.label or ", ".join(f"`{f}`" for f in row.fields)
-    return "| " + " | ".join((label, row.responses or "—", row.candor, row.vllm,
+    return "| " + " | ".join((label, row.tier(kind) or "—", row.candor, row.vllm,
                               row.tests)) + " |"
 
 
@@ -136,7 +149,7 @@ def render() -> str:
         _RESPONSES_INTRO,
         "| field | tier | Candor | vLLM | test |",
         "|---|---|---|---|---|",
-        *map(_responses_row, RESPONSES_ROWS),
+        *map(_endpoint_row, RESPONSES_ROWS),
         "",
         "OpenAI Responses fields Candor does not build (the vLLM / SGLang fields above are "
         "rejected or ignored here too):",
@@ -144,6 +157,17 @@ def render() -> str:
         "| field | tier | why |",
         "|---|---|---|",
         *map(_foreign, RESPONSES_UNBUILT),
+        "",
+        _EMBEDDINGS_INTRO,
+        "| field | tier | Candor | vLLM | test |",
+        "|---|---|---|---|---|",
+        *(_endpoint_row(row, "embeddings") for row in EMBEDDINGS_ROWS),
+        "",
+        "Fields of vLLM's embeddings API Candor does not build:",
+        "",
+        "| field | tier | why |",
+        "|---|---|---|",
+        *map(_foreign, EMBEDDINGS_FOREIGN),
         "",
         _OUTRO.format(limits=limits),
     ]

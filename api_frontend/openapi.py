@@ -10,7 +10,7 @@ from typing import Any
 import msgspec
 
 from protocol.openai_api import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                 ErrorBody, TokenizeRequest)
+                                 EmbeddingRequest, ErrorBody, TokenizeRequest)
 from protocol.responses_api import ResponsesRequest
 from protocol.version import VERSION
 
@@ -21,6 +21,7 @@ REQUEST_BODIES: dict[str, type] = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/completions": CompletionRequest,
     "/v1/responses": ResponsesRequest,
+    "/v1/embeddings": EmbeddingRequest,
     "/v1/chat/completions/render": ChatCompletionRequest,
     "/v1/completions/render": CompletionRequest,
     "/tokenize": TokenizeRequest,

@@ -19,7 +19,7 @@ from protocol.openai_api import ModelCard
 
 ROUTES = {"generate": "/v1/chat/completions, /v1/completions and /v1/responses",
           "pooling": "/v1/embeddings"}
-KIND = {"generate": "a generation model (runner generate)",
+KIND = {"generate": "a text generation model (runner generate)",
         "pooling": "an embedding model (runner pooling)"}
 
 

@@ -27,8 +27,9 @@ def test_every_request_field_has_a_row():
     /v1/capabilities, from docs/fields.md and from the report's extensions (cache_salt was)."""
     from api_frontend import field_policy
     from cluster.topology import ApiSpec
-    from protocol.openai_api import ChatCompletionRequest, CompletionRequest
-    for kind, request in (("chat", ChatCompletionRequest), ("completions", CompletionRequest)):
+    from protocol.openai_api import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+    for kind, request in (("chat", ChatCompletionRequest), ("completions", CompletionRequest),
+                          ("embeddings", EmbeddingRequest)):
         tiers = field_policy.tiers(kind, ApiSpec())
         missing = [f for f in request.__struct_fields__ if f not in tiers]
         assert not missing, f"{kind}: {missing} have no row in api_frontend/field_policy.py"
