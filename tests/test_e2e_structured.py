@@ -210,3 +210,20 @@ def test_constraint_applies_after_the_reasoning_block(tiny_model_dir, parser, ki
     assert accepts(f"{opening}a <b </thin x</think>\n\n{good}")
     assert not accepts(f"{opening}thinking</think>\n\nzzz")
     assert not accepts(f"{opening}never closed {good}")
+
+
+def test_a_cached_rejection_names_each_callers_own_field(tiny_model_dir):
+    """The compile cache is shared by every route: a schema refused for /v1/responses
+    (`text.format.schema`) and then sent to chat as `guided_json` names `guided_json`
+    (CI once saw the first caller's field in the second caller's error)."""
+    from tokenization.grammar_vocab import build_tokenizer
+    from tokenization.tokenizer_files import CheckpointTokenizer
+    from tokenizer_worker.grammar import GrammarCompiler, GrammarError
+    tok = CheckpointTokenizer(tiny_model_dir)
+    compiler = GrammarCompiler(build_tokenizer(tok.backend.to_str(), tok.vocab_size,
+                                               tok.eos_token_ids))
+    schema = '{"type": "object", "properties": {"a": {"not": {"type": "string"}}}}'
+    for field in ("text.format.schema", "guided_json", "text.format.schema"):
+        with pytest.raises(GrammarError) as err:
+            compiler.compile(GuidedSpec("json_schema", schema, field, None))
+        assert err.value.param == field and str(err.value).startswith(f"`{field}`")

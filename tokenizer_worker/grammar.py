@@ -14,6 +14,7 @@ import hashlib
 import json
 import re
 from collections import OrderedDict
+from typing import NamedTuple
 
 import llguidance
 
@@ -116,13 +117,21 @@ def after_reasoning(answer: str, parser: str) -> str:
     return json.dumps({"grammars": [{"lark_grammar": wrapper}, *grammars]})
 
 
+class _Rejection(NamedTuple):
+    """Why the grammar engine refused a spec, without the field that carried it."""
+    what: str
+    detail: str
+
+
 class GrammarCompiler:
     def __init__(self, tokenizer: llguidance.LLTokenizer) -> None:
         self.tokenizer = tokenizer
-        self._cache: OrderedDict[str, str | GrammarError] = OrderedDict()
+        self._cache: OrderedDict[str, str | _Rejection] = OrderedDict()
 
     def compile(self, spec: GuidedSpec) -> str:
-        """The grammar text the worker will enforce, or GrammarError naming the field."""
+        """The grammar text the worker will enforce, or GrammarError naming the field.
+        The cache is keyed by what is compiled, not by who asked: a rejection is kept
+        without a field name, so each caller's error names its own field."""
         key = hashlib.sha256(f"{spec.kind}\0{spec.reasoning}\0{spec.spec}".encode()).hexdigest()
         got = self._cache.get(key)
         if got is None:
@@ -132,11 +141,13 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         else:
             self._cache.move_to_end(key)
-        if isinstance(got, GrammarError):
-            raise GrammarError(str(got), got.param)
+        if isinstance(got, _Rejection):
+            raise GrammarError(f"`{spec.field}`: this {got.what} cannot be enforced by "
+                               f"Candor's grammar engine (llguidance): {got.detail}",
+                               spec.field)
         return got
 
-    def _compile(self, spec: GuidedSpec) -> str | GrammarError:
+    def _compile(self, spec: GuidedSpec) -> str | _Rejection:
         what = {"json_schema": "JSON schema", "json_object": "JSON object constraint",
                 "regex": "regular expression", "choice": "choice list",
                 "grammar": "grammar"}[spec.kind]
@@ -154,5 +165,4 @@ class GrammarCompiler:
         if not failed:
             return grammar
         detail = "; ".join(m for m in messages if m) or "rejected by the grammar engine"
-        return GrammarError(f"`{spec.field}`: this {what} cannot be enforced by Candor's "
-                            f"grammar engine (llguidance): {detail}", spec.field)
+        return _Rejection(what, detail)
