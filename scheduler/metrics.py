@@ -62,7 +62,7 @@ class SchedulerMetrics:
         self.aborts = Counter(
             "candor_aborts", "Requests stopped before finishing, by cause: disconnect "
             "(client left), stop_string (the detokenizer matched a stop), error (a failed "
-            "step)", ["cause"], registry=None)
+            "step, or the request's own bad state: a grammar conflict, nothing to sample)", ["cause"], registry=None)
         self.steps = Counter("candor_scheduler_steps", "Forward steps the scheduler ran",
                              registry=None)
         self.queue_time = Histogram(

@@ -153,3 +153,17 @@ def test_special_tokens_skipped_or_kept(tokenizer):
         for i in ids:
             detok.add_token(i)
         assert detok.take_delta(final=True) == expect
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stopping_token_counts_but_its_text_is_left_out(tokenizer, include):
+    """The id that ended the sequence (EOS, a stop_token_ids id) is consumed and counted;
+    its text reaches the answer only with include_stop_str_in_output (as vLLM)."""
+    ids = tokenizer.encode("plain words at the end", add_special_tokens=False).ids
+    detok = RequestDetokenizer(tokenizer, DetokParams(skip_special_tokens=False,
+                                                      include_stop_str_in_output=include))
+    detok.add_tokens(ids[:-1])
+    detok.add_tokens(ids[-1:], stopping=True)
+    head = tokenizer.decode(ids[:-1])
+    assert detok.num_tokens == len(ids)
+    assert detok.take_delta(final=True) == (tokenizer.decode(ids) if include else head)
