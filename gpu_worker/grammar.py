@@ -178,21 +178,22 @@ class GrammarStates:
         row_bytes = bitmask.shape[1] * 4
         base = bitmask.data_ptr()
         for row, rid in enumerate(rids):  # the engine writes each row in place
-            if rid not in failed:
+            if rid in failed:
+                bitmask[row] = 0
+            else:
                 self._states[rid].matcher.unsafe_compute_mask_ptr(base + row * row_bytes,
                                                                   row_bytes)
         words = bitmask.numpy()
         self._check_special(rids, words)
-        empty = set(np.flatnonzero(~words.any(axis=1)).tolist())
-        for row, rid in enumerate(rids):
-            if rid in failed:
-                bitmask[row] = 0
-            elif row in empty or self._states[rid].matcher.is_error():
-                # cannot happen for a grammar that compiled
+        empty = np.flatnonzero(~words.any(axis=1)).tolist()
+        for row in empty + [r for r, rid in enumerate(rids)
+                            if self._states[rid].matcher.is_error() and r not in empty]:
+            rid = rids[row]
+            if rid not in failed:  # cannot happen for a grammar that compiled
                 error = self._states[rid].matcher.get_error() or "no token allowed"
                 log.error("%s: grammar allows no token: %s", rid, error)
                 failed[rid] = _grammar_failure(f"the output constraint allows no token: {error}")
-                bitmask[row] = 0
+            bitmask[row] = 0
         return bitmask
 
     def _check_special(self, rids: list[str], words: np.ndarray) -> None:

@@ -154,10 +154,10 @@ def _why_no_token(row: torch.Tensor, p: SamplingParams, history: History | None,
             made = len(history[0]) - history[1]
             return RequestFailure(
                 "constraint_conflict",
-                f"the output constraint allows only the end of the sequence after {made} "
-                f"generated tokens, but min_tokens ({p.min_tokens}) holds the end back: the "
-                "constraint and min_tokens cannot both hold; lower min_tokens or widen the "
-                "constraint", 400, "min_tokens")
+                f"after {made} generated tokens the output constraint allows only tokens "
+                f"that end the sequence (end-of-sequence or a stop_token_ids id), but "
+                f"min_tokens ({p.min_tokens}) holds them back: the constraint and min_tokens "
+                "cannot both hold; lower min_tokens or widen the constraint", 400, "min_tokens")
         return RequestFailure("no_token_allowed", "no token could be sampled for this request: "
                               "its processors and constraint ruled out every token")
     return RequestFailure("invalid_logits", "the model produced non-finite logits (NaN or inf) "

@@ -194,6 +194,7 @@ async def test_stop_string_ending_on_the_last_allowed_token_is_stop(server):
         choices = [f["choices"][0] for f in frames[:-1] if f.get("choices")]
         assert "".join(c["text"] for c in choices) == text[:-len(stop)]
         assert choices[-1]["finish_reason"] == "stop"
+    server.wait_all_blocks_free()
 
 
 def _text(choice: dict, chat: bool) -> str:
@@ -234,6 +235,7 @@ async def test_stopping_token_text_is_left_out_unless_asked_for(server, hf_model
             streamed = "".join((p["delta"].get("content") or "") if chat else p["text"]
                                for p in parts)
             assert (streamed, parts[-1]["finish_reason"]) == (want, "stop"), extra
+    server.wait_all_blocks_free()
 
 
 @pytest.fixture(scope="module")
@@ -254,7 +256,7 @@ async def test_failed_step_fails_only_its_own_requests(fault_server, hf_model):
     model, tok = hf_model
 
     head = HEAD * 3
-    constrained = {"prompt": "Letters:", "guided_regex": "[a-z]{400}", "max_tokens": 400,
+    constrained = {"prompt": "Letters:", "guided_regex": "[a-z]{1000}", "max_tokens": 1000,
                    "temperature": 0}
     faulty = {"prompt": head + "One.", "max_tokens": 4, "temperature": 0,
               "logit_bias": {str(FAULT_TOKEN): 100}}

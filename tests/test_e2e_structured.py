@@ -209,3 +209,22 @@ def test_constraint_applies_after_the_reasoning_block(tiny_model_dir, parser, ki
     assert accepts(f"{opening}a <b </thin x</think>\n\n{good}")
     assert not accepts(f"{opening}thinking</think>\n\nzzz")
     assert not accepts(f"{opening}never closed {good}")
+
+
+@pytest.mark.parametrize("kind, spec, longest", [
+    ("choice", '["yes", "nope", "ü"]', 4),
+    ("json_schema", '{"type": "boolean"}', 5),
+    ("json_schema", '{"type": ["null", "boolean"]}', 5),
+    ("json_schema", '{"enum": [true, null]}', 4),
+    ("json_schema", '{"const": false}', 5),
+    ("json_schema", '{"enum": ["a", "b"]}', None),  # a string's spellings are not counted
+    ("json_schema", '{"type": "integer", "maximum": 9}', None),
+    ("regex", "(yes|no)", None),
+])
+def test_longest_output_is_known_only_where_it_is_certain(kind, spec, longest):
+    """What decides the up-front 400 for a constraint that must end before min_tokens:
+    a bound only where every spelling is known, never a guess."""
+    from tokenizer_worker.grammar import longest_output_bytes
+
+    assert longest_output_bytes(GuidedSpec(kind, spec, "f")) == longest
+    assert longest_output_bytes(GuidedSpec(kind, spec, "f", reasoning="qwen3")) is None

@@ -113,7 +113,7 @@ def test_a_row_with_nothing_to_sample_fails_alone_and_says_why():
     assert set(failed) == {0, 1}
     assert (failed[0].code, failed[0].status, failed[0].param) == ("constraint_conflict", 400,
                                                                    "min_tokens")
-    assert "min_tokens (4)" in failed[0].message and "2 generated tokens" in failed[0].message
+    assert "min_tokens (4)" in failed[0].message and "after 2 generated" in failed[0].message
     assert failed[1].code == "invalid_logits" and failed[1].status == 500
     nothing = torch.zeros(1, 2, dtype=torch.int32)
     _, _, failed = Sampler().sample(torch.randn(1, 64), [GREEDY], [None], None, ([0], nothing))
