@@ -129,8 +129,12 @@ ROWS: tuple[Row, ...] = (
         tests="L `test_chat_logprobs_match_hf_and_parse`, L `test_logprobs_validation`"),
     Row(fields=("logprobs", "echo"), completions="honoured",
         candor="honoured; `logprobs` 0..`max_logprobs`; echo returns the prompt and its "
-        "logprobs (first token `null`)", vllm="honoured (`--max-logprobs`)",
-        sglang="honoured", tests="L `test_completion_logprobs_with_echo_match_hf`"),
+        "logprobs (first token `null`); `text_offset` is where each token starts in the "
+        "returned `text` (a BOS the echoed prompt lacks has no width), streamed chunks "
+        "concatenate to the whole answer", vllm="honoured (`--max-logprobs`); offsets count "
+        "the BOS text", sglang="honoured",
+        tests="L `test_completion_logprobs_with_echo_match_hf`, "
+        "L `test_echo_text_offsets_index_the_returned_text_whole_and_streamed`"),
     Row(fields=("prompt",), completions="honoured",
         candor="honoured: a string, token ids, or a list of up to `max_prompts` strings / "
         "token-id lists; one choice per prompt × n, `index = prompt_index * n + i`, streamed "
@@ -163,10 +167,16 @@ ROWS: tuple[Row, ...] = (
     Row(fields=("tools",), chat="honoured",
         candor="honoured: at most `max_tools`; `[]`, a tool without `function.name` (1-64 of "
         "`A-Za-z0-9_.-`), a name given twice, non-object `parameters` → 400 naming the path "
-        "(`tools[i].function.name` …); rendered by the chat template", vllm="honoured",
+        "(`tools[i].function.name` …); rendered by the chat template. Earlier assistant "
+        "turns' `tool_calls[].function.arguments` (JSON text, as returned) reach the template "
+        "as the object they encode (transformers' convention) unless it only prints or "
+        "concatenates them (DeepSeek); text that encodes no object → 400 naming "
+        "`messages[i].tool_calls[j].function.arguments`",
+        vllm="honoured; arguments always decoded (DeepSeek's templates then fail)",
         sglang="honoured",
         tests="T `test_tool_validation_names_the_field`, "
-        "T `test_assistant_tool_calls_and_tool_results_render`"),
+        "T `test_assistant_tool_calls_and_tool_results_render`, "
+        "P `test_tool_call_arguments_reach_the_template_as_it_reads_them`"),
     Row(fields=("tool_choice",), chat="honoured",
         candor="honoured. `none`: no parsing. `auto` (default with tools): free generation "
         "read by the deployment's tool-call parser (`--tool-call-parser`, or detected from the "
@@ -182,19 +192,29 @@ ROWS: tuple[Row, ...] = (
         "T `test_auto_reads_hermes_calls_whole_and_streamed`, "
         "T `test_auto_without_a_parser_is_a_400`"),
     Row(fields=("parallel_tool_calls",), chat="honoured",
-        candor="honoured for `required`: `false` → the grammar allows exactly one call (no "
-        "tokens spent on others)", vllm="truncates after generating every call",
-        tests="T `test_parallel_false_yields_exactly_one_call`"),
+        candor="honoured: `false` → one call. `required`: the grammar allows exactly one; "
+        "`auto`: generation stops where the first call ends (no tokens spent on others); with "
+        "a reasoning parser only calls after `</think>` count", vllm="truncates after "
+        "generating every call",
+        tests="T `test_parallel_false_yields_exactly_one_call`, "
+        "T `test_parallel_false_under_auto_stops_after_the_first_call`, "
+        "T `test_parallel_false_keeps_the_first_call_after_think`"),
     Row(label="tool-call output",
         candor="`message.tool_calls` (`id`, `type`, `function.name`, `function.arguments` as "
         "JSON text), `content` null when the reply is only calls; streamed as OpenAI deltas "
         "(id, type, name in a call's first delta, then `arguments` fragments that concatenate "
         "to exactly the non-streamed arguments); tags never reach `content`; `finish_reason: "
-        "\"tool_calls\"` exactly when calls were emitted. Parsers: hermes (Hermes / Qwen2.5 / "
-        "Qwen3), llama3_json (with or without `<\\|python_tag\\|>`), mistral, deepseek_v31, "
-        "granite, pythonic", vllm="same shape", sglang="same",
+        "\"tool_calls\"` exactly when calls were emitted. A call has arguments (or "
+        "`parameters`) and a name one of `tools` declares; anything else, however call-like, "
+        "stays `content` verbatim (finish `stop`); with a reasoning parser calls are read only "
+        "after `</think>`. Parsers: hermes (Hermes / Qwen2.5 / Qwen3), llama3_json (with or "
+        "without `<\\|python_tag\\|>`), mistral, deepseek_v31, granite, pythonic",
+        vllm="same shape; any name becomes a call", sglang="same; undeclared names dropped "
+        "(log line)",
         tests="TP (every parser on its real template's text, streamed in pieces of 1..n "
-        "characters)"),
+        "characters), TP `test_only_declared_tools_are_called`, "
+        "T `test_a_call_to_an_undeclared_tool_stays_content`, "
+        "T `test_a_call_drafted_inside_think_is_reasoning_not_a_call`"),
     Row(fields=("response_format",), chat="honoured", completions="extension",
         candor="honoured: `text`; `json_object`; `json_schema` (`strict` or not: always "
         "enforced). Also accepted on `/v1/completions` (extension, as vLLM). A schema keyword "
@@ -253,6 +273,14 @@ ROWS: tuple[Row, ...] = (
         "K `test_stopping_token_text_is_left_out_unless_asked_for`"),
     Row(fields=("return_token_ids", "skip_special_tokens"), **EXT, candor="extension",
         vllm="extension", sglang="extension", tests="H `test_usage_counts_equal_tokens_produced`"),
+    Row(fields=("priority",), **EXT, only_with="priority_scheduling",
+        candor="extension with `--scheduling-policy priority` (`api.scheduling_policy`): "
+        "lower runs first when requests wait, arrival order within one; -2^31..2^31-1; no "
+        "aging (a steady stream of lower values starves higher ones). Default `fcfs`: "
+        "arrival order, a non-zero `priority` → 400 `priority`",
+        vllm="400 unless `--scheduling-policy priority`; no bound", sglang="extension",
+        tests="P `test_priority_needs_the_priority_scheduling_policy`, test_prefix_cache.py "
+        "`test_priority_orders_waiting_fcfs_within_a_priority`"),
     Row(fields=("strict",), **EXT, candor="extension: this request in strict mode",
         tests="C `test_per_request_strict_turns_ignored_into_400`"),
     Row(fields=("add_generation_prompt", "continue_final_message"), chat="extension",
@@ -274,9 +302,12 @@ ROWS: tuple[Row, ...] = (
         "G `test_constraint_applies_after_the_reasoning_block`"),
     Row(fields=("chat_template",), chat="extension", only_with="allow_request_chat_template",
         candor="extension only with `--allow-request-chat-template`, else 400; source "
-        "reported as `request`", vllm="honoured", sglang="honoured",
+        "reported as `request`; bounded in source size, render time, output and the size of "
+        "any one value it builds (sized before it is built) → 400 naming it",
+        vllm="honoured", sglang="honoured",
         tests="C `test_request_chat_template_needs_the_server_flag`, "
-        "P `test_template_sources_and_string_content_format`"),
+        "P `test_template_sources_and_string_content_format`, "
+        "test_e2e_hardening_tokenizer.py `test_request_template_cannot_build_a_huge_value`"),
     Row(fields=("echo",), chat="extension",
         candor="extension: the final assistant message's content is prepended", vllm="same",
         tests="C `test_chat_echo_prepends_the_final_assistant_message`"),
@@ -357,8 +388,9 @@ def tiers(kind: Endpoint, api: ApiSpec) -> dict[str, Tier]:
     return out
 
 
+# a field reaches the report only where its deployment accepted it (``only_with`` rows too)
 _EXTENSIONS: dict[Endpoint, frozenset[str]] = {
-    kind: frozenset(f for f, t in tiers(kind, ApiSpec()).items() if t == "extension")
+    kind: frozenset(f for row in ROWS if row.tier(kind) == "extension" for f in row.fields)
     for kind in ("chat", "completions")}
 _IGNORED: dict[Endpoint, tuple[tuple[str, str], ...]] = {
     kind: tuple((f, row.reason) for row in ROWS if row.tier(kind) == "ignored"

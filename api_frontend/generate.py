@@ -122,13 +122,16 @@ async def run_generation(request: web.Request, engine: EngineClient, card: Model
                                       echo_text=_chat_echo(parsed), tools=tr.tools,
                                       reasoning_parser=tr.reasoning, **common)
         else:
-            echo = None
+            echo = offsets = None
             if parsed.echo:
                 echo = [infos[f].prompt_text or "" for f in firsts]
+                offsets = [infos[f].prompt_offsets or [] for f in firsts]
             assembler = CompletionAssembler(rid, int(arrival), card.id, parsed.return_token_ids,
-                                            echo_texts=echo, prompts=len(tr.gens), **common)
+                                            echo_texts=echo, echo_offsets=offsets,
+                                            prompts=len(tr.gens), **common)
 
-        first_call = FirstCallCut(tr.tools) if FirstCallCut.applies(tr.tools) else None
+        first_call = (FirstCallCut(tr.tools, tr.reasoning) if FirstCallCut.applies(tr.tools)
+                      else None)
 
         async def cut(d: ipc.TextDelta) -> ipc.TextDelta:
             """The delta that completes the first call ends its sequence (see FirstCallCut)."""

@@ -224,6 +224,10 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                         "replaces the checkpoint's")
     g.add_argument("--allow-request-chat-template", action="store_true",
                    help="accept a chat_template field in request bodies")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="fcfs (default): waiting requests run in arrival order and a "
+                        "non-zero request `priority` is a 400; priority: lower `priority` "
+                        "first (no aging: trusted clients only)")
     g.add_argument("--tool-call-parser", default="auto",
                    help="how tool calls are read from text under tool_choice auto: "
                         "hermes, llama3_json, mistral, deepseek_v31, granite, pythonic; "
@@ -321,6 +325,7 @@ def serve_topology(args: argparse.Namespace, model_path: str, default_name: str,
         "api": {"strict": args.strict, "max_tokens_policy": args.max_tokens_policy,
                 "chat_template": args.chat_template,
                 "allow_request_chat_template": args.allow_request_chat_template,
+                "scheduling_policy": args.scheduling_policy,
                 "tool_call_parser": None if args.tool_call_parser == "none"
                 else args.tool_call_parser,
                 "reasoning_parser": None if args.reasoning_parser == "none"

@@ -198,12 +198,17 @@ class ApiSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     prompt + max_tokens beyond the context gets (reject: 400 with the accounting; clamp:
     cut to what fits and reported as a clamp). chat_template: a server-wide template file
     that replaces the checkpoint's. allow_request_chat_template: accept ``chat_template``
-    in a request body (a template is code the server runs, so it is off by default)."""
+    in a request body (a template is code the server runs, so it is off by default).
+    scheduling_policy (vLLM's --scheduling-policy): fcfs serves waiting requests in arrival
+    order and refuses a non-zero ``priority``; priority lets clients set it (lower first,
+    arrival order within one; no aging, so a steady stream of lower values starves higher
+    ones: for deployments whose clients are trusted to use it)."""
 
     strict: bool = False
     max_tokens_policy: Literal["reject", "clamp"] = "reject"
     chat_template: str | None = None
     allow_request_chat_template: bool = False
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     limits: RequestLimits = msgspec.field(default_factory=RequestLimits)
     sampling_defaults: SamplingDefaults = msgspec.field(default_factory=SamplingDefaults)
     # Tool calls under tool_choice auto: a parser name, "auto" (detected from the chat
@@ -213,6 +218,11 @@ class ApiSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # <think> blocks -> reasoning_content: a parser name, "auto" (detected) or None
     reasoning_parser: str | None = None
     reasoning_parser_source: str | None = None
+
+    @property
+    def priority_scheduling(self) -> bool:
+        """Clients may set ``priority`` (the field table's ``only_with`` flag)."""
+        return self.scheduling_policy == "priority"
 
 
 class RoleCounts(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -153,6 +153,8 @@ class RequestInfo(_Message, tag="request_info", omit_defaults=True):
     template: TemplateInfo | None = None
     adjustments: list[Adjustment] = []
     prompt_text: str | None = None
+    # echo with prompt logprobs: where each prompt token starts in prompt_text
+    prompt_offsets: list[int] | None = None
 
 
 class RenderReq(_Message, tag="render", omit_defaults=True):
