@@ -4,10 +4,10 @@ The worker sees every token a sequence is fed (prompt chunks, then each sampled 
 the next decode input), so it rebuilds the history from the plan itself instead of having
 the scheduler resend it: penalties and min_tokens read it. Only requests whose sampling
 needs it pay for it. The one thing it is not fed is a prefix-cache hit: the request's
-first chunk then carries the skipped ids (``SeqChunk.context``), once. Prompt logprobs (``echo`` + ``logprobs``, or ``prompt_logprobs``) are
-collected chunk by chunk and handed out once, with the request's first sampled token; the
-scheduler never serves such a request's prompt from the prefix cache, so every position
-is fed and has logits.
+first chunk then carries the skipped ids (``SeqChunk.context``), once. Prompt logprobs
+(``echo`` + ``logprobs``, or ``prompt_logprobs``) are collected chunk by chunk and handed
+out once, with the request's first sampled token; the scheduler never serves such a
+request's prompt from the prefix cache, so every position is fed and has logits.
 """
 
 from __future__ import annotations

@@ -107,7 +107,8 @@ class Sampler:
         if suppress:
             rows, ids = zip(*suppress)
             logits[torch.tensor(rows, device=dev), torch.tensor(ids, device=dev)] = float("-inf")
-        pen_rows = [i for i, p in enumerate(params) if p.has_penalties() and histories[i] is not None]
+        pen_rows = [i for i, p in enumerate(params)
+                    if p.has_penalties() and histories[i] is not None]
         if pen_rows:
             logits[pen_rows] = _penalize(logits[pen_rows], [params[i] for i in pen_rows],
                                          [histories[i] for i in pen_rows])

@@ -354,7 +354,8 @@ class TokenOutput(msgspec.Struct, array_like=True):
     cached_tokens: int | None = None  # prompt tokens served by the prefix cache (first output)
     logprobs: list[TokenLogprob] | None = None  # aligned with token_ids, when asked for
     prompt_logprobs: list[TokenLogprob] | None = None
-    failure: RequestFailure | None = None  # why, when finish_reason is "error" (None: a failed step)
+    # why, when finish_reason is "error" (None: a step it was in failed)
+    failure: RequestFailure | None = None
 
 
 class TokenBatch(_Message, tag="tokens"):

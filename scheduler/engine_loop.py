@@ -274,7 +274,7 @@ class EngineLoop:
                 self.log.warning("request %s failed: %s (%s)", sreq.rid, s.failure.message,
                                  s.failure.code)
                 self._finish(sreq, "error", [], batches, failure=s.failure)
-                self.ops.aborted("error")
+                self.ops.aborted("request_error")
                 continue
             lp = msg.logprobs[s.row] if msg.logprobs else None
             # the hit is reported once, with the request's first token

@@ -153,7 +153,7 @@ async def test_runtime_constraint_conflict_fails_only_that_request(server):
     others = _bystanders()
     async with aiohttp.ClientSession() as session:
         alone = await _solo(session, server, others)
-        before = server.wait_all_blocks_free()["aborts"].get("error", 0)
+        before = server.wait_all_blocks_free()["aborts"]
         results = await asyncio.gather(_post(session, server, CONFLICT),
                                        *[_post(session, server, o) for o in others])
         status, body = results[0]
@@ -173,8 +173,10 @@ async def test_runtime_constraint_conflict_fails_only_that_request(server):
         # the server goes on serving; both failures were counted
         again = await _solo(session, server, others[:1])
         assert again == alone[:1]
-    server.wait_all_blocks_free(what="two request errors counted",
-                                until=lambda s: s["aborts"].get("error", 0) >= before + 2)
+    after = server.wait_all_blocks_free(
+        what="two request errors counted",
+        until=lambda s: s["aborts"].get("request_error", 0) >= before.get("request_error", 0) + 2)
+    assert after["aborts"]["error"] == before["error"]  # no step failed
 
 
 async def test_stop_string_ending_on_the_last_allowed_token_is_stop(server):

@@ -50,7 +50,8 @@ def test_min_tokens_suppresses_stop_ids_until_reached():
     logits = torch.zeros(2, 10)
     logits[:, 2] = 10.0  # the "eos" would win
     p = SamplingParams(temperature=0.0, min_tokens=2, min_tokens_stop_ids=[2])
-    tokens, _, _ = Sampler().sample(logits, [p, p], [None, None], [([5, 6, 7], 2), ([5, 6, 7, 8], 2)])
+    histories = [([5, 6, 7], 2), ([5, 6, 7, 8], 2)]
+    tokens, _, _ = Sampler().sample(logits, [p, p], [None, None], histories)
     assert tokens[0] != 2          # one generated so far: eos suppressed
     assert tokens[1] == 2          # two generated: allowed again
 

@@ -34,12 +34,17 @@ def runner(tiny_dir) -> ModelRunner:
     return runner
 
 
+def _decode(rid: str, pos: int) -> SeqChunk:
+    """Feed the token sampled last step at ``pos`` (the request's one block kept)."""
+    return SeqChunk(rid, [PLACEHOLDER_TOKEN], pos, [], True, 1)
+
+
 def _alone(runner: ModelRunner, rid: str, prompt: list[int], n: int, block: int) -> list[int]:
     """Greedy tokens of ``prompt`` run by itself (then released)."""
-    out = runner.execute(StepPlan(0, [SeqChunk(rid, prompt, 0, [block], True)], {rid: GREEDY})).sampled
+    first = StepPlan(0, [SeqChunk(rid, prompt, 0, [block], True)], {rid: GREEDY})
+    out = runner.execute(first).sampled
     for k in range(1, n):
-        out += runner.execute(StepPlan(k, [SeqChunk(rid, [PLACEHOLDER_TOKEN], len(prompt) + k - 1,
-                                                    [], True, 1)])).sampled
+        out += runner.execute(StepPlan(k, [_decode(rid, len(prompt) + k - 1)])).sampled
     runner.execute(StepPlan(n, [], released=[rid]))
     return out
 
@@ -61,8 +66,7 @@ def test_constraint_that_must_end_before_min_tokens_fails_only_its_row(runner):
                                     {"conflict": _regex("(yes|no)", 20), "other": GREEDY}))
     got, failed_at = [first.sampled[1]], None
     for k in range(1, 6):
-        seqs = [SeqChunk("conflict", [PLACEHOLDER_TOKEN], len(PROMPT) + k - 1, [], True, 1),
-                SeqChunk("other", [PLACEHOLDER_TOKEN], len(OTHER) + k - 1, [], True, 1)]
+        seqs = [_decode("conflict", len(PROMPT) + k - 1), _decode("other", len(OTHER) + k - 1)]
         new = {}
         if failed_at is not None and k == failed_at + 1:  # joins the run-ahead step
             seqs.append(SeqChunk("late", PROMPT, 0, [3], True))
@@ -85,10 +89,10 @@ def test_constraint_that_must_end_before_min_tokens_fails_only_its_row(runner):
 
 def test_grammar_that_does_not_compile_fails_only_its_request(runner):
     want = _alone(runner, "ref", OTHER, 1, block=9)
+    broken = SamplingParams(temperature=0.0, grammar="%%% nonsense")
     res = runner.execute(StepPlan(0, [SeqChunk("broken", PROMPT, 0, [1], True),
                                       SeqChunk("fine", OTHER, 0, [2], True)],
-                                  {"broken": SamplingParams(temperature=0.0, grammar="%%% nonsense"),
-                                   "fine": GREEDY}))
+                                  {"broken": broken, "fine": GREEDY}))
     assert res.sampled == [-1, want[0]] and set(res.failed) == {"broken"}
     assert res.failed["broken"].code == "grammar_error"
     runner.execute(StepPlan(1, [], released=["broken", "fine"]))
@@ -105,14 +109,10 @@ def test_run_ahead_step_after_a_failed_step_runs_for_everyone_else(runner):
                                 SeqChunk("g", OTHER, 0, [2], True)],
                             {"c": constrained, "g": GREEDY}))
     with pytest.raises(RuntimeError, match="injected fault"):
-        runner.execute(StepPlan(1, [SeqChunk("c", [PLACEHOLDER_TOKEN], len(PROMPT), [], True, 1),
-                                    SeqChunk("g", [PLACEHOLDER_TOKEN], len(OTHER), [], True, 1),
-                                    SeqChunk("f", [5, FAULT, 6], 0, [3], True)],
-                                {"f": GREEDY}))
-    res = runner.execute(StepPlan(2, [SeqChunk("c", [PLACEHOLDER_TOKEN], len(PROMPT) + 1, [], True, 1),
-                                      SeqChunk("g", [PLACEHOLDER_TOKEN], len(OTHER) + 1, [], True, 1),
-                                      SeqChunk("f", [PLACEHOLDER_TOKEN], 3, [], True, 1),
-                                      SeqChunk("new", OTHER, 0, [4], True)],
+        runner.execute(StepPlan(1, [_decode("c", len(PROMPT)), _decode("g", len(OTHER)),
+                                    SeqChunk("f", [5, FAULT, 6], 0, [3], True)], {"f": GREEDY}))
+    res = runner.execute(StepPlan(2, [_decode("c", len(PROMPT) + 1), _decode("g", len(OTHER) + 1),
+                                      _decode("f", 3), SeqChunk("new", OTHER, 0, [4], True)],
                                   {"new": GREEDY}))
     assert res.sampled == [-1, -1, -1, want[0]]
     assert set(res.failed) == {"c", "g", "f"} and res.failed["c"].code == "engine_error"
