@@ -201,6 +201,7 @@ class ModelRunner:
         for rid, params in plan.new_sampling.items():
             old = self.sampling.get(rid)
             self.sampling[rid] = params
+            self.failed.pop(rid, None)  # registered afresh
             try:
                 self.grammars.register(rid, params)
             except (ValueError, RuntimeError) as err:  # its own grammar: it alone fails
