@@ -246,6 +246,14 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                    help="most prompts in one /v1/completions request")
     g.add_argument("--max-request-share", type=float, default=None,
                    help="largest fraction of the waiting queue one request may fill")
+    g.add_argument("--responses-store-max-entries", type=int, default=10_000,
+                   help="/v1/responses kept for previous_response_id and GET, per frontend "
+                        "(oldest first out; 0: store nothing)")
+    g.add_argument("--responses-store-max-bytes", type=parse_size, default=256 << 20,
+                   metavar="SIZE", help="encoded size of the stored responses, per "
+                   "frontend (e.g. 256MiB)")
+    g.add_argument("--responses-store-ttl-s", type=float, default=3600.0,
+                   help="a stored response is gone this many seconds after it was stored")
 
 
 def serve_parser() -> ServeParser:
@@ -330,6 +338,9 @@ def serve_topology(args: argparse.Namespace, model_path: str, default_name: str,
                 else args.tool_call_parser,
                 "reasoning_parser": None if args.reasoning_parser == "none"
                 else args.reasoning_parser,
+                "responses_store": {"max_entries": args.responses_store_max_entries,
+                                    "max_bytes": args.responses_store_max_bytes,
+                                    "ttl_s": args.responses_store_ttl_s},
                 "limits": {name: value for name, value in (
                     ("max_n", args.max_n), ("max_logprobs", args.max_logprobs),
                     ("max_prompts", args.max_prompts),

@@ -44,7 +44,7 @@ from gpu_worker.request_state import RequestTracker
 from gpu_worker.tp_shard import tp_shard
 from gpu_worker.sampler import NO_TOKEN, Sampler
 from protocol.ipc import (PLACEHOLDER_TOKEN, RequestFailure, SampleLogprobs, SamplingParams,
-                          SeqChunk, StepPlan, StepResult, TokenLogprob)
+                          SeqChunk, StepPlan, StepResult, TokenLogprob, WorkerTimings)
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,8 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 _IN_FAILED_STEP = RequestFailure("engine_error", "the engine failed a step this request was in")
 # Rank 0 could not sample the row, and this rank does not know why (ranks disagree).
 _NOT_SAMPLED = RequestFailure("no_token_allowed", "no token could be sampled for this request")
+# (sampled ids, their logprobs, the requests that failed on their own: rid -> why)
+_Sampled = tuple[list[int], list[SampleLogprobs | None], dict[str, RequestFailure]]
 
 
 @dataclass
@@ -158,6 +160,7 @@ class ModelRunner:
         self.block_tables: dict[str, list[int]] = {}  # rid -> its table, built from plan diffs
         self.failed: dict[str, RequestFailure] = {}  # rid -> why; not fed until released
         self.tracker = RequestTracker()  # token history (penalties) and prompt logprobs
+        self.timings = WorkerTimings()  # cumulative, sent with every result
         self.decode_graphs: cuda_graphs.DecodeGraphRunner | None = None
         if self.attn_backend is not None and not enforce_eager and ranks.size > 1:
             log.info("tensor parallel: decode steps run eagerly (no CUDA graphs across ranks)")
@@ -252,6 +255,8 @@ class ModelRunner:
 
     def execute(self, plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
+        tm = self.timings
+        inner_before = tm.forward + tm.sample + tm.grammar
         try:
             self._update_requests(plan)
             for seq in plan.seqs:  # tables first: a later failure leaves them consistent
@@ -278,11 +283,12 @@ class ModelRunner:
             pairs = [rows.get(id(s), (NO_TOKEN, None)) for s in plan.seqs if s.sample]
             sampled = [token for token, _ in pairs]
             logprobs = [lp for _, lp in pairs] if logprobs else []
-        return StepResult(step_id=plan.step_id, sampled=sampled, forward_s=time.perf_counter() - t0,
-                          logprobs=logprobs, failed=failed)
+        total = time.perf_counter() - t0
+        tm.prepare += total - (tm.forward + tm.sample + tm.grammar - inner_before)
+        return StepResult(step_id=plan.step_id, sampled=sampled, forward_s=total,
+                          logprobs=logprobs, timings=tm, failed=failed)
 
-    def _forward(self, seqs: list[SeqChunk]
-                 ) -> tuple[list[int], list[SampleLogprobs | None], dict[str, RequestFailure]]:
+    def _forward(self, seqs: list[SeqChunk]) -> _Sampled:
         # Flattened order: prefill chunks, then decodes (attention batches those).
         prefills = [s for s in seqs if len(s.token_ids) > 1]
         # By length: decode attention runs in groups, and a group pads to its longest.
@@ -304,25 +310,29 @@ class ModelRunner:
         masked = self.grammars.constrained(rids)
         batch = _Batch(ordered, prefills, decodes, ids, positions, last_row, to_sample)
         fed = [(s, self.sampling.get(s.rid)) for s in ordered]
+        t0 = time.perf_counter()
         if not masked:
             refused = self.grammars.observe_all(fed)  # no row samples with a grammar
+            self.timings.grammar += time.perf_counter() - t0
             sampled, logprobs, failed = self._run(batch, None)
             return sampled, logprobs, {**refused, **failed}
         # matchers advance and masks are built on their thread while the model runs
         pending = self.grammars.masks_soon(fed, [rids[i] for i in masked])
+        self.timings.grammar += time.perf_counter() - t0
         try:
             return self._run(batch, (masked, pending))
         finally:
+            t0 = time.perf_counter()
             concurrent.futures.wait([pending])  # never leave a matcher in use
+            self.timings.grammar += time.perf_counter() - t0
 
     def _run(self, batch: _Batch, pending: tuple[list[int], concurrent.futures.Future] | None
-             ) -> tuple[list[int], list[SampleLogprobs | None], dict[str, RequestFailure]]:
-        """The forward pass and sampling: sampled ids (NO_TOKEN for a request that failed
-        on its own), logprobs, and the requests that failed (rid -> why)."""
+             ) -> _Sampled:
         ordered, prefills, decodes = batch.ordered, batch.prefills, batch.decodes
-        ids, positions, last_row, to_sample = (batch.ids, batch.positions, batch.last_row,
-                                               batch.to_sample)
+        ids, positions = batch.ids, batch.positions
         dev = self.device
+        tm = self.timings
+        t_forward = time.perf_counter()
         chunks = [(s.start_pos, len(s.token_ids), self.block_tables[s.rid]) for s in ordered]
         if not prefills and self.decode_graphs is not None and self.decode_graphs.fits(len(decodes)):
             hidden = self.decode_graphs.run(chunks, ids, positions)
@@ -338,6 +348,20 @@ class ModelRunner:
                 self.kv_caches,
                 meta,
             )
+        t_sample = time.perf_counter()
+        tm.forward += t_sample - t_forward
+        try:
+            return self._sample(batch, hidden, pending)
+        finally:
+            tm.sample += time.perf_counter() - t_sample
+
+    def _sample(self, batch: _Batch, hidden: torch.Tensor,
+                pending: tuple[list[int], concurrent.futures.Future] | None) -> _Sampled:
+        """Prompt logprobs, then the sampled rows' logits, tokens and logprobs (NO_TOKEN
+        for a request that failed on its own, with why); the time spent waiting for
+        grammar masks is counted as grammar, not here."""
+        ordered, last_row, to_sample = batch.ordered, batch.last_row, batch.to_sample
+        dev = self.device
         for s in ordered:
             params = self.sampling.get(s.rid)
             if self.tracker.wants_prompt_logprobs(s, params):
@@ -351,8 +375,12 @@ class ModelRunner:
         params = [self.sampling[s.rid] for s in to_sample]
         masks, failed = None, {}
         if pending is not None:  # the grammars' failures: their rows allow no token
+            t0 = time.perf_counter()
             bitmask, failed = pending[1].result()
             masks = (pending[0], bitmask)
+            waited = time.perf_counter() - t0
+            self.timings.grammar += waited
+            self.timings.sample -= waited  # _run adds the whole of _sample
         tokens, token_lps, unsampled = self.sampler.sample(
             logits,
             params,
