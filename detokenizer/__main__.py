@@ -27,6 +27,18 @@ class _Live:
         self.cached_tokens = 0  # prefix-cache hit, known with the first token
 
 
+def _request_error(out: ipc.TokenOutput) -> ipc.RequestError:
+    """What a client is told about a request the engine ended with an error: why it
+    failed on its own, or that a step it was in failed."""
+    failure = out.failure
+    if failure is None:
+        return ipc.RequestError(out.rid, 500, "the engine failed while generating this request",
+                                type="internal_error", code="engine_error")
+    kind = "invalid_request_error" if 400 <= failure.status < 500 else "internal_error"
+    return ipc.RequestError(out.rid, failure.status, failure.message, type=kind,
+                            param=failure.param, code=failure.code)
+
+
 def main() -> None:
     die_with_parent()
     cfg = read_config(DetokenizerConfig)
@@ -62,17 +74,16 @@ def main() -> None:
                 state.cached_tokens = out.cached_tokens
             detok = state.detok
             before = detok.num_tokens
-            for token_id in out.token_ids:
-                detok.add_token(token_id)
-            consumed = out.token_ids[:detok.num_tokens - before]
             finish = out.finish_reason
-            if detok.stopped and finish is None:
+            # "stop" from the engine: the last id is EOS or a stop_token_ids id
+            detok.add_tokens(out.token_ids, stopping=finish == "stop")
+            consumed = out.token_ids[:detok.num_tokens - before]
+            if detok.stopped and finish in (None, "length"):  # the text was cut by a stop string
+                if finish is None:
+                    to_schedulers[state.replica].send(ipc.Abort(out.rid, "stop_string"))
                 finish = "stop"
-                to_schedulers[state.replica].send(ipc.Abort(out.rid, "stop_string"))
             if finish == "error":
-                errors.append((state.reply_to, ipc.RequestError(
-                    out.rid, 500, "the engine failed while generating this request",
-                    type="internal_error", code="engine_error")))
+                errors.append((state.reply_to, _request_error(out)))
                 del live[out.rid]
                 continue
             delta = detok.take_delta(final=finish is not None)

@@ -47,6 +47,16 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     # worker; the gpu_worker masks every sampled token with it.
     grammar: str | None = None
 
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    def needs_history(self) -> bool:
+        """Whether sampling reads the request's token history (prompt + generated): the
+        worker keeps it only for such requests, and the scheduler sends them the prompt
+        ids a prefix-cache hit skips (``SeqChunk.context``)."""
+        return self.has_penalties() or self.min_tokens > 0
+
 
 class GuidedSpec(msgspec.Struct, frozen=True):
     """A constraint on the output, as the client asked for it. ``kind``: json_schema |
@@ -231,7 +241,11 @@ class SeqChunk(msgspec.Struct, array_like=True):
     The block table travels as a diff, so a plan's size does not grow with context: the
     worker keeps each rid's table, cuts it to its first ``kept_blocks`` ids and appends
     ``new_blocks``. ``kept_blocks`` 0 (a request's first chunk, or after preemption)
-    means ``new_blocks`` is the whole table."""
+    means ``new_blocks`` is the whole table.
+
+    ``context``: the ids at positions ``0..start_pos-1`` when the worker was never fed
+    them (a prefix-cache hit), sent once, with the first chunk of a request whose sampling
+    reads its token history (penalties, min_tokens); empty otherwise (one byte)."""
 
     rid: str
     token_ids: list[int]
@@ -239,6 +253,7 @@ class SeqChunk(msgspec.Struct, array_like=True):
     new_blocks: list[int]
     sample: bool
     kept_blocks: int = 0
+    context: list[int] = []
 
 
 class StepPlan(_Message, tag="step"):
@@ -285,6 +300,17 @@ class SampleLogprobs(msgspec.Struct, array_like=True):
     prompt: list[TokenLogprob] | None = None
 
 
+class RequestFailure(msgspec.Struct, array_like=True, frozen=True):
+    """Why one request ended with an error of its own (a token its grammar rejects, no
+    token left to sample, non-finite logits) while its step went on for the others; it
+    becomes that request's ``RequestError``."""
+
+    code: str
+    message: str
+    status: int = 500
+    param: str | None = None
+
+
 class WorkerTimings(msgspec.Struct, array_like=True):
     """Cumulative seconds rank 0 spent in each part of its steps since it started
     (perf_counter deltas, a handful per step). On CUDA the forward is asynchronous: its
@@ -299,7 +325,9 @@ class WorkerTimings(msgspec.Struct, array_like=True):
 
 class StepResult(_Message, tag="result"):
     """Sampled token ids, one per ``SeqChunk`` with ``sample=True``, in plan order.
-    ``logprobs`` is empty unless some row asked for them; else aligned with ``sampled``."""
+    ``logprobs`` is empty unless some row asked for them; else aligned with ``sampled``.
+    ``failed``: requests of the plan that failed on their own (by rid; their ``sampled``
+    entry, if any, is -1): they end with that error, everyone else goes on."""
 
     step_id: int
     sampled: list[int]
@@ -307,6 +335,7 @@ class StepResult(_Message, tag="result"):
     idle_s: float = 0.0  # worker idle between sending the previous result and this plan
     logprobs: list[SampleLogprobs | None] = []
     timings: WorkerTimings | None = None
+    failed: dict[str, RequestFailure] = {}
 
 
 class WorkerError(_Message, tag="worker_error"):
@@ -338,6 +367,8 @@ class TokenOutput(msgspec.Struct, array_like=True):
     cached_tokens: int | None = None  # prompt tokens served by the prefix cache (first output)
     logprobs: list[TokenLogprob] | None = None  # aligned with token_ids, when asked for
     prompt_logprobs: list[TokenLogprob] | None = None
+    # why, when finish_reason is "error" (None: a step it was in failed)
+    failure: RequestFailure | None = None
 
 
 class TokenBatch(_Message, tag="tokens"):

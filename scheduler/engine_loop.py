@@ -52,11 +52,12 @@ class InFlight:
 
 
 def _output(rid: str, ids: list[int], reason: str | None, lp: ipc.SampleLogprobs | None,
-            cached_tokens: int | None = None) -> ipc.TokenOutput:
-    """A TokenOutput, carrying the token's (and on the first one, the prompt's) logprobs
-    and, on the first one, the prefix-cache hit."""
+            cached_tokens: int | None = None,
+            failure: ipc.RequestFailure | None = None) -> ipc.TokenOutput:
+    """A TokenOutput, carrying the token's (and on the first one, the prompt's) logprobs,
+    on the first one the prefix-cache hit, and why a request failed on its own."""
     if lp is None:
-        return ipc.TokenOutput(rid, ids, reason, cached_tokens=cached_tokens)
+        return ipc.TokenOutput(rid, ids, reason, cached_tokens=cached_tokens, failure=failure)
     return ipc.TokenOutput(rid, ids, reason, cached_tokens=cached_tokens,
                            logprobs=[lp.token] if lp.token.token_id >= 0 else None,
                            prompt_logprobs=lp.prompt)
@@ -110,20 +111,23 @@ class EngineLoop:
     def _finish(self, sreq: SchedRequest, reason: str, new_ids: list[int],
                 batches: dict[int, list[ipc.TokenOutput]],
                 cached_tokens: int | None = None,
-                logprobs: ipc.SampleLogprobs | None = None) -> None:
+                logprobs: ipc.SampleLogprobs | None = None,
+                failure: ipc.RequestFailure | None = None) -> None:
         """Forget a request the planner finished (finishing it there first if needed)
         and queue its last output."""
         assert self.planner is not None
         self.planner.finish(sreq)
         self.requests.pop(sreq.rid, None)
         self.ops.forget(sreq.rid)
-        self._emit(sreq, new_ids, reason, logprobs, cached_tokens, batches)
+        self._emit(sreq, new_ids, reason, logprobs, cached_tokens, batches, failure)
 
     def _emit(self, sreq: SchedRequest, ids: list[int], reason: str | None,
               lp: ipc.SampleLogprobs | None, cached: int | None,
-              batches: dict[int, list[ipc.TokenOutput]]) -> None:
+              batches: dict[int, list[ipc.TokenOutput]],
+              failure: ipc.RequestFailure | None = None) -> None:
         sender = self._detok_for(sreq.rid)
-        batches.setdefault(id(sender), []).append(_output(sreq.rid, ids, reason, lp, cached))
+        batches.setdefault(id(sender), []).append(_output(sreq.rid, ids, reason, lp, cached,
+                                                          failure))
 
     def _flush(self, batches: dict[int, list[ipc.TokenOutput]]) -> None:
         for sender in self.to_detok:
@@ -274,8 +278,14 @@ class EngineLoop:
             return
         self.ops.worker_result(msg.idle_s, msg.forward_s, self.work_after_last_result,
                                msg.timings)
-        for s in self.planner.postprocess(planned, msg.sampled):
+        for s in self.planner.postprocess(planned, msg.sampled, msg.failed):
             sreq = s.req
+            if s.failure is not None:  # its own bad state: it alone ends
+                self.log.warning("request %s failed: %s (%s)", sreq.rid, s.failure.message,
+                                 s.failure.code)
+                self._finish(sreq, "error", [], batches, failure=s.failure)
+                self.ops.aborted("request_error")
+                continue
             lp = msg.logprobs[s.row] if msg.logprobs else None
             # the hit is reported once, with the request's first token
             cached = sreq.cached_tokens if sreq.num_generated == 1 else None

@@ -18,7 +18,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from cluster.metrics import LATENCY_BUCKETS, STEP_BUCKETS
 from protocol import ipc
 
-ABORT_CAUSES = ("disconnect", "stop_string", "error")
+ABORT_CAUSES = ("disconnect", "stop_string", "error", "request_error")
 
 
 class SchedulerMetrics:
@@ -63,7 +63,9 @@ class SchedulerMetrics:
         self.aborts = Counter(
             "candor_aborts", "Requests stopped before finishing, by cause: disconnect "
             "(client left), stop_string (the detokenizer matched a stop), error (a failed "
-            "step)", ["cause"], registry=None)
+            "step: every request in it), request_error (the request's own bad state ended "
+            "it alone: a constraint that conflicts with min_tokens, a token its grammar "
+            "rejects, nothing left to sample)", ["cause"], registry=None)
         self.steps = Counter("candor_scheduler_steps", "Forward steps the scheduler ran",
                              registry=None)
         self.queue_time = Histogram(

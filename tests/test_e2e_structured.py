@@ -227,3 +227,22 @@ def test_a_cached_rejection_names_each_callers_own_field(tiny_model_dir):
         with pytest.raises(GrammarError) as err:
             compiler.compile(GuidedSpec("json_schema", schema, field, None))
         assert err.value.param == field and str(err.value).startswith(f"`{field}`")
+
+
+@pytest.mark.parametrize("kind, spec, longest", [
+    ("choice", '["yes", "nope", "ü"]', 4),
+    ("json_schema", '{"type": "boolean"}', 5),
+    ("json_schema", '{"type": ["null", "boolean"]}', 5),
+    ("json_schema", '{"enum": [true, null]}', 4),
+    ("json_schema", '{"const": false}', 5),
+    ("json_schema", '{"enum": ["a", "b"]}', None),  # a string's spellings are not counted
+    ("json_schema", '{"type": "integer", "maximum": 9}', None),
+    ("regex", "(yes|no)", None),
+])
+def test_longest_output_is_known_only_where_it_is_certain(kind, spec, longest):
+    """What decides the up-front 400 for a constraint that must end before min_tokens:
+    a bound only where every spelling is known, never a guess."""
+    from tokenizer_worker.grammar import longest_output_bytes
+
+    assert longest_output_bytes(GuidedSpec(kind, spec, "f")) == longest
+    assert longest_output_bytes(GuidedSpec(kind, spec, "f", reasoning="qwen3")) is None

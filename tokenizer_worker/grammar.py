@@ -78,6 +78,38 @@ def grammar_text(spec: GuidedSpec) -> str:
     return llguidance.grammar_from("grammar", spec.spec)
 
 
+# JSON values whose every spelling is known: a schema of only these has a longest output.
+_FINITE_TYPES = {"boolean": (True, False), "null": (None,)}
+
+
+def longest_output_bytes(spec: GuidedSpec) -> int | None:
+    """The most bytes any output of ``spec`` can have, where that is cheap and certain (a
+    choice list; a JSON schema of booleans/null: a const, an enum or those types); None
+    otherwise. Every token is at least a byte, so it bounds the tokens before the end."""
+    if spec.reasoning is not None:  # the <think> block before the answer is unbounded
+        return None
+    if spec.kind == "choice":
+        return max(len(choice.encode()) for choice in json.loads(spec.spec))
+    if spec.kind != "json_schema":
+        return None
+    schema = json.loads(spec.spec)
+    if not isinstance(schema, dict):
+        return None
+    if "const" in schema:
+        values = [schema["const"]]
+    elif isinstance(schema.get("enum"), list):
+        values = schema["enum"]
+    else:
+        types = schema.get("type")
+        types = [types] if isinstance(types, str) else types
+        if not isinstance(types, list) or not types or any(t not in _FINITE_TYPES for t in types):
+            return None
+        values = [v for t in types for v in _FINITE_TYPES[t]]
+    if not values or not all(v is None or isinstance(v, bool) for v in values):
+        return None
+    return max(len(json.dumps(v)) for v in values)
+
+
 END_THINK = "</think>"
 
 
