@@ -91,7 +91,7 @@ def serve_args_to_topology(argv: list[str],
         resolved = resolve_model(given, args.revision, environ)
         if resolved.repo_id is not None:
             say(f"{given}: the Hugging Face cache snapshot {resolved.revision} at "
-                 f"{resolved.path}")
+                f"{resolved.path}")
         default_name = given if resolved.repo_id else os.path.basename(
             resolved.path.rstrip("/"))
         return serve_topology(args, resolved.path, default_name, environ), args

@@ -116,7 +116,7 @@ def settle_defaults(topology: Topology, node: NodeSpec) -> Topology:
             raise SystemExit(f"candor: {err}") from None
         if defaults.items():
             say("sampling defaults for requests that omit them, from "
-                 f"{defaults.source}: " + ", ".join(f"{k}={v}" for k, v in
-                                                    defaults.items().items()))
+                f"{defaults.source}: " + ", ".join(f"{k}={v}" for k, v in
+                                                   defaults.items().items()))
         api = msgspec.structs.replace(api, sampling_defaults=defaults)
     return msgspec.structs.replace(topology, engine=engine, api=api)

@@ -200,7 +200,7 @@ class NodeSupervisor:
     def _restart(self, child: Child) -> None:
         code = child.proc.returncode
         say(f"{child.name} exited with code {code}; restarting it "
-             f"(restart {child.restarts + 1} of {self.sup.max_restarts})")
+            f"(restart {child.restarts + 1} of {self.sup.max_restarts})")
         self.publish(force=True)  # the frontends see it dead before it comes back
         process_exited(self.metrics_dir, child.proc.pid)
         child.last_exit = code
@@ -225,7 +225,7 @@ class NodeSupervisor:
             why = "; ".join(f"{c.name} exited with code {c.proc.returncode}"
                             for c in fatal if c.replica == r)
             say(f"engine replica {r} lost ({why}); stopping its other processes, the "
-                 f"other {replicas - len(self.lost_replicas) - 1} replica(s) serve on")
+                f"other {replicas - len(self.lost_replicas) - 1} replica(s) serve on")
             self.lost_replicas[r] = why
             self.publish(force=True)
             stop([c for c in self.children if c.replica == r])
@@ -237,7 +237,7 @@ class NodeSupervisor:
         ranks = self.topology.tensor_parallel * self.topology.replicas
         if "gpu_worker" in self.node.roles and len(self.node.devices) > ranks:
             say(f"node {self.node.name}: devices {self.node.devices} are listed for "
-                 f"{ranks} gpu_worker rank(s); the extra ones stay idle")
+                f"{ranks} gpu_worker rank(s); the extra ones stay idle")
         if self.node.metrics_port is not None:
             serve_node_http(self.node.host, self.node.metrics_port, self.metrics_dir,
                             self.local_problems)
@@ -245,7 +245,7 @@ class NodeSupervisor:
                                            self.gpu_workers)) for cfg in self.configs]
         self.write_metrics_info()
         say(f"node {self.node.name}: started {len(self.children)} processes: "
-             + ", ".join(c.name for c in self.children))
+            + ", ".join(c.name for c in self.children))
         serves_http = "api_frontend" in self.node.roles
         next_ready_check = 0.0
         exit_code = 0
@@ -262,7 +262,7 @@ class NodeSupervisor:
                                          f"code {c.proc.returncode}" for c in fatal)
                 for c in fatal:
                     say(f"{c.name} exited with code {c.proc.returncode}; stopping the "
-                         "topology")
+                        "topology")
                 self.publish(force=True)
                 self._wait(self.sup.teardown_delay_s)
                 exit_code = 1
@@ -276,7 +276,7 @@ class NodeSupervisor:
                 elif _check_healthy(self.topology.http):
                     self.state = "running"
                     say(f"ready on http://{self.topology.http.host}:"
-                         f"{self.topology.http.port} serving {self.topology.model.name()!r}")
+                        f"{self.topology.http.port} serving {self.topology.model.name()!r}")
             self.publish()
             time.sleep(0.05)
         else:
@@ -294,7 +294,7 @@ class NodeSupervisor:
                 c.proc.send_signal(signal.SIGTERM)
         if frontends:
             say(f"draining: waiting up to {self.sup.drain_timeout_s:g}s for in-flight "
-                 "requests")
+                "requests")
         self._wait(self.sup.drain_timeout_s + GRACE_S,
                    until=lambda: all(c.proc.poll() is not None for c in frontends))
 
