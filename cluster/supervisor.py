@@ -16,6 +16,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections import deque
 from dataclasses import dataclass
 
 import msgspec
@@ -45,12 +46,43 @@ _LEAN_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "RAYON_NUM_THREADS"
 _WORKER_ENV = {"THP_MEM_ALLOC_ENABLE": "1"}
 
 
+class RestartBudget:
+    """When one process may come back: at most ``limit`` restarts within ``window_s``;
+    the first in a window at once, each further one after twice the previous wait (1 s,
+    2 s, 4 s ... up to ``backoff_max_s``). A crash loop is slowed, then stopped; a crash
+    now and then never adds up, because restarts older than the window are forgotten."""
+
+    FIRST_BACKOFF_S = 1.0
+
+    def __init__(self, limit: int, window_s: float, backoff_max_s: float) -> None:
+        self.limit, self.window_s, self.backoff_max_s = limit, window_s, backoff_max_s
+        self._times: deque[float] = deque()
+
+    def recent(self, now: float) -> int:
+        """Restarts within the window that ends ``now``."""
+        while self._times and now - self._times[0] >= self.window_s:
+            self._times.popleft()
+        return len(self._times)
+
+    def delay(self, now: float) -> float | None:
+        """Seconds to wait before the next restart, or None: the window's limit is spent."""
+        n = self.recent(now)
+        if n >= self.limit:
+            return None
+        return 0.0 if n == 0 else min(self.backoff_max_s, self.FIRST_BACKOFF_S * 2 ** (n - 1))
+
+    def spend(self, now: float) -> None:
+        self._times.append(now)
+
+
 @dataclass
 class Child:
     config: ProcessConfig
     proc: subprocess.Popen
+    budget: RestartBudget | None = None  # None: the role is not restarted
     restarts: int = 0
     last_exit: int | None = None
+    restart_at: float | None = None  # monotonic time of a restart waiting out its backoff
 
     @property
     def name(self) -> str:
@@ -197,24 +229,55 @@ class NodeSupervisor:
             self.publish()
             time.sleep(0.05)
 
-    def _restart(self, child: Child) -> None:
+    def _spawn_children(self) -> None:
+        sup = self.sup
+        self.children = [
+            Child(cfg, _spawn(cfg, self.node.devices, self.api_keys, self.gpu_workers),
+                  RestartBudget(sup.max_restarts, sup.restart_window_s,
+                                sup.restart_backoff_max_s)
+                  if cfg.role in sup.restart else None)
+            for cfg in self.configs]
+        self.write_metrics_info()
+
+    def _schedule_restart(self, child: Child, now: float) -> bool:
+        """A restartable child just died: plan its restart after its backoff. False when
+        its budget for the window is spent (the death is then fatal)."""
+        budget = child.budget
+        delay = budget.delay(now) if budget is not None else None
+        if delay is None:
+            return False
         code = child.proc.returncode
-        say(f"{child.name} exited with code {code}; restarting it "
-            f"(restart {child.restarts + 1} of {self.sup.max_restarts})")
-        self.publish(force=True)  # the frontends see it dead before it comes back
-        process_exited(self.metrics_dir, child.proc.pid)
         child.last_exit = code
+        child.restart_at = now + delay
+        process_exited(self.metrics_dir, child.proc.pid)  # its live gauges drop out now
+        when = "now" if delay == 0 else f"in {delay:g}s"
+        say(f"{child.name} exited with code {code}; restarting it {when} (restart "
+            f"{budget.recent(now) + 1} of {budget.limit} within {budget.window_s:g}s)")
+        self.publish(force=True)  # the frontends see it dead before it comes back
+        return True
+
+    def _restart(self, child: Child, now: float) -> None:
+        assert child.budget is not None
+        child.budget.spend(now)
+        child.restart_at = None
         child.restarts += 1
         child.proc = _spawn(child.config, self.node.devices, self.api_keys, self.gpu_workers)
         self.write_metrics_info()
         self.restarts.labels(self.node.name, child.config.role).inc()
         self.publish(force=True)
 
+    def _why_fatal(self, child: Child) -> str:
+        why = f"{child.name} on node {self.node.name} exited with code {child.proc.returncode}"
+        if child.budget is not None and child.budget.limit:
+            why += (f" after it was restarted {child.budget.limit} times within "
+                    f"{child.budget.window_s:g}s")
+        return why
+
     def _lose_replicas(self, fatal: list[Child]) -> list[Child]:
         """With several engine replicas, a dead scheduler or rank takes only its replica
-        out: the replica's other processes are stopped, the frontends told (NodeStatus),
-        and the rest serve on. Returns the deaths that still stop the topology (any
-        shared role, or the last replica)."""
+        out: the replica's other processes are stopped (their gauges leave the node's
+        sums), the frontends told (NodeStatus), and the rest serve on. Returns the deaths
+        that still stop the topology (any shared role, or the last replica)."""
         replicas = self.topology.replicas
         if replicas == 1:
             return fatal
@@ -228,12 +291,43 @@ class NodeSupervisor:
                 f"other {replicas - len(self.lost_replicas) - 1} replica(s) serve on")
             self.lost_replicas[r] = why
             self.publish(force=True)
-            stop([c for c in self.children if c.replica == r])
+            members = [c for c in self.children if c.replica == r]
+            stop(members)
+            for c in members:
+                process_exited(self.metrics_dir, c.proc.pid)
         self.publish(force=True)
         return [c for c in fatal if c.replica is None]
 
+    def _tend(self) -> list[Child]:
+        """One look at the children: restart those whose backoff is over, plan restarts
+        for restartable deaths, take lost replicas out. Returns the fatal deaths. While
+        draining, the frontends' exits are expected and not looked at."""
+        now = time.monotonic()
+        dead = [c for c in self.children if c.proc.poll() is not None
+                and c.replica not in self.lost_replicas
+                and not (self.state == "draining" and c.config.role == "api_frontend")]
+        fatal = self._lose_replicas(
+            [c for c in dead if c.restart_at is None and not self._schedule_restart(c, now)])
+        if not fatal:
+            for c in dead:
+                if c.restart_at is not None and now >= c.restart_at:
+                    self._restart(c, now)
+        return fatal
+
+    def _fail(self, fatal: list[Child]) -> int:
+        """A death the topology cannot survive: say so (the frontends fail every request
+        they hold at once), keep the failed state visible a moment, exit 1."""
+        self.state = "failed"
+        self.problem = "; ".join(self._why_fatal(c) for c in fatal)
+        for c in fatal:
+            say(f"{self._why_fatal(c)}; stopping the topology")
+        self.publish(force=True)
+        self._wait(self.sup.teardown_delay_s)
+        return 1
+
     def run(self, stop_requested) -> int:
-        """Until a signal (drain, exit 0) or a fatal child death (exit 1)."""
+        """Until a signal (drain, exit 0) or a fatal child death (exit 1, also when it
+        happens during the drain)."""
         ranks = self.topology.tensor_parallel * self.topology.replicas
         if "gpu_worker" in self.node.roles and len(self.node.devices) > ranks:
             say(f"node {self.node.name}: devices {self.node.devices} are listed for "
@@ -241,34 +335,17 @@ class NodeSupervisor:
         if self.node.metrics_port is not None:
             serve_node_http(self.node.host, self.node.metrics_port, self.metrics_dir,
                             self.local_problems)
-        self.children = [Child(cfg, _spawn(cfg, self.node.devices, self.api_keys,
-                                           self.gpu_workers)) for cfg in self.configs]
-        self.write_metrics_info()
+        self._spawn_children()
         say(f"node {self.node.name}: started {len(self.children)} processes: "
             + ", ".join(c.name for c in self.children))
         serves_http = "api_frontend" in self.node.roles
         next_ready_check = 0.0
         exit_code = 0
         while not stop_requested():
-            dead = [c for c in self.children if c.proc.poll() is not None
-                    and c.replica not in self.lost_replicas]
-            fatal = self._lose_replicas(
-                [c for c in dead if not (c.config.role in self.sup.restart
-                                         and c.restarts < self.sup.max_restarts)])
-            dead = [c for c in dead if c.replica not in self.lost_replicas]
+            fatal = self._tend()
             if fatal:
-                self.state = "failed"
-                self.problem = "; ".join(f"{c.name} on node {self.node.name} exited with "
-                                         f"code {c.proc.returncode}" for c in fatal)
-                for c in fatal:
-                    say(f"{c.name} exited with code {c.proc.returncode}; stopping the "
-                        "topology")
-                self.publish(force=True)
-                self._wait(self.sup.teardown_delay_s)
-                exit_code = 1
+                exit_code = self._fail(fatal)
                 break
-            for c in dead:
-                self._restart(c)
             if self.state == "starting" and time.monotonic() >= next_ready_check:
                 next_ready_check = time.monotonic() + 0.5
                 if not serves_http:
@@ -280,12 +357,14 @@ class NodeSupervisor:
             self.publish()
             time.sleep(0.05)
         else:
-            self._drain()
+            exit_code = self._drain()
         self._shutdown()
         return exit_code
 
-    def _drain(self) -> None:
-        """SIGTERM: frontends refuse new work and finish what they hold, then the rest."""
+    def _drain(self) -> int:
+        """SIGTERM: frontends refuse new work and finish what they hold, then the rest.
+        The children are still tended meanwhile: an engine that dies during the drain
+        fails the requests at once and the launcher exits 1."""
         self.state = "draining"
         self.publish(force=True)
         frontends = [c for c in self.children if c.config.role == "api_frontend"]
@@ -295,8 +374,15 @@ class NodeSupervisor:
         if frontends:
             say(f"draining: waiting up to {self.sup.drain_timeout_s:g}s for in-flight "
                 "requests")
-        self._wait(self.sup.drain_timeout_s + GRACE_S,
-                   until=lambda: all(c.proc.poll() is not None for c in frontends))
+        deadline = time.monotonic() + self.sup.drain_timeout_s + GRACE_S
+        while time.monotonic() < deadline \
+                and not all(c.proc.poll() is not None for c in frontends):
+            fatal = self._tend()
+            if fatal:
+                return self._fail(fatal)
+            self.publish()
+            time.sleep(0.05)
+        return 0
 
     def _shutdown(self) -> None:
         stop(self.children)

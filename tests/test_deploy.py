@@ -442,3 +442,19 @@ def test_manifests_validate_against_the_kubernetes_schemas():
             kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
             checked.add(kind)
     assert {"Deployment", "StatefulSet", "Service", "ConfigMap"} <= checked, checked
+
+
+def test_tensor_parallel_is_shown_on_one_host_and_across_machines():
+    """Operators copy from deploy/topologies: TP on one host, and TP across machines
+    with its traffic protection declared (the launcher refuses it otherwise)."""
+    shipped = {p.name: load_topology(str(p)) for p in (DEPLOY / "topologies").glob("*.yaml")}
+    tp = {name: t for name, t in shipped.items() if t.tensor_parallel > 1}
+    spanning = {name for name, t in tp.items() if len(t.rank_nodes(0)) > 1}
+    assert spanning and set(tp) - spanning, sorted(tp)
+    for name in spanning:
+        traffic = tp[name].security.tensor_parallel
+        assert traffic is not None and tp[name].security.curve is not None, name
+    one_host = next(t for name, t in tp.items() if name not in spanning)
+    workers = [c for c in process_configs(one_host, "/tmp/r") if c.role == "gpu_worker"]
+    assert [c.tp_interface for c in workers] == ["lo"] * one_host.tensor_parallel
+    assert workers[0].tp_address.startswith("file:///tmp/r/")
