@@ -172,6 +172,10 @@ async def health_generate_route(request: web.Request) -> web.Response:
         ops.metrics.probes.labels("generate", "fail").inc()
         raise ApiError(503, "unhealthy: " + "; ".join(problems), None, "unhealthy")
     probed = await request.app[PROBE_KEY].check(timeout)
+    if not probed.results:  # every replica left rotation since problems() was read
+        ops.metrics.probes.labels("generate", "fail").inc()
+        raise ApiError(503, "unhealthy: no engine replica is in rotation to probe", None,
+                       "unhealthy")
     failures = probed.failures()
     outcome = failures[0].outcome if failures else "ok"
     ops.metrics.probes.labels("generate", outcome).inc()

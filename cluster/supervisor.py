@@ -266,8 +266,8 @@ class NodeSupervisor:
         self.restarts.labels(self.node.name, child.config.role).inc()
         self.publish(force=True)
 
-    def _why_fatal(self, child: Child) -> str:
-        why = f"{child.name} on node {self.node.name} exited with code {child.proc.returncode}"
+    def _why_fatal(self, child: Child, where: str = "") -> str:
+        why = f"{child.name}{where} exited with code {child.proc.returncode}"
         if child.budget is not None and child.budget.limit:
             why += (f" after it was restarted {child.budget.limit} times within "
                     f"{child.budget.window_s:g}s")
@@ -318,7 +318,8 @@ class NodeSupervisor:
         """A death the topology cannot survive: say so (the frontends fail every request
         they hold at once), keep the failed state visible a moment, exit 1."""
         self.state = "failed"
-        self.problem = "; ".join(self._why_fatal(c) for c in fatal)
+        self.problem = "; ".join(self._why_fatal(c, f" on node {self.node.name}")
+                                 for c in fatal)
         for c in fatal:
             say(f"{self._why_fatal(c)}; stopping the topology")
         self.publish(force=True)

@@ -306,7 +306,7 @@ def test_a_rank_that_misses_a_plan_stops_loudly(tiny_model_dir, tmp_path, droppe
         srv.stop()
     text = log.read_text()
     assert f"missed step plan {dropped}" in text
-    assert f"gpu_worker[1] on node local exited with code {PLAN_GAP_EXIT}" in text
+    assert f"gpu_worker[1] exited with code {PLAN_GAP_EXIT}; stopping the topology" in text
 
 
 def _spanning(**security) -> str:
