@@ -1,16 +1,17 @@
 """Imported by every Python process started with this directory on PYTHONPATH (see
-tests/faults.py). Each fault is switched on by its variable and patches one module right
+tests/faults.py). Each hook is switched on by its variable and patches one module right
 after its first import; every other process and module is left as it is:
 
-- CANDOR_TEST_FAULT_TOKEN: gpu_worker.model_runner gets a ModelRunner whose steps fail
-  when they feed that token;
+- CANDOR_TEST_FAULT_TOKEN, CANDOR_TEST_SCRIPTS: gpu_worker.model_runner gets a ModelRunner
+  whose steps fail when they feed that token, or that writes the scripted tokens;
 - CANDOR_TEST_DROP_PLAN (``INDEX:STEP``): the gpu_worker process ``INDEX`` never sees
-  step plan STEP, as when its subscription reconnects while the plan is published."""
+  step plan STEP (protocol.transport's Receiver swallows it)."""
 
 from __future__ import annotations
 
 import importlib.abc
 import importlib.util
+import json
 import os
 import sys
 
@@ -35,24 +36,32 @@ class _PatchAfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
-def _failing_steps(token: int):
+def _patch_runner(token: int | None, scripts: dict[int, list[int]] | None):
     def patch(module) -> None:
-        from tests.faults import failing_forward
-        module.ModelRunner._forward = failing_forward(module.ModelRunner._forward, token)
+        from tests.faults import failing_forward, scripted_execute
+        runner = module.ModelRunner
+        if token is not None:
+            runner._forward = failing_forward(runner._forward, token)
+        if scripts is not None:
+            runner.execute = scripted_execute(runner.execute, scripts)
     return patch
 
 
-def _dropped_plan(index: int, step_id: int):
+def _patch_receiver(index: int, step_id: int):
     def patch(module) -> None:
         from tests.faults import dropping_plan
         module.Receiver.recv = dropping_plan(module.Receiver.recv, index, step_id)
     return patch
 
 
-if os.environ.get("CANDOR_TEST_FAULT_TOKEN"):
-    sys.meta_path.insert(0, _PatchAfterImport(
-        "gpu_worker.model_runner", _failing_steps(int(os.environ["CANDOR_TEST_FAULT_TOKEN"]))))
-if os.environ.get("CANDOR_TEST_DROP_PLAN"):
-    _index, _step = os.environ["CANDOR_TEST_DROP_PLAN"].split(":")
-    sys.meta_path.insert(0, _PatchAfterImport(
-        "protocol.transport", _dropped_plan(int(_index), int(_step))))
+_token = os.environ.get("CANDOR_TEST_FAULT_TOKEN")
+_scripts = os.environ.get("CANDOR_TEST_SCRIPTS")
+if _token or _scripts:
+    sys.meta_path.insert(0, _PatchAfterImport("gpu_worker.model_runner", _patch_runner(
+        int(_token) if _token else None,
+        {int(k): v for k, v in json.loads(_scripts).items()} if _scripts else None)))
+_dropped = os.environ.get("CANDOR_TEST_DROP_PLAN")
+if _dropped:
+    _index, _step = _dropped.split(":")
+    sys.meta_path.insert(0, _PatchAfterImport("protocol.transport",
+                                              _patch_receiver(int(_index), int(_step))))
