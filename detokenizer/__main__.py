@@ -53,6 +53,13 @@ class Detokenizer:
         self.tracked = Gauge("candor_detokenizer_requests", "Requests whose decoding state "
                              "a detokenizer holds (started, not yet finished)",
                              multiprocess_mode="livesum", registry=None)
+        self._tracked = 0
+
+    def _track(self) -> None:
+        """The gauge follows ``live`` (written only when its size changed: ~9 us each)."""
+        if len(self.live) != self._tracked:
+            self._tracked = len(self.live)
+            self.tracked.set(self._tracked)
 
     def start(self, msg: ipc.DetokStart) -> None:
         if msg.replica in self.lost_replicas:
@@ -60,7 +67,7 @@ class Detokenizer:
         self.live[msg.rid] = _Live(RequestDetokenizer(self.tokenizer, msg.detok, msg.prompt_tail),
                                    msg.reply_to, msg.prompt_tokens, msg.prompt_token_ids,
                                    replica=msg.replica)
-        self.tracked.set(len(self.live))
+        self._track()
 
     def tokens(self, msg: ipc.TokenBatch) -> None:
         live = self.live
@@ -101,7 +108,7 @@ class Detokenizer:
             self.to_frontends.send(reply_to, ipc.TextDeltas(items))
         for reply_to, err in errors:
             self.to_frontends.send(reply_to, err)
-        self.tracked.set(len(live))
+        self._track()
 
     def node_status(self, msg: NodeStatus) -> None:
         for replica in msg.lost_replicas:
@@ -111,7 +118,7 @@ class Detokenizer:
             gone = [rid for rid, state in self.live.items() if state.replica == replica]
             for rid in gone:
                 del self.live[rid]
-            self.tracked.set(len(self.live))
+            self._track()
             self.log.warning("engine replica %d was lost; freed the state of its %d "
                              "request(s)", replica, len(gone))
 
