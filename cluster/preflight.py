@@ -20,8 +20,8 @@ from cluster.topology import HttpSpec, NodeSpec, Topology
 
 def check_chat_template(topology: Topology) -> None:
     """A broken --chat-template fails here, in one line, before any process starts."""
-    from tokenizer_worker.chat_template import ChatTemplateError
-    from tokenizer_worker.template_source import load_server_template
+    from tokenization.chat_template import ChatTemplateError
+    from tokenization.template_source import load_server_template
     try:
         load_server_template(topology.api.chat_template, topology.api.limits.max_template_bytes)
     except ChatTemplateError as err:

@@ -70,8 +70,8 @@ class GrammarStates:
 
     def _build(self, model_path: str) -> None:
         try:
-            from tokenizer_worker.grammar import build_tokenizer
-            from tokenizer_worker.tokenizer_files import CheckpointTokenizer
+            from tokenization.grammar_vocab import build_tokenizer
+            from tokenization.tokenizer_files import CheckpointTokenizer
             tok = CheckpointTokenizer(model_path)
             self._tokenizer = build_tokenizer(tok.backend.to_str(), self.vocab_size,
                                               tok.eos_token_ids)

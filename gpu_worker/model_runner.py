@@ -25,14 +25,15 @@ from dataclasses import dataclass
 import torch
 
 from cluster import checkpoint
-from gpu_worker import cpu_decode, cuda_graphs
-from gpu_worker.attention import GatherScratch, build_metadata, decode_group_blocks, select_backend
+from gpu_worker import cuda_graphs
+from gpu_worker.attention.base import AttentionBackend, AttentionSpec
+from gpu_worker.attention.registry import select_backend
 from gpu_worker.grammar import GrammarStates
 from gpu_worker.kv_budget import auto_kv_bytes
 from gpu_worker.distributed import Ranks
 from gpu_worker.loader import load_weights
 from gpu_worker.model_config import load_config
-from gpu_worker.models.registry import model_class
+from gpu_worker.models.decoder import DecoderForCausalLM
 from gpu_worker.progress import Progress
 from gpu_worker.request_state import RequestTracker
 from gpu_worker.tp_shard import tp_shard
@@ -65,6 +66,10 @@ def resolve_dtype(name: str, model_path: str, device: torch.device) -> tuple[tor
 
 
 class ModelRunner:
+    """Start-up runs in named steps (``_build_model``, ``_size_kv_cache``,
+    ``_allocate_kv_cache``, ``_pick_attention``, ``_capture_graphs``); ``execute`` runs one
+    plan."""
+
     def __init__(
         self,
         model_path: str,
@@ -84,62 +89,22 @@ class ModelRunner:
     ) -> None:
         self.config = cfg = load_config(model_path)
         self.ranks = ranks = ranks or Ranks()
-        shard = tp_shard(cfg, ranks.rank, ranks.size)
+        self.shard = tp_shard(cfg, ranks.rank, ranks.size)
         self.device = torch.device(device)
         self.dtype, self.dtype_reason = resolve_dtype(dtype, model_path, self.device)
         self.block_size = block_size
-
         # The context limit is settled before this process starts (cluster.checkpoint's
         # effective_max_model_len, which every role uses); windows do not shorten it.
         limit = cfg.max_position_embeddings
         self.max_model_len = min(limit, max_model_len) if max_model_len else limit
 
-        # Build on meta (no init cost), then materialise; the loader writes every weight.
-        with torch.device("meta"):
-            model = model_class(cfg.model_type)(cfg, max_positions=self.max_model_len, device=self.device,
-                                                dtype=self.dtype, tp=ranks.tp_group(shard))
-        model = model.to_empty(device=self.device).to(self.dtype)
-        load_weights(model, model_path, load_format, seed=seed)
-        self.model = model.eval()
-
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        self.block_bytes = 2 * cfg.num_layers * block_size * shard.kv_heads * cfg.head_dim * elem
-        # The budget covers the scratch block too; an explicit count is the scheduler's.
-        if num_blocks is not None:
-            self.kv_reason = f"--num-kv-blocks {num_blocks}"
-        elif kv_cache_memory_bytes is not None:
-            self.kv_reason = f"{kv_cache_memory_bytes / 2**20:.0f} MiB asked for"
-        else:
-            blocks_per_seq = -(-self.max_model_len // block_size)
-            needed = (max_num_seqs * blocks_per_seq + 1) * self.block_bytes
-            kv_cache_memory_bytes, self.kv_reason = auto_kv_bytes(self.device, needed,
-                                                                  gpu_memory_utilization)
-        local = num_blocks if num_blocks is not None else kv_cache_memory_bytes // self.block_bytes - 1
-        self.num_blocks = ranks.min_int(local)  # every rank must hold every block
-        if self.num_blocks < 1:
-            raise ValueError(f"KV cache budget too small: two blocks need {2 * self.block_bytes} bytes")
+        self.model = self._build_model(model_path, load_format, seed)
+        self.num_blocks, self.kv_reason = self._size_kv_cache(num_blocks, kv_cache_memory_bytes,
+                                                              gpu_memory_utilization, max_num_seqs)
         self.scratch_block = self.num_blocks  # never in a plan: _check rejects ids >= num_blocks
-        shape = (self.num_blocks + 1, block_size, shard.kv_heads, cfg.head_dim)
-        # Zeros, not empty: padded decode slots are masked but still multiplied, and
-        # uninitialised memory could hold NaN/inf.
-        zeros = lambda: torch.zeros(shape, dtype=self.dtype, device=self.device)  # noqa: E731
-        kv_bytes = (self.num_blocks + 1) * self.block_bytes  # every layer's K and V
-        progress = Progress("allocating the KV cache", kv_bytes)
-        self.kv_caches = []
-        for _ in range(cfg.num_layers):
-            self.kv_caches.append((zeros(), zeros()))
-            progress.advance(kv_bytes // cfg.num_layers)
-        progress.finish()
+        self.kv_caches = self._allocate_kv_cache()
+        self.attn_spec, self.attn_backend = self._pick_attention()
 
-        # Layers whose attention differs (window, soft-cap) get their own backend plan.
-        self.layer_kinds = [(layer.window, cfg.attn_softcap) for layer in cfg.layers]
-        self.cascade = all(kind == (None, None) for kind in self.layer_kinds)
-        self.attn_backend = select_backend(shard.heads, shard.kv_heads, cfg.head_dim,
-                                           block_size, self.dtype, self.device,
-                                           sm_scale=cfg.scale, layer_kinds=self.layer_kinds)
-        self.decode_group_blocks = decode_group_blocks(self.kv_caches[0][0])
-        self.gather_scratch = GatherScratch()
-        self.decode_kernel = None if self.attn_backend else cpu_decode.load(self.device, self.dtype)
         self.grammars = GrammarStates(model_path, cfg.vocab_size, self.device)
         self.sampler = Sampler(self.device, seed, apply_masks=self.grammars.apply_masks)
         self.sampling: dict[str, SamplingParams] = {}
@@ -149,33 +114,100 @@ class ModelRunner:
         self.failed_last_step: set[str] = set()  # rids of the previous step, if it failed
         self.tracker = RequestTracker()  # token history (penalties) and prompt logprobs
         self.timings = WorkerTimings()  # cumulative, sent with every result
-        self.decode_graphs: cuda_graphs.DecodeGraphRunner | None = None
-        if self.attn_backend is not None and not enforce_eager and ranks.size > 1:
-            log.info("tensor parallel: decode steps run eagerly (no CUDA graphs across ranks)")
-        elif self.attn_backend is not None and not enforce_eager:
-            sizes = cuda_graphs.capture_sizes(max_num_seqs)
-            pages_per_seq = -(-self.max_model_len // block_size)
-            page_ids = torch.zeros(sizes[-1] * pages_per_seq, dtype=torch.int32, device=self.device)
-            self.decode_graphs = self.static_decode(
-                lambda size: self.attn_backend.graph_decode(size, page_ids), sizes)
-            started = time.perf_counter()
-            try:
-                with torch.inference_mode():
-                    n = self.decode_graphs.capture()
-            except Exception:  # said loudly, and decode stays correct: it just runs eagerly
-                log.exception("CUDA graph capture failed; decode-only steps run eagerly")
-                self.decode_graphs = None
-            else:
-                log.info("captured %d decode CUDA graphs (batch sizes %s) in %.1fs", n, sizes,
-                         time.perf_counter() - started)
 
-    def static_decode(self, make_attention, sizes: list[int]) -> cuda_graphs.DecodeGraphRunner:
-        """A padded static-buffer decode path over this runner's model and cache
-        (``make_attention(size)``: see ``cuda_graphs``); assign it to ``decode_graphs``."""
+        self.decode_graphs = self._capture_graphs(enforce_eager, max_num_seqs)
+
+    # ------------------------------------------------------------------ start-up steps
+
+    def _build_model(self, model_path: str, load_format: str, seed: int) -> DecoderForCausalLM:
+        """This rank's shard of the model, its weights loaded (or seeded, ``dummy``). Built
+        on meta (no init cost), then materialised; the loader writes every weight."""
+        with torch.device("meta"):
+            model = DecoderForCausalLM(self.config, max_positions=self.max_model_len, device=self.device,
+                                       dtype=self.dtype, tp=self.ranks.tp_group(self.shard))
+        model = model.to_empty(device=self.device).to(self.dtype)
+        load_weights(model, model_path, load_format, seed=seed)
+        return model.eval()
+
+    @property
+    def block_bytes(self) -> int:
+        """K and V bytes of one cache block over every layer (this rank's KV heads)."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
         cfg = self.config
+        return 2 * cfg.num_layers * self.block_size * self.shard.kv_heads * cfg.head_dim * elem
+
+    def _size_kv_cache(self, num_blocks: int | None, memory_bytes: int | None,
+                       gpu_memory_utilization: float, max_num_seqs: int) -> tuple[int, str]:
+        """(blocks every rank can hold, why): an explicit count is the scheduler's; a byte
+        budget covers the scratch block too; neither: what the machine has free
+        (``kv_budget``), at most what ``max_num_seqs`` full-context sequences need."""
+        if num_blocks is not None:
+            reason = f"--num-kv-blocks {num_blocks}"
+        elif memory_bytes is not None:
+            reason = f"{memory_bytes / 2**20:.0f} MiB asked for"
+        else:
+            blocks_per_seq = -(-self.max_model_len // self.block_size)
+            needed = (max_num_seqs * blocks_per_seq + 1) * self.block_bytes
+            memory_bytes, reason = auto_kv_bytes(self.device, needed, gpu_memory_utilization)
+        local = num_blocks if num_blocks is not None else memory_bytes // self.block_bytes - 1
+        blocks = self.ranks.min_int(local)  # every rank must hold every block
+        if blocks < 1:
+            raise ValueError(f"KV cache budget too small: two blocks need {2 * self.block_bytes} bytes")
+        return blocks, reason
+
+    def _allocate_kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's K and V: [blocks + the scratch block, block_size, kv_heads, head_dim].
+        Zeros, not empty: padded decode slots are masked but still multiplied, and
+        uninitialised memory could hold NaN/inf."""
+        cfg = self.config
+        shape = (self.num_blocks + 1, self.block_size, self.shard.kv_heads, cfg.head_dim)
+        kv_bytes = (self.num_blocks + 1) * self.block_bytes
+        progress = Progress("allocating the KV cache", kv_bytes)
+        caches = []
+        for _ in range(cfg.num_layers):
+            caches.append((torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.dtype, device=self.device)))
+            progress.advance(kv_bytes // cfg.num_layers)
+        progress.finish()
+        return caches
+
+    def _pick_attention(self) -> tuple[AttentionSpec, AttentionBackend]:
+        """The first attention backend that serves this rank's heads, dtype and device, and
+        each layer's kind (window, soft-cap); see ``attention.registry``."""
+        cfg, shard = self.config, self.shard
+        spec = AttentionSpec(shard.heads, shard.kv_heads, cfg.head_dim, self.block_size, self.dtype,
+                             self.device, cfg.scale, tuple((layer.window, cfg.attn_softcap) for layer in cfg.layers))
+        return spec, select_backend(spec)
+
+    def _capture_graphs(self, enforce_eager: bool, max_num_seqs: int) -> cuda_graphs.DecodeGraphRunner | None:
+        """Decode-only steps as CUDA graphs, captured now (see ``cuda_graphs``), where the
+        backend can be captured, eager mode is off and one rank serves; else None."""
+        if not self.attn_backend.capturable or enforce_eager:
+            return None
+        if self.ranks.size > 1:
+            log.info("tensor parallel: decode steps run eagerly (no CUDA graphs across ranks)")
+            return None
+        sizes = cuda_graphs.capture_sizes(max_num_seqs)
+        graphs = self.static_decode(sizes)
+        started = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                n = graphs.capture()
+        except Exception:  # said loudly, and decode stays correct: it just runs eagerly
+            log.exception("CUDA graph capture failed; decode-only steps run eagerly")
+            return None
+        log.info("captured %d decode CUDA graphs (batch sizes %s) in %.1fs", n, sizes,
+                 time.perf_counter() - started)
+        return graphs
+
+    def static_decode(self, sizes: list[int]) -> cuda_graphs.DecodeGraphRunner:
+        """A padded static-buffer decode path at batch ``sizes`` over this runner's model,
+        cache and attention backend (see ``cuda_graphs``); assign it to ``decode_graphs``."""
+        pages_per_seq = -(-self.max_model_len // self.block_size)
         return cuda_graphs.DecodeGraphRunner(
-            self.model, self.kv_caches, make_attention, sizes, scratch_block=self.scratch_block,
-            block_size=self.block_size, hidden_size=cfg.hidden_size, dtype=self.dtype, device=self.device)
+            self.model, self.kv_caches, self.attn_backend.graph_attention(sizes, pages_per_seq),
+            scratch_block=self.scratch_block, block_size=self.block_size,
+            hidden_size=self.config.hidden_size, dtype=self.dtype, device=self.device)
 
     # ------------------------------------------------------------------ state
 
@@ -314,11 +346,7 @@ class ModelRunner:
         if not prefills and self.decode_graphs is not None and self.decode_graphs.fits(len(decodes)):
             hidden = self.decode_graphs.run(chunks, ids, positions)
         else:
-            meta = build_metadata(
-                chunks, len(decodes), self.block_size, dev, backend=self.attn_backend,
-                group_blocks=self.decode_group_blocks, scratch=self.gather_scratch,
-                decode_kernel=self.decode_kernel, cascade=self.cascade,
-            )
+            meta = self.attn_backend.build(chunks, len(decodes))
             hidden = self.model(
                 torch.tensor(ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev),

@@ -377,6 +377,7 @@ class TopLogprob(msgspec.Struct, array_like=True):
     token_id: int
     token: str
     logprob: float
+    raw: bytes | None = None  # as DecodedLogprob.raw
 
 
 class DecodedLogprob(msgspec.Struct, array_like=True):
@@ -387,6 +388,9 @@ class DecodedLogprob(msgspec.Struct, array_like=True):
     logprob: float | None
     top: list[TopLogprob] = []
     rank: int | None = None
+    # the token's own bytes where ``token`` lost some (part of a UTF-8 character decodes
+    # to U+FFFD); None: they are ``token``'s UTF-8
+    raw: bytes | None = None
 
 
 class TextDeltas(_Message, tag="deltas"):

@@ -294,10 +294,12 @@ def test_images_build_from_source_only():
     assert "whl/cpu" in cpu and "flashinfer" not in cpu
     assert "whl/cu" in cuda and "pip install --no-cache-dir flashinfer-python" in cuda
     assert "import flashinfer" in cuda  # the build fails when it cannot be imported
+    packages = sorted(p.parent.name for p in REPO.glob("*/__init__.py") if p.parent.name != "tests")
+    assert {"protocol", "cluster", "api_frontend", "tokenizer_worker", "scheduler", "gpu_worker",
+            "detokenizer"} <= set(packages)
     for text in (cpu, cuda):
         assert "COPY . " not in text
-        for package in ("protocol", "cluster", "api_frontend", "tokenizer_worker",
-                        "scheduler", "gpu_worker", "detokenizer"):
+        for package in packages:  # every package the processes import, a new one too
             assert f"COPY {package} /app/{package}" in text, package
 
 

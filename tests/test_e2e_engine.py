@@ -60,6 +60,7 @@ async def test_prefix_cache_hit_reports_cached_tokens_and_matches_hf(server, hf_
     cached = r2["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached > 0 and cached % 16 == 0 and cached <= common   # whole blocks of the head
     assert r3["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # other salt: no sharing
+    assert "cache_salt" in r3["candor"]["extensions"]  # the client can tell it was used
     for prompt, r in [(first, r1), (second, r2), (second, r3)]:
         ids = tok(prompt)["input_ids"]
         assert r["choices"][0]["token_ids"] == _hf_greedy(model, ids, 12)

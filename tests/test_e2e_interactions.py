@@ -186,8 +186,6 @@ GRAMMAR_ENDS_BEFORE_MIN_TOKENS: Combo = (("min_tokens", (True,)), ("constraint",
 # may be the one token the grammar allows
 GRAMMAR_NEEDS_MASKED_STOP_ID: Combo = (("min_tokens", (True,)), ("stop", ("token_id",)),
                                        ("constraint", FORCED_GRAMMARS))
-STOP_INSIDE_TOOL_CALL: Combo = (("stop", ("string", "token_id", "string_at_end")),
-                                ("constraint", TOOL_CONSTRAINTS))
 
 
 @dataclass(frozen=True)
@@ -209,7 +207,6 @@ CONFLICTS: tuple[Conflict, ...] = (
     Conflict(GRAMMAR_NEEDS_MASKED_STOP_ID,
              ("min_tokens", "stop_token_ids", "response_format", "guided_", "tool"),
              waived="min_tokens"),
-    Conflict(STOP_INSIDE_TOOL_CALL, ("stop", "stop_token_ids", "tool")),
 )
 
 
@@ -268,11 +265,6 @@ KNOWN: tuple[Known, ...] = (
     Known(6, (("stop", ("string_at_end",)),),
           "a stop string ending on the last allowed token reports finish_reason length",
           check="stop_at_end_finish"),
-    Known(None, STOP_INSIDE_TOOL_CALL,
-          "a stop (string or stop_token_ids) that ends a tool_choice required/named/auto "
-          "reply inside a call's arguments still answers finish_reason tool_calls, with "
-          "arguments that do not parse (a fragment, or '' when a reasoning parser never "
-          "reached the answer)"),
 )
 
 GATED_CHECKS = frozenset(k.check for k in KNOWN if k.check)
@@ -589,6 +581,13 @@ def reply_diffs(got: Reply, refs: list[Reply], offsets: bool) -> list[str]:
 
 
 # ------------------------------------------------------------------ each feature's promise
+def _parses(args: str) -> bool:
+    try:
+        return isinstance(json.loads(args), dict)
+    except ValueError:
+        return False
+
+
 def feature_problems(cell: Cell, body: dict, reply: Reply, stop: StopPlan,
                      waived: str = "") -> list[str]:
     """What the cell's output breaks of each feature's own promise (the reference is the
@@ -628,12 +627,12 @@ def feature_problems(cell: Cell, body: dict, reply: Reply, stop: StopPlan,
                     "get_weather", "get_time"]
                 if [c[0] for c in ch.calls] != want or ch.text != "Sure.":
                     bad(f"auto tool calls {ch.calls} content {ch.text!r}, want {want}")
-        if not answer_done and ch.finish != "length":  # a stop cut it: the calls still parse
-            for name, args in ch.calls:
-                try:
-                    json.loads(args)
-                except ValueError:
-                    bad(f"tool call {name} has arguments that do not parse: {args!r}")
+        # finish_reason tool_calls means every call was written to its end; a reply that a
+        # stop or max_tokens ended inside a call finishes what ended it (README's policy)
+        for name, args in ch.calls if ch.finish == "tool_calls" else ():
+            if not _parses(args):
+                bad(f"finish_reason tool_calls, yet {name} has arguments that do not parse: "
+                    f"{args!r}")
         if cell.parallel_tool_calls is False and len(ch.calls) > 1:
             bad(f"parallel_tool_calls false gave {len(ch.calls)} calls")
         if cell.reasoning and cell.endpoint == "chat" and ch.text and not ch.reasoning:
@@ -650,7 +649,8 @@ def feature_problems(cell: Cell, body: dict, reply: Reply, stop: StopPlan,
         if stop.held[i] and raw is not None and stop_text not in raw:
             bad(f"stop string {stop_text!r} ends within min_tokens, yet it cut {raw!r}")
         at_end = cell.stop == "string_at_end" and "stop_at_end_finish" in cell.checks_off
-        if cut and ch.finish != "stop" and not at_end:
+        # a stop after the last call's end leaves the calls whole: tool_calls (checked above)
+        if cut and ch.finish not in ("stop", "tool_calls") and not at_end:
             bad(f"the stop cut the text, yet finish_reason is {ch.finish!r}")
         stop_ids = body.get("stop_token_ids") or []
         if stop_ids and stop_ids[0] in ch.token_ids[:-1]:

@@ -194,8 +194,9 @@ def test_constraint_applies_after_the_reasoning_block(tiny_model_dir, parser, ki
     tags) and ends at the first </think>; the answer after it is constrained."""
     import llguidance
 
-    from tokenizer_worker.grammar import GrammarCompiler, build_tokenizer
-    from tokenizer_worker.tokenizer_files import CheckpointTokenizer
+    from tokenization.grammar_vocab import build_tokenizer
+    from tokenizer_worker.grammar import GrammarCompiler
+    from tokenization.tokenizer_files import CheckpointTokenizer
     tok = CheckpointTokenizer(tiny_model_dir)
     compiler = GrammarCompiler(build_tokenizer(tok.backend.to_str(), tok.vocab_size,
                                                tok.eos_token_ids))

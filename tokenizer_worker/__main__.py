@@ -11,11 +11,11 @@ from cluster.metrics import dropped_messages
 from cluster.process_config import TokenizerConfig
 from protocol import ipc
 from protocol.transport import Receiver, Sender, SenderPool, sync_context
+from tokenization.tokenizer_files import CheckpointTokenizer
 from tokenizer_worker.deadline import Watchdog
 from tokenizer_worker.memory import TRIM_AFTER_BYTES, release_memory
 from tokenizer_worker.metrics import TokenizerMetrics
 from tokenizer_worker.prepare import RequestPreparer
-from tokenizer_worker.tokenizer_files import CheckpointTokenizer
 
 
 def watchdog_limit_s(render_timeout_s: float) -> float:

@@ -15,17 +15,18 @@ import msgspec
 
 from cluster.topology import ApiSpec
 from protocol import ipc
+from tokenization.chat_template import ChatTemplate, ChatTemplateError
+from tokenization.grammar_vocab import build_tokenizer
+from tokenization.template_source import load_server_template
+from tokenization.tokenizer_files import CheckpointTokenizer
 from tokenizer_worker.budget import resolve_max_tokens
-from tokenizer_worker.chat_template import ChatTemplate, ChatTemplateError
 from tokenizer_worker.content_format import detect_content_format, flatten_content
 from tokenizer_worker.deadline import time_limit
-from tokenizer_worker.grammar import GrammarCompiler, GrammarError, build_tokenizer
+from tokenizer_worker.grammar import GrammarCompiler, GrammarError
 from tokenizer_worker.length_bound import TokenLengthBound, utf8_len
-from tokenizer_worker.template_source import load_server_template
 from tokenizer_worker.text_offsets import token_starts
 from tokenizer_worker.tool_arguments import (ArgumentsError, arguments_as_objects,
                                               detect_arguments_format)
-from tokenizer_worker.tokenizer_files import CheckpointTokenizer
 
 _REQUEST_TEMPLATE_CACHE = 32
 # /tokenize counts documents longer than the context (lm-eval's rolling windows), up to this
