@@ -7,7 +7,7 @@ msgspec; token ids travel as plain int lists.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Any, ClassVar, Literal, Union
 
 import msgspec
 
@@ -218,7 +218,8 @@ class TokenizedReq(_Message, tag="tokenized", omit_defaults=True):
 
 
 class Abort(_Message, tag="abort"):
-    """Stop a request and free its KV blocks. ``reason``: disconnect | stop_string | error."""
+    """Stop a request and free its KV blocks. ``reason``: disconnect | stop_string | error
+    | probe_timeout (the cause ``candor_aborts_total`` counts it under)."""
 
     rid: str
     reason: str = "disconnect"
@@ -257,14 +258,22 @@ class SeqChunk(msgspec.Struct, array_like=True):
 
 
 class StepPlan(_Message, tag="step"):
-    """One forward pass over a batch. ``new_sampling`` carries params for sequences the
-    worker has not seen (or sees again after preemption); ``released`` lists rids whose
-    worker-side state (block table, seeded generators) can be dropped."""
+    """One forward pass over a batch. ``step_id`` numbers the plans from 1 without gaps
+    (every rank checks it: gpu_worker/plan_order.py). ``new_sampling`` carries params for
+    sequences the worker has not seen (or sees again after preemption); ``released``
+    lists rids whose worker-side state (block table, seeded generators) can be dropped."""
 
     step_id: int
     seqs: list[SeqChunk]
     new_sampling: dict[str, SamplingParams] = {}
     released: list[str] = []
+
+
+class PlanMark(_Message, tag="plan_mark"):
+    """The newest ``StepPlan.step_id`` the scheduler has published, re-sent with its
+    heartbeat while steps are in flight: a rank that has not seen that plan lost it."""
+
+    step_id: int
 
 
 class Shutdown(_Message, tag="shutdown"):
@@ -431,7 +440,12 @@ class RequestError(_Message, tag="request_error"):
 
 
 class SchedulerStats(_Message, tag="stats"):
-    """Published by the scheduler every heartbeat; the frontend's /health reads it."""
+    """Published by the scheduler every heartbeat; the frontend's /health reads it.
+    ``CUMULATIVE`` fields count since the scheduler started (they never go down)."""
+
+    CUMULATIVE: ClassVar[tuple[str, ...]] = (
+        "steps", "prefix_hit_blocks", "worker_idle_s", "worker_busy_s", "preemptions",
+        "aborts", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "step_phases_s")
 
     time: float
     running: int
@@ -448,7 +462,7 @@ class SchedulerStats(_Message, tag="stats"):
     worker_idle_ms_p50: float = 0.0  # median idle gap over recent busy steps (ms)
     preemptions: int = 0  # cumulative requests preempted (recompute)
     # Cumulative since start, exported as Prometheus counters by scheduler/metrics.py.
-    aborts: dict[str, int] = {}  # by cause: disconnect | stop_string | error
+    aborts: dict[str, int] = {}  # by cause: disconnect | stop_string | error | probe_timeout
     # Prefix cache, in prompt tokens: looked up, and found cached (the planner counts both).
     prefix_cache_queried_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
@@ -483,7 +497,7 @@ class StoreAnswer(_Message, tag="store_answer"):
 # One tagged union per receiving socket.
 TokenizerInbound = Union[GenerateReq, RenderReq]
 SchedulerInbound = Union[TokenizedReq, Abort]
-WorkerInbound = Union[StepPlan, Shutdown]
+WorkerInbound = Union[StepPlan, PlanMark, Shutdown]
 WorkerOutbound = Union[WorkerReady, StepResult, WorkerError]
 DetokenizerInbound = Union[DetokStart, TokenBatch]
 FrontendInbound = Union[TextDeltas, RequestError, RequestInfo, RenderResult, StoreQuery,

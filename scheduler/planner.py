@@ -85,6 +85,7 @@ class Planner:
         # prompt tokens looked up in / served from the prefix cache, cumulative
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
+        self.prefix_hit_blocks = 0  # cached blocks admitted requests took, every admission
         # full blocks that planned steps are still filling (chained hash -> count): a
         # request about to recompute one waits a step and then hits it in the cache
         self.blocks_being_written: Counter[int] = Counter()
@@ -201,10 +202,11 @@ class Planner:
         """Whether ``req`` may be served from the prefix cache."""
         return self.enable_prefix_caching and req.req.sampling.prompt_logprobs < 0
 
-    def _match_prefix(self, req: SchedRequest) -> None:
-        """Share the longest cached run of leading full blocks (never the whole prompt)."""
+    def _match_prefix(self, req: SchedRequest) -> int:
+        """Share the longest cached run of leading full blocks (never the whole prompt);
+        returns how many were found."""
         if not self._reads_cache(req) or req.num_computed or req.block_table:
-            return
+            return 0
         bs = self.block_size
         limit = (len(req.token_ids) - 1) // bs
         req.full_block_hashes(limit, bs)
@@ -219,6 +221,7 @@ class Planner:
             parent = block
         req.reset_computed(len(req.block_table) * bs)
         req.num_registered = len(req.block_table)
+        return len(req.block_table)
 
     def _unmatch(self, req: SchedRequest) -> None:
         """Admission failed after matching: give the shared blocks back."""
@@ -293,7 +296,7 @@ class Planner:
             req = self.waiting[0]
             if step.preempted and req in step.preempted:
                 break  # do not re-admit what this very step had to evict
-            self._match_prefix(req)
+            matched = self._match_prefix(req)
             if self._waits_for_prefix(req):
                 self._unmatch(req)
                 break
@@ -306,6 +309,7 @@ class Planner:
                 if self._reads_cache(req):
                     self.prefix_queried_tokens += len(req.req.prompt_token_ids)
                     self.prefix_hit_tokens += req.num_computed
+            self.prefix_hit_blocks += matched  # counted once admitted, not per attempt
             self.waiting.popleft()
             self.running.append(req)
             self._add(step, req, n)
