@@ -111,6 +111,7 @@ class WorkerConfig(ReplicaConfig, kw_only=True, tag="gpu_worker"):
     load_format: str = "auto"
     runner: str = "generate"
     first_worker: int = 0  # the index of its model's first gpu_worker (several models)
+    tp_interface: str | None = None  # the interface the collectives bind to (Topology)
 
     @property
     def tp_rank(self) -> int:
@@ -155,7 +156,8 @@ def _role_config(role: str, topology: Topology, group: EngineGroup, replica: int
     return WorkerConfig(**envelope, **engine, model_path=path,
                         max_model_len=model.max_model_len, dtype=model.dtype,
                         load_format=model.load_format, runner=group.runner,
-                        first_worker=group.first_worker)
+                        first_worker=group.first_worker,
+                        tp_interface=topology.tp_interface(replica))
 
 
 def _owner(role: str, index: int, groups: list[EngineGroup]) -> tuple[EngineGroup, int]:

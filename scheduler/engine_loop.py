@@ -19,7 +19,10 @@ worker's pooled vector, goes straight back to the frontend that asked (``Pooled`
 
 Plans go out on one PUB socket that every tensor-parallel rank subscribes to (XPUB, so
 the loop can count the subscriptions): the worker counts as ready once rank 0 reported
-its KV capacity and all ranks are subscribed, so no rank misses the first plan.
+its KV capacity and all ranks are subscribed, so no rank misses the first plan. PUB/SUB
+may still drop a plan while a subscriber reconnects, so plans are numbered without gaps
+and each heartbeat with steps in flight repeats the newest number (``PlanMark``): a rank
+that lost one stops instead of computing on (gpu_worker/plan_order.py).
 """
 
 from __future__ import annotations
@@ -41,8 +44,9 @@ from scheduler.planner import PlannedStep, Planner
 from scheduler.request import SchedRequest
 
 HEARTBEAT_S = 0.25
-# An abort can overtake its request (the client left while the prompt was being
-# tokenized); remember such rids this long so the late request is dropped, not run.
+# An abort can overtake its request (the client left, or the frontend failed it, while
+# the prompt was being tokenized); remember such rids this long so the late request is
+# dropped, not run.
 EARLY_ABORT_TTL_S = 60.0
 MAX_STEPS_IN_FLIGHT = 2  # the one running and the one queued behind it
 
@@ -55,11 +59,12 @@ class InFlight:
 
 
 def _output(rid: str, ids: list[int], reason: str | None, lp: ipc.SampleLogprobs | None,
-            cached_tokens: int | None = None) -> ipc.TokenOutput:
-    """A TokenOutput, carrying the token's (and on the first one, the prompt's) logprobs
-    and, on the first one, the prefix-cache hit."""
+            cached_tokens: int | None = None,
+            failure: ipc.RequestFailure | None = None) -> ipc.TokenOutput:
+    """A TokenOutput, carrying the token's (and on the first one, the prompt's) logprobs,
+    on the first one the prefix-cache hit, and why a request failed on its own."""
     if lp is None:
-        return ipc.TokenOutput(rid, ids, reason, cached_tokens=cached_tokens)
+        return ipc.TokenOutput(rid, ids, reason, cached_tokens=cached_tokens, failure=failure)
     return ipc.TokenOutput(rid, ids, reason, cached_tokens=cached_tokens,
                            logprobs=[lp.token] if lp.token.token_id >= 0 else None,
                            prompt_logprobs=lp.prompt)
@@ -113,7 +118,8 @@ class EngineLoop:
     def _finish(self, sreq: SchedRequest, reason: str, new_ids: list[int],
                 batches: dict[int, list[ipc.TokenOutput]],
                 cached_tokens: int | None = None,
-                logprobs: ipc.SampleLogprobs | None = None) -> None:
+                logprobs: ipc.SampleLogprobs | None = None,
+                failure: ipc.RequestFailure | None = None) -> None:
         """Forget a request the planner finished (finishing it there first if needed)
         and queue its last output."""
         assert self.planner is not None
@@ -121,16 +127,19 @@ class EngineLoop:
         self.requests.pop(sreq.rid, None)
         self.ops.forget(sreq.rid)
         if sreq.req.pooling is None:
-            self._emit(sreq, new_ids, reason, logprobs, cached_tokens, batches)
+            self._emit(sreq, new_ids, reason, logprobs, cached_tokens, batches, failure)
         elif reason == "error":  # (an abort came from the frontend: nobody waits)
-            self._reject(sreq.req, 500, "the gpu_worker failed the step that pooled this "
-                         "input", None, "worker_error")
+            failure = failure or ipc.RequestFailure(
+                "engine_error", "the engine failed the step that pooled this input")
+            self.replies.send(sreq.req.reply_to, failure.error(sreq.rid))
 
     def _emit(self, sreq: SchedRequest, ids: list[int], reason: str | None,
               lp: ipc.SampleLogprobs | None, cached: int | None,
-              batches: dict[int, list[ipc.TokenOutput]]) -> None:
+              batches: dict[int, list[ipc.TokenOutput]],
+              failure: ipc.RequestFailure | None = None) -> None:
         sender = self._detok_for(sreq.rid)
-        batches.setdefault(id(sender), []).append(_output(sreq.rid, ids, reason, lp, cached))
+        batches.setdefault(id(sender), []).append(_output(sreq.rid, ids, reason, lp, cached,
+                                                          failure))
 
     def _flush(self, batches: dict[int, list[ipc.TokenOutput]]) -> None:
         for sender in self.to_detok:
@@ -173,7 +182,9 @@ class EngineLoop:
             self._reject(req, 400, f"request id {req.rid!r} is already running", None,
                          "duplicate_request_id")
             return
-        if self.max_waiting and len(self.planner.waiting) >= self.max_waiting:
+        # a /health/generate probe is never shed for capacity: it checks that the engine
+        # serves, and one per frontend and replica is in flight at most
+        if self.max_waiting and not req.probe and len(self.planner.waiting) >= self.max_waiting:
             self._reject(req, 503, f"the engine's waiting queue is full ({self.max_waiting} "
                          "requests); retry shortly", None, "queue_full")
             return
@@ -218,7 +229,7 @@ class EngineLoop:
                 self._finish(sreq, "abort", [], batches)
                 self.ops.aborted(reason)
                 self.log.debug("aborted %s (%s)", rid, reason)
-            elif reason == "disconnect":
+            else:  # it overtook its request (still being tokenized): drop that on arrival
                 self.early_aborts[rid] = now
         self.pending_aborts.clear()
         for rid in [r for r, t in self.early_aborts.items() if now - t > EARLY_ABORT_TTL_S]:
@@ -287,8 +298,14 @@ class EngineLoop:
             return
         self.ops.worker_result(msg.idle_s, msg.forward_s, self.work_after_last_result,
                                msg.timings)
-        for s in self.planner.postprocess(planned, msg.sampled):
+        for s in self.planner.postprocess(planned, msg.sampled, msg.failed):
             sreq = s.req
+            if s.failure is not None:  # its own bad state: it alone ends
+                self.log.warning("request %s failed: %s (%s)", sreq.rid, s.failure.message,
+                                 s.failure.code)
+                self._finish(sreq, "error", [], batches, failure=s.failure)
+                self.ops.aborted("request_error")
+                continue
             if sreq.req.pooling is not None:  # its one output ends it (max_tokens 1)
                 self._finish(sreq, "length", [], batches)
                 self.replies.send(sreq.req.reply_to, ipc.Pooled(
@@ -343,7 +360,7 @@ class EngineLoop:
             worker_dtype=self.worker_ready.dtype if self.worker_ready else "",
             max_waiting=self.max_waiting,
             cached_blocks=planner.allocator.num_cached if planner else 0,
-            prefix_hit_blocks=planner.allocator.hits if planner else 0,
+            prefix_hit_blocks=planner.prefix_hit_blocks if planner else 0,
             worker_idle_s=self.ops.worker_idle_s, worker_busy_s=self.ops.worker_busy_s,
             worker_idle_ms_p50=self.ops.worker_idle_ms_p50(),
             preemptions=self.ops.preemptions, aborts=dict(self.ops.aborts),
@@ -354,6 +371,8 @@ class EngineLoop:
             replica=self.cfg.replica)
         self.stats_pub.send(stats)
         self.ops.metrics.export(stats)
+        if self.in_flight:  # a rank that lost the newest plan notices (plan_order.py)
+            self.to_worker.send(ipc.PlanMark(self.step_id))
 
     def run(self, should_stop) -> None:
         stalled = False  # work exists but the last plan was empty: do not spin
