@@ -260,7 +260,9 @@ class EngineClient:
                  or [r for r in replicas if r not in self.lost] or replicas[:1])
         loads = [max(self._replica_load[r], (self._reports[r][0].running + self._reports[r][0].waiting)
                      if r in self._reports else 0) for r in range(self.replicas)]
-        keys = self.router.keys(affinity_text(req), req.cache_salt)
+        # a pooling input never reads the prefix cache: no affinity, the least loaded
+        keys = [] if isinstance(req, ipc.PoolReq) else self.router.keys(affinity_text(req),
+                                                                         req.cache_salt)
         req.replica, why = self.router.pick(keys, loads, alive)
         if self.metrics is not None:
             self.metrics.routed.labels(str(req.replica), why).inc()

@@ -21,7 +21,8 @@ def build_embedding_model(out: Path, tokenizer_dir: Path, *, arch: str = "qwen3"
                           matryoshka_dimensions: list[int] | None = None) -> Path:
     """A sentence-transformers checkpoint in ``out``; ``matryoshka_dimensions`` is written
     into config.json (vLLM's convention) when given."""
-    from sentence_transformers import SentenceTransformer, models
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer import modules as models
 
     base = model_zoo.build(arch, out.parent / f"{out.name}-base", tokenizer_dir=tokenizer_dir)
     # sentence-transformers 6 renders plain strings through a chat template when the
