@@ -517,14 +517,14 @@ RESPONSES_ROWS: tuple[Row, ...] = (
 
 EMB = {"embeddings": "extension"}
 # /v1/embeddings on a pooling model (runner pooling); tests: E = test_e2e_embeddings.py,
-# PR = test_pooling_runner.py
+# PR = test_pooling_runner.py, MM = test_multi_model.py
 EMBEDDINGS_ROWS: tuple[Row, ...] = (
     Row(fields=("model",), embeddings="honoured",
         candor="honoured: routed to that model's engines; unknown → 404 listing served "
         "names; a generation model → 400 `wrong_model_runner` naming its runner (and chat on "
         "an embedding model likewise); a deployment without an embedding model → 404 "
         "naming what it serves", vllm="404 (route not mounted) on a generation model",
-        tests="E `test_wrong_kind_of_model_is_a_400_naming_the_runner`, "
+        tests="MM `test_wrong_kind_of_model_is_a_400_naming_the_runner`, "
         "C `test_embeddings_404_says_what_is_served`"),
     Row(fields=("input",), embeddings="honoured",
         candor="a string, token ids, or a list of up to `max_embedding_inputs` strings / "
@@ -535,11 +535,13 @@ EMBEDDINGS_ROWS: tuple[Row, ...] = (
         "`max_request_share` of the waiting queue",
         vllm="`truncate_prompt_tokens` to truncate; else 400",
         tests="E `test_input_forms_match_sentence_transformers_through_the_sdk`, "
-        "E `test_bad_inputs_are_400s_naming_the_index`"),
+        "E `test_bad_inputs_are_400s_naming_the_index`, "
+        "E `test_inputs_are_batched_by_the_scheduler`, "
+        "MM `test_an_input_longer_than_its_models_context_is_a_400`"),
     Row(fields=("encoding_format",), embeddings="honoured",
         candor="`float` (default) or `base64` (little-endian float32 bytes, OpenAI's "
         "layout; the SDK's default)", vllm="same",
-        tests="E `test_input_forms_match_sentence_transformers_through_the_sdk`"),
+        tests="E `test_base64_is_little_endian_float32_of_the_float_vector`"),
     Row(fields=("dimensions",), embeddings="honoured",
         candor="only on a model that declares Matryoshka support (config.json "
         "`matryoshka_dimensions` / `is_matryoshka`, vLLM's convention): the vector is cut "
@@ -547,7 +549,8 @@ EMBEDDINGS_ROWS: tuple[Row, ...] = (
         "model, or a size it does not list → 400 naming `dimensions`",
         vllm="same (truncate, then normalise)",
         tests="E `test_dimensions_only_where_the_model_declares_matryoshka`, "
-        "PR `test_matryoshka_dimensions_cut_then_normalise`"),
+        "PR `test_matryoshka_dimensions_cut_then_normalise`, "
+        "MM `test_dimensions_on_a_model_without_matryoshka_is_a_400`"),
     Row(fields=("user",), embeddings="ignored",
         reason="accepted for compatibility; Candor does not use it (no per-user policy)",
         candor="ignored, reported; strict → 400", vllm="ignored silently",
@@ -576,7 +579,8 @@ EMBEDDINGS_ROWS: tuple[Row, ...] = (
         "through a chat template when the tokenizer has one)",
         vllm="same sources; `--override-pooler-config`",
         tests="PR `test_every_pooling_mode_matches_sentence_transformers_at_any_chunking`, "
-        "E `test_input_forms_match_sentence_transformers_through_the_sdk`"),
+        "E `test_input_forms_match_sentence_transformers_through_the_sdk`, "
+        "MM `test_each_route_reaches_its_model`"),
     Row(label="usage",
         candor="`prompt_tokens` = `total_tokens` = the tokens of every input, as embedded",
         vllm="same", tests="E `test_report_usage_and_strict`"),

@@ -178,6 +178,15 @@ async def test_report_usage_and_strict(embed_server, tokenizer):
     status, body, _ = await _post(embed_server, {"model": MODEL, "input": "x", "user": "u",
                                                  "strict": True})
     assert status == 400 and body["error"]["param"] == "user", body
+    # vLLM's fields Candor does not build: a 400 naming them, a harmless value reported
+    for field, value in (("truncate_prompt_tokens", 4), ("normalize", False),
+                         ("embed_dtype", "bfloat16")):
+        status, body, _ = await _post(embed_server, {"model": MODEL, "input": "x",
+                                                     field: value})
+        assert status == 400 and body["error"]["param"] == field, body
+    status, body, _ = await _post(embed_server, {"model": MODEL, "input": "x",
+                                                 "embed_dtype": "float32"})
+    assert status == 200 and "embed_dtype" in {n["field"] for n in body["candor"]["ignored"]}
 
 
 async def test_inputs_are_batched_by_the_scheduler(embed_server, st_model):
