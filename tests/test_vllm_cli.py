@@ -93,6 +93,22 @@ def test_defaults_and_legacy_spellings(tiny_model_dir):
     assert topo.http.cors.allowed_origins == []
 
 
+def test_runner_and_its_task_alias(tiny_model_dir, capsys):
+    """vLLM's --runner pooling, and --task embed as its older spelling; they must agree;
+    a task Candor does not serve names the ones it does."""
+    topo, _ = serve_args_to_topology([str(tiny_model_dir)], environ={})
+    assert topo.model.runner == "auto" and topo.model.runner_kind() == "generate"
+    for flags in (["--runner", "pooling"], ["--task", "embed"], ["--task", "embedding"],
+                  ["--task", "embed", "--runner", "pooling"]):
+        topo, _ = serve_args_to_topology([str(tiny_model_dir), *flags], environ={})
+        assert topo.model.runner_kind() == "pooling", flags
+    for flags, says in ((["--task", "embed", "--runner", "generate"], "give one"),
+                        (["--task", "classify"], "auto, generate, embed")):
+        with pytest.raises(SystemExit):
+            serve_args_to_topology([str(tiny_model_dir), *flags], environ={})
+        assert says in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("text,expected", [("4GiB", 4 * 2**30), ("512MiB", 512 * 2**20),
                                            ("2G", 2 * 10**9), ("1024", 1024),
                                            ("1.5 gib", int(1.5 * 2**30))])
