@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 from tests import model_zoo
+from tests.server import CandorServer, free_port
 
 
 def build_embedding_model(out: Path, tokenizer_dir: Path, *, arch: str = "qwen3",
@@ -61,3 +62,20 @@ def hf_last_token(path: Path, ids: list[int]):
     with torch.no_grad():
         hidden = model(torch.tensor([ids])).last_hidden_state[0, -1]
     return torch.nn.functional.normalize(hidden, dim=-1).numpy()
+
+
+def two_model_server(topo_dir: Path, model_dir: Path, generate: str, embed: list[str],
+                     generate_len: int, embed_len: int) -> CandorServer:
+    """A started topology serving ``model_dir`` twice behind one frontend: as generation
+    model ``generate`` and, with ``runner: pooling`` and no sentence-transformers files
+    (last token + L2), as embedding model ``embed`` (its names); each has its own context."""
+    port = free_port()
+    topo = topo_dir / "two-models.yaml"
+    topo.write_text(f"""
+model: {{path: {model_dir}, served_model_name: {generate}, max_model_len: {generate_len}}}
+models:
+  - model: {{path: {model_dir}, served_model_name: [{', '.join(embed)}], runner: pooling,
+             max_model_len: {embed_len}}}
+http: {{port: {port}}}
+""")
+    return CandorServer.from_topology(topo, port).start()

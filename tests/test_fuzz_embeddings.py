@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.server import CandorServer, free_port
+from tests.embedding_zoo import two_model_server
 from tests.test_fuzz_api import (HUGE_INTS, JSON_VALUES, Client, _assert_error_shape,
                                  _check, _settings, from_schema)
 
@@ -31,16 +31,8 @@ TEXT = st.text(max_size=40)
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
-    port = free_port()
-    topo = tmp_path_factory.mktemp("topo") / "fuzz-two-models.yaml"
-    topo.write_text(f"""
-model: {{path: {tiny_model_dir}, served_model_name: {GEN}, max_model_len: 256}}
-models:
-  - model: {{path: {tiny_model_dir}, served_model_name: {EMB}, runner: pooling,
-             max_model_len: 128}}
-http: {{port: {port}}}
-""")
-    srv = CandorServer.from_topology(topo, port).start()
+    srv = two_model_server(tmp_path_factory.mktemp("topo"), tiny_model_dir, GEN, [EMB],
+                           generate_len=256, embed_len=128)
     yield srv
     assert srv.stop() == 0
 

@@ -132,6 +132,41 @@ def test_each_role_decodes_only_its_own_slice(tmp_path):
     assert {c.tp_interface for c in workers} == {"lo"}
 
 
+def test_two_models_get_their_own_engines_numbered_across_models(tmp_path):
+    """``models``: each served model its own replicas, ranks, tokenizer workers and (a
+    pooling model: no) detokenizers, numbered across models; the frontend routes to each
+    by its indexes; a name may name one model only."""
+    from cluster.topology_check import TopologyError, check_topology
+
+    topo = tmp_path / "t.yaml"
+    topo.write_text("model: {path: /gen, served_model_name: chat}\nreplicas: 2\n"
+                    "models:\n  - model: {path: /emb, served_model_name: [embed, e2], "
+                    "runner: pooling}\n    tensor_parallel: 2\n    tokenizer_workers: 2\n")
+    topology = load_topology(str(topo))
+    configs = process_configs(topology, "/tmp/r")
+    workers = [c for c in configs if c.role == "gpu_worker"]
+    assert [(c.index, c.model_path, c.runner, c.replica, c.tp_rank) for c in workers] == [
+        (0, "/gen", "generate", 0, 0), (1, "/gen", "generate", 1, 0),
+        (2, "/emb", "pooling", 2, 0), (3, "/emb", "pooling", 2, 1)]
+    assert workers[2].tp_address == workers[3].tp_address == "file:///tmp/r/tp-rendezvous-2"
+    schedulers = [c for c in configs if c.role == "scheduler"]
+    assert [c.replica for c in schedulers] == [0, 1, 2]
+    assert schedulers[2].addresses.detokenizers() == []  # pooling answers the frontend
+    assert schedulers[0].addresses.detokenizers() == schedulers[0].addresses.detokenizer_in
+    tokenizers = [(c.index, c.model_path) for c in configs if c.role == "tokenizer_worker"]
+    assert tokenizers == [(0, "/gen"), (1, "/emb"), (2, "/emb")]
+    assert [c.model_path for c in configs if c.role == "detokenizer"] == ["/gen"]
+    front = next(c for c in configs if c.role == "api_frontend")
+    assert [(e.names, e.runner, e.replicas, e.tokenizers, e.detokenizers)
+            for e in front.served()] == [(["chat"], "generate", [0, 1], [0], [0]),
+                                         (["embed", "e2"], "pooling", [2], [1, 2], [])]
+    clash = tmp_path / "clash.yaml"
+    clash.write_text("model: {path: /gen, served_model_name: x}\n"
+                     "models:\n  - model: {path: /emb, served_model_name: x, runner: pooling}\n")
+    with pytest.raises(TopologyError, match="'x' names two models"):
+        check_topology(load_topology(str(clash)))
+
+
 def test_restart_budget_backs_off_and_forgets_restarts_past_its_window():
     from cluster.supervisor import RestartBudget
 

@@ -12,8 +12,7 @@ import aiohttp
 import numpy as np
 import pytest
 
-from tests.embedding_zoo import hf_last_token
-from tests.server import CandorServer, free_port
+from tests.embedding_zoo import hf_last_token, two_model_server
 
 GEN = "tiny-llama"
 EMB = "tiny-embed"
@@ -22,16 +21,8 @@ TEXTS = ["The quick brown fox", "hello world, " * 10]
 
 @pytest.fixture(scope="module")
 def two_models(tiny_model_dir, tmp_path_factory):
-    port = free_port()
-    topo = tmp_path_factory.mktemp("topo") / "two-models.yaml"
-    topo.write_text(f"""
-model: {{path: {tiny_model_dir}, served_model_name: {GEN}, max_model_len: 512}}
-models:
-  - model: {{path: {tiny_model_dir}, served_model_name: [{EMB}, embed-alias], runner: pooling,
-             max_model_len: 256}}
-http: {{port: {port}}}
-""")
-    srv = CandorServer.from_topology(topo, port).start()
+    srv = two_model_server(tmp_path_factory.mktemp("topo"), tiny_model_dir, GEN,
+                           [EMB, "embed-alias"], generate_len=512, embed_len=256)
     yield srv
     assert srv.stop() == 0
 

@@ -150,3 +150,27 @@ def test_dimensions_need_a_declared_matryoshka_model():
     anysize = PoolingConfig("last", True, 64, "test", matryoshka=True)
     assert anysize.check_dimensions(1) is None and anysize.check_dimensions(64) is None
     assert "1..64" in anysize.check_dimensions(65)
+
+
+def test_the_launcher_refuses_what_it_would_serve_wrongly(tokenizer_dir, tmp_path, capsys):
+    """Before any process starts: a head-less checkpoint is pooling under --runner auto and
+    refused for generation; a pooling it does not compute is refused naming it; a pooling
+    it serves is said in one line."""
+    from cluster.preflight import check_model_config
+    from cluster.topology import load_topology
+
+    def topology(path, runner):
+        yaml = tmp_path / f"{path.name}-{runner}.yaml"
+        yaml.write_text(f"model: {{path: {path}, runner: {runner}}}\n")
+        return load_topology(str(yaml))
+
+    st = build_embedding_model(tmp_path / "st-last", tokenizer_dir)
+    assert topology(st, "auto").model.runner_kind() == "pooling"
+    assert topology(tokenizer_dir, "auto").model.runner_kind() == "generate"
+    with pytest.raises(SystemExit, match="no language-model head.*--runner pooling"):
+        check_model_config(topology(st, "generate"))
+    check_model_config(topology(st, "auto"))
+    assert "embeddings by last pooling, L2-normalised, 64 dimensions" in capsys.readouterr().err
+    mx = build_embedding_model(tmp_path / "st-max", tokenizer_dir, pooling="max")
+    with pytest.raises(SystemExit, match="cannot pool .*pooling mode 'max'"):
+        check_model_config(topology(mx, "pooling"))
