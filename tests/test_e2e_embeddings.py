@@ -220,3 +220,19 @@ async def test_inputs_are_batched_by_the_scheduler(embed_server, st_model):
     # (mean pooling needs every position's hidden state; a hit would skip some)
     for key in ("prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "cached_blocks"):
         assert after[key] == at_rest[key] == 0, key
+
+
+def test_tensor_parallel_pooling_equals_sentence_transformers(st_model):
+    """Two gpu_worker ranks (gloo on CPU) pool the same vectors: each rank holds the whole
+    hidden state after the all-reduce, rank 0's vectors are sent."""
+    from openai import OpenAI
+
+    srv = CandorServer(st_model, "--served-model-name", MODEL, "--runner", "pooling",
+                       "--tensor-parallel-size", "2", "--max-num-batched-tokens", "48").start()
+    try:
+        reply = OpenAI(base_url=srv.base_url + "/v1", api_key="x").embeddings.create(
+            model=MODEL, input=TEXTS, encoding_format="float")
+        for got, ref in zip(reply.data, st_encode(st_model, TEXTS)):
+            _close(got.embedding, ref)
+    finally:
+        assert srv.stop() == 0
