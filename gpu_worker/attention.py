@@ -128,6 +128,10 @@ class AttentionMetadata:
     decode_kernel: object | None = None  # cpu_decode kernel; set: decodes skip groups and gathers
     decode_tables: torch.Tensor | None = None  # [decodes, max_blocks] long, padded (kernel only)
     decode_lens: torch.Tensor | None = None  # [decodes] long context lengths (kernel only)
+    # Batch-invariant: every row (prefill and decode) through the kernel, from the cache.
+    row_tables: torch.Tensor | None = None  # [sequences, max_blocks] long, padded
+    row_seq: torch.Tensor | None = None  # [num_tokens] long: each row's table
+    row_lens: torch.Tensor | None = None  # [num_tokens] long: each row's position + 1
 
 
 def select_backend(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
@@ -191,6 +195,7 @@ def build_metadata(
     scratch: GatherScratch | None = None,
     decode_kernel=None,
     cascade: bool = True,
+    invariant: bool = False,
 ) -> AttentionMetadata:
     """Index tensors for one step.
 
@@ -200,7 +205,10 @@ def build_metadata(
     ``group_blocks`` caps the (padded) blocks one decode group gathers (None: one group).
     ``decode_kernel`` (from ``cpu_decode.load``) attends decodes in place (their own
     suffix when they share a prefix worth a cascade pass). ``cascade`` False: never split
-    decodes at a shared prefix (models with windows or soft-caps).
+    decodes at a shared prefix (models with windows or soft-caps). ``invariant``: every
+    row, prefill or decode, goes through ``decode_kernel`` and reads its keys from the
+    cache, so its result does not depend on the batch or on how its prompt was chunked
+    (the deterministic mode; needs the kernel).
     """
     slots: list[int] = []
     for start, n, table in chunks:
@@ -212,6 +220,8 @@ def build_metadata(
     if backend is not None:
         return backend.build(chunks, num_decodes, slot_mapping)
     meta = AttentionMetadata(slot_mapping=slot_mapping, scratch=scratch)
+    if invariant:
+        return _every_row(meta, chunks, block_size, device, decode_kernel)
 
     num_prefills = len(chunks) - num_decodes
     row = 0
@@ -240,6 +250,20 @@ def build_metadata(
         for lo, hi in _decode_groups(ctx_lens, block_size, group_blocks):
             meta.decode_groups.append(_decode_group(lo, hi, ctx_lens, tables, block_size, device,
                                                     additive=bool(shared)))
+    return meta
+
+
+def _every_row(meta: AttentionMetadata, chunks: list[tuple[int, int, list[int]]], block_size: int,
+               device: torch.device, kernel) -> AttentionMetadata:
+    if kernel is None:
+        raise ValueError("batch-invariant attention needs the compiled CPU kernel")
+    meta.decode_kernel = kernel
+    ends = [start + n for start, n, _ in chunks]
+    meta.row_tables = _padded_tables(ends, [t for _, _, t in chunks], block_size, device)
+    meta.row_seq = torch.repeat_interleave(torch.arange(len(chunks), device=device),
+                                           torch.tensor([n for _, n, _ in chunks], device=device))
+    meta.row_lens = torch.tensor([p for start, n, _ in chunks for p in range(start + 1, start + n + 1)],
+                                 dtype=torch.long, device=device)
     return meta
 
 
@@ -343,6 +367,9 @@ def paged_attention(
     if meta.impl is not None:
         return meta.impl.attend(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    if meta.row_lens is not None:
+        return meta.decode_kernel(q.contiguous(), k_cache, v_cache, meta.row_tables, meta.row_lens, scale,
+                                  window, softcap, row_seq=meta.row_seq)[0]
     out = torch.empty_like(q)
 
     for c in meta.prefills:

@@ -25,8 +25,9 @@ from dataclasses import dataclass
 import torch
 
 from cluster import checkpoint
-from gpu_worker import cpu_decode, cuda_graphs
+from gpu_worker import batch_invariant, cpu_decode, cuda_graphs
 from gpu_worker.attention import GatherScratch, build_metadata, decode_group_blocks, select_backend
+from gpu_worker.batch_invariant import Numerics
 from gpu_worker.grammar import GrammarStates
 from gpu_worker.kv_budget import auto_kv_bytes
 from gpu_worker.distributed import Ranks
@@ -81,6 +82,7 @@ class ModelRunner:
         enforce_eager: bool = False,
         max_num_seqs: int = cuda_graphs.MAX_CAPTURE_SIZE,
         ranks: Ranks | None = None,
+        deterministic: bool | None = None,
     ) -> None:
         self.config = cfg = load_config(model_path)
         self.ranks = ranks = ranks or Ranks()
@@ -94,10 +96,14 @@ class ModelRunner:
         limit = cfg.max_position_embeddings
         self.max_model_len = min(limit, max_model_len) if max_model_len else limit
 
+        # Batch-invariant layers unless turned off; whether the mode holds here is settled
+        # once the weights and the attention kernel are in (``_settle_determinism``).
+        self.numerics = Numerics(deterministic=deterministic is not False)
+
         # Build on meta (no init cost), then materialise; the loader writes every weight.
         with torch.device("meta"):
             model = model_class(cfg.model_type)(cfg, max_positions=self.max_model_len, device=self.device,
-                                                dtype=self.dtype, tp=ranks.tp_group(shard))
+                                                dtype=self.dtype, tp=ranks.tp_group(shard, self.numerics))
         model = model.to_empty(device=self.device).to(self.dtype)
         load_weights(model, model_path, load_format, seed=seed)
         self.model = model.eval()
@@ -140,6 +146,7 @@ class ModelRunner:
         self.decode_group_blocks = decode_group_blocks(self.kv_caches[0][0])
         self.gather_scratch = GatherScratch()
         self.decode_kernel = None if self.attn_backend else cpu_decode.load(self.device, self.dtype)
+        self.deterministic_note = self._settle_determinism(deterministic)
         self.grammars = GrammarStates(model_path, cfg.vocab_size, self.device)
         self.sampler = Sampler(self.device, seed, apply_masks=self.grammars.apply_masks)
         self.sampling: dict[str, SamplingParams] = {}
@@ -167,6 +174,32 @@ class ModelRunner:
             else:
                 log.info("captured %d decode CUDA graphs (batch sizes %s) in %.1fs", n, sizes,
                          time.perf_counter() - started)
+
+    @property
+    def deterministic(self) -> bool:
+        return self.numerics.deterministic
+
+    def _settle_determinism(self, asked: bool | None) -> str:
+        """Keeps the batch-invariant mode where it holds on this rank and every other one
+        (CPU, fp32, the compiled attention kernel, a measured matmul row count), else
+        turns it off; returns what was decided and why. ``asked`` True: off is an error."""
+        if asked is False:
+            self.numerics.deterministic = False
+            return "off (--no-deterministic)"
+        reason = batch_invariant.unsupported(self.device, self.dtype, self.decode_kernel)
+        rows = None
+        if reason is None:
+            rows, reason = batch_invariant.measure_min_rows(self.model.matmuls())
+        if self.ranks.min_int(int(not reason)) == 0:
+            reason = reason or "another tensor-parallel rank cannot run it"
+        if reason:
+            if asked:
+                raise RuntimeError(f"--deterministic asked for, but: {reason}")
+            self.numerics.deterministic = False
+            log.warning("deterministic mode off: %s", reason)
+            return f"off: {reason}"
+        self.numerics.min_rows = rows
+        return f"on (batch-invariant kernels; matmuls padded to {rows} rows)"
 
     def static_decode(self, make_attention, sizes: list[int]) -> cuda_graphs.DecodeGraphRunner:
         """A padded static-buffer decode path over this runner's model and cache
@@ -307,6 +340,7 @@ class ModelRunner:
                 chunks, len(decodes), self.block_size, dev, backend=self.attn_backend,
                 group_blocks=self.decode_group_blocks, scratch=self.gather_scratch,
                 decode_kernel=self.decode_kernel, cascade=self.cascade,
+                invariant=self.numerics.deterministic,
             )
             hidden = self.model(
                 torch.tensor(ids, dtype=torch.long, device=dev),

@@ -262,6 +262,8 @@ class WorkerReady(_Message, tag="ready"):
     max_model_len: int
     device: str = ""  # what --device / --dtype auto resolved to, for /version
     dtype: str = ""
+    deterministic: bool = False  # batch-invariant kernels in use (see gpu_worker.batch_invariant)
+    deterministic_note: str = ""  # what was decided and why
 
 
 class TokenLogprob(msgspec.Struct, array_like=True):

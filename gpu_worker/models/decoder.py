@@ -15,13 +15,12 @@ tensor that rank reads, so no rank ever holds the full model.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.attention import AttentionMetadata, paged_attention
 from gpu_worker.model_config import LayerSpec, ModelConfig
-from gpu_worker.models.blocks import RMSNorm, RotaryEmbedding, activation, make_norm
-from gpu_worker.models.parallel import RowLinear, ShardedRMSNorm, TPGroup, VocabEmbedding
+from gpu_worker.models.blocks import RMSNorm, RotaryEmbedding, make_norm
+from gpu_worker.models.parallel import ColumnLinear, RowLinear, ShardedRMSNorm, TPGroup, VocabEmbedding
 from gpu_worker.tp_shard import tp_shard
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -37,7 +36,7 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = shard.q_size, shard.kv_size
         self.scale = cfg.scale
         self.window, self.softcap, self.rope = spec.window, cfg.attn_softcap, spec.rope
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.qkv_proj = ColumnLinear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias, tp)
         self.o_proj = RowLinear(self.q_size, cfg.hidden_size, cfg.o_bias, tp)
         self.qk_norm = cfg.qk_norm
         one_plus = cfg.norm == "rms_1p"
@@ -79,8 +78,8 @@ class GatedMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
         self.intermediate_size = tp.shard.intermediate
-        self.act = activation(cfg.act)
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=cfg.mlp_bias)
+        self.act = tp.numerics.activation(cfg.act)
+        self.gate_up_proj = ColumnLinear(cfg.hidden_size, 2 * self.intermediate_size, cfg.mlp_bias, tp)
         self.down_proj = RowLinear(self.intermediate_size, cfg.hidden_size, cfg.mlp_bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -93,8 +92,8 @@ class PlainMLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
-        self.act = activation(cfg.act)
-        self.c_fc = nn.Linear(cfg.hidden_size, tp.shard.intermediate, bias=cfg.mlp_bias)
+        self.act = tp.numerics.activation(cfg.act)
+        self.c_fc = ColumnLinear(cfg.hidden_size, tp.shard.intermediate, cfg.mlp_bias, tp)
         self.c_proj = RowLinear(tp.shard.intermediate, cfg.hidden_size, cfg.mlp_bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -124,8 +123,8 @@ class SparseMoE(nn.Module):
         self.tp = tp
         self.num_experts = moe.num_experts
         self.top_k, self.renormalize = moe.top_k, moe.renormalize
-        self.act = activation(cfg.act)
-        self.gate = nn.Linear(cfg.hidden_size, moe.num_experts, bias=False)
+        self.act = tp.numerics.activation(cfg.act)
+        self.gate = ColumnLinear(cfg.hidden_size, moe.num_experts, False, tp)
         self.experts_start = tp.shard.expert_start
         self.experts = Experts(tp.shard.experts or moe.num_experts, cfg.hidden_size, moe.intermediate_size)
 
@@ -149,8 +148,9 @@ class SparseMoE(nn.Module):
                 start += count
                 continue
             idx = rows[start:start + count]
-            gate, up = F.linear(x[idx], self.experts.w13[e - first]).split(inter, dim=-1)
-            h = F.linear(self.act(gate) * up, self.experts.w2[e - first])
+            linear = self.tp.numerics.linear
+            gate, up = linear(x[idx], self.experts.w13[e - first]).split(inter, dim=-1)
+            h = linear(self.act(gate) * up, self.experts.w2[e - first])
             out.index_add_(0, idx, (h * slot_weights[start:start + count, None]).to(x.dtype))
             start += count
         return self.tp.all_reduce(out)
@@ -226,8 +226,8 @@ class DecoderForCausalLM(nn.Module):
         self.config = cfg
         self.tp = tp = tp or TPGroup(tp_shard(cfg))
         self.model = DecoderModel(cfg, tp)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
-            cfg.hidden_size, tp.shard.vocab_per_rank, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else ColumnLinear(
+            cfg.hidden_size, tp.shard.vocab_per_rank, False, tp)
         self.rotary = [RotaryEmbedding(cfg.head_dim, rope, max_positions, device, dtype,
                                        config_max_positions=cfg.max_position_embeddings)
                        for rope in cfg.ropes]
@@ -248,7 +248,7 @@ class DecoderForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits for selected rows only; the final norm is row-wise so it can run here."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(self.model.norm(hidden), weight)
+        logits = self.tp.numerics.linear(self.model.norm(hidden), weight)
         cfg = self.config
         if self.tp.size > 1:  # every rank's vocabulary range, padding dropped
             logits = self.tp.gather_last(logits)[:, :cfg.vocab_size]
@@ -257,6 +257,19 @@ class DecoderForCausalLM(nn.Module):
         if cfg.final_softcap is not None:
             logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
         return logits
+
+    def matmuls(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """(weight, bias) of every matmul the forward pass and ``compute_logits`` run: the
+        shapes whose batch invariance the deterministic mode checks at start-up."""
+        out = []
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                out.append((module.weight, module.bias))
+            elif isinstance(module, Experts):
+                out += [(module.w13[0], None), (module.w2[0], None)]
+        if self.lm_head is None:
+            out.append((self.model.embed_tokens.weight, None))
+        return out
 
     # ------------------------------------------------------------------ weight names
 

@@ -4,14 +4,20 @@ A ``TPGroup`` is this rank's shard (``tp_shard.TPShard``) plus its torch.distrib
 group. With one rank every collective is a no-op and the layers are plain torch, so a
 single-device model computes exactly what it did before sharding existed.
 
-- Column-parallel layers (fused q/k/v, gate/up, Starcoder2's c_fc) are plain
-  ``nn.Linear`` over this rank's output columns: no communication.
+- ``ColumnLinear`` (fused q/k/v, gate/up, Starcoder2's c_fc, the LM head, the MoE router)
+  holds this rank's output columns (all of them where replicated): no communication.
 - ``RowLinear`` (o_proj, down_proj, c_proj) multiplies this rank's input slice and
   all-reduces the partial sums: one all-reduce per layer; the bias is added once (rank 0).
 - ``VocabEmbedding`` holds one vocabulary range; ids outside it embed to zero and an
   all-reduce sums the ranges. The LM head's logits are gathered along the vocabulary.
 - ``ShardedRMSNorm`` normalises over a projection split across ranks (OLMo 2's q/k norm):
   the sum of squares is all-reduced.
+
+Every matmul goes through the group's ``Numerics`` (``batch_invariant``): padded to a
+batch-invariant row count in the deterministic mode. Sums over ranks stay batch-invariant
+too: two ranks' partial sums add in either order to the same bits; from three ranks on,
+the deterministic mode gathers the partials and adds them in rank order (a ring
+all-reduce's order depends on which chunk of the tensor an element falls in).
 """
 
 from __future__ import annotations
@@ -20,13 +26,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpu_worker.batch_invariant import Numerics
 from gpu_worker.tp_shard import TPShard
 
 
 class TPGroup:
-    def __init__(self, shard: TPShard, group=None) -> None:
+    def __init__(self, shard: TPShard, group=None, numerics: Numerics | None = None) -> None:
         self.shard = shard
         self.group = group  # the process group activations travel on (None: world)
+        self.numerics = numerics or Numerics()
 
     @property
     def rank(self) -> int:
@@ -37,20 +45,40 @@ class TPGroup:
         return self.shard.size
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 2 and self.numerics.deterministic:
+            parts = self._gather(x)
+            total = parts[0]
+            for part in parts[1:]:
+                total += part
+            return x.copy_(total)
         if self.size > 1:
             import torch.distributed as dist
             dist.all_reduce(x, group=self.group)
         return x
 
-    def gather_last(self, x: torch.Tensor) -> torch.Tensor:
-        """Concatenate every rank's ``x`` along the last dimension (rank order)."""
-        if self.size == 1:
-            return x
+    def _gather(self, x: torch.Tensor) -> list[torch.Tensor]:
         import torch.distributed as dist
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x, group=self.group)
-        return torch.cat(parts, dim=-1)
+        return parts
+
+    def gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's ``x`` along the last dimension (rank order)."""
+        if self.size == 1:
+            return x
+        return torch.cat(self._gather(x), dim=-1)
+
+
+class ColumnLinear(nn.Linear):
+    """``y = x W_c^T (+ b_c)`` over this rank's output columns."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.numerics.linear(x, self.weight, self.bias)
 
 
 class RowLinear(nn.Linear):
@@ -61,9 +89,7 @@ class RowLinear(nn.Linear):
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp.size == 1:
-            return super().forward(x)
-        y = F.linear(x, self.weight, self.bias if self.tp.rank == 0 else None)
+        y = self.tp.numerics.linear(x, self.weight, self.bias if self.tp.rank == 0 else None)
         return self.tp.all_reduce(y)
 
 
