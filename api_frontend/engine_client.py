@@ -46,13 +46,13 @@ def combine_stats(reports: list[ipc.SchedulerStats]) -> ipc.SchedulerStats:
         values = [getattr(r, name) for r in reports]
         if name in ("time", "step_in_flight_s", "worker_idle_ms_p50"):
             out[name] = max(values)
-        elif name == "worker_ready":
+        elif name in ("worker_ready", "deterministic"):
             out[name] = all(values)
         elif name == "aborts":
             out[name] = {k: sum(v.get(k, 0) for v in values) for d in values for k in d}
         elif name == "replica":
             out[name] = 0
-        elif name in ("worker_device", "worker_dtype"):  # the same model on every replica
+        elif name in ("worker_device", "worker_dtype", "deterministic_note"):  # the same everywhere
             out[name] = next((v for v in values if v), "")
         else:
             out[name] = sum(values)
@@ -328,6 +328,12 @@ class EngineClient:
                     f"{fresh} on their way, this request needs {sequences}, bound "
                     f"{stats.max_waiting}); retry shortly")
         return None
+
+    def deterministic(self, rid: str) -> bool | None:
+        """Whether the replica serving ``rid`` runs batch-invariant kernels (None: unknown,
+        no report from it yet)."""
+        report = self._reports.get(self._replica_of.get(rid, -1))
+        return report[0].deterministic if report is not None and report[0].worker_ready else None
 
     async def submit(self, req: ipc.GenerateReq | ipc.RenderReq,
                      queue: asyncio.Queue | None = None) -> asyncio.Queue:

@@ -125,8 +125,23 @@ async def tokenizer_info(engine: EngineClient) -> web.Response:
     return json_response({**info.config, **special, **msgspec.to_builtins(effective)})
 
 
-def capabilities(card: ModelCard, api: ApiSpec) -> web.Response:
-    """The tier of every request field under this deployment's flags."""
+DETERMINISM_SCOPE = (
+    "a greedy or seeded request gets bitwise the same tokens and logprobs (top_logprobs and "
+    "prompt logprobs included) alone or inside any batch, on a prefix-cache hit or miss, under "
+    "any --max-num-batched-tokens, preempted or not, on any replica and after a restart, within "
+    "one deployment (same hardware, software, flags and tensor-parallel size)")
+
+
+def determinism(stats: ipc.SchedulerStats | None) -> dict:
+    """Which numerics the engine runs (``enabled`` None until it has reported)."""
+    known = stats is not None and stats.worker_ready
+    return {"enabled": stats.deterministic if known else None,
+            "note": stats.deterministic_note if known else "the engine has not reported yet",
+            "scope": DETERMINISM_SCOPE}
+
+
+def capabilities(card: ModelCard, api: ApiSpec, stats: ipc.SchedulerStats | None = None) -> web.Response:
+    """The tier of every request field under this deployment's flags, and the numerics."""
     return json_response({
         "object": "capabilities",
         "model": card.id,
@@ -135,6 +150,7 @@ def capabilities(card: ModelCard, api: ApiSpec) -> web.Response:
         "policy": msgspec.to_builtins(api),
         "limits": msgspec.to_builtins(api.limits),
         "tiers": field_policy.TIER_MEANINGS,
+        "deterministic": determinism(stats),
         "fields": {"/v1/chat/completions": field_policy.tiers("chat", api),
                    "/v1/completions": field_policy.tiers("completions", api)},
         "endpoints": ["/v1/models", "/v1/completions", "/v1/chat/completions",

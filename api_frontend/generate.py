@@ -111,6 +111,8 @@ async def run_generation(request: web.Request, engine: EngineClient, card: Model
                 early.append(msg)
         firsts = [r.rid for r in reqs if tr.choices[r.rid][0] % tr.n == 0]  # one per prompt
         report = _fold_reports(tr.report, [infos[f] for f in firsts])
+        modes = {engine.deterministic(r.rid) for r in reqs}
+        report.deterministic = modes.pop() if len(modes) == 1 else None
         headers = {"X-Request-Id": response_key,
                    "x-candor-adjustments": _JSON.encode(report).decode()}
         logprobs = (parsed.logprobs if is_chat else parsed.logprobs is not None)

@@ -408,6 +408,8 @@ class SchedulerStats(_Message, tag="stats"):
     worker_device: str = ""  # the device and dtype the gpu_worker computes in
     worker_dtype: str = ""
     replica: int = 0  # which engine replica's scheduler this is
+    deterministic: bool = False  # the worker runs batch-invariant kernels (WorkerReady's)
+    deterministic_note: str = ""
 
 
 # One tagged union per receiving socket.

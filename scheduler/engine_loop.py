@@ -305,7 +305,9 @@ class EngineLoop:
             prefix_cache_queried_tokens=planner.prefix_queried_tokens if planner else 0,
             prefix_cache_hit_tokens=planner.prefix_hit_tokens if planner else 0,
             step_in_flight_s=self.ops.in_flight_s(self._running_since()),
-            replica=self.cfg.replica)
+            replica=self.cfg.replica,
+            deterministic=self.worker_ready.deterministic if self.worker_ready else False,
+            deterministic_note=self.worker_ready.deterministic_note if self.worker_ready else "")
         self.stats_pub.send(stats)
         self.ops.metrics.export(stats)
 
