@@ -7,6 +7,12 @@ import pytest
 from tests.server import CandorServer
 
 
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true",
+                     help="tests/test_e2e_interactions.py: every allowed pair of features in "
+                          "a cell of its own instead of the pairwise covering array")
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     from gpu_worker.tiny_model import build_tiny_model
