@@ -25,6 +25,13 @@ starting at position 0 attends to its own fresh K/V with ``is_causal``; a later 
 a long prompt gathers its earlier K/V from the cache and uses an explicit causal mask
 offset by ``start_pos`` (SDPA's ``is_causal`` is top-left aligned, which would be wrong).
 
+Batch-invariant path (the deterministic mode, ``build_metadata(invariant=True)``): every
+query row, prefill or decode, goes through the compiled kernel after this step's K/V
+write, reading its causal prefix from the cache in key order. A token's result then never
+depends on the other rows, on whether its keys came from the cache or from its own chunk,
+or on where its prompt was split; SDPA (whose split over keys follows the chunk) and the
+cascade (which depends on which other decodes share a prefix) stay out of it.
+
 Per-layer switches: a sliding ``window`` (a query at position p sees keys p - window + 1
 .. p, as HF's sliding-window mask) and Gemma 2's score ``softcap``. Masks are built once
 per step for each window a layer asks for (``PrefillChunk.mask`` / ``DecodeGroup.mask``)

@@ -46,6 +46,18 @@ inline const float* row(const float* cache, const int64_t* tab, int64_t t, int64
   return cache + (tab[t / BS] * BS + t % BS) * width;
 }
 
+// Offsets (in floats, from the cache's start) of token rows lo..n-1 of a table, block by
+// block: one division per pass instead of one per key.
+inline void row_offsets(const int64_t* tab, int64_t lo, int64_t n, int64_t BS, int64_t width,
+                        std::vector<int64_t>& out) {
+  out.resize(n - lo);
+  int64_t b = lo / BS, o = lo % BS;
+  for (int64_t t = lo; t < n; ++t) {
+    out[t - lo] = (tab[b] * BS + o) * width;
+    if (++o == BS) o = 0, ++b;
+  }
+}
+
 // One query row of a tile: keys lo..n-1; its scores start at s + off (H * (n - lo) floats).
 struct RowSpan {
   int64_t lo, n, off;
@@ -61,16 +73,6 @@ inline void key_range(const RowSpan* rs, int64_t R, int64_t& tlo, int64_t& thi) 
 }
 
 #ifdef CANDOR_AVX2
-// Rows are KVH * D floats (a few KB) in blocks scattered over the cache; the hardware
-// prefetchers stop at 4 KB pages, so each pass asks for row t + AHEAD explicitly.
-constexpr int64_t AHEAD = 2;
-inline void prefetch_row(const float* cache, const int64_t* tab, int64_t t, int64_t n, int64_t BS,
-                         int64_t width) {
-  if (t >= n) return;
-  const char* r = reinterpret_cast<const char*>(row(cache, tab, t, BS, width));
-  for (int64_t off = 0; off < width * 4; off += 64) _mm_prefetch(r + off, _MM_HINT_T0);
-}
-
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -129,22 +131,26 @@ inline float row_max(const float* s, int64_t n) {
   return mx;
 }
 
-template <int V>
+// ONE: a tile of one row (a decode), compiled without the per-row range checks; the
+// operations on each row are the same either way.
+template <int V, bool ONE>
 void attend_tile(const float* q, const float* kc, const float* vc, const int64_t* tab, const RowSpan* rs,
                  int64_t R, int64_t BS, int64_t KVH, int64_t G, float sc, float cap, float* s, float* sum,
-                 float* out, float* lse) {
+                 float* out, float* lse, std::vector<int64_t>& offs) {
+  if (ONE) R = 1;
   const int64_t H = KVH * G, D = V * 8, width = KVH * D;
   int64_t tlo, thi;
   key_range(rs, R, tlo, thi);
+  row_offsets(tab, tlo, thi, BS, width, offs);
+  const int64_t* off = offs.data() - tlo;  // off[t]: row t's offset
   // K pass: each row's scores against its own keys, in key order.
   for (int64_t t = tlo; t < thi; ++t) {
-    prefetch_row(kc, tab, t + AHEAD, thi, BS, width);
-    const float* r = row(kc, tab, t, BS, width);
+    const float* r = kc + off[t];
     for (int64_t kh = 0; kh < KVH; ++kh) {
       __m256 k[V];
       for (int i = 0; i < V; ++i) k[i] = _mm256_loadu_ps(r + kh * D + i * 8);
       for (int64_t j = 0; j < R; ++j) {
-        if (t < rs[j].lo || t >= rs[j].n) continue;
+        if (!ONE && (t < rs[j].lo || t >= rs[j].n)) continue;
         const int64_t m = rs[j].n - rs[j].lo;
         float* sj = s + rs[j].off;
         for (int64_t g = 0; g < G; ++g) {
@@ -177,13 +183,12 @@ void attend_tile(const float* q, const float* kc, const float* vc, const int64_t
   // accumulators in L1 (a strided per-head walk defeats the prefetchers).
   std::fill(out, out + R * H * D, 0.f);
   for (int64_t t = tlo; t < thi; ++t) {
-    prefetch_row(vc, tab, t + AHEAD, thi, BS, width);
-    const float* r = row(vc, tab, t, BS, width);
+    const float* r = vc + off[t];
     for (int64_t kh = 0; kh < KVH; ++kh) {
       __m256 v[V];
       for (int i = 0; i < V; ++i) v[i] = _mm256_loadu_ps(r + kh * D + i * 8);
       for (int64_t j = 0; j < R; ++j) {
-        if (t < rs[j].lo || t >= rs[j].n) continue;
+        if (!ONE && (t < rs[j].lo || t >= rs[j].n)) continue;
         const int64_t m = rs[j].n - rs[j].lo;
         const float* pj = s + rs[j].off;
         for (int64_t g = 0; g < G; ++g) {
@@ -260,15 +265,24 @@ void attend_tile_generic(const float* q, const float* kc, const float* vc, const
 
 void attend(const float* q, const float* kc, const float* vc, const int64_t* tab, const RowSpan* rs,
             int64_t R, int64_t BS, int64_t KVH, int64_t G, int64_t D, float sc, float cap, float* s,
-            float* sum, float* out, float* lse) {
+            float* sum, float* out, float* lse, std::vector<int64_t>& offs) {
 #ifdef CANDOR_AVX2
+  if (R == 1) switch (D) {
+    case 16: return attend_tile<2, true>(q, kc, vc, tab, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, offs);
+    case 32: return attend_tile<4, true>(q, kc, vc, tab, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, offs);
+    case 64: return attend_tile<8, true>(q, kc, vc, tab, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, offs);
+    case 80: return attend_tile<10, true>(q, kc, vc, tab, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, offs);
+    case 96: return attend_tile<12, true>(q, kc, vc, tab, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, offs);
+    case 128: return attend_tile<16, true>(q, kc, vc, tab, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, offs);
+    default: break;
+  }
   switch (D) {
-    case 16: return attend_tile<2>(q, kc, vc, tab, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse);
-    case 32: return attend_tile<4>(q, kc, vc, tab, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse);
-    case 64: return attend_tile<8>(q, kc, vc, tab, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse);
-    case 80: return attend_tile<10>(q, kc, vc, tab, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse);
-    case 96: return attend_tile<12>(q, kc, vc, tab, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse);
-    case 128: return attend_tile<16>(q, kc, vc, tab, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse);
+    case 16: return attend_tile<2, false>(q, kc, vc, tab, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, offs);
+    case 32: return attend_tile<4, false>(q, kc, vc, tab, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, offs);
+    case 64: return attend_tile<8, false>(q, kc, vc, tab, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, offs);
+    case 80: return attend_tile<10, false>(q, kc, vc, tab, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, offs);
+    case 96: return attend_tile<12, false>(q, kc, vc, tab, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, offs);
+    case 128: return attend_tile<16, false>(q, kc, vc, tab, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, offs);
     default: break;
   }
 #endif
@@ -333,6 +347,7 @@ std::tuple<torch::Tensor, torch::Tensor> paged_attention(torch::Tensor q, torch:
   at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> s, sum(R * H);
     std::vector<RowSpan> rs(R);
+    std::vector<int64_t> offs;
     for (int64_t w = begin; w < end; ++w) {
       for (int64_t k = w; k < T; k += workers) {
         const int64_t r0 = starts[k], n_rows = starts[k + 1] - r0;
@@ -345,7 +360,7 @@ std::tuple<torch::Tensor, torch::Tensor> paged_attention(torch::Tensor q, torch:
         }
         s.resize(off);
         attend(qp + r0 * H * D, kp, vp, tp + seq(r0) * MB, rs.data(), n_rows, BS, KVH, G, D, sc, cap,
-               s.data(), sum.data(), op + r0 * H * D, lsep + r0 * H);
+               s.data(), sum.data(), op + r0 * H * D, lsep + r0 * H, offs);
       }
     }
   });

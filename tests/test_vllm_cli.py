@@ -90,6 +90,15 @@ def test_defaults_and_legacy_spellings(tiny_model_dir):
     assert topo.http.cors.allowed_origins == []
 
 
+@pytest.mark.parametrize("flags,mode", [((), None), (("--deterministic",), True),
+                                        (("--no-deterministic",), False)])
+def test_deterministic_is_on_where_supported_required_or_off(tiny_model_dir, flags, mode):
+    """Unset: batch-invariant kernels where the device has them; --deterministic: a
+    worker without them refuses to start; --no-deterministic: the fast kernels."""
+    topo, _ = serve_args_to_topology([str(tiny_model_dir), *flags], environ={})
+    assert topo.engine.deterministic is mode
+
+
 @pytest.mark.parametrize("text,expected", [("4GiB", 4 * 2**30), ("512MiB", 512 * 2**20),
                                            ("2G", 2 * 10**9), ("1024", 1024),
                                            ("1.5 gib", int(1.5 * 2**30))])
