@@ -131,8 +131,27 @@ inline float row_max(const float* s, int64_t n) {
   return mx;
 }
 
-// ONE: a tile of one row (a decode), compiled without the per-row range checks; the
+// Walks keys tlo..thi-1 of a cache in memory order (a row holds every KV head; off[t] is
+// key t's offset) and calls f(j, t - lo_j, hq, x) for each row j of the tile that attends
+// key t and each query head hq of KV head kh, with kh's V vectors of key t loaded in x.
+// ONE: a tile of one row (a decode), compiled without the per-row range check; the
 // operations on each row are the same either way.
+template <int V, bool ONE, class F>
+inline void for_each_key(const float* cache, const int64_t* off, int64_t tlo, int64_t thi, int64_t KVH,
+                         int64_t G, const RowSpan* rs, int64_t R, F&& f) {
+  for (int64_t t = tlo; t < thi; ++t) {
+    const float* r = cache + off[t];
+    for (int64_t kh = 0; kh < KVH; ++kh) {
+      __m256 x[V];
+      for (int i = 0; i < V; ++i) x[i] = _mm256_loadu_ps(r + kh * V * 8 + i * 8);
+      for (int64_t j = 0; j < R; ++j) {
+        if (!ONE && (t < rs[j].lo || t >= rs[j].n)) continue;
+        for (int64_t g = 0; g < G; ++g) f(j, t - rs[j].lo, kh * G + g, x);
+      }
+    }
+  }
+}
+
 template <int V, bool ONE>
 void attend_tile(const float* q, const float* kc, const float* vc, const int64_t* tab, const RowSpan* rs,
                  int64_t R, int64_t BS, int64_t KVH, int64_t G, float sc, float cap, float* s, float* sum,
@@ -144,29 +163,16 @@ void attend_tile(const float* q, const float* kc, const float* vc, const int64_t
   row_offsets(tab, tlo, thi, BS, width, offs);
   const int64_t* off = offs.data() - tlo;  // off[t]: row t's offset
   // K pass: each row's scores against its own keys, in key order.
-  for (int64_t t = tlo; t < thi; ++t) {
-    const float* r = kc + off[t];
-    for (int64_t kh = 0; kh < KVH; ++kh) {
-      __m256 k[V];
-      for (int i = 0; i < V; ++i) k[i] = _mm256_loadu_ps(r + kh * D + i * 8);
-      for (int64_t j = 0; j < R; ++j) {
-        if (!ONE && (t < rs[j].lo || t >= rs[j].n)) continue;
-        const int64_t m = rs[j].n - rs[j].lo;
-        float* sj = s + rs[j].off;
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t hq = kh * G + g;
-          const float* qh = q + (j * H + hq) * D;
-          __m256 a0 = _mm256_mul_ps(k[0], _mm256_loadu_ps(qh));
-          __m256 a1 = _mm256_setzero_ps();
-          for (int i = 1; i < V; ++i) {
-            if (i & 1) a1 = _mm256_fmadd_ps(k[i], _mm256_loadu_ps(qh + i * 8), a1);
-            else a0 = _mm256_fmadd_ps(k[i], _mm256_loadu_ps(qh + i * 8), a0);
-          }
-          sj[hq * m + t - rs[j].lo] = hsum(_mm256_add_ps(a0, a1)) * sc;
-        }
-      }
+  for_each_key<V, ONE>(kc, off, tlo, thi, KVH, G, rs, R, [&](int64_t j, int64_t t, int64_t hq, const __m256* k) {
+    const float* qh = q + (j * H + hq) * D;
+    __m256 a0 = _mm256_mul_ps(k[0], _mm256_loadu_ps(qh));
+    __m256 a1 = _mm256_setzero_ps();
+    for (int i = 1; i < V; ++i) {
+      if (i & 1) a1 = _mm256_fmadd_ps(k[i], _mm256_loadu_ps(qh + i * 8), a1);
+      else a0 = _mm256_fmadd_ps(k[i], _mm256_loadu_ps(qh + i * 8), a0);
     }
-  }
+    s[rs[j].off + hq * (rs[j].n - rs[j].lo) + t] = hsum(_mm256_add_ps(a0, a1)) * sc;
+  });
   // An exact softmax per row and head.
   for (int64_t j = 0; j < R; ++j) {
     const int64_t m = rs[j].n - rs[j].lo;
@@ -180,27 +186,13 @@ void attend_tile(const float* q, const float* kc, const float* vc, const int64_t
     }
   }
   // V pass: out[hq] = sum_t p[hq, t] * v[t, hq / G], V rows in memory order with the
-  // accumulators in L1 (a strided per-head walk defeats the prefetchers).
+  // accumulators in L1 (a strided per-head walk costs ~1.5x on a DRAM-resident cache).
   std::fill(out, out + R * H * D, 0.f);
-  for (int64_t t = tlo; t < thi; ++t) {
-    const float* r = vc + off[t];
-    for (int64_t kh = 0; kh < KVH; ++kh) {
-      __m256 v[V];
-      for (int i = 0; i < V; ++i) v[i] = _mm256_loadu_ps(r + kh * D + i * 8);
-      for (int64_t j = 0; j < R; ++j) {
-        if (!ONE && (t < rs[j].lo || t >= rs[j].n)) continue;
-        const int64_t m = rs[j].n - rs[j].lo;
-        const float* pj = s + rs[j].off;
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t hq = kh * G + g;
-          const __m256 w = _mm256_set1_ps(pj[hq * m + t - rs[j].lo]);
-          float* o = out + (j * H + hq) * D;
-          for (int i = 0; i < V; ++i)
-            _mm256_storeu_ps(o + i * 8, _mm256_fmadd_ps(w, v[i], _mm256_loadu_ps(o + i * 8)));
-        }
-      }
-    }
-  }
+  for_each_key<V, ONE>(vc, off, tlo, thi, KVH, G, rs, R, [&](int64_t j, int64_t t, int64_t hq, const __m256* v) {
+    const __m256 w = _mm256_set1_ps(s[rs[j].off + hq * (rs[j].n - rs[j].lo) + t]);
+    float* o = out + (j * H + hq) * D;
+    for (int i = 0; i < V; ++i) _mm256_storeu_ps(o + i * 8, _mm256_fmadd_ps(w, v[i], _mm256_loadu_ps(o + i * 8)));
+  });
   for (int64_t j = 0; j < R; ++j)
     for (int64_t hq = 0; hq < H; ++hq) {
       const __m256 inv = _mm256_set1_ps(sum[j * H + hq]);
@@ -263,28 +255,31 @@ void attend_tile_generic(const float* q, const float* kc, const float* vc, const
       for (int64_t i = 0; i < D; ++i) out[(j * H + hq) * D + i] *= sum[j * H + hq];
 }
 
+#ifdef CANDOR_AVX2
+// The vector code for head sizes it is instantiated for; false for any other.
+template <bool ONE>
+bool attend_avx2(const float* q, const float* kc, const float* vc, const int64_t* tab, const RowSpan* rs,
+                 int64_t R, int64_t BS, int64_t KVH, int64_t G, int64_t D, float sc, float cap, float* s,
+                 float* sum, float* out, float* lse, std::vector<int64_t>& offs) {
+  switch (D) {
+    case 16: attend_tile<2, ONE>(q, kc, vc, tab, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, offs); return true;
+    case 32: attend_tile<4, ONE>(q, kc, vc, tab, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, offs); return true;
+    case 64: attend_tile<8, ONE>(q, kc, vc, tab, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, offs); return true;
+    case 80: attend_tile<10, ONE>(q, kc, vc, tab, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, offs); return true;
+    case 96: attend_tile<12, ONE>(q, kc, vc, tab, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, offs); return true;
+    case 128: attend_tile<16, ONE>(q, kc, vc, tab, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, offs); return true;
+    default: return false;
+  }
+}
+#endif
+
 void attend(const float* q, const float* kc, const float* vc, const int64_t* tab, const RowSpan* rs,
             int64_t R, int64_t BS, int64_t KVH, int64_t G, int64_t D, float sc, float cap, float* s,
             float* sum, float* out, float* lse, std::vector<int64_t>& offs) {
 #ifdef CANDOR_AVX2
-  if (R == 1) switch (D) {
-    case 16: return attend_tile<2, true>(q, kc, vc, tab, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, offs);
-    case 32: return attend_tile<4, true>(q, kc, vc, tab, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, offs);
-    case 64: return attend_tile<8, true>(q, kc, vc, tab, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, offs);
-    case 80: return attend_tile<10, true>(q, kc, vc, tab, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, offs);
-    case 96: return attend_tile<12, true>(q, kc, vc, tab, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, offs);
-    case 128: return attend_tile<16, true>(q, kc, vc, tab, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, offs);
-    default: break;
-  }
-  switch (D) {
-    case 16: return attend_tile<2, false>(q, kc, vc, tab, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, offs);
-    case 32: return attend_tile<4, false>(q, kc, vc, tab, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, offs);
-    case 64: return attend_tile<8, false>(q, kc, vc, tab, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, offs);
-    case 80: return attend_tile<10, false>(q, kc, vc, tab, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, offs);
-    case 96: return attend_tile<12, false>(q, kc, vc, tab, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, offs);
-    case 128: return attend_tile<16, false>(q, kc, vc, tab, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, offs);
-    default: break;
-  }
+  if (R == 1 ? attend_avx2<true>(q, kc, vc, tab, rs, R, BS, KVH, G, D, sc, cap, s, sum, out, lse, offs)
+             : attend_avx2<false>(q, kc, vc, tab, rs, R, BS, KVH, G, D, sc, cap, s, sum, out, lse, offs))
+    return;
 #endif
   attend_tile_generic(q, kc, vc, tab, rs, R, BS, KVH, G, D, sc, cap, s, sum, out, lse);
 }
