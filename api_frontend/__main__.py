@@ -26,6 +26,8 @@ from api_frontend.engine_client import EngineClient
 from api_frontend.http_server import JsonErrorAppRunner
 from api_frontend.metrics import FrontendMetrics
 from api_frontend.ops import Ops, install_ops
+from api_frontend.responses_api.peers import ResponsePeers
+from api_frontend.responses_api.store import ResponseStore, StoreMetrics
 from api_frontend.topology_watch import TopologyWatch
 from cluster.checkpoint import effective_max_model_len
 from cluster.lifecycle import die_with_parent, read_config, setup_logging
@@ -65,8 +67,12 @@ async def serve() -> None:
     card = ModelCard(id=cfg.served_model_name, created=int(time.time()),
                      max_model_len=effective_max_model_len(cfg.model_path, cfg.max_model_len),
                      root=cfg.served_model_name)
+    store = ResponseStore(cfg.api.responses_store, StoreMetrics())
+    peers = ResponsePeers(store, cfg.index, cfg.addresses.frontend_results, engine.reply_to,
+                          engine.ctx, store.metrics)
+    engine.on_peer_message = peers.on_message
     app = build_app(engine, card, cfg.http.max_body_mb * 2**20, cfg.api,
-                    cfg.served_model_aliases, cfg.http.body_read_timeout_s)
+                    cfg.served_model_aliases, cfg.http.body_read_timeout_s, peers)
     app[LOG_REQUESTS_KEY] = cfg.http.log_requests
     ops = Ops(cfg, engine, watch, metrics)
     install_ops(app, ops)
@@ -101,6 +107,7 @@ async def serve() -> None:
     lag.cancel()
     watch.stop()
     await runner.cleanup()
+    peers.close()
     await engine.close()
 
 

@@ -19,6 +19,9 @@ from api_frontend.errors import ApiError, check_served_model
 from api_frontend.generate import LOG_REQUESTS_KEY, REQUEST_ID_KEY, run_generation
 from api_frontend.json_body import check_json_body, decode_request, json_response
 from api_frontend.openapi import build_openapi
+from api_frontend.responses_api import routes as responses_routes
+from api_frontend.responses_api.peers import ResponsePeers
+from api_frontend.responses_api.store import ResponseStore
 from api_frontend.translate import prompt_list
 from cluster.topology import ApiSpec
 from protocol.openai_api import (ChatCompletionRequest, CompletionRequest, ModelCard,
@@ -33,6 +36,7 @@ MODEL_KEY = web.AppKey("model", ModelCard)
 API_KEY = web.AppKey("api", ApiSpec)
 BODY_TIMEOUT_KEY = web.AppKey("body_read_timeout_s", float)
 ALIASES_KEY = web.AppKey("aliases", list)  # further served names, after the card's id
+RESPONSES_KEY = web.AppKey("responses", ResponsePeers)  # the /v1/responses store, reachable
 
 
 async def _read_body(request: web.Request) -> bytes:
@@ -146,6 +150,24 @@ async def embeddings(request: web.Request) -> web.Response:
     return extra_routes.embeddings(request.app[MODEL_KEY])
 
 
+async def create_response(request: web.Request) -> web.StreamResponse:
+    app = request.app
+    return await responses_routes.create(request, app[ENGINE_KEY], app[MODEL_KEY],
+                                         app[ALIASES_KEY], app[API_KEY], app[RESPONSES_KEY])
+
+
+async def get_response(request: web.Request) -> web.Response:
+    return await responses_routes.retrieve(request, request.app[RESPONSES_KEY])
+
+
+async def delete_response(request: web.Request) -> web.Response:
+    return await responses_routes.delete(request, request.app[RESPONSES_KEY])
+
+
+async def response_input_items(request: web.Request) -> web.Response:
+    return await responses_routes.input_items(request, request.app[RESPONSES_KEY])
+
+
 async def list_models(request: web.Request) -> web.Response:
     card = request.app[MODEL_KEY]
     return json_response(ModelList([card] + [msgspec.structs.replace(card, id=name)
@@ -162,14 +184,19 @@ async def openapi(request: web.Request) -> web.Response:
 
 def build_app(engine: EngineClient, card: ModelCard, max_body_bytes: int,
               api: ApiSpec | None = None, aliases: list[str] | None = None,
-              body_read_timeout_s: float = 60.0) -> web.Application:
+              body_read_timeout_s: float = 60.0,
+              responses: ResponsePeers | None = None) -> web.Application:
+    """``responses``: where /v1/responses are stored and found (default: this process's
+    store only, as with one frontend)."""
     app = web.Application(middlewares=[error_middleware], client_max_size=max_body_bytes)
     app[BODY_TIMEOUT_KEY] = body_read_timeout_s
     app[ENGINE_KEY] = engine
     app[MODEL_KEY] = card
     app[ALIASES_KEY] = list(aliases or [])
     app[LOG_REQUESTS_KEY] = False
-    app[API_KEY] = api or ApiSpec()
+    app[API_KEY] = api = api or ApiSpec()
+    app[RESPONSES_KEY] = responses or ResponsePeers(
+        ResponseStore(api.responses_store), 0, [engine.reply_to], engine.reply_to, engine.ctx)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model_id:.+}", get_model)
     app.router.add_post("/v1/completions", completions)
@@ -181,5 +208,9 @@ def build_app(engine: EngineClient, card: ModelCard, max_body_bytes: int,
     app.router.add_get("/tokenizer_info", tokenizer_info)
     app.router.add_get("/v1/capabilities", capabilities)
     app.router.add_post("/v1/embeddings", embeddings)
+    app.router.add_post("/v1/responses", create_response)
+    app.router.add_get("/v1/responses/{response_id}", get_response)
+    app.router.add_delete("/v1/responses/{response_id}", delete_response)
+    app.router.add_get("/v1/responses/{response_id}/input_items", response_input_items)
     app.router.add_get("/openapi.json", openapi)
     return app

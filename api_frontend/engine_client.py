@@ -21,6 +21,7 @@ import itertools
 import logging
 import os
 import time
+from collections.abc import Callable
 
 import msgspec
 import zmq
@@ -48,7 +49,7 @@ def combine_stats(reports: list[ipc.SchedulerStats]) -> ipc.SchedulerStats:
             out[name] = max(values)
         elif name in ("worker_ready", "deterministic"):
             out[name] = all(values)
-        elif name == "aborts":
+        elif isinstance(values[0], dict):  # aborts by cause, step phases: key by key
             out[name] = {k: sum(v.get(k, 0) for v in values) for d in values for k in d}
         elif name == "replica":
             out[name] = 0
@@ -107,6 +108,9 @@ class EngineClient:
         # middleware pops it to label candor_http_requests
         self.finish_reasons: dict[str, str] = {}
         self._num_detok = len(a.detokenizer_in)
+        # another frontend's question about a stored /v1/responses result, or the answer to
+        # ours: handed to the response store's peer link (api_frontend/responses_api)
+        self.on_peer_message: Callable[[ipc.StoreQuery | ipc.StoreAnswer], None] | None = None
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._read_results(), name="results"),
@@ -130,6 +134,9 @@ class EngineClient:
                     if queue is not None:
                         self._observe(item)
                         queue.put_nowait(item)
+            elif isinstance(msg, (ipc.StoreQuery, ipc.StoreAnswer)):
+                if self.on_peer_message is not None:
+                    self.on_peer_message(msg)
             else:  # RequestInfo, RenderResult or RequestError: one rid each
                 self._tokenizer_answered(msg.rid)
                 self._unanswered.pop(msg.rid, None)

@@ -146,14 +146,16 @@ def capabilities(card: ModelCard, api: ApiSpec, stats: ipc.SchedulerStats | None
         "object": "capabilities",
         "model": card.id,
         "max_model_len": card.max_model_len,
-        "serves": ["chat.completions", "completions"],
+        "serves": ["chat.completions", "completions", "responses"],
         "policy": msgspec.to_builtins(api),
         "limits": msgspec.to_builtins(api.limits),
         "tiers": field_policy.TIER_MEANINGS,
         "deterministic": determinism(stats),
         "fields": {"/v1/chat/completions": field_policy.tiers("chat", api),
-                   "/v1/completions": field_policy.tiers("completions", api)},
+                   "/v1/completions": field_policy.tiers("completions", api),
+                   "/v1/responses": field_policy.tiers("responses", api)},
         "endpoints": ["/v1/models", "/v1/completions", "/v1/chat/completions",
+                      "/v1/responses", "/v1/responses/{id}", "/v1/responses/{id}/input_items",
                       "/v1/completions/render", "/v1/chat/completions/render", "/tokenize",
                       "/detokenize", "/tokenizer_info", "/v1/capabilities", "/health"],
     })
@@ -161,5 +163,5 @@ def capabilities(card: ModelCard, api: ApiSpec, stats: ipc.SchedulerStats | None
 
 def embeddings(card: ModelCard) -> web.Response:
     raise ApiError(404, f"This deployment serves text generation only: model {card.id!r} on "
-                   "/v1/chat/completions and /v1/completions. No embedding model is served "
-                   "here.", "model", "model_not_found")
+                   "/v1/chat/completions, /v1/completions and /v1/responses. No embedding "
+                   "model is served here.", "model", "model_not_found")

@@ -18,9 +18,10 @@ import msgspec
 from api_frontend.errors import ApiError
 from cluster.topology import ApiSpec
 from protocol.openai_api import CandorReport, ChatCompletionRequest, CompletionRequest, FieldNote
+from protocol.responses_api import ResponsesRequest
 
 Tier = Literal["honoured", "clamped", "ignored", "extension", "rejected"]
-Endpoint = Literal["chat", "completions"]
+Endpoint = Literal["chat", "completions", "responses"]
 
 TIER_MEANINGS: dict[str, str] = {
     "honoured": "maps onto sampling/decoding",
@@ -34,13 +35,15 @@ UNKNOWN = "<unknown field>"  # the tier key every field not in the table falls u
 
 
 class Row(msgspec.Struct, frozen=True, kw_only=True):
-    """Request fields that share a tier and a description. ``chat`` / ``completions``:
-    their tier on that endpoint (None: not a field there). ``label`` names a row that is a
-    behaviour rather than fields. ``reason``: why an ignored field is ignored (reported)."""
+    """Request fields that share a tier and a description. ``chat`` / ``completions`` /
+    ``responses``: their tier on that endpoint (None: not a field there). ``label`` names a
+    row that is a behaviour rather than fields. ``reason``: why an ignored field is ignored
+    (reported). A dotted field (``reasoning.effort``) is a key inside an object field."""
 
     fields: tuple[str, ...] = ()
     chat: Tier | None = None
     completions: Tier | None = None
+    responses: Tier | None = None
     candor: str
     vllm: str = "—"
     sglang: str = "—"
@@ -51,7 +54,7 @@ class Row(msgspec.Struct, frozen=True, kw_only=True):
     only_with: str = ""  # an ApiSpec flag; without it the field is rejected
 
     def tier(self, kind: Endpoint) -> Tier | None:
-        return self.chat if kind == "chat" else self.completions
+        return getattr(self, kind)
 
 
 class Foreign(msgspec.Struct, frozen=True):
@@ -134,8 +137,12 @@ ROWS: tuple[Row, ...] = (
         tests="L `test_chat_logprobs_match_hf_and_parse`, L `test_logprobs_validation`"),
     Row(fields=("logprobs", "echo"), completions="honoured",
         candor="honoured; `logprobs` 0..`max_logprobs`; echo returns the prompt and its "
-        "logprobs (first token `null`)", vllm="honoured (`--max-logprobs`)",
-        sglang="honoured", tests="L `test_completion_logprobs_with_echo_match_hf`"),
+        "logprobs (first token `null`); `text_offset` is where each token starts in the "
+        "returned `text` (a BOS the echoed prompt lacks has no width), streamed chunks "
+        "concatenate to the whole answer", vllm="honoured (`--max-logprobs`); offsets count "
+        "the BOS text", sglang="honoured",
+        tests="L `test_completion_logprobs_with_echo_match_hf`, "
+        "L `test_echo_text_offsets_index_the_returned_text_whole_and_streamed`"),
     Row(fields=("prompt",), completions="honoured",
         candor="honoured: a string, token ids, or a list of up to `max_prompts` strings / "
         "token-id lists; one choice per prompt × n, `index = prompt_index * n + i`, streamed "
@@ -168,10 +175,16 @@ ROWS: tuple[Row, ...] = (
     Row(fields=("tools",), chat="honoured",
         candor="honoured: at most `max_tools`; `[]`, a tool without `function.name` (1-64 of "
         "`A-Za-z0-9_.-`), a name given twice, non-object `parameters` → 400 naming the path "
-        "(`tools[i].function.name` …); rendered by the chat template", vllm="honoured",
+        "(`tools[i].function.name` …); rendered by the chat template. Earlier assistant "
+        "turns' `tool_calls[].function.arguments` (JSON text, as returned) reach the template "
+        "as the object they encode (transformers' convention) unless it only prints or "
+        "concatenates them (DeepSeek); text that encodes no object → 400 naming "
+        "`messages[i].tool_calls[j].function.arguments`",
+        vllm="honoured; arguments always decoded (DeepSeek's templates then fail)",
         sglang="honoured",
         tests="T `test_tool_validation_names_the_field`, "
-        "T `test_assistant_tool_calls_and_tool_results_render`"),
+        "T `test_assistant_tool_calls_and_tool_results_render`, "
+        "P `test_tool_call_arguments_reach_the_template_as_it_reads_them`"),
     Row(fields=("tool_choice",), chat="honoured",
         candor="honoured. `none`: no parsing. `auto` (default with tools): free generation "
         "read by the deployment's tool-call parser (`--tool-call-parser`, or detected from the "
@@ -187,19 +200,29 @@ ROWS: tuple[Row, ...] = (
         "T `test_auto_reads_hermes_calls_whole_and_streamed`, "
         "T `test_auto_without_a_parser_is_a_400`"),
     Row(fields=("parallel_tool_calls",), chat="honoured",
-        candor="honoured for `required`: `false` → the grammar allows exactly one call (no "
-        "tokens spent on others)", vllm="truncates after generating every call",
-        tests="T `test_parallel_false_yields_exactly_one_call`"),
+        candor="honoured: `false` → one call. `required`: the grammar allows exactly one; "
+        "`auto`: generation stops where the first call ends (no tokens spent on others); with "
+        "a reasoning parser only calls after `</think>` count", vllm="truncates after "
+        "generating every call",
+        tests="T `test_parallel_false_yields_exactly_one_call`, "
+        "T `test_parallel_false_under_auto_stops_after_the_first_call`, "
+        "T `test_parallel_false_keeps_the_first_call_after_think`"),
     Row(label="tool-call output",
         candor="`message.tool_calls` (`id`, `type`, `function.name`, `function.arguments` as "
         "JSON text), `content` null when the reply is only calls; streamed as OpenAI deltas "
         "(id, type, name in a call's first delta, then `arguments` fragments that concatenate "
         "to exactly the non-streamed arguments); tags never reach `content`; `finish_reason: "
-        "\"tool_calls\"` exactly when calls were emitted. Parsers: hermes (Hermes / Qwen2.5 / "
-        "Qwen3), llama3_json (with or without `<\\|python_tag\\|>`), mistral, deepseek_v31, "
-        "granite, pythonic", vllm="same shape", sglang="same",
+        "\"tool_calls\"` exactly when calls were emitted. A call has arguments (or "
+        "`parameters`) and a name one of `tools` declares; anything else, however call-like, "
+        "stays `content` verbatim (finish `stop`); with a reasoning parser calls are read only "
+        "after `</think>`. Parsers: hermes (Hermes / Qwen2.5 / Qwen3), llama3_json (with or "
+        "without `<\\|python_tag\\|>`), mistral, deepseek_v31, granite, pythonic",
+        vllm="same shape; any name becomes a call", sglang="same; undeclared names dropped "
+        "(log line)",
         tests="TP (every parser on its real template's text, streamed in pieces of 1..n "
-        "characters)"),
+        "characters), TP `test_only_declared_tools_are_called`, "
+        "T `test_a_call_to_an_undeclared_tool_stays_content`, "
+        "T `test_a_call_drafted_inside_think_is_reasoning_not_a_call`"),
     Row(fields=("response_format",), chat="honoured", completions="extension",
         candor="honoured: `text`; `json_object`; `json_schema` (`strict` or not: always "
         "enforced). Also accepted on `/v1/completions` (extension, as vLLM). A schema keyword "
@@ -246,6 +269,14 @@ ROWS: tuple[Row, ...] = (
         sglang="`no_stop_trim`", tests="S `test_stop_string_include_stop_str_in_output`"),
     Row(fields=("return_token_ids", "skip_special_tokens"), **EXT, candor="extension",
         vllm="extension", sglang="extension", tests="H `test_usage_counts_equal_tokens_produced`"),
+    Row(fields=("priority",), **EXT, only_with="priority_scheduling",
+        candor="extension with `--scheduling-policy priority` (`api.scheduling_policy`): "
+        "lower runs first when requests wait, arrival order within one; -2^31..2^31-1; no "
+        "aging (a steady stream of lower values starves higher ones). Default `fcfs`: "
+        "arrival order, a non-zero `priority` → 400 `priority`",
+        vllm="400 unless `--scheduling-policy priority`; no bound", sglang="extension",
+        tests="P `test_priority_needs_the_priority_scheduling_policy`, test_prefix_cache.py "
+        "`test_priority_orders_waiting_fcfs_within_a_priority`"),
     Row(fields=("strict",), **EXT, candor="extension: this request in strict mode",
         tests="C `test_per_request_strict_turns_ignored_into_400`"),
     Row(fields=("add_generation_prompt", "continue_final_message"), chat="extension",
@@ -267,9 +298,12 @@ ROWS: tuple[Row, ...] = (
         "G `test_constraint_applies_after_the_reasoning_block`"),
     Row(fields=("chat_template",), chat="extension", only_with="allow_request_chat_template",
         candor="extension only with `--allow-request-chat-template`, else 400; source "
-        "reported as `request`", vllm="honoured", sglang="honoured",
+        "reported as `request`; bounded in source size, render time, output and the size of "
+        "any one value it builds (sized before it is built) → 400 naming it",
+        vllm="honoured", sglang="honoured",
         tests="C `test_request_chat_template_needs_the_server_flag`, "
-        "P `test_template_sources_and_string_content_format`"),
+        "P `test_template_sources_and_string_content_format`, "
+        "test_e2e_hardening_tokenizer.py `test_request_template_cannot_build_a_huge_value`"),
     Row(fields=("echo",), chat="extension",
         candor="extension: the final assistant message's content is prepended", vllm="same",
         tests="C `test_chat_echo_prepends_the_final_assistant_message`"),
@@ -322,6 +356,156 @@ FOREIGN: tuple[Foreign, ...] = (
 FOREIGN_FIELDS: dict[str, Foreign] = {f.field: f for f in FOREIGN}
 
 
+RESP = {"responses": "extension"}
+_NOT_USED = "accepted for compatibility; Candor does not use it"
+# /v1/responses runs on the chat pipeline (api_frontend/responses_api): a field whose
+# meaning is chat's says so; tests: R = test_e2e_responses.py
+RESPONSES_ROWS: tuple[Row, ...] = (
+    Row(fields=("model",), responses="honoured", candor="as chat: unknown → 404 listing "
+        "served names", vllm="same", tests="R `test_bad_requests_are_4xx_naming_the_field`"),
+    Row(fields=("input",), responses="honoured",
+        candor="a string (one user message) or items: `message` (roles user, assistant, "
+        "system, developer; content a string or `input_text` / `output_text` / `refusal` "
+        "parts), `function_call`, `function_call_output` (a string or `input_text` parts), "
+        "`reasoning` (its `content` text becomes the next assistant turn's "
+        "`reasoning_content`); rendered by the chat template as chat messages (consecutive "
+        "calls are one assistant turn). Other item types (`item_reference`, built-in tool "
+        "calls) and image / file / audio parts → 400 naming `input[i]...`; at most "
+        "`max_messages` items, the previous response's conversation included",
+        vllm="same item types; harmony models differ",
+        tests="R `test_function_call_round_trip_with_the_openai_sdk`, "
+        "R `test_bad_requests_are_4xx_naming_the_field`"),
+    Row(fields=("instructions",), responses="honoured",
+        candor="a system message before the conversation; not carried over by "
+        "`previous_response_id` (as OpenAI)", vllm="same",
+        tests="R `test_continuation_and_the_store_through_the_sdk`"),
+    Row(fields=("max_output_tokens",), responses="honoured", clamps=True,
+        candor="as chat's `max_completion_tokens`: overflow → 400 naming "
+        "`max_output_tokens` and both counts; `--max-tokens-policy clamp` → clamped and "
+        "reported; the limit reached → `status: incomplete`, `incomplete_details.reason: "
+        "max_output_tokens`", vllm="clamped silently",
+        tests="R `test_create_whole_and_streamed_agree_event_by_event`"),
+    Row(fields=("temperature", "top_p"), responses="honoured",
+        candor="as chat; the response echoes the values used (a deployment default "
+        "included)", vllm="same",
+        tests="R `test_create_whole_and_streamed_agree_event_by_event`"),
+    Row(fields=("tools",), responses="honoured",
+        candor="function tools (`{type: function, name, description, parameters, "
+        "strict}`), validated as chat's (400 naming `tools[i].name` ...); a built-in tool "
+        "(web_search, file_search, computer use, code_interpreter, image_generation, mcp, "
+        "custom, ...) → 400 naming `tools[i].type`", vllm="built-ins on harmony models",
+        tests="R `test_bad_requests_are_4xx_naming_the_field`"),
+    Row(fields=("tool_choice", "parallel_tool_calls"), responses="honoured",
+        candor="as chat: `none`, `auto` (the deployment's tool-call parser), `required` and "
+        "`{type: function, name}` (constrained decoding: arguments always validate); "
+        "`allowed_tools` and built-in choices → 400 naming `tool_choice.type`. Calls come "
+        "back as `function_call` items (`call_id`, `name`, `arguments`)", vllm="same",
+        tests="R `test_function_call_round_trip_with_the_openai_sdk`, "
+        "R `test_auto_tool_call_streams_function_call_events`"),
+    Row(fields=("text",), responses="honoured",
+        candor="`text.format`: `text`, `json_object`, `json_schema` (always enforced, "
+        "through the same grammar engine as chat's `response_format`; a keyword it cannot "
+        "enforce → 400 naming `text.format.schema`). With `tool_choice` required / named "
+        "the reply is calls only, so the format is reported ignored for that turn",
+        vllm="json_object → 500 (NotImplementedError)",
+        tests="R `test_json_schema_output_parses`, R `test_agents_sdk_runs_a_tool_agent`"),
+    Row(label="reasoning items",
+        candor="with a reasoning parser (`--reasoning-parser`, or detected) the `<think>` "
+        "text is a `reasoning` output item (`content: [{type: reasoning_text}]`, `summary: "
+        "[]`), streamed as `response.reasoning_text.delta` / `.done`; "
+        "`usage.output_tokens_details.reasoning_tokens` counts the tokens before the answer "
+        "began (all of them when it never did)", vllm="same item; summary events differ",
+        tests="R `test_reasoning_items_whole_and_streamed`"),
+    Row(fields=("reasoning.effort", "reasoning.summary", "reasoning.generate_summary"),
+        responses="ignored", reason="Candor has no reasoning-effort control and writes no "
+        "summaries; thinking follows the chat template's switch (`chat_template_kwargs`) "
+        "and the reasoning text is returned whole", candor="ignored, reported; strict → 400",
+        vllm="effort passed to harmony models",
+        tests="R `test_ignored_and_unbuilt_fields_are_reported_or_400`"),
+    Row(fields=("text.verbosity",), responses="ignored",
+        reason="Candor has no verbosity control", candor="ignored, reported; strict → 400",
+        tests="R `test_ignored_and_unbuilt_fields_are_reported_or_400`"),
+    Row(fields=("stream",), responses="honoured",
+        candor="OpenAI's semantic events, each `event:` + `data:` with its "
+        "`sequence_number`: response.created, response.in_progress, then per item "
+        "output_item.added, content_part.added, output_text.delta / reasoning_text.delta "
+        "/ function_call_arguments.delta, their .done, content_part.done, "
+        "output_item.done; last response.completed or response.incomplete. A failure "
+        "after the first event: an `error` event (code, message, param) then "
+        "response.failed. No `[DONE]`", vllm="same events",
+        tests="R `test_create_whole_and_streamed_agree_event_by_event`, "
+        "R `test_failure_after_the_first_event_is_error_then_failed`"),
+    Row(fields=("stream_options.include_obfuscation",), responses="ignored",
+        reason="Candor never adds obfuscation padding to stream events",
+        candor="ignored, reported; `stream_options` without `stream` → 400",
+        tests="R `test_ignored_and_unbuilt_fields_are_reported_or_400`"),
+    Row(fields=("store", "previous_response_id"), responses="honoured",
+        candor="`store` (default true) keeps the response in the frontend that made it, "
+        "bounded (`--responses-store-max-entries`, `--responses-store-max-bytes`, "
+        "`--responses-store-ttl-s`; oldest first out; `candor_responses_store_*` metrics). "
+        "`previous_response_id` continues its conversation (its input items and output, "
+        "not its instructions) whichever frontend the request lands on: the id names the "
+        "frontend that stored it, which the others ask over ZeroMQ. An id that is unknown, "
+        "evicted, expired, deleted or made with `store: false` → 404 saying which",
+        vllm="unbounded in-memory store, off unless VLLM_ENABLE_RESPONSES_API_STORE; one "
+        "process only",
+        tests="R `test_continuation_and_the_store_through_the_sdk`, "
+        "R `test_store_bounds_say_what_became_of_an_id`, "
+        "R `test_continuation_finds_its_response_on_either_of_two_frontends`"),
+    Row(fields=("metadata",), responses="honoured",
+        candor="stored and echoed; at most 16 keys, keys ≤ 64 and values ≤ 512 characters "
+        "(400 `limit_exceeded` naming it)", vllm="echoed",
+        tests="R `test_continuation_and_the_store_through_the_sdk`"),
+    Row(fields=("truncation",), responses="honoured",
+        candor="`disabled` (default): a conversation past the context → 400 with the token "
+        "counts; `auto` (drop the oldest items) → 400 `unsupported_field`",
+        vllm="auto honoured",
+        tests="R `test_ignored_and_unbuilt_fields_are_reported_or_400`"),
+    Row(fields=("include",), responses="honoured",
+        candor="`[]` only: every value (output logprobs, `reasoning.encrypted_content`, "
+        "built-in tool outputs) → 400 naming `include[i]`; reasoning text is returned in "
+        "the reasoning item's `content`", vllm="logprobs honoured",
+        tests="R `test_ignored_and_unbuilt_fields_are_reported_or_400`"),
+    Row(fields=("user", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
+                "prompt_cache_options", "service_tier", "max_tool_calls"),
+        responses="ignored", reason=_NOT_USED + " (no per-user policy, one service tier, "
+        "routing and caching follow the prompt prefix, no built-in tools to cap)",
+        candor="ignored, reported; strict → 400", vllm="ignored silently",
+        tests="R `test_ignored_and_unbuilt_fields_are_reported_or_400`"),
+    Row(fields=("seed", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                "frequency_penalty", "stop", "stop_token_ids", "min_tokens", "logit_bias",
+                "cache_salt", "strict", "chat_template_kwargs", "guided_json",
+                "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"),
+        **RESP,
+        candor="extensions, exactly as on chat (the same checks and limits)",
+        vllm="top_k, logit_bias, cache_salt, priority",
+        tests="R `test_auto_tool_call_streams_function_call_events`"),
+    Row(fields=("priority",), **RESP, only_with="priority_scheduling",
+        candor="as chat: extension with `--scheduling-policy priority`, else a non-zero "
+        "value → 400 `priority`", vllm="same",
+        tests="R `test_bad_requests_are_4xx_naming_the_field`"),
+    Row(fields=(UNKNOWN,), label="unknown fields", responses="ignored",
+        reason="not a field Candor knows", candor="ignored, reported; strict → 400",
+        vllm="ignored", tests="R `test_ignored_and_unbuilt_fields_are_reported_or_400`"),
+)
+
+_NOT_BUILT = "not built on /v1/responses"
+# OpenAI Responses fields Candor does not build: a 400 naming them (harmless values pass)
+RESPONSES_UNBUILT: tuple[Foreign, ...] = (
+    Foreign("background", "rejected", _NOT_BUILT + ": a response runs while its request "
+            "waits (stream it, or retry)", (False,)),
+    Foreign("background_options", "rejected", _NOT_BUILT + " (no background responses)"),
+    Foreign("conversation", "rejected", _NOT_BUILT + ": no conversation objects; continue "
+            "with `previous_response_id`"),
+    Foreign("prompt", "rejected", _NOT_BUILT + ": no stored prompt templates; send "
+            "`instructions` and `input`"),
+    Foreign("context_management", "rejected", _NOT_BUILT + ": no compaction"),
+    Foreign("moderation", "rejected", _NOT_BUILT + ": no moderation models"),
+    Foreign("top_logprobs", "rejected", _NOT_BUILT + ": no logprobs (use "
+            "/v1/chat/completions)", (0,)),
+)
+
+
 def _strict(tier: Tier, api: ApiSpec) -> Tier:
     """A strict deployment rejects what it would otherwise ignore or clamp."""
     return "rejected" if api.strict and tier in ("ignored", "clamped") else tier
@@ -336,36 +520,62 @@ def _deployed(row: Row, tier: Tier, api: ApiSpec) -> Tier:
     return _strict(tier, api)
 
 
+def rows(kind: Endpoint) -> tuple[Row, ...]:
+    return RESPONSES_ROWS if kind == "responses" else ROWS
+
+
+def foreign(kind: Endpoint) -> tuple[Foreign, ...]:
+    """The fields of other APIs the endpoint names (a 400 or ignored, never unknown)."""
+    return FOREIGN + RESPONSES_UNBUILT if kind == "responses" else FOREIGN
+
+
 def tiers(kind: Endpoint, api: ApiSpec) -> dict[str, Tier]:
     """The tier of every request field of ``kind`` under ``api`` (``UNKNOWN`` for the
     rest), as GET /v1/capabilities publishes it."""
     out: dict[str, Tier] = {}
-    for row in ROWS:
+    for row in rows(kind):
         tier = row.tier(kind)
         if tier is not None:
             out.update({f: _deployed(row, tier, api) for f in row.fields})
     unknown = out.pop(UNKNOWN)
-    out.update({f.field: _strict(f.tier, api) for f in FOREIGN})
+    out.update({f.field: _strict(f.tier, api) for f in foreign(kind)})
     out[UNKNOWN] = unknown
     return out
 
 
+ENDPOINTS: tuple[Endpoint, ...] = ("chat", "completions", "responses")
+# a field reaches the report only where its deployment accepted it (``only_with`` rows too)
 _EXTENSIONS: dict[Endpoint, frozenset[str]] = {
-    kind: frozenset(f for f, t in tiers(kind, ApiSpec()).items() if t == "extension")
-    for kind in ("chat", "completions")}
+    kind: frozenset(f for row in rows(kind) if row.tier(kind) == "extension"
+                    for f in row.fields)
+    for kind in ENDPOINTS}
 _IGNORED: dict[Endpoint, tuple[tuple[str, str], ...]] = {
-    kind: tuple((f, row.reason) for row in ROWS if row.tier(kind) == "ignored"
+    kind: tuple((f, row.reason) for row in rows(kind) if row.tier(kind) == "ignored"
                 for f in row.fields if f != UNKNOWN)
-    for kind in ("chat", "completions")}
+    for kind in ENDPOINTS}
 _UNKNOWN_REASON = next(row.reason for row in ROWS if UNKNOWN in row.fields)
 _VALUE = msgspec.json.Decoder()
+_FOREIGN_FIELDS: dict[Endpoint, dict[str, Foreign]] = {
+    kind: {f.field: f for f in foreign(kind)} for kind in ENDPOINTS}
 
 
-def foreign_notes(raw: Mapping[str, Any] | list[str], known: set[str]) -> list[FieldNote]:
+def _value(req: msgspec.Struct, path: str) -> Any:
+    """The request's value at a dotted field path (None where absent)."""
+    value: Any = req
+    for part in path.split("."):
+        value = getattr(value, part, None)
+        if value is None:
+            return None
+    return value
+
+
+def foreign_notes(raw: Mapping[str, Any] | list[str], known: set[str],
+                  kind: Endpoint = "chat") -> list[FieldNote]:
     """400 for a foreign field that would change the output; notes for the harmless ones."""
     notes = []
+    table = _FOREIGN_FIELDS[kind]
     for key in raw:
-        spec = FOREIGN_FIELDS.get(key)
+        spec = table.get(key)
         if spec is None or key in known:
             continue
         if spec.tier == "rejected":
@@ -382,16 +592,18 @@ def foreign_notes(raw: Mapping[str, Any] | list[str], known: set[str]) -> list[F
 
 
 def report(raw_keys: Mapping[str, Any] | list[str],
-           req: CompletionRequest | ChatCompletionRequest, api: ApiSpec) -> CandorReport:
+           req: CompletionRequest | ChatCompletionRequest | ResponsesRequest,
+           api: ApiSpec) -> CandorReport:
     """The ``candor`` report for a request whose body had ``raw_keys``: the ignored fields
     it sent (a 400 in strict mode), the extensions it used, and the defaults it took."""
-    kind: Endpoint = "chat" if isinstance(req, ChatCompletionRequest) else "completions"
+    kind: Endpoint = ("chat" if isinstance(req, ChatCompletionRequest) else
+                      "responses" if isinstance(req, ResponsesRequest) else "completions")
     known = set(req.__struct_fields__)
     ignored = [FieldNote(f, reason) for f, reason in _IGNORED[kind]
-               if getattr(req, f) is not None]
-    ignored += foreign_notes(raw_keys, known)
+               if _value(req, f) is not None]
+    ignored += foreign_notes(raw_keys, known, kind)
     ignored += [FieldNote(k, _UNKNOWN_REASON) for k in raw_keys
-                if k not in known and k not in FOREIGN_FIELDS]
+                if k not in known and k not in _FOREIGN_FIELDS[kind]]
     extensions = [k for k in raw_keys if k in _EXTENSIONS[kind]]
     strict = api.strict or req.strict
     if strict and ignored:

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import msgspec
 
-from api_frontend.field_policy import FOREIGN, ROWS, TIER_MEANINGS, UNKNOWN, Foreign, Row
+from api_frontend.field_policy import (FOREIGN, RESPONSES_ROWS, RESPONSES_UNBUILT, ROWS,
+                                      TIER_MEANINGS, UNKNOWN, Foreign, Row)
 from cluster.topology import RequestLimits
 
 PATH = Path(__file__).resolve().parent.parent / "docs" / "fields.md"
@@ -45,6 +46,17 @@ ignored and reported. A field that cannot change the tokens here is ignored and 
 Tests: A `test_fields_that_would_change_output_are_rejected`,
 A `test_harmless_foreign_fields_are_reported_ignored`,
 A `test_capabilities_publish_limits_and_foreign_field_tiers`.
+"""
+
+_RESPONSES_INTRO = """\
+## `/v1/responses`
+
+OpenAI's Responses API on the same pipeline as chat (api_frontend/responses_api): the
+conversation is rendered by the chat template, tools, grammars and the reasoning parser are
+chat's, and the report is the `candor` field of the response object (the `response.created`
+event's and the final one) and the `x-candor-adjustments` header. `GET /v1/responses/{id}`,
+`DELETE /v1/responses/{id}` and `GET /v1/responses/{id}/input_items` (newest first; `order`,
+`limit`, `after`, `before`) read the store from any frontend. `R` = test_e2e_responses.py.
 """
 
 _OUTRO = """\
@@ -84,6 +96,12 @@ def _row(row: Row) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+def _responses_row(row: Row) -> str:
+    label = row.label or ", ".join(f"`{f}`" for f in row.fields)
+    return "| " + " | ".join((label, row.responses or "—", row.candor, row.vllm,
+                              row.tests)) + " |"
+
+
 def _foreign(spec: Foreign) -> str:
     what = spec.tier
     if spec.harmless:
@@ -115,6 +133,18 @@ def render() -> str:
         "| field | tier (both endpoints) | why |",
         "|---|---|---|",
         *map(_foreign, FOREIGN),
+        "",
+        _RESPONSES_INTRO,
+        "| field | tier | Candor | vLLM | test |",
+        "|---|---|---|---|---|",
+        *map(_responses_row, RESPONSES_ROWS),
+        "",
+        "OpenAI Responses fields Candor does not build (the vLLM / SGLang fields above are "
+        "rejected or ignored here too):",
+        "",
+        "| field | tier | why |",
+        "|---|---|---|",
+        *map(_foreign, RESPONSES_UNBUILT),
         "",
         _OUTRO.format(limits=limits),
     ]

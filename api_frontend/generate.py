@@ -75,6 +75,78 @@ def _fold_reports(report: CandorReport, infos: list[ipc.RequestInfo]) -> CandorR
     return report
 
 
+class Flight:
+    """The sequences of one translated request in the engine. ``start`` admits and submits
+    them and waits for each one's RequestInfo (deltas that overtake it are kept);
+    ``deltas`` yields their deltas until every one finished (the delta that completes a
+    first call ends its sequence under ``parallel_tool_calls: false``, see FirstCallCut);
+    ``close`` aborts whatever has not finished (client gone, an error) and releases the
+    rest."""
+
+    def __init__(self, engine: EngineClient, tr: Translated, api: ApiSpec) -> None:
+        self.engine = engine
+        self.tr = tr
+        self.api = api
+        self.reqs = tr.choice_reqs()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.unfinished = set(tr.choices)
+        self._early: list[ipc.TextDelta] = []
+        self._first_call = (FirstCallCut(tr.tools, tr.reasoning)
+                            if FirstCallCut.applies(tr.tools) else None)
+
+    async def start(self) -> dict[str, ipc.RequestInfo]:
+        engine = self.engine
+        max_waiting = engine.stats.max_waiting if engine.stats is not None else 0
+        check_share(len(self.reqs), self.api.limits, max_waiting,
+                    "n" if len(self.tr.gens) == 1 else "prompt")
+        full = engine.queue_full(len(self.reqs))
+        if full is not None:
+            raise ApiError(503, full, None, "queue_full", headers={"Retry-After": RETRY_AFTER_S})
+        for r in self.reqs:
+            await engine.submit(r, self.queue)
+        infos: dict[str, ipc.RequestInfo] = {}
+        while len(infos) < len(self.reqs):
+            msg = await self.queue.get()
+            if isinstance(msg, ipc.RequestError):
+                raise ApiError.from_engine(msg)
+            if isinstance(msg, ipc.RequestInfo):
+                infos[msg.rid] = msg
+            else:
+                self._early.append(msg)
+        return infos
+
+    async def _cut(self, d: ipc.TextDelta) -> ipc.TextDelta:
+        if self._first_call is not None and (short := self._first_call.cut(d)) is not None:
+            self.unfinished.discard(d.rid)
+            await self.engine.abort(d.rid, "stop_string")
+            return short
+        return d
+
+    async def deltas(self):
+        """Every delta of an unfinished sequence; the caller marks finished ones
+        (``finished``) as it reads their last delta."""
+        for d in self._early:
+            if d.rid in self.unfinished:
+                yield await self._cut(d)
+        while self.unfinished:
+            msg = await self.queue.get()
+            if isinstance(msg, ipc.RequestError):
+                raise ApiError.from_engine(msg)
+            if isinstance(msg, ipc.TextDelta) and msg.rid in self.unfinished:
+                yield await self._cut(msg)
+
+    def finished(self, d: ipc.TextDelta) -> None:
+        if d.finish_reason is not None:
+            self.unfinished.discard(d.rid)
+
+    async def close(self) -> None:
+        for sub in self.tr.choices:
+            if sub in self.unfinished:  # client went away, or an error: stop, free KV blocks
+                await self.engine.abort(sub, "disconnect")
+            else:
+                self.engine.release(sub)
+
+
 async def run_generation(request: web.Request, engine: EngineClient, card: ModelCard,
                          api: ApiSpec, parsed, keys) -> web.StreamResponse:
     is_chat = isinstance(parsed, ChatCompletionRequest)
@@ -82,34 +154,16 @@ async def run_generation(request: web.Request, engine: EngineClient, card: Model
     arrival = time.time()
     tr: Translated = (chat_to_generate if is_chat else completion_to_generate)(
         parsed, rid, engine.reply_to, arrival, keys, api)
-    reqs = tr.choice_reqs()
+    flight = Flight(engine, tr, api)
     if request.app[LOG_REQUESTS_KEY]:
         log.info("request %s (X-Request-Id %s): model %r, %d prompt(s), n=%d, max_tokens=%s, "
                  "stream=%s, sampling %s", rid, client_request_id(request), card.id,
                  len(tr.gens), tr.n, tr.gen.max_tokens, bool(parsed.stream),
                  msgspec.json.encode(tr.gen.sampling).decode())
-    max_waiting = engine.stats.max_waiting if engine.stats is not None else 0
-    check_share(len(reqs), api.limits, max_waiting, "n" if len(tr.gens) == 1 else "prompt")
-    full = engine.queue_full(len(reqs))
-    if full is not None:
-        raise ApiError(503, full, None, "queue_full", headers={"Retry-After": RETRY_AFTER_S})
     response_key = client_request_id(request) or rid
-    queue: asyncio.Queue = asyncio.Queue()
-    unfinished = set(tr.choices)
     try:
-        for r in reqs:
-            await engine.submit(r, queue)
-        infos: dict[str, ipc.RequestInfo] = {}
-        early: list[ipc.TextDelta] = []
-        while len(infos) < len(reqs):
-            msg = await queue.get()
-            if isinstance(msg, ipc.RequestError):
-                raise ApiError.from_engine(msg)
-            if isinstance(msg, ipc.RequestInfo):
-                infos[msg.rid] = msg
-            else:
-                early.append(msg)
-        firsts = [r.rid for r in reqs if tr.choices[r.rid][0] % tr.n == 0]  # one per prompt
+        infos = await flight.start()
+        firsts = [r.rid for r in flight.reqs if tr.choices[r.rid][0] % tr.n == 0]  # per prompt
         report = _fold_reports(tr.report, [infos[f] for f in firsts])
         modes = {engine.deterministic(r.rid) for r in reqs}
         report.deterministic = modes.pop() if len(modes) == 1 else None
@@ -124,32 +178,13 @@ async def run_generation(request: web.Request, engine: EngineClient, card: Model
                                       echo_text=_chat_echo(parsed), tools=tr.tools,
                                       reasoning_parser=tr.reasoning, **common)
         else:
-            echo = None
+            echo = offsets = None
             if parsed.echo:
                 echo = [infos[f].prompt_text or "" for f in firsts]
+                offsets = [infos[f].prompt_offsets or [] for f in firsts]
             assembler = CompletionAssembler(rid, int(arrival), card.id, parsed.return_token_ids,
-                                            echo_texts=echo, prompts=len(tr.gens), **common)
-
-        first_call = FirstCallCut(tr.tools) if FirstCallCut.applies(tr.tools) else None
-
-        async def cut(d: ipc.TextDelta) -> ipc.TextDelta:
-            """The delta that completes the first call ends its sequence (see FirstCallCut)."""
-            if first_call is not None and (short := first_call.cut(d)) is not None:
-                unfinished.discard(d.rid)
-                await engine.abort(d.rid, "stop_string")
-                return short
-            return d
-
-        async def deltas():
-            for d in early:
-                if d.rid in unfinished:
-                    yield await cut(d)
-            while unfinished:
-                msg = await queue.get()
-                if isinstance(msg, ipc.RequestError):
-                    raise ApiError.from_engine(msg)
-                if isinstance(msg, ipc.TextDelta) and msg.rid in unfinished:
-                    yield await cut(msg)
+                                            echo_texts=echo, echo_offsets=offsets,
+                                            prompts=len(tr.gens), **common)
 
         if not parsed.stream:
             got: list[Collected | None] = [None] * tr.num_choices
@@ -157,29 +192,24 @@ async def run_generation(request: web.Request, engine: EngineClient, card: Model
                 shared = Collected()  # n identical choices computed once share one
                 for i in idxs:
                     got[i] = shared
-            async for d in deltas():
+            async for d in flight.deltas():
                 got[tr.choices[d.rid][0]].add(d)
-                if d.finish_reason is not None:
-                    unfinished.discard(d.rid)
+                flight.finished(d)
             body = _JSON.encode(assembler.final(got))
             engine.record_finish(response_key, got[0].last.finish_reason or "none")
             return web.Response(body=body, content_type="application/json", headers=headers)
-        return await _stream(request, engine, parsed, tr, assembler, deltas(), unfinished,
-                             headers, response_key)
+        return await _stream(request, engine, parsed, tr, assembler, flight, headers,
+                             response_key)
     except (asyncio.CancelledError, ConnectionResetError):
         log.info("client went away: %s (X-Request-Id %s); aborting %d of %d sequences", rid,
-                 client_request_id(request), len(unfinished), len(tr.choices))
+                 client_request_id(request), len(flight.unfinished), len(tr.choices))
         raise
     finally:
-        for sub in tr.choices:
-            if sub in unfinished:  # client went away, or an error: stop and free KV blocks
-                await engine.abort(sub, "disconnect")
-            else:
-                engine.release(sub)
+        await flight.close()
 
 
 async def _stream(request: web.Request, engine: EngineClient, parsed, tr: Translated,
-                  assembler, deltas, unfinished: set[str], headers: dict[str, str],
+                  assembler, flight: Flight, headers: dict[str, str],
                   response_key: str) -> web.StreamResponse:
     opts = parsed.stream_options
     include_usage = bool(opts and opts.include_usage)
@@ -194,7 +224,7 @@ async def _stream(request: web.Request, engine: EngineClient, parsed, tr: Transl
     started: set[int] = set()
     lasts: dict[int, ipc.TextDelta] = {}
     try:
-        async for delta in deltas:
+        async for delta in flight.deltas():
             for choice in tr.choices[delta.rid]:
                 if not is_chat and assembler.echo_texts is not None and choice not in started:
                     started.add(choice)
@@ -206,8 +236,7 @@ async def _stream(request: web.Request, engine: EngineClient, parsed, tr: Transl
                     if chunk is not None:
                         await response.write(sse(chunk))
                 lasts[choice] = delta
-            if delta.finish_reason is not None:
-                unfinished.discard(delta.rid)
+            flight.finished(delta)
     except ApiError as err:  # after the first frame: an error frame, then [DONE]
         await response.write(b"data: " + err.encode() + b"\n\n")
         await response.write(DONE_FRAME)

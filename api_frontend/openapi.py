@@ -4,12 +4,14 @@ the server accepts. Clients generate SDKs from it; the fuzz tests generate reque
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import msgspec
 
 from protocol.openai_api import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                  ErrorBody, TokenizeRequest)
+from protocol.responses_api import ResponsesRequest
 from protocol.version import VERSION
 
 _REF = "#/components/schemas/{name}"
@@ -18,13 +20,16 @@ _REF = "#/components/schemas/{name}"
 REQUEST_BODIES: dict[str, type] = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/completions": CompletionRequest,
+    "/v1/responses": ResponsesRequest,
     "/v1/chat/completions/render": ChatCompletionRequest,
     "/v1/completions/render": CompletionRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
 }
 GET_ROUTES = ("/v1/models", "/v1/models/{model_id}", "/v1/capabilities", "/health",
-              "/health/generate", "/metrics", "/version")
+              "/health/generate", "/metrics", "/version", "/v1/responses/{response_id}",
+              "/v1/responses/{response_id}/input_items")
+DELETE_ROUTES = ("/v1/responses/{response_id}",)
 
 
 def _error_responses() -> dict[str, Any]:
@@ -43,13 +48,15 @@ def build_openapi() -> dict[str, Any]:
             "requestBody": {"required": True,
                             "content": {"application/json": {"schema": ref_of[struct]}}},
             "responses": {"200": {"description": "OK"}, **_error_responses()}}}
-    for route in GET_ROUTES:
-        op: dict[str, Any] = {"responses": {"200": {"description": "OK"},
-                                            **_error_responses()}}
-        if "{model_id}" in route:
-            op["parameters"] = [{"name": "model_id", "in": "path", "required": True,
-                                 "schema": {"type": "string"}}]
-        paths[route] = {"get": op}
+    for method, routes in (("get", GET_ROUTES), ("delete", DELETE_ROUTES)):
+        for route in routes:
+            op: dict[str, Any] = {"responses": {"200": {"description": "OK"},
+                                                **_error_responses()}}
+            params = re.findall(r"\{(\w+)\}", route)
+            if params:
+                op["parameters"] = [{"name": name, "in": "path", "required": True,
+                                     "schema": {"type": "string"}} for name in params]
+            paths.setdefault(route, {})[method] = op
     return {"openapi": "3.1.0",
             "info": {"title": "Candor", "version": VERSION},
             "paths": paths,

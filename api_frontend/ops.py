@@ -27,7 +27,7 @@ from protocol.version import VERSION
 
 PROBE_TIMEOUT_S = 10.0
 FLUSH_S = 1.0  # after the drain limit: time for cut streams to write their last frames
-GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
+GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 
 
 class Ops:

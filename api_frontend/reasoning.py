@@ -8,7 +8,8 @@
   ``chat_template_kwargs.thinking: false`` the reply is all answer.
 
 Under a constraint, the grammar leaves the block free and constrains the answer after
-``</think>`` (tokenizer_worker/grammar.py). ``split(text, final)`` follows the tool parsers' rule (base.py): the split of a prefix of
+``</think>`` (tokenizer_worker/grammar.py); tool calls are read from the answer only.
+``split(text, final)`` follows the tool parsers' rule (base.py): the split of a prefix of
 the text is a prefix of the split of the whole, so streamed ``reasoning_content`` and
 ``content`` deltas concatenate to the non-streamed fields, and no tag leaks into either.
 """
@@ -28,8 +29,20 @@ class ReasoningParser:
     def active(self, template_kwargs: dict[str, Any]) -> bool:
         return True
 
-    def split(self, text: str, final: bool) -> tuple[str, str]:
+    def bounds(self, text: str, final: bool) -> tuple[int, int, int | None]:
+        """Where the reasoning is (``text[start:end]``) and where the answer starts (None
+        while the text is still reasoning, or too early to tell)."""
         raise NotImplementedError
+
+    def split(self, text: str, final: bool) -> tuple[str, str]:
+        """(reasoning, answer); the answer is always the end of ``text``."""
+        start, end, answer = self.bounds(text, final)
+        return text[start:end], ("" if answer is None else text[answer:])
+
+    def answer_start(self, text: str, final: bool) -> int | None:
+        """Index in ``text`` where the answer begins: tool calls are read from there on
+        only, so a call drafted inside the reasoning is never one."""
+        return self.bounds(text, final)[2]
 
 
 def _after_start(text: str, final: bool) -> tuple[int, bool] | None:
@@ -44,14 +57,14 @@ def _after_start(text: str, final: bool) -> tuple[int, bool] | None:
     return 0, False
 
 
-def _split_at_end(text: str, at: int, final: bool) -> tuple[str, str]:
+def _until_end(text: str, at: int, final: bool) -> tuple[int, int, int | None]:
     j = text.find(END, at)
     if j >= 0:
-        return text[at:j], text[j + len(END):]
-    reasoning = text[at:]
+        return at, j, j + len(END)
+    end = len(text)
     if not final:
-        reasoning = reasoning[:len(reasoning) - held(reasoning, (END,))]
-    return reasoning, ""
+        end -= held(text[at:], (END,))
+    return at, end, None
 
 
 class Qwen3ReasoningParser(ReasoningParser):
@@ -60,14 +73,14 @@ class Qwen3ReasoningParser(ReasoningParser):
     def active(self, template_kwargs: dict[str, Any]) -> bool:
         return template_kwargs.get("enable_thinking", True) is not False
 
-    def split(self, text: str, final: bool) -> tuple[str, str]:
+    def bounds(self, text: str, final: bool) -> tuple[int, int, int | None]:
         start = _after_start(text, final)
         if start is None:
-            return "", ""
+            return 0, 0, None
         at, opened = start
         if not opened:
-            return "", text
-        return _split_at_end(text, at, final)
+            return 0, 0, 0
+        return _until_end(text, at, final)
 
 
 class DeepSeekR1ReasoningParser(ReasoningParser):
@@ -76,11 +89,11 @@ class DeepSeekR1ReasoningParser(ReasoningParser):
     def active(self, template_kwargs: dict[str, Any]) -> bool:
         return template_kwargs.get("thinking", True) is not False
 
-    def split(self, text: str, final: bool) -> tuple[str, str]:
+    def bounds(self, text: str, final: bool) -> tuple[int, int, int | None]:
         start = _after_start(text, final)
         if start is None:
-            return "", ""
-        return _split_at_end(text, start[0], final)
+            return 0, 0, None
+        return _until_end(text, start[0], final)
 
 
 PARSERS: dict[str, type[ReasoningParser]] = {

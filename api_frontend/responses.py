@@ -46,8 +46,14 @@ class Collected:
         self.logprobs: list[ipc.DecodedLogprob] = []
         self.prompt_logprobs: list[ipc.DecodedLogprob] | None = None
         self.last: ipc.TextDelta | None = None
+        self.text_offset: list[int] = []  # each logprobs entry's, in the generated text
+        self._chars = 0
 
     def add(self, delta: ipc.TextDelta) -> None:
+        """Offsets as a stream computes them (each delta's tokens from the start of its
+        text), so the whole answer's ``text_offset`` is the streamed one's concatenation."""
+        self.text_offset += running_offsets(delta.logprobs or [], self._chars)
+        self._chars += len(delta.text)
         self.parts.append(delta.text)
         self.token_ids.extend(delta.token_ids)
         if delta.prompt_token_ids is not None:
@@ -74,9 +80,9 @@ def chat_logprobs(entries: list[ipc.DecodedLogprob]) -> ChatLogprobs:
                                            for t in e.top]) for e in entries])
 
 
-def completion_logprobs(entries: list[ipc.DecodedLogprob], offset: int) -> CompletionLogprobs:
-    """``offset``: character position of the first entry's token in the choice's text."""
-    out = CompletionLogprobs([], [], [], [])
+def completion_logprobs(entries: list[ipc.DecodedLogprob],
+                        text_offset: list[int]) -> CompletionLogprobs:
+    out = CompletionLogprobs([], [], [], text_offset)
     for e in entries:
         out.tokens.append(e.token)
         out.token_logprobs.append(e.logprob)
@@ -86,7 +92,15 @@ def completion_logprobs(entries: list[ipc.DecodedLogprob], offset: int) -> Compl
             top = {t.token: t.logprob for t in e.top}
             top.setdefault(e.token, e.logprob)
             out.top_logprobs.append(top)
-        out.text_offset.append(offset)
+    return out
+
+
+def running_offsets(entries: list[ipc.DecodedLogprob], offset: int) -> list[int]:
+    """Text offsets of one delta's tokens: the first at ``offset`` (where the delta's text
+    starts in the choice's text), the next ones after the texts before them."""
+    out = []
+    for e in entries:
+        out.append(offset)
         offset += len(e.token)
     return out
 
@@ -149,15 +163,26 @@ class CompletionAssembler(_Assembler):
     """Builds /v1/completions bodies and chunks for one request: ``prompts`` prompts of
     ``n`` choices each, choice ``p * n + i`` for the i-th sample of prompt p."""
 
-    def __init__(self, *args, echo_texts: list[str] | None = None, prompts: int = 1,
+    def __init__(self, *args, echo_texts: list[str] | None = None,
+                 echo_offsets: list[list[int]] | None = None, prompts: int = 1,
                  **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.echo_texts = echo_texts  # each prompt's text, when echo is on
+        self.echo_offsets = echo_offsets  # where each prompt token starts in its text
         self.prompts = prompts
         self._offsets: dict[int, int] = {}
 
     def _echo(self, choice: int) -> str | None:
         return None if self.echo_texts is None else self.echo_texts[choice // self.n]
+
+    def _echo_starts(self, choice: int, entries: list[ipc.DecodedLogprob]) -> list[int]:
+        """Where each prompt token starts in the echoed prompt (the tokenizer worker's
+        ``prompt_offsets``: a BOS the text does not hold has no width); the answer's tokens
+        follow from the prompt's end, whole or streamed."""
+        starts = self.echo_offsets[choice // self.n] if self.echo_offsets else []
+        if len(starts) != len(entries):  # not sent: the prompt's tokens one after another
+            starts = running_offsets(entries, 0)
+        return starts
 
     def final(self, choices: list[Collected]) -> CompletionResponse:
         out = []
@@ -165,10 +190,13 @@ class CompletionAssembler(_Assembler):
         for i, got in enumerate(choices):
             echo = self._echo(i)
             lp = None
-            if self.logprobs:  # with echo, the prompt's entries come first (offset 0)
-                entries = (_top(got.prompt_logprobs or [], self.logprobs_k)
-                           if echo is not None else [])
-                lp = completion_logprobs(entries + got.logprobs, 0)
+            if self.logprobs:  # with echo, the prompt's entries come first
+                shift = len(echo or "")
+                entries, offsets = got.logprobs, [shift + o for o in got.text_offset]
+                if echo is not None:
+                    head = _top(got.prompt_logprobs or [], self.logprobs_k)
+                    entries, offsets = head + entries, self._echo_starts(i, head) + offsets
+                lp = completion_logprobs(entries, offsets)
             out.append(CompletionChoice(
                 i, (echo or "") + got.text, got.last.finish_reason, lp,
                 token_ids=self._ids(got.token_ids),
@@ -184,7 +212,8 @@ class CompletionAssembler(_Assembler):
         text = self._echo(index) or ""
         lp = None
         if self.logprobs and delta.prompt_logprobs:
-            lp = completion_logprobs(delta.prompt_logprobs, 0)
+            entries = _top(delta.prompt_logprobs, self.logprobs_k)
+            lp = completion_logprobs(entries, self._echo_starts(index, entries))
         self._offsets[index] = len(text)
         return CompletionChunk(self.id, self.created, self.model,
                                [CompletionChoice(index, text, None, lp)], None,
@@ -194,7 +223,8 @@ class CompletionAssembler(_Assembler):
         lp = None
         if self.logprobs:
             offset = self._offsets.get(index, 0)
-            lp = completion_logprobs(delta.logprobs or [], offset)
+            entries = delta.logprobs or []
+            lp = completion_logprobs(entries, running_offsets(entries, offset))
             self._offsets[index] = offset + len(delta.text)
         return CompletionChunk(self.id, self.created, self.model,
                                [CompletionChoice(index, delta.text, delta.finish_reason, lp,

@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from api_frontend import tool_parsers
+from api_frontend import reasoning, tool_parsers
 from api_frontend.errors import ApiError
 from api_frontend.tool_parsers import NamedCallParser, RequiredCallsParser, ToolParser
 from cluster.topology import ApiSpec
@@ -39,10 +39,11 @@ class ToolPlan(msgspec.Struct):
         """A fresh parser for one choice (None: the text is plain content)."""
         if self.mode == "named":
             return NamedCallParser(self.function)
+        names = [t["function"]["name"] for t in self.tools or ()]
         if self.mode == "required":
-            return RequiredCallsParser()
+            return RequiredCallsParser(names)
         if self.mode == "auto":
-            return tool_parsers.get(self.parser_name)
+            return tool_parsers.get(self.parser_name, names)
         return None
 
 
@@ -132,10 +133,13 @@ class FirstCallCut:
     """``parallel_tool_calls: false`` under ``tool_choice: auto``: generation stops at the
     end of the first complete call. Each delta of a choice goes through ``cut``; the one
     that completes the first call comes back trimmed to the call's end and finished (the
-    caller aborts the sequence), so no later call is generated or billed."""
+    caller aborts the sequence), so no later call is generated or billed. With a reasoning
+    parser only the answer after the reasoning is read: a call drafted inside ``<think>``
+    is reasoning, and cuts nothing."""
 
-    def __init__(self, plan: ToolPlan) -> None:
+    def __init__(self, plan: ToolPlan, reasoning_parser: str | None = None) -> None:
         self.plan = plan
+        self.reasoning = reasoning.get(reasoning_parser) if reasoning_parser else None
         self.texts: dict[str, str] = {}
 
     @staticmethod
@@ -147,8 +151,11 @@ class FirstCallCut:
             return None
         before = self.texts.get(delta.rid, "")
         text = self.texts[delta.rid] = before + delta.text
-        view = self.plan.parser().scan(text, False)
+        at = 0 if self.reasoning is None else self.reasoning.answer_start(text, False)
+        if at is None:
+            return None
+        view = self.plan.parser().scan(text[at:], False)
         if not view.calls or not view.calls[0].done or view.calls[0].end is None:
             return None
-        keep = max(0, view.calls[0].end - len(before))
+        keep = max(0, at + view.calls[0].end - len(before))
         return msgspec.structs.replace(delta, text=delta.text[:keep], finish_reason="stop")

@@ -111,10 +111,15 @@ def _logprobs(req: CompletionRequest | ChatCompletionRequest) -> tuple[int, int]
 
 def _checked(req: CompletionRequest | ChatCompletionRequest, raw_keys: list[str],
              api: ApiSpec) -> CandorReport:
-    """The checks both endpoints start with (limits, the field policy, prompt_logprobs
-    without streaming: vLLM's ``prompt_logprobs`` comes only in a whole response); the
-    report so far."""
+    """The checks both endpoints start with (limits, ``priority`` only under priority
+    scheduling, the field policy, prompt_logprobs without streaming: vLLM's
+    ``prompt_logprobs`` comes only in a whole response); the report so far."""
     limits.check_fields(req, api.limits)
+    if req.priority != 0 and not api.priority_scheduling:
+        raise ApiError(400, "`priority` needs priority scheduling, which this deployment does "
+                       "not run: waiting requests are served in arrival order (start the "
+                       "server with --scheduling-policy priority to honour it)", "priority",
+                       "unsupported_field")
     report = field_policy.report(raw_keys, req, api)
     if req.prompt_logprobs is not None and req.stream:
         raise ApiError(400, "`prompt_logprobs` is not available with `stream: true`",

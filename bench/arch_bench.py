@@ -16,7 +16,8 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from bench.compare import candor_server, start_warm, vllm_server
+from bench.compare import vllm_server
+from bench.servers import candor_server, start_warm
 from bench.loadgen import Workload, run
 from bench.models import ARCH_SHAPES, build_arch, build_tiny, num_params
 

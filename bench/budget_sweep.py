@@ -15,9 +15,9 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from bench.compare import WORKLOADS, candor_server
-from bench.loadgen import Workload, run
-from bench.models import build_llama_100m, build_tiny, build_tiny_hd64
+from bench.loadgen import run
+from bench.servers import WARMUP, candor_server
+from bench.workloads import KV_BLOCKS, WORKLOADS, build_models, round_workload
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,26 +29,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models-dir", default=None)
     a = p.parse_args(argv)
     models_dir = Path(a.models_dir or tempfile.mkdtemp(prefix="candor-sweep-"))
-    models_dir.mkdir(parents=True, exist_ok=True)
-    tiny = build_tiny(models_dir)
-    paths = {"tiny-hd64": build_tiny_hd64(models_dir, tiny)}
     wanted = a.workloads.split(",")
-    if "b" in wanted:
-        paths["llama-100m"] = build_llama_100m(models_dir, tiny)
+    paths = build_models(models_dir, sorted({WORKLOADS[wl].model for wl in wanted}))
     for budget in (int(b) for b in a.budgets.split(",")):
         for wl in wanted:
-            model_key, workload = WORKLOADS[wl]
-            kv = 1024 if model_key == "llama-100m" else 4096
-            s = candor_server(paths[model_key], model_key, a.threads, kv,
+            bench = WORKLOADS[wl]
+            model_key = bench.model
+            s = candor_server(paths[model_key], model_key, a.threads, KV_BLOCKS[model_key],
                               ["--max-num-batched-tokens", str(budget)])
             s.start()
             try:
                 s.wait_ready(600)
-                warm = Workload(num_requests=4, concurrency=4, prompt_len=(64, 64),
-                                output_len=(8, 8), seed=99)
-                asyncio.run(run(s.url, model_key, warm))
-                outs = [asyncio.run(run(s.url, model_key,
-                                        Workload(**{**workload.__dict__, "seed": 1000 * r + 1})))
+                asyncio.run(run(s.url, model_key, WARMUP))
+                outs = [asyncio.run(run(s.url, model_key, round_workload(bench, r)))
                         for r in range(a.rounds)]
             finally:
                 s.stop()

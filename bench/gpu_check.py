@@ -272,7 +272,7 @@ def decode_bench(args) -> int:
 
 
 def serve(args) -> int:
-    from bench.compare import candor_server
+    from bench.servers import candor_server
     from bench.loadgen import Workload, run
     from bench.models import build_llama3_8b_dummy, build_tiny
 
@@ -301,7 +301,7 @@ def serve(args) -> int:
                 return {"ready_s": round(ready_s, 1), **summary}
             finally:
                 server.stop()
-                log = Path(server.log.name).read_text(errors="replace").splitlines()
+                log = server.log_path.read_text(errors="replace").splitlines()
                 keep = [ln for ln in log if any(w in ln for w in ("attention", "CUDA graph", "captured",
                                                                   "Error", "error", "Traceback"))]
                 results.setdefault("server_log", {})[server.name + "-" + str(server.port)] = (keep + log[-15:])[-60:]
@@ -325,7 +325,7 @@ def _greedy_ids(url: str, name: str, prompt: list[int], n: int) -> list[int]:
 
 
 def tensor_parallel(args) -> int:
-    from bench.compare import candor_server
+    from bench.servers import candor_server
     from bench.loadgen import Workload, run
     from bench.models import build_gqa_hd128, build_tiny
 
@@ -352,7 +352,7 @@ def tensor_parallel(args) -> int:
                 return asyncio.run(run(server.url, name, workload))
             finally:
                 server.stop()
-                log = Path(server.log.name).read_text(errors="replace").splitlines()
+                log = server.log_path.read_text(errors="replace").splitlines()
                 results.setdefault("server_log", {})[f"tp{tp}"] = log[-20:]
 
         _guarded(results, f"tp{tp}", one)

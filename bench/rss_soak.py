@@ -21,7 +21,7 @@ from pathlib import Path
 
 import aiohttp
 
-from bench.compare import candor_server
+from bench.servers import candor_server
 from bench.models import build_tiny
 
 MODEL = "tiny"

@@ -18,7 +18,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from bench.compare import candor_server
+from bench.servers import candor_server
 from bench.loadgen import Workload, run
 from bench.models import build_llama_100m, build_tiny
 

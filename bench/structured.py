@@ -22,7 +22,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from bench.compare import candor_server
+from bench.servers import candor_server
 from bench.loadgen import Workload, run
 from bench.models import build_llama_100m, build_tiny
 

@@ -230,6 +230,10 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                         "replaces the checkpoint's")
     g.add_argument("--allow-request-chat-template", action="store_true",
                    help="accept a chat_template field in request bodies")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="fcfs (default): waiting requests run in arrival order and a "
+                        "non-zero request `priority` is a 400; priority: lower `priority` "
+                        "first (no aging: trusted clients only)")
     g.add_argument("--tool-call-parser", default="auto",
                    help="how tool calls are read from text under tool_choice auto: "
                         "hermes, llama3_json, mistral, deepseek_v31, granite, pythonic; "
@@ -248,6 +252,14 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                    help="most prompts in one /v1/completions request")
     g.add_argument("--max-request-share", type=float, default=None,
                    help="largest fraction of the waiting queue one request may fill")
+    g.add_argument("--responses-store-max-entries", type=int, default=10_000,
+                   help="/v1/responses kept for previous_response_id and GET, per frontend "
+                        "(oldest first out; 0: store nothing)")
+    g.add_argument("--responses-store-max-bytes", type=parse_size, default=256 << 20,
+                   metavar="SIZE", help="encoded size of the stored responses, per "
+                   "frontend (e.g. 256MiB)")
+    g.add_argument("--responses-store-ttl-s", type=float, default=3600.0,
+                   help="a stored response is gone this many seconds after it was stored")
 
 
 def serve_parser() -> ServeParser:
@@ -328,10 +340,14 @@ def serve_topology(args: argparse.Namespace, model_path: str, default_name: str,
         "api": {"strict": args.strict, "max_tokens_policy": args.max_tokens_policy,
                 "chat_template": args.chat_template,
                 "allow_request_chat_template": args.allow_request_chat_template,
+                "scheduling_policy": args.scheduling_policy,
                 "tool_call_parser": None if args.tool_call_parser == "none"
                 else args.tool_call_parser,
                 "reasoning_parser": None if args.reasoning_parser == "none"
                 else args.reasoning_parser,
+                "responses_store": {"max_entries": args.responses_store_max_entries,
+                                    "max_bytes": args.responses_store_max_bytes,
+                                    "ttl_s": args.responses_store_ttl_s},
                 "limits": {name: value for name, value in (
                     ("max_n", args.max_n), ("max_logprobs", args.max_logprobs),
                     ("max_prompts", args.max_prompts),

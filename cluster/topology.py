@@ -195,6 +195,18 @@ class SamplingDefaults(msgspec.Struct, forbid_unknown_fields=True, kw_only=True,
 SAMPLING_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
+class ResponsesStoreSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The bounds of each frontend's store of ``/v1/responses`` results (``store: true``,
+    the default), which ``previous_response_id`` continues and GET /v1/responses/{id}
+    reads. In memory: oldest entries go first past ``max_entries`` or ``max_bytes``
+    (encoded size), and each is gone ``ttl_s`` after it was stored. 0 entries: nothing
+    is stored (every ``store: true`` is reported as not stored)."""
+
+    max_entries: Annotated[int, Meta(ge=0)] = 10_000
+    max_bytes: Annotated[int, Meta(ge=0)] = 256 << 20
+    ttl_s: Annotated[float, Meta(gt=0.0)] = 3600.0
+
+
 class ApiSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """The deployment's API policy; published by GET /v1/capabilities.
 
@@ -202,14 +214,20 @@ class ApiSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     prompt + max_tokens beyond the context gets (reject: 400 with the accounting; clamp:
     cut to what fits and reported as a clamp). chat_template: a server-wide template file
     that replaces the checkpoint's. allow_request_chat_template: accept ``chat_template``
-    in a request body (a template is code the server runs, so it is off by default)."""
+    in a request body (a template is code the server runs, so it is off by default).
+    scheduling_policy (vLLM's --scheduling-policy): fcfs serves waiting requests in arrival
+    order and refuses a non-zero ``priority``; priority lets clients set it (lower first,
+    arrival order within one; no aging, so a steady stream of lower values starves higher
+    ones: for deployments whose clients are trusted to use it)."""
 
     strict: bool = False
     max_tokens_policy: Literal["reject", "clamp"] = "reject"
     chat_template: str | None = None
     allow_request_chat_template: bool = False
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     limits: RequestLimits = msgspec.field(default_factory=RequestLimits)
     sampling_defaults: SamplingDefaults = msgspec.field(default_factory=SamplingDefaults)
+    responses_store: ResponsesStoreSpec = msgspec.field(default_factory=ResponsesStoreSpec)
     # Tool calls under tool_choice auto: a parser name, "auto" (detected from the chat
     # template at launch, which writes the outcome here) or None (auto is a 400).
     tool_call_parser: str | None = None
@@ -217,6 +235,11 @@ class ApiSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # <think> blocks -> reasoning_content: a parser name, "auto" (detected) or None
     reasoning_parser: str | None = None
     reasoning_parser_source: str | None = None
+
+    @property
+    def priority_scheduling(self) -> bool:
+        """Clients may set ``priority`` (the field table's ``only_with`` flag)."""
+        return self.scheduling_policy == "priority"
 
 
 class RoleCounts(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -365,7 +388,9 @@ CONNECTORS = {"scheduler_in": ("tokenizer_worker", "detokenizer", "api_frontend"
               "scheduler_pub": ("api_frontend",), "worker_in": ("gpu_worker",),
               "worker_out": ("gpu_worker",), "tokenizer_in": ("api_frontend",),
               "detokenizer_in": ("scheduler",),
-              "frontend_results": ("scheduler", "tokenizer_worker", "detokenizer"),
+              # frontends ask each other for stored /v1/responses (api_frontend/responses_api)
+              "frontend_results": ("scheduler", "tokenizer_worker", "detokenizer",
+                                   "api_frontend"),
               "node_status": ("api_frontend",)}
 
 

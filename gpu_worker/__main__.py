@@ -104,8 +104,10 @@ def main() -> None:
         try:
             result = runner.execute(msg)
             result.idle_s = idle
+            sending = time.perf_counter()
             answer(result)
             last_sent = time.perf_counter()
+            runner.timings.send += last_sent - sending  # reported with the next result
         except Exception:  # a failed step fails its requests, not the process
             log.exception("step %d failed", msg.step_id)
             answer(ipc.WorkerError(msg.step_id, traceback.format_exc(limit=3)))

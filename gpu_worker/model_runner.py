@@ -39,7 +39,7 @@ from gpu_worker.request_state import RequestTracker
 from gpu_worker.tp_shard import tp_shard
 from gpu_worker.sampler import Sampler
 from protocol.ipc import (PLACEHOLDER_TOKEN, SampleLogprobs, SamplingParams, SeqChunk, StepPlan,
-                          StepResult, TokenLogprob)
+                          StepResult, TokenLogprob, WorkerTimings)
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +155,7 @@ class ModelRunner:
         self.block_tables: dict[str, list[int]] = {}  # rid -> its table, built from plan diffs
         self.failed_last_step: set[str] = set()  # rids of the previous step, if it failed
         self.tracker = RequestTracker()  # token history (penalties) and prompt logprobs
+        self.timings = WorkerTimings()  # cumulative, sent with every result
         self.decode_graphs: cuda_graphs.DecodeGraphRunner | None = None
         if self.attn_backend is not None and not enforce_eager and ranks.size > 1:
             log.info("tensor parallel: decode steps run eagerly (no CUDA graphs across ranks)")
@@ -275,6 +276,8 @@ class ModelRunner:
 
     def execute(self, plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
+        tm = self.timings
+        inner_before = tm.forward + tm.sample + tm.grammar
         failed_before, self.failed_last_step = self.failed_last_step, set()
         try:
             self._update_requests(plan)
@@ -291,8 +294,10 @@ class ModelRunner:
         except Exception:
             self.failed_last_step = {s.rid for s in plan.seqs}
             raise
-        return StepResult(step_id=plan.step_id, sampled=sampled, forward_s=time.perf_counter() - t0,
-                          logprobs=logprobs)
+        total = time.perf_counter() - t0
+        tm.prepare += total - (tm.forward + tm.sample + tm.grammar - inner_before)
+        return StepResult(step_id=plan.step_id, sampled=sampled, forward_s=total,
+                          logprobs=logprobs, timings=tm)
 
     def _forward(self, seqs: list[SeqChunk]) -> tuple[list[int], list[SampleLogprobs | None]]:
         # Flattened order: prefill chunks, then decodes (attention batches those).
@@ -316,22 +321,28 @@ class ModelRunner:
         masked = self.grammars.constrained(rids)
         batch = _Batch(ordered, prefills, decodes, ids, positions, last_row, to_sample)
         fed = [(s, self.sampling.get(s.rid)) for s in ordered]
+        t0 = time.perf_counter()
         if not masked:
             self.grammars.observe_all(fed)
+            self.timings.grammar += time.perf_counter() - t0
             return self._run(batch, None)
         # matchers advance and masks are built on their thread while the model runs
         pending = self.grammars.masks_soon(fed, [rids[i] for i in masked])
+        self.timings.grammar += time.perf_counter() - t0
         try:
             return self._run(batch, (masked, pending))
         finally:
+            t0 = time.perf_counter()
             concurrent.futures.wait([pending])  # never leave a matcher in use
+            self.timings.grammar += time.perf_counter() - t0
 
     def _run(self, batch: _Batch, pending: tuple[list[int], concurrent.futures.Future] | None
              ) -> tuple[list[int], list[SampleLogprobs | None]]:
         ordered, prefills, decodes = batch.ordered, batch.prefills, batch.decodes
-        ids, positions, last_row, to_sample = (batch.ids, batch.positions, batch.last_row,
-                                               batch.to_sample)
+        ids, positions = batch.ids, batch.positions
         dev = self.device
+        tm = self.timings
+        t_forward = time.perf_counter()
         chunks = [(s.start_pos, len(s.token_ids), self.block_tables[s.rid]) for s in ordered]
         if not prefills and self.decode_graphs is not None and self.decode_graphs.fits(len(decodes)):
             hidden = self.decode_graphs.run(chunks, ids, positions)
@@ -348,6 +359,20 @@ class ModelRunner:
                 self.kv_caches,
                 meta,
             )
+        t_sample = time.perf_counter()
+        tm.forward += t_sample - t_forward
+        try:
+            return self._sample(batch, hidden, pending)
+        finally:
+            tm.sample += time.perf_counter() - t_sample
+
+    def _sample(self, batch: _Batch, hidden: torch.Tensor,
+                pending: tuple[list[int], concurrent.futures.Future] | None
+                ) -> tuple[list[int], list[SampleLogprobs | None]]:
+        """Prompt logprobs, then the sampled rows' logits, tokens and logprobs; the time
+        spent waiting for grammar masks is counted as grammar, not here."""
+        ordered, last_row, to_sample = batch.ordered, batch.last_row, batch.to_sample
+        dev = self.device
         for s in ordered:
             params = self.sampling.get(s.rid)
             if self.tracker.wants_prompt_logprobs(s, params):
@@ -359,7 +384,13 @@ class ModelRunner:
         rows = torch.tensor([last_row[id(s)] for s in to_sample], dtype=torch.long, device=dev)
         logits = self.model.compute_logits(hidden[rows])
         params = [self.sampling[s.rid] for s in to_sample]
-        masks = (pending[0], pending[1].result()) if pending is not None else None
+        masks = None
+        if pending is not None:
+            t0 = time.perf_counter()
+            masks = (pending[0], pending[1].result())
+            waited = time.perf_counter() - t0
+            self.timings.grammar += waited
+            self.timings.sample -= waited  # _run adds the whole of _sample
         tokens, token_lps = self.sampler.sample(
             logits,
             params,

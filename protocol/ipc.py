@@ -143,6 +143,8 @@ class RequestInfo(_Message, tag="request_info", omit_defaults=True):
     template: TemplateInfo | None = None
     adjustments: list[Adjustment] = []
     prompt_text: str | None = None
+    # echo with prompt logprobs: where each prompt token starts in prompt_text
+    prompt_offsets: list[int] | None = None
 
 
 class RenderReq(_Message, tag="render", omit_defaults=True):
@@ -285,6 +287,18 @@ class SampleLogprobs(msgspec.Struct, array_like=True):
     prompt: list[TokenLogprob] | None = None
 
 
+class WorkerTimings(msgspec.Struct, array_like=True):
+    """Cumulative seconds rank 0 spent in each part of its steps since it started
+    (perf_counter deltas, a handful per step). On CUDA the forward is asynchronous: its
+    time lands where the step first waits on a result, the sampler."""
+
+    prepare: float = 0.0  # request state, block tables, checks, building the batch
+    forward: float = 0.0  # the model's forward pass, attention metadata included
+    sample: float = 0.0  # logits, sampler, token and prompt logprobs
+    grammar: float = 0.0  # matcher/mask work the step waited for
+    send: float = 0.0  # encoding and sending results (up to the previous step)
+
+
 class StepResult(_Message, tag="result"):
     """Sampled token ids, one per ``SeqChunk`` with ``sample=True``, in plan order.
     ``logprobs`` is empty unless some row asked for them; else aligned with ``sampled``."""
@@ -294,6 +308,7 @@ class StepResult(_Message, tag="result"):
     forward_s: float
     idle_s: float = 0.0  # worker idle between sending the previous result and this plan
     logprobs: list[SampleLogprobs | None] = []
+    timings: WorkerTimings | None = None
 
 
 class WorkerError(_Message, tag="worker_error"):
@@ -410,6 +425,28 @@ class SchedulerStats(_Message, tag="stats"):
     replica: int = 0  # which engine replica's scheduler this is
     deterministic: bool = False  # the worker runs batch-invariant kernels (WorkerReady's)
     deterministic_note: str = ""
+    # Cumulative wall seconds of the step loop by phase: the scheduler's own (sched_*)
+    # and the worker's (worker_*, from WorkerTimings); candor_step_phase_seconds.
+    step_phases_s: dict[str, float] = {}
+
+
+class StoreQuery(_Message, tag="store_query"):
+    """One frontend asks the frontend that stored a ``/v1/responses`` result for it (or to
+    delete it); the response id names that frontend. The answer goes to ``reply_to``."""
+
+    qid: str
+    reply_to: str
+    response_id: str
+    op: Literal["get", "delete"] = "get"
+
+
+class StoreAnswer(_Message, tag="store_answer"):
+    """``entry``: the encoded ``StoredResponse`` (get); ``why``: what became of a missing id."""
+
+    qid: str
+    found: bool
+    entry: bytes = b""
+    why: str = ""
 
 
 # One tagged union per receiving socket.
@@ -418,5 +455,6 @@ SchedulerInbound = Union[TokenizedReq, Abort]
 WorkerInbound = Union[StepPlan, Shutdown]
 WorkerOutbound = Union[WorkerReady, StepResult, WorkerError]
 DetokenizerInbound = Union[DetokStart, TokenBatch]
-FrontendInbound = Union[TextDeltas, RequestError, RequestInfo, RenderResult]
+FrontendInbound = Union[TextDeltas, RequestError, RequestInfo, RenderResult, StoreQuery,
+                        StoreAnswer]
 SchedulerBroadcast = SchedulerStats

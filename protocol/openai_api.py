@@ -24,6 +24,9 @@ PositiveInt = Annotated[int, Meta(ge=1, le=INT64_MAX)]
 NonNegativeInt = Annotated[int, Meta(ge=0, le=INT64_MAX)]
 TopK = Annotated[int, Meta(ge=-1, le=INT64_MAX)]
 TokenId = Annotated[int, Meta(ge=0, le=TOKEN_ID_MAX)]
+# ``priority`` (an extension): 32 bits, as the range any client could need; a non-zero value
+# needs --scheduling-policy priority (checked in the frontend)
+Priority = Annotated[int, Meta(ge=-(2**31), le=2**31 - 1)]
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -88,7 +91,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False  # extension: ids of the prompt and of each choice
-    priority: Int64 = 0  # extension: lower runs first when requests wait; FCFS within one
+    priority: Priority = 0  # extension: lower runs first when requests wait; FCFS within one
     cache_salt: str | None = None  # extension: prefix-cache sharing only within one salt
     prompt_logprobs: NonNegativeInt | None = None  # extension (vLLM): top-k per prompt token
     strict: bool = False  # extension: every ignored or clamped field becomes a 400

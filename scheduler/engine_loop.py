@@ -214,6 +214,7 @@ class EngineLoop:
             self._flush(batches)
 
     def _drain_inbound(self) -> None:
+        t0 = time.perf_counter()
         while (msg := self.inbound.recv_nowait()) is not None:
             if isinstance(msg, ipc.Abort):
                 self.pending_aborts[msg.rid] = msg.reason
@@ -223,6 +224,7 @@ class EngineLoop:
                 self._on_tokenized(msg)
         if not self.in_flight:
             self._apply_aborts()
+        self.ops.phases.intake += time.perf_counter() - t0
 
     # ------------------------------------------------------------------ steps
     def _launch_step(self) -> bool:
@@ -230,13 +232,19 @@ class EngineLoop:
         could run."""
         if self.planner is None or len(self.in_flight) >= MAX_STEPS_IN_FLIGHT:
             return False
+        phases = self.ops.phases
+        t0 = time.perf_counter()
         planned = self.planner.plan(lookahead=bool(self.in_flight))
         if not planned.chunks:
+            phases.plan += time.perf_counter() - t0
             return False
         self.step_id += 1
         plan = ipc.StepPlan(self.step_id, planned.chunks, planned.new_sampling,
                             planned.released)
+        t1 = time.perf_counter()
         self.to_worker.send(plan)
+        phases.plan += t1 - t0
+        phases.ipc += time.perf_counter() - t1
         self.in_flight.append(InFlight(plan, planned, time.monotonic()))
         self.ops.step_sent([c.rid for c in planned.chunks], len(planned.preempted))
         return True
@@ -248,6 +256,7 @@ class EngineLoop:
 
     def _on_result(self, msg: ipc.StepResult | ipc.WorkerError) -> None:
         assert self.in_flight and self.planner is not None
+        t0 = time.perf_counter()
         started = self._running_since()
         done = self.in_flight.popleft()
         plan, planned = done.plan, done.planned
@@ -263,7 +272,8 @@ class EngineLoop:
                 self.ops.aborted("error")
             self._flush(batches)
             return
-        self.ops.worker_result(msg.idle_s, msg.forward_s, self.work_after_last_result)
+        self.ops.worker_result(msg.idle_s, msg.forward_s, self.work_after_last_result,
+                               msg.timings)
         for s in self.planner.postprocess(planned, msg.sampled):
             sreq = s.req
             lp = msg.logprobs[s.row] if msg.logprobs else None
@@ -273,10 +283,27 @@ class EngineLoop:
                 self._finish(sreq, s.finish_reason, [s.token], batches, cached, lp)
             else:
                 self._emit(sreq, [s.token], None, lp, cached, batches)
+        phases = self.ops.phases
+        phases.postprocess += time.perf_counter() - t0
         # next step first, detokenizer I/O while the worker computes
         self._launch_step()
         self.work_after_last_result = bool(self.planner.running or self.planner.waiting)
+        t1 = time.perf_counter()
         self._flush(batches)
+        phases.ipc += time.perf_counter() - t1
+
+    def _drain_results(self) -> None:
+        phases = self.ops.phases
+        while True:
+            t0 = time.perf_counter()
+            msg = self.from_worker.recv_nowait()
+            phases.ipc += time.perf_counter() - t0  # decoding the result
+            if msg is None:
+                return
+            if isinstance(msg, ipc.WorkerReady):
+                self._on_worker_ready(msg)
+            else:
+                self._on_result(msg)
 
     def _step_done(self, plan: ipc.StepPlan, started: float) -> None:
         prefill = any(len(c.token_ids) > 1 or not c.sample for c in plan.seqs)
@@ -305,6 +332,7 @@ class EngineLoop:
             prefix_cache_queried_tokens=planner.prefix_queried_tokens if planner else 0,
             prefix_cache_hit_tokens=planner.prefix_hit_tokens if planner else 0,
             step_in_flight_s=self.ops.in_flight_s(self._running_since()),
+            step_phases_s=self.ops.step_phases_s(),
             replica=self.cfg.replica,
             deterministic=self.worker_ready.deterministic if self.worker_ready else False,
             deterministic_note=self.worker_ready.deterministic_note if self.worker_ready else "")
@@ -326,11 +354,7 @@ class EngineLoop:
             if self.to_worker.sock in events:
                 self._count_subscriptions()
             if self.from_worker.sock in events:
-                while (msg := self.from_worker.recv_nowait()) is not None:
-                    if isinstance(msg, ipc.WorkerReady):
-                        self._on_worker_ready(msg)
-                    else:
-                        self._on_result(msg)
+                self._drain_results()
             if self.inbound.sock in events or busy:
                 self._drain_inbound()
             launched = self._launch_step()

@@ -12,6 +12,7 @@ import statistics
 import time
 from collections import deque
 
+import msgspec
 from prometheus_client import Counter, Gauge, Histogram
 
 from cluster.metrics import LATENCY_BUCKETS, STEP_BUCKETS
@@ -76,6 +77,11 @@ class SchedulerMetrics:
             "candor_worker_idle_seconds", "Seconds the worker sat idle between a step's "
             "result and the next step while requests were waiting or running",
             buckets=STEP_BUCKETS, registry=None)
+        self.step_phases = Counter(
+            "candor_step_phase_seconds", "Wall seconds the step loop spent in each phase, "
+            "by phase: sched_* in the scheduler (intake, plan, postprocess, ipc), worker_* in "
+            "the gpu_worker's rank 0 (prepare, forward, sample, grammar, send); the worker's "
+            "idle gaps are candor_worker_idle_seconds", ["phase"], registry=None)
         self._exported: dict[str, float] = {}
 
     def _add(self, key: str, counter, total: float) -> None:
@@ -104,6 +110,18 @@ class SchedulerMetrics:
         self._add("prefix_hits", self.prefix_hits, stats.prefix_cache_hit_tokens)
         for cause, total in stats.aborts.items():
             self._add(f"abort:{cause}", self.aborts.labels(cause), total)
+        for phase, total in stats.step_phases_s.items():
+            self._add(f"phase:{phase}", self.step_phases.labels(phase), total)
+
+
+class SchedulerPhases(msgspec.Struct):
+    """Cumulative wall seconds of the scheduler's own step-loop phases; the loop adds
+    perf_counter deltas around work it does anyway (a handful per step)."""
+
+    intake: float = 0.0  # new requests and aborts drained from the inbound socket
+    plan: float = 0.0  # Planner.plan and building the StepPlan
+    postprocess: float = 0.0  # a result's tokens appended, finishes and frees, outputs queued
+    ipc: float = 0.0  # plans sent, results decoded, token batches sent to detokenizers
 
 
 class SchedulerOps:
@@ -118,6 +136,8 @@ class SchedulerOps:
         self.worker_idle_s = 0.0  # idle between consecutive steps while work was queued
         self.worker_busy_s = 0.0  # inside steps
         self._recent_idle: deque[float] = deque(maxlen=256)
+        self.phases = SchedulerPhases()
+        self.worker_timings = ipc.WorkerTimings()  # the latest the worker reported
 
     def enqueued(self, rid: str) -> None:
         self._enqueued[rid] = time.monotonic()
@@ -141,10 +161,14 @@ class SchedulerOps:
         self.metrics.step_time.labels("prefill" if prefill else "decode").observe(
             time.monotonic() - started)
 
-    def worker_result(self, idle_s: float, forward_s: float, work_was_queued: bool) -> None:
+    def worker_result(self, idle_s: float, forward_s: float, work_was_queued: bool,
+                      timings: ipc.WorkerTimings | None = None) -> None:
         """The worker's own timings for one step: ``idle_s`` is the gap it measured
-        between its last result and this plan, which counts only when work was queued."""
+        between its last result and this plan, which counts only when work was queued;
+        ``timings`` its cumulative phases."""
         self.worker_busy_s += forward_s
+        if timings is not None:
+            self.worker_timings = timings
         if work_was_queued:
             self.worker_idle_s += idle_s
             self._recent_idle.append(idle_s)
@@ -152,6 +176,12 @@ class SchedulerOps:
 
     def worker_idle_ms_p50(self) -> float:
         return 1000 * statistics.median(self._recent_idle) if self._recent_idle else 0.0
+
+    def step_phases_s(self) -> dict[str, float]:
+        """Both processes' phases under their ``candor_step_phase_seconds`` labels."""
+        return {**{f"sched_{k}": v for k, v in msgspec.structs.asdict(self.phases).items()},
+                **{f"worker_{k}": v
+                   for k, v in msgspec.structs.asdict(self.worker_timings).items()}}
 
     def in_flight_s(self, running_since: float | None) -> float:
         return time.monotonic() - running_since if running_since is not None else 0.0

@@ -1,15 +1,23 @@
-"""Fault injection from the test side: a model runner whose step fails when it feeds a
-chosen token id, in-process (``failing_forward``) or in a real server's gpu_worker
-(``fault_env``: the children import ``tests/fault_site/sitecustomize.py``)."""
+"""Hooks from the test side into a real server's gpu_worker (the children import
+``tests/fault_site/sitecustomize.py``, which patches ``gpu_worker.model_runner`` as it is
+imported), or in-process:
+
+- ``failing_forward`` / ``fault_env``: a step fails when it feeds a chosen token id.
+- ``scripted_execute`` / ``script_env``: a request whose ``seed`` names a script gets
+  exactly that script's tokens, whatever the weights say, so a test can make the real
+  processes carry a reply random weights would never write (a call inside ``<think>``, a
+  JSON object that is no call). Unconstrained requests only: a grammar would refuse."""
 
 from __future__ import annotations
 
 import functools
+import json
 import os
 from pathlib import Path
 from typing import Callable
 
 FAULT_TOKEN_ENV = "CANDOR_TEST_FAULT_TOKEN"
+SCRIPTS_ENV = "CANDOR_TEST_SCRIPTS"
 SITE_DIR = Path(__file__).parent / "fault_site"
 
 
@@ -27,9 +35,40 @@ def failing_forward(forward: Callable, token: int) -> Callable:
     return wrapper
 
 
-def fault_env(token: int) -> dict[str, str]:
-    """Environment for a ``CandorServer`` whose gpu_worker fails a step feeding ``token``
-    (the launcher keeps an inherited PYTHONPATH after its own directory)."""
+def scripted_execute(execute: Callable, scripts: dict[int, list[int]]) -> Callable:
+    """``ModelRunner.execute`` whose sampled token for a request seeded with a key of
+    ``scripts`` is that script's next token (by position, so preemption and run-ahead
+    replay it the same); past the script's end the model samples as usual."""
+
+    @functools.wraps(execute)
+    def wrapper(self, plan):
+        result = execute(self, plan)
+        sampled = [s for s in plan.seqs if s.sample]
+        for i, seq in enumerate(sampled[:len(result.sampled)]):
+            params = self.sampling.get(seq.rid)
+            script = scripts.get(params.seed) if params is not None else None
+            at = seq.start_pos + len(seq.token_ids) - (params.num_prompt_tokens if params else 0)
+            if script is not None and 0 <= at < len(script):
+                result.sampled[i] = self.last_sampled[seq.rid] = script[at]
+        return result
+
+    return wrapper
+
+
+def _site_path() -> str:
+    """PYTHONPATH with the site directory first (the launcher keeps an inherited
+    PYTHONPATH after its own directory)."""
     inherited = os.environ.get("PYTHONPATH")
-    return {FAULT_TOKEN_ENV: str(token),
-            "PYTHONPATH": os.pathsep.join(p for p in (str(SITE_DIR), inherited) if p)}
+    return os.pathsep.join(p for p in (str(SITE_DIR), inherited) if p)
+
+
+def fault_env(token: int) -> dict[str, str]:
+    """Environment for a ``CandorServer`` whose gpu_worker fails a step feeding ``token``."""
+    return {FAULT_TOKEN_ENV: str(token), "PYTHONPATH": _site_path()}
+
+
+def script_env(scripts: dict[int, list[int]]) -> dict[str, str]:
+    """Environment for a ``CandorServer`` whose gpu_worker writes ``scripts[seed]`` for a
+    request with that seed."""
+    return {SCRIPTS_ENV: json.dumps({str(k): v for k, v in scripts.items()}),
+            "PYTHONPATH": _site_path()}

@@ -383,3 +383,37 @@ def test_time_limit_interrupts_a_render_in_the_main_thread():
     with pytest.raises(ChatTemplateError) as err, time_limit(0.2):
         template.render([{"role": "user", "content": "x"}], special_tokens={})
     assert err.value.limit == "time"
+
+
+def test_tool_call_arguments_reach_each_template_as_it_reads_them(frozen_hf_clock):
+    """The SDK sends earlier calls' arguments back as JSON text (case tool_call_string_args);
+    the tokenizer worker hands each template what it reads (tokenizer_worker/tool_arguments):
+    objects where it writes them with tojson / items (rendering as transformers renders
+    tool_call_dict_args), the text where it only concatenates it (DeepSeek: as transformers
+    renders the text, where objects would raise)."""
+    from tokenizer_worker.tool_arguments import arguments_as_objects, detect_arguments_format
+
+    by_id = {c["id"]: c for c in CASES}
+    wire, objects = by_id["tool_call_string_args"], by_id["tool_call_dict_args"]
+    formats = {}
+    for name in TEMPLATES:
+        source = (DATA / f"{name}.jinja").read_text(encoding="utf-8")
+        formats[name] = detect_arguments_format(source)
+        tokens = SPECIAL_TOKENS[name]
+        ours = ChatTemplate(source, origin="test", now=lambda: FROZEN_NOW)
+        messages = wire["messages"]
+        if formats[name] == "object":
+            messages = arguments_as_objects(messages)
+        reference = objects if formats[name] == "object" else wire
+        kw = dict(tools=wire["tools"], add_generation_prompt=True)
+        expected = _hf_render(_hf_tokenizer(tokens), source, reference["messages"], **kw)
+        got = _our_render(ours, messages, tokens, **kw)
+        if isinstance(expected, Exception):
+            assert isinstance(got, ChatTemplateError), (name, got)
+        else:
+            assert got == expected, name
+    assert {n for n, f in formats.items() if f == "text"} == {
+        "deepseek-v3.1", "deepseek-r1-distill-llama-8b"}
+    assert arguments_as_objects([{"role": "assistant", "tool_calls": [
+        {"function": {"name": "f", "arguments": ""}}]}])[0]["tool_calls"][0]["function"][
+        "arguments"] == {}

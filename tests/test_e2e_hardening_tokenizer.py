@@ -61,11 +61,12 @@ def _tokenizer_pids(server) -> list[int]:
     return [pid for pid in server.children() if role_of(pid).startswith("tokenizer_worker")]
 
 
-def _rss_mb(pid: int) -> float:
+def _rss_mb(pid: int, field: str = "VmRSS") -> float:
+    """Resident MB now, or at its peak so far (``VmHWM``)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
+    raise AssertionError(f"no {field}")
 
 
 def _chat(content: str = "hello there", **extra) -> dict:
@@ -170,6 +171,32 @@ async def test_oversized_request_template_is_refused(tok_server):
     assert status == 400, body
     assert body["error"]["param"] == "chat_template"
     assert body["error"]["code"] == "chat_template_too_large"
+
+
+@pytest.mark.parametrize("template", [
+    "{% set x = 'a' * 200000000 %}{{ x | length }}",  # the issue's: ~200 MB in one C call
+    "{{ 'x'.ljust(300000000) }}",
+    "{{ ['a' * 1000000] * 1000 }}",  # printing it would take 1 GB
+    "{{ 10 ** 100000000 }}",  # minutes of C time the render timer cannot cut
+])
+async def test_request_template_cannot_build_a_huge_value(tok_server, template):
+    """One expression can no longer allocate without bound: every value a template builds
+    is sized before it is built (the timer cannot interrupt C; the output cap sees text only
+    once it exists). A 400 naming chat_template, fast, and the worker's peak memory stays
+    where it was."""
+    pids = _tokenizer_pids(tok_server)
+    peaks = {pid: _rss_mb(pid, "VmHWM") for pid in pids}
+    started = time.monotonic()
+    status, body = await _post(tok_server, "/v1/chat/completions", _chat(chat_template=template))
+    assert status == 400, body
+    err = body["error"]
+    assert (err["param"], err["code"]) == ("chat_template", "chat_template_too_large"), err
+    assert "one template value may hold" in err["message"] or "bits" in err["message"]
+    assert time.monotonic() - started < 5
+    for pid in pids:
+        assert _rss_mb(pid, "VmHWM") - peaks[pid] < 50, (pid, peaks)
+    status, _ = await _post(tok_server, "/v1/chat/completions", _chat())
+    assert status == 200
 
 
 def test_watchdog_ends_a_worker_stuck_in_native_code():

@@ -177,3 +177,31 @@ def test_prompt_logprobs_validation(client):
                                            messages=[{"role": "user", "content": "x"}],
                                            extra_body=body)
         assert err.value.body["param"] == "prompt_logprobs", err.value.body
+
+
+@pytest.mark.parametrize("prompt", ["Once upon a time", "Zürich – a café"])
+def test_echo_text_offsets_index_the_returned_text_whole_and_streamed(client, prompt):
+    """`text_offset[i]` is where token i starts in the choice's `text`: the BOS the tokenizer
+    adds is not in the echoed prompt, so it has no width (the offsets used to count its
+    text, ending past the end); the streamed chunks concatenate to the whole answer."""
+    kwargs = dict(model=MODEL, prompt=prompt, max_tokens=5, temperature=0, logprobs=1,
+                  echo=True, extra_body={"ignore_eos": True})
+    choice = client.completions.create(**kwargs).choices[0]
+    text, lp = choice.text, choice.logprobs
+    assert text.startswith(prompt)
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] <= len(text)
+    n_prompt = len(lp.tokens) - 5
+    assert lp.text_offset[0] == 0 and lp.text_offset[n_prompt] == len(prompt)
+    covered = "".join(text[a:b] for a, b in zip(lp.text_offset[:n_prompt],
+                                                  lp.text_offset[1:n_prompt + 1]))
+    assert covered == prompt
+    for token, at in zip(lp.tokens[1:n_prompt], lp.text_offset[1:n_prompt]):
+        assert "\ufffd" in token or text.startswith(token, at), (token, at)
+    s_text, s_tokens, s_offsets = "", [], []
+    for chunk in client.completions.create(stream=True, **kwargs):
+        for c in chunk.choices:
+            s_text += c.text
+            if c.logprobs:
+                s_tokens += c.logprobs.tokens
+                s_offsets += c.logprobs.text_offset
+    assert (s_text, s_tokens, s_offsets) == (text, lp.tokens, lp.text_offset)

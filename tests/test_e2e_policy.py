@@ -1,5 +1,6 @@
 """Server flags that change the contract, on a dedicated server: --max-tokens-policy clamp,
 --chat-template (a string-content template), --allow-request-chat-template,
+--scheduling-policy priority,
 --max-body-mb, and a failure after the stream started (a fault the test injects into the
 gpu_worker, tests/faults.py)."""
 
@@ -25,7 +26,7 @@ def policy_server(tiny_model_dir):
     srv = CandorServer(tiny_model_dir, "--served-model-name", MODEL, "--max-model-len", "1024",
                        "--max-tokens-policy", "clamp", "--chat-template", str(TEMPLATE),
                        "--allow-request-chat-template", "--max-body-mb", "1",
-                       env=fault_env(FAULT_TOKEN)).start()
+                       "--scheduling-policy", "priority", env=fault_env(FAULT_TOKEN)).start()
     yield srv
     assert srv.stop() == 0
 
@@ -107,3 +108,90 @@ async def test_failure_after_stream_started_is_an_error_frame_then_done(policy_s
     status, _, payload = await _post(policy_server, "/v1/completions", {
         "model": MODEL, "prompt": [10, 20, 30], "max_tokens": 3})
     assert status == 200  # the worker survived
+
+
+_TEMPLATES = Path(__file__).parent / "data/chat_templates"
+_CASES = {c["id"]: c for c in json.loads((_TEMPLATES / "cases.json").read_text())["cases"]}
+# templates that concatenate tool-call arguments as text (an object would fail them)
+_TEXT_ARGUMENTS = {"deepseek-v3.1", "deepseek-r1-distill-llama-8b"}
+
+
+@pytest.mark.parametrize("stem", sorted(p.stem for p in _TEMPLATES.glob("*.jinja")))
+async def test_tool_call_arguments_reach_the_template_as_it_reads_them(policy_server, hf_model,
+                                                                       stem):
+    """An earlier turn's arguments come back as the JSON text the API returned (the SDK's
+    wire format); the template gets what transformers' convention gives it, an object
+    (Qwen2.5 / Llama 3.x would otherwise write them JSON-encoded twice), except where it
+    only concatenates them as text (DeepSeek). Rendered through the real render route with
+    the template sent in the request, compared with transformers on the same tokenizer."""
+    source = (_TEMPLATES / f"{stem}.jinja").read_text(encoding="utf-8")
+    wire, objects = _CASES["tool_call_string_args"], _CASES["tool_call_dict_args"]
+    reference = wire if stem in _TEXT_ARGUMENTS else objects
+    tok = hf_model[1]
+    try:
+        expected = tok.apply_chat_template(reference["messages"], tools=reference["tools"],
+                                           chat_template=source, tokenize=False,
+                                           add_generation_prompt=True)
+    except Exception:  # noqa: BLE001 - a template without tool support: nothing to compare
+        pytest.skip(f"transformers cannot render {stem} with tool calls")
+    status, _, payload = await _post(policy_server, "/v1/chat/completions/render", {
+        "model": MODEL, "messages": wire["messages"], "tools": wire["tools"],
+        "chat_template": source})
+    assert status == 200, payload
+    assert json.loads(payload)["prompt"] == expected
+    if stem in ("qwen2.5-7b-instruct", "llama-3.2-3b-instruct", "llama-3.3-70b-instruct"):
+        double = tok.apply_chat_template(wire["messages"], tools=wire["tools"],
+                                         chat_template=source, tokenize=False,
+                                         add_generation_prompt=True)
+        assert double != expected and '\\"location\\"' in double  # not a vacuous check
+
+
+async def test_tool_call_arguments_that_are_no_json_object_are_a_400(policy_server):
+    messages = [dict(m) for m in _CASES["tool_call_string_args"]["messages"]]
+    call = messages[1]["tool_calls"][0]
+    source = (_TEMPLATES / "qwen2.5-7b-instruct.jinja").read_text(encoding="utf-8")
+    for bad in ("{not json", "[1, 2]"):
+        messages[1] = {**messages[1], "tool_calls": [
+            {**call, "function": {**call["function"], "arguments": bad}}]}
+        status, _, payload = await _post(policy_server, "/v1/chat/completions", {
+            "model": MODEL, "messages": messages, "max_tokens": 2, "chat_template": source})
+        err = json.loads(payload)["error"]
+        assert status == 400 and err["param"] == "messages[1].tool_calls[0].function.arguments"
+
+
+async def _capabilities(server) -> dict:
+    async with aiohttp.ClientSession() as session:
+        async with session.get(server.base_url + "/v1/capabilities") as resp:
+            return await resp.json()
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "Hi"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})])
+async def test_priority_needs_the_priority_scheduling_policy(server, policy_server, path, body):
+    """As vLLM: a non-zero `priority` is a 400 naming it unless the deployment runs
+    `--scheduling-policy priority` (fcfs, the default, serves in arrival order, so no
+    client can jump the queue); where it is on, it is bounded to 32 bits."""
+    body = {"model": MODEL, "max_tokens": 1, **body}
+    status, _, payload = await _post(server, path, {**body, "priority": -5})
+    err = json.loads(payload)["error"]
+    assert status == 400 and err["param"] == "priority", err
+    assert "--scheduling-policy priority" in err["message"]
+    for srv in (server, policy_server):  # the issue's value: past the bound everywhere
+        status, _, payload = await _post(srv, path, {**body, "priority": -(2**63)})
+        assert status == 400 and json.loads(payload)["error"]["param"] == "priority"
+    for priority in (0, -(2**31), 2**31 - 1):
+        expected = (200 if priority == 0 else 400, 200)
+        for srv, want in zip((server, policy_server), expected):
+            status, _, payload = await _post(srv, path, {**body, "priority": priority})
+            assert status == want, (srv is server, priority, payload)
+    for priority in (-(2**31) - 1, 2**31):
+        status, _, payload = await _post(policy_server, path, {**body, "priority": priority})
+        assert status == 400 and json.loads(payload)["error"]["param"] == "priority"
+    status, _, payload = await _post(policy_server, path, {**body, "priority": 3})
+    assert "priority" in json.loads(payload)["candor"]["extensions"]
+    fcfs, priority = await _capabilities(server), await _capabilities(policy_server)
+    assert fcfs["policy"]["scheduling_policy"] == "fcfs"
+    assert priority["policy"]["scheduling_policy"] == "priority"
+    assert fcfs["fields"][path]["priority"] == "rejected"
+    assert priority["fields"][path]["priority"] == "extension"

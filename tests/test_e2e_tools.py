@@ -280,3 +280,93 @@ def test_reasoning_parser_fills_reasoning_content_whole_and_streamed(r1_server):
     assert choice.finish_reason == "length" and choice.message.tool_calls is None
     assert choice.message.model_extra["reasoning_content"]
     assert r.model_extra["candor"]["constraint"] == "tools"
+
+
+# ------------------------------------------------ tool calls beside a reasoning parser
+# The gpu_worker writes scripted replies (tests/faults.py): a request's seed picks one.
+
+DRAFT = ('<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>')
+WEATHER_CALL = ('<tool_call>{"name": "get_weather", "arguments": {"city": "Rome", "days": 2, '
+                '"metric": true}}</tool_call>')
+SCRIPTS = {
+    # a call drafted inside <think>, then a plain answer
+    101: f"<think>I could call {DRAFT} but the user wants none.</think>It is noon.",
+    # a drafted call in <think>, then two real calls
+    102: f"<think>Plan: {DRAFT}</think>{WEATHER_CALL}{DRAFT}",
+    # a call to a tool the request does not declare
+    103: '<tool_call>{"name": "launch_rockets", "arguments": {"count": 3}}</tool_call>',
+}
+
+
+@pytest.fixture(scope="module")
+def think_server(tiny_model_dir):
+    from tokenizers import Tokenizer
+
+    from tests.faults import script_env
+    tok = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+    eos = json.loads((tiny_model_dir / "config.json").read_text())["eos_token_id"]
+    eos = eos[0] if isinstance(eos, list) else eos
+    scripts = {seed: tok.encode(text, add_special_tokens=False).ids + [eos]
+               for seed, text in SCRIPTS.items()}
+    srv = CandorServer(tiny_model_dir, "--served-model-name", "tiny-llama", "--max-model-len",
+                       "1024", "--reasoning-parser", "qwen3",
+                       env=script_env(scripts)).start()
+    yield srv
+    assert srv.stop() == 0
+
+
+def _think_reply(server, stream: bool, **kwargs):
+    """(reasoning, content, [(name, arguments)], finish_reason, completion_tokens)."""
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+    kwargs = dict(model="tiny-llama", messages=MESSAGES, tools=TOOLS, max_tokens=200,
+                  **kwargs)
+    if not stream:
+        r = client.chat.completions.create(**kwargs)
+        m = r.choices[0].message
+        return (m.model_extra.get("reasoning_content"), m.content,
+                [(c.function.name, c.function.arguments) for c in m.tool_calls or []],
+                r.choices[0].finish_reason, r.usage.completion_tokens)
+    thought, content, calls, finish, usage = "", "", {}, None, None
+    for chunk in client.chat.completions.create(stream=True, stream_options={
+            "include_usage": True}, **kwargs):
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            thought += choice.delta.model_extra.get("reasoning_content") or ""
+            content += choice.delta.content or ""
+            for d in choice.delta.tool_calls or []:
+                calls.setdefault(d.index, [d.function.name, ""])[1] += d.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return (thought or None, content or None, [tuple(c) for c in calls.values()], finish,
+            usage.completion_tokens)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("parallel", [None, False])
+def test_a_call_drafted_inside_think_is_reasoning_not_a_call(think_server, stream, parallel):
+    """Tool-call detection (and parallel_tool_calls false's early stop) reads only the text
+    after </think>: a <tool_call> drafted in the reasoning neither ends the reply nor
+    becomes a call."""
+    extra = {} if parallel is None else {"parallel_tool_calls": parallel}
+    thought, content, calls, finish, _ = _think_reply(think_server, stream, seed=101, **extra)
+    assert thought == f"I could call {DRAFT} but the user wants none."
+    assert (content, calls, finish) == ("It is noon.", [], "stop")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_parallel_false_keeps_the_first_call_after_think(think_server, stream):
+    full = _think_reply(think_server, stream, seed=102)
+    assert [c[0] for c in full[2]] == ["get_weather", "get_time"] and full[3] == "tool_calls"
+    thought, content, calls, finish, billed = _think_reply(think_server, stream, seed=102,
+                                                           parallel_tool_calls=False)
+    assert thought == f"Plan: {DRAFT}" and content is None
+    assert [(n, json.loads(a)) for n, a in calls] == [
+        ("get_weather", {"city": "Rome", "days": 2, "metric": True})]
+    assert finish == "tool_calls" and billed < full[4]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_to_an_undeclared_tool_stays_content(think_server, stream):
+    """Policy (README): a name no tool in `tools` has is not a call; the text stays
+    `content`, verbatim, and the reply finishes `stop`."""
+    thought, content, calls, finish, _ = _think_reply(think_server, stream, seed=103)
+    assert (thought, content, calls, finish) == (None, SCRIPTS[103], [], "stop")

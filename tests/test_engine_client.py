@@ -63,3 +63,16 @@ async def test_a_configured_heartbeat_stale_s_takes_effect(tmp_path, monkeypatch
         for sock in schedulers:
             sock.close(linger=0)
         ctx.destroy(linger=0)
+
+
+def test_combined_stats_add_dict_fields_key_by_key():
+    """/health over replicas sums aborts and step phases per key (a dict field summed
+    as a whole would kill the frontend's heartbeat reader)."""
+    a = ipc.SchedulerStats(0.0, 1, 0, 8, 8, 3, True, aborts={"disconnect": 1},
+                           step_phases_s={"worker_forward": 1.0, "sched_plan": 0.5})
+    b = ipc.SchedulerStats(0.0, 2, 0, 8, 8, 4, True, replica=1, aborts={"error": 2},
+                           step_phases_s={"worker_forward": 2.0})
+    both = engine_client.combine_stats([a, b])
+    assert both.step_phases_s == {"worker_forward": 3.0, "sched_plan": 0.5}
+    assert both.aborts == {"disconnect": 1, "error": 2}
+    assert (both.running, both.steps) == (3, 7)

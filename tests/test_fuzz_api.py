@@ -33,7 +33,7 @@ FUZZ_SEED = os.environ.get("CANDOR_FUZZ_SEED")
 CLIENT_TIMEOUT_S = 60.0
 # Keep each generated request cheap on a 2-core CI box: few tokens, few choices. The
 # server's own bounds are exercised by the mutated and arbitrary bodies.
-_CHEAP = {"max_tokens": 4, "max_completion_tokens": 4, "n": 3}
+_CHEAP = {"max_tokens": 4, "max_completion_tokens": 4, "max_output_tokens": 4, "n": 3}
 
 JSON_VALUES = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False)
@@ -178,7 +178,27 @@ def _route_schema(doc: dict, route: str) -> dict:
         props["model"] = {"const": MODEL}
     if "messages" in props:
         props["messages"] = {**props["messages"], "maxItems": 4}
+    if "input" in props:  # /v1/responses: a string, or a few items of the kinds it takes
+        props["input"] = {"anyOf": [{"type": "string"}, {"type": "array", "maxItems": 3,
+                                                         "items": {"anyOf": _ITEMS}}]}
     return body, components
+
+
+_ITEMS = [
+    {"type": "object", "required": ["role", "content"], "properties": {
+        "role": {"enum": ["user", "assistant", "system", "developer", "tool"]},
+        "content": {"type": "string"}}},
+    {"type": "object", "required": ["type", "call_id", "name", "arguments"], "properties": {
+        "type": {"const": "function_call"}, "call_id": {"type": "string"},
+        "name": {"type": "string"}, "arguments": {"type": "string"}}},
+    {"type": "object", "required": ["type", "call_id", "output"], "properties": {
+        "type": {"const": "function_call_output"}, "call_id": {"type": "string"},
+        "output": {"type": "string"}}},
+    {"type": "object", "required": ["type"], "properties": {
+        "type": {"enum": ["reasoning", "item_reference", "message", "web_search_call"]},
+        "content": {}, "summary": {}}},
+]
+TERMINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed")
 
 
 def _assert_error_shape(resp: Reply) -> None:
@@ -193,6 +213,15 @@ def _check(resp: Reply, sent) -> None:
     assert resp.status_code < 500, (resp.status_code, resp.text[:500], sent)
     if resp.status_code >= 400:
         _assert_error_shape(resp)
+        return
+    if resp.content_type.startswith("text/event-stream") and "\nevent: " in "\n" + resp.text:
+        # /v1/responses: named events, the last one terminal; an error event's fields
+        events = [json.loads(line[len("data: "):]) for line in resp.text.split("\n")
+                  if line.startswith("data: ")]
+        assert events and events[-1]["type"] in TERMINAL_EVENTS, (resp.text[-500:], sent)
+        for event in events:
+            if event["type"] == "error":
+                assert {"message", "code", "param"} <= set(event)
         return
     if resp.content_type.startswith("text/event-stream"):
         frames = [line for line in resp.text.split("\n") if line.startswith("data: ")]
@@ -209,7 +238,7 @@ def _post(client: Client, route: str, body) -> None:
 
 
 POST_ROUTES = ["/v1/chat/completions", "/v1/completions", "/v1/chat/completions/render",
-               "/v1/completions/render", "/tokenize", "/detokenize"]
+               "/v1/completions/render", "/tokenize", "/detokenize", "/v1/responses"]
 
 
 @pytest.mark.parametrize("route", POST_ROUTES)
@@ -256,12 +285,34 @@ def test_deep_and_huge_json_never_5xx(client):
 
 def test_get_routes_with_random_paths_never_5xx(client):
     @_settings
-    @given(path=st.sampled_from(["/v1/models/", "/v1/", "/", "/health/", "/tokenize/"]),
+    @given(path=st.sampled_from(["/v1/models/", "/v1/", "/", "/health/", "/tokenize/",
+                                 "/v1/responses/"]),
            tail=st.text(alphabet=st.characters(min_codepoint=33, max_codepoint=126,
                                                exclude_characters="#?%"), max_size=30))
     def run(path, tail):
         resp = client.get(path + tail)
         assert resp.status_code < 500 or resp.status_code == 503, (path + tail, resp.text)
+        if resp.status_code >= 400:
+            _assert_error_shape(resp)
+
+    run()
+
+
+def test_response_ids_on_get_and_delete_never_5xx(client):
+    """Stored-response routes take any id: a 4xx in the error shape, never a 5xx."""
+    made = client.post("/v1/responses", json_body={"model": MODEL, "input": "hi",
+                                                   "max_output_tokens": 2}).json()["id"]
+
+    @_settings
+    @given(rid=st.sampled_from([made, made[:-1] + "n", made[:-3] + "f9s", "resp_x", ""])
+           | st.text(alphabet=st.characters(min_codepoint=33, max_codepoint=126,
+                                            exclude_characters="#?%/"), max_size=60),
+           tail=st.sampled_from(["", "/input_items", "/input_items?limit=0",
+                                 "/input_items?order=x", "/input_items?after=nope"]),
+           method=st.sampled_from(["GET", "DELETE"]))
+    def run(rid, tail, method):
+        resp = client.request(method if not tail else "GET", f"/v1/responses/{rid}{tail}")
+        assert resp.status_code < 500, (rid, tail, resp.text)
         if resp.status_code >= 400:
             _assert_error_shape(resp)
 

@@ -8,6 +8,7 @@ import json
 import time
 
 import aiohttp
+import pytest
 
 from tests.metrics_text import Scrape, scrape
 from tests.polling import wait_until
@@ -73,6 +74,30 @@ async def test_scrape_deltas_after_real_requests(server):
     assert all(delta[k] >= v for k, v in at_least.items()), (delta, at_least)
     assert after.value("candor_kv_blocks_total") > 0
     assert after.value("candor_process_up", node="local", role="gpu_worker", index="0") == 1
+
+
+STEP_PHASES = ("sched_intake", "sched_plan", "sched_postprocess", "sched_ipc",
+               "worker_prepare", "worker_forward", "worker_sample", "worker_send")
+
+
+async def test_step_loop_phases_are_exported_and_add_up_to_the_workers_busy_time(server):
+    server.wait_all_blocks_free()
+    before = scrape(server)
+
+    def grew(s: Scrape) -> bool:
+        return all(s.total("candor_step_phase_seconds_total", phase=p)
+                   > before.total("candor_step_phase_seconds_total", phase=p)
+                   for p in STEP_PHASES)
+
+    await _complete(server, {"prompt": "where the time goes", "max_tokens": 8,
+                             "ignore_eos": True})
+    wait_until(lambda: scrape(server), "every step-loop phase counted", until=grew)
+    stats = server.wait_all_blocks_free()
+    phases = stats["step_phases_s"]
+    assert set(STEP_PHASES) | {"worker_grammar"} <= set(phases)
+    # prepare, forward, sample and grammar split each step the worker timed, exactly
+    worker = sum(phases[f"worker_{p}"] for p in ("prepare", "forward", "sample", "grammar"))
+    assert worker == pytest.approx(stats["worker_busy_s"], abs=1e-6)
 
 
 async def test_every_metric_is_prefixed_documented_and_unit_named(server):

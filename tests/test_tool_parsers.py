@@ -29,6 +29,11 @@ TIME = {"type": "function", "function": {"name": "get_time", "description": "Tim
 CALLS = [("get_weather", {"city": "Zürich", "unit": "°C \"quoted\" <b>"}),
          ("get_time", {"zone": "Europe/Paris"})]
 USER = {"role": "user", "content": "Weather and time in Zürich?"}
+NAMES = ("get_weather", "get_time")  # the request's tools: a call must name one of them
+
+
+def _parser(name: str):
+    return tool_parsers.get(name, NAMES)
 
 # template stem, parser, special tokens, end-of-turn text after the calls, several calls?
 TEMPLATES = [
@@ -67,7 +72,7 @@ def _model_text(stem: str, special: dict, eot: str, calls) -> str:
 
 
 def _stream(parser_name: str, text: str, size: int):
-    stream = ToolCallStream(tool_parsers.get(parser_name))
+    stream = ToolCallStream(_parser(parser_name))
     content, calls = "", {}
     pieces = [text[i:i + size] for i in range(0, len(text), size)] or [""]
     for k, piece in enumerate(pieces):
@@ -87,7 +92,7 @@ def _stream(parser_name: str, text: str, size: int):
 
 
 def _check(parser_name: str, text: str, calls, content: str | None) -> None:
-    whole = parse_whole(tool_parsers.get(parser_name), text)
+    whole = parse_whole(_parser(parser_name), text)
     got = [(c.function.name, json.loads(c.function.arguments)) for c in whole.calls]
     assert got == [(n, a) for n, a in calls]
     assert whole.content == content
@@ -95,9 +100,9 @@ def _check(parser_name: str, text: str, calls, content: str | None) -> None:
         s_content, s_calls = _stream(parser_name, text, size)
         assert s_content == (whole.content or ""), size
         assert s_calls == [(c.function.name, c.function.arguments) for c in whole.calls], size
-        if calls:
-            for marker in tool_parsers.get(parser_name).markers:
-                assert marker not in s_content
+        if calls:  # a call's tags never leak (text that is no call keeps its own)
+            for marker in _parser(parser_name).markers:
+                assert marker not in s_content or marker in content
 
 
 @pytest.mark.parametrize("stem,parser,special,eot,several", TEMPLATES,
@@ -152,15 +157,60 @@ CW, CT = ("get_weather", {"city": "Zürich"}), ("get_time", {"zone": "UTC"})
     ("pythonic", "[get_weather(city='Zürich')]", [CW], None),
     ("pythonic", "[1, 2] is a list", [], "[1, 2] is a list"),
     ("pythonic", "Hello", [], "Hello"),
+    # arguments written as a JSON string (some models do): the call's arguments are that text
+    ("llama3_json", '{"name": "get_time", "parameters": "{\\"zone\\": \\"UTC\\"}"}', [CT], None),
+    ("hermes", '<tool_call>{"name": "get_time", "arguments": "{\\"zone\\": \\"UTC\\"}"}'
+     '</tool_call>', [CT], None),
 ])
 def test_parser_cases(parser, text, calls, content):
+    _check(parser, text, calls, content)
+
+
+NOPE = '{"name": "launch_rockets", "arguments": {"count": 3}}'
+
+
+@pytest.mark.parametrize("parser,text,calls,content", [
+    # an object with a string "name" is not a call: a call has arguments (or parameters)
+    ("llama3_json", '{"name": "John", "age": 30}', [], '{"name": "John", "age": 30}'),
+    ("llama3_json", '{"name": "get_time"}', [], '{"name": "get_time"}'),
+    ("llama3_json", '{"name": "get_time", "parameters": 5}', [],
+     '{"name": "get_time", "parameters": 5}'),
+    ("hermes", '<tool_call>{"name": "get_time", "zone": "UTC"}</tool_call>', [],
+     '<tool_call>{"name": "get_time", "zone": "UTC"}</tool_call>'),
+    # a name no declared tool has is not a call either: its text stays content, verbatim
+    ("llama3_json", NOPE.replace("arguments", "parameters"), [],
+     NOPE.replace("arguments", "parameters")),
+    ("llama3_json", W + "; " + NOPE, [CW], NOPE),
+    ("hermes", f"<tool_call>{NOPE}</tool_call>", [], f"<tool_call>{NOPE}</tool_call>"),
+    ("hermes", f"<tool_call>{W}</tool_call><tool_call>{NOPE}</tool_call>", [CW],
+     f"<tool_call>{NOPE}</tool_call>"),
+    ("hermes", f"<tool_call>{NOPE}", [], f"<tool_call>{NOPE}"),
+    ("mistral", f"[TOOL_CALLS][{NOPE}]", [], f"[TOOL_CALLS][{NOPE}]"),
+    ("mistral", f"Sure. [TOOL_CALLS][{W}, {NOPE}]", [CW], f"Sure. {NOPE}]"),
+    ("granite", f"<|tool_call|>[{NOPE}]", [], f"<|tool_call|>[{NOPE}]"),
+    ("deepseek_v31", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>launch_rockets<｜tool▁sep｜>{}"
+     "<｜tool▁call▁end｜><｜tool▁calls▁end｜>", [],
+     "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>launch_rockets<｜tool▁sep｜>{}"
+     "<｜tool▁call▁end｜><｜tool▁calls▁end｜>"),
+    ("deepseek_v31", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>"
+     '{"zone": "UTC"}<｜tool▁call▁end｜><｜tool▁call▁begin｜>launch_rockets<｜tool▁sep｜>{}'
+     "<｜tool▁call▁end｜><｜tool▁calls▁end｜>", [CT],
+     "<｜tool▁call▁begin｜>launch_rockets<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>"),
+    ("pythonic", '[launch_rockets(count=3)]', [], '[launch_rockets(count=3)]'),
+    ("pythonic", '[get_time(zone="UTC"), launch_rockets()]', [],
+     '[get_time(zone="UTC"), launch_rockets()]'),
+])
+def test_only_declared_tools_are_called(parser, text, calls, content):
+    """Policy: a call needs its arguments and a name from the request's ``tools``; any
+    other text, however call-like, is content, whole and streamed alike (vLLM returns such
+    a call; SGLang drops it with a log line)."""
     _check(parser, text, calls, content)
 
 
 def test_required_and_named_shapes():
     text = ('[{"name": "get_weather", "parameters": {"city": "Zürich"}}, '
             '{"name": "get_time", "parameters": {"zone": "UTC"}}]')
-    whole = parse_whole(tool_parsers.RequiredCallsParser(), text)
+    whole = parse_whole(tool_parsers.RequiredCallsParser(NAMES), text)
     assert [(c.function.name, json.loads(c.function.arguments)) for c in whole.calls] == [CW, CT]
     named = parse_whole(tool_parsers.NamedCallParser("get_weather"), '{"city": "Zürich"}')
     assert named.content is None and named.calls[0].function.arguments == '{"city": "Zürich"}'
@@ -168,18 +218,18 @@ def test_required_and_named_shapes():
 
 def test_streamed_arguments_arrive_in_fragments():
     """Arguments stream while the model writes them, not all at once at the end."""
-    stream = ToolCallStream(tool_parsers.get("hermes"))
+    stream = ToolCallStream(_parser("hermes"))
     text = f"<tool_call>{W}</tool_call>"
     fragments = []
     for ch in text:
         _, deltas = stream.feed(ch)
-        fragments += [d.function.arguments for d in deltas if d.id is None]
+        fragments += [d.function.arguments for d in deltas]
     assert len(fragments) > 5 and "".join(fragments) == '{"city": "Zürich"}'
 
 
 def test_unknown_parser_named():
     with pytest.raises(KeyError, match="known"):
-        tool_parsers.get("nope")
+        tool_parsers.get("nope", NAMES)
 
 
 # ---------------------------------------------------------------- reasoning parsers

@@ -63,7 +63,7 @@ def test_vllm_flags_map_onto_the_topology(tiny_model_dir):
          "--generation-config", "vllm", "--disable-log-requests", "--log-level", "debug",
          "--uvicorn-log-level", "trace", "--allowed-origins", '["http://x.example"]',
          "--dtype", "half", "--max_model_len", "512", "--kv-cache-memory", "2GiB",
-         "--api-key", "k1"], environ={})
+         "--api-key", "k1", "--scheduling-policy", "priority"], environ={})
     assert topo.model.names() == ["a", "b"]
     assert topo.model.path == str(tiny_model_dir)
     assert topo.engine.seed == 7 and topo.engine.gpu_memory_utilization == 0.5
@@ -75,6 +75,7 @@ def test_vllm_flags_map_onto_the_topology(tiny_model_dir):
     assert topo.http.cors.allowed_origins == ["http://x.example"]
     assert topo.http.server_log_level == "trace" and topo.http.log_requests is False
     assert args.log_level == "debug" and args.api_key == ["k1"]
+    assert topo.api.scheduling_policy == "priority"
 
 
 def test_defaults_and_legacy_spellings(tiny_model_dir):
@@ -83,6 +84,7 @@ def test_defaults_and_legacy_spellings(tiny_model_dir):
     assert topo.engine.enable_prefix_caching is False
     assert topo.model.names() == [tiny_model_dir.name]  # a directory: its basename
     assert topo.engine.kv_cache_memory_mb is None  # sized by the gpu_worker
+    assert topo.api.scheduling_policy == "fcfs"  # arrival order: `priority` is a 400
     topo, _ = serve_args_to_topology([str(tiny_model_dir), "--enable-prefix-caching"],
                                      environ={"VLLM_CPU_KVCACHE_SPACE": "1.5"})
     assert topo.engine.enable_prefix_caching is True

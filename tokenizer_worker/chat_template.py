@@ -6,7 +6,7 @@ returns. So this module reproduces HF's rendering contract (checked against tran
 ``tests/data/chat_templates/MANIFEST.md``):
 
 * a sandboxed ``ImmutableSandboxedEnvironment`` with ``trim_blocks``/``lstrip_blocks``, ``loopcontrols`` and a
-  ``{% generation %}`` tag, plus HF's globals (``raise_exception``, ``strftime_now``, a restricted ``dict``, a
+  ``{% generation %}`` tag (ours also sizes every value a template builds before building it: template_sandbox.py), plus HF's globals (``raise_exception``, ``strftime_now``, a restricted ``dict``, a
   ``namespace`` that rejects ``_``-prefixed names) and HF's ``tojson`` filter (no HTML escaping, no key sorting,
   non-ASCII kept, ``indent``/``separators`` accepted);
 * message normalisation: top-level ``None``-valued message keys are dropped (nested ``None`` is kept, as in HF),
@@ -31,7 +31,9 @@ import jinja2.ext
 import jinja2.meta
 import jinja2.nodes
 import jinja2.utils
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from tokenizer_worker.template_sandbox import (DEFAULT_LIMIT, TemplateSandbox, ValueTooLarge,
+                                              value_limit)
 
 __all__ = ["ChatTemplate", "ChatTemplateError", "RenderTimeout", "REASONING_FIELDS"]
 
@@ -49,7 +51,7 @@ class ChatTemplateError(Exception):
     ``raised_by_template`` is true when the template itself called ``raise_exception`` (e.g. "System role not
     supported"), i.e. the conversation is invalid for this model rather than the template being broken.
 
-    ``limit`` names the bound a render ran into ("time" or "output"), None otherwise.
+    ``limit`` names the bound a render ran into ("time", "output" or "value"), None otherwise.
     """
 
     def __init__(self, message: str, *, raised_by_template: bool = False, limit: str | None = None) -> None:
@@ -171,10 +173,10 @@ class ChatTemplate:
         self.origin = origin
         self.sha256 = hashlib.sha256(source.encode("utf-8")).hexdigest()
         self._now = now
-        env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+        env = TemplateSandbox(
+            filters={"tojson": _tojson}, trim_blocks=True, lstrip_blocks=True,
+            extensions=[_GenerationTag, jinja2.ext.loopcontrols],
         )
-        env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = self._strftime_now
         env.globals["dict"] = _DictFactory()
@@ -212,6 +214,8 @@ class ChatTemplate:
         ``continue_final_message`` may be ``True`` (continue ``content``) or the name of the field to continue.
         ``max_output_bytes`` stops the render as soon as its UTF-8 output grows past that many bytes (a template's
         loops can otherwise build any amount of text); with ``continue_final_message`` it applies after the cut.
+        No single value the template builds may pass it either (nor 16 MiB, whichever is more): sized before it
+        is built, since one allocation in C cannot be interrupted.
         Raises :class:`ChatTemplateError` for anything that goes wrong.
         """
         if not messages:
@@ -231,11 +235,12 @@ class ChatTemplate:
         context = _plain({**special_tokens, **kwargs})
         try:
             final_text = self._mark_final_message(chat, continue_final_message) if continue_final_message else None
-            pieces = self._template.generate(
-                messages=chat, tools=_plain(tools), documents=_plain(documents),
-                add_generation_prompt=add_generation_prompt, **context,
-            )
-            rendered = self._collect(pieces, None if final_text is not None else max_output_bytes)
+            with value_limit(max(max_output_bytes or 0, DEFAULT_LIMIT)):
+                pieces = self._template.generate(
+                    messages=chat, tools=_plain(tools), documents=_plain(documents),
+                    add_generation_prompt=add_generation_prompt, **context,
+                )
+                rendered = self._collect(pieces, None if final_text is not None else max_output_bytes)
             if final_text is not None:
                 rendered = self._cut_after_final_message(rendered, final_text)
                 if max_output_bytes is not None and len(rendered.encode("utf-8")) > max_output_bytes:
@@ -244,6 +249,8 @@ class ChatTemplate:
             raise
         except RenderTimeout as exc:
             raise ChatTemplateError(f"chat template ({self.origin}) {exc}", limit="time") from exc
+        except ValueTooLarge as exc:
+            raise ChatTemplateError(f"chat template ({self.origin}): {exc}", limit="value") from exc
         except _TemplateRaised as exc:
             raise ChatTemplateError(f"chat template error: {exc.message}", raised_by_template=True) from exc
         except Exception as exc:  # the template is untrusted code: TypeError, UndefinedError, SecurityError, ...

@@ -22,6 +22,9 @@ from tokenizer_worker.deadline import time_limit
 from tokenizer_worker.grammar import GrammarCompiler, GrammarError, build_tokenizer
 from tokenizer_worker.length_bound import TokenLengthBound, utf8_len
 from tokenizer_worker.template_source import load_server_template
+from tokenizer_worker.text_offsets import token_starts
+from tokenizer_worker.tool_arguments import (ArgumentsError, arguments_as_objects,
+                                              detect_arguments_format)
 from tokenizer_worker.tokenizer_files import CheckpointTokenizer
 
 _REQUEST_TEMPLATE_CACHE = 32
@@ -75,7 +78,7 @@ class RequestPreparer:
         # hand memory back to the OS after a big one.
         self.last_text_bytes = 0
         self._request_templates: OrderedDict[str, ChatTemplate] = OrderedDict()
-        self._formats: dict[str, str] = {}
+        self._formats: OrderedDict[str, tuple[str, str]] = OrderedDict()
         self._model_vocab = model_vocab_size or tokenizer.vocab_size
         self._grammars: GrammarCompiler | None = None  # built at the first constrained request
 
@@ -106,11 +109,16 @@ class RequestPreparer:
             return self.server_template, "server-flag"
         return self.tokenizer.chat_template(req.tools is not None), "checkpoint"
 
-    def _content_format(self, template: ChatTemplate) -> str:
-        fmt = self._formats.get(template.sha256)
-        if fmt is None:
-            fmt = self._formats[template.sha256] = detect_content_format(template.source)
-        return fmt
+    def _formats_of(self, template: ChatTemplate) -> tuple[str, str]:
+        """(content format, tool-call arguments format) the template reads, from its
+        syntax tree; remembered for as many templates as the request-template cache."""
+        formats = self._formats.get(template.sha256)
+        if formats is None:
+            formats = self._formats[template.sha256] = (
+                detect_content_format(template.source), detect_arguments_format(template.source))
+            if len(self._formats) > 2 * _REQUEST_TEMPLATE_CACHE:
+                self._formats.popitem(last=False)
+        return formats
 
     def _prompt_token_room(self, req: ipc.GenerateReq, tokenize_only: bool) -> int:
         """The most prompt tokens this request could have and still pass the budget check."""
@@ -179,8 +187,14 @@ class RequestPreparer:
                 for k in unknown:
                     kwargs.pop(k)
             messages = req.messages
-            if self._content_format(template) == "string":
+            content_format, arguments_format = self._formats_of(template)
+            if content_format == "string":
                 messages = flatten_content(messages)
+            if arguments_format == "object":
+                try:
+                    messages = arguments_as_objects(messages)
+                except ArgumentsError as err:
+                    self._fail(req, str(err), err.param, "invalid_value")
             documents = kwargs.pop("documents", None)
             try:
                 with time_limit(self.api.limits.template_render_timeout_s):
@@ -218,6 +232,8 @@ class RequestPreparer:
             self._fail(req, f"{owner} took longer than "
                        f"{self.api.limits.template_render_timeout_s:g}s to render "
                        "(limits.template_render_timeout_s)", param, "chat_template_timeout")
+        if err.limit == "value":
+            self._fail(req, f"{owner} was stopped: {err}", param, "chat_template_too_large")
         if err.limit == "output":
             self._fail(req, f"{owner} rendered more text than fits the context: past "
                        f"{self.bound.max_bytes(room)} bytes the prompt has more than {room} "
@@ -296,12 +312,14 @@ class RequestPreparer:
             stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
             arrival_time=req.arrival_time, priority=req.priority,
             cache_salt=req.cache_salt, probe=req.probe)
-        prompt_text = None
+        prompt_text = offsets = None
         if req.echo_prompt:
             prompt_text = (prompt.text if prompt.text is not None
                            else self.tokenizer.decode(ids, skip_special_tokens=False))
+            if req.sampling.prompt_logprobs >= 0:  # text_offset of each echoed token
+                offsets = token_starts(self.tokenizer.backend, ids, prompt_text)
         info = ipc.RequestInfo(req.rid, len(ids), prompt.template, prompt.adjustments,
-                               prompt_text)
+                               prompt_text, offsets)
         return tokenized, info
 
     def tokenizer_info(self) -> ipc.TokenizerInfo:

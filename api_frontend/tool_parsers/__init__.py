@@ -3,6 +3,8 @@ detected from the chat template when exactly one format's tag appears in it."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from api_frontend.tool_parsers.base import CallView, ScanView, ToolParser
 from api_frontend.tool_parsers.deepseek_v31 import DeepSeekV31Parser
 from api_frontend.tool_parsers.hermes import HermesParser
@@ -33,10 +35,11 @@ def detect(template_source: str) -> str | None:
     return found[0] if len(found) == 1 else None
 
 
-def get(name: str) -> ToolParser:
+def get(name: str, tools: Collection[str]) -> ToolParser:
+    """A parser for one choice; ``tools``: the names the request declares."""
     if name not in PARSERS:
         raise KeyError(f"unknown tool-call parser {name!r}; known: {sorted(PARSERS)}")
-    return PARSERS[name]()
+    return PARSERS[name](tools)
 
 
 __all__ = ["PARSERS", "CallView", "NamedCallParser", "RequiredCallsParser", "ScanView",

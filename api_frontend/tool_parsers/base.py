@@ -2,7 +2,10 @@
 
 A parser's ``scan(text, final)`` reads the whole generated text so far and returns a
 ``ScanView``: the content outside tool calls and each call it has found (a name once the
-name is complete; the arguments text known so far). Streaming re-scans the growing text
+name is complete; the arguments text known so far). A call has arguments (or Llama's
+``parameters``) and a name one of the request's ``tools`` declares; text that only looks
+like a call (``{"name": "John", "age": 30}``, a tool the request does not have) is
+content, kept verbatim, never a call and never dropped. Streaming re-scans the growing text
 and sends only what is new, so every parser keeps one invariant: a view of a prefix of
 the text is a prefix of the view of the whole text (content and each call's arguments
 only grow; a name, once given, never changes). Text that might still turn out to be a
@@ -14,6 +17,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+from collections.abc import Collection
 
 import msgspec
 
@@ -40,8 +44,9 @@ class Invalid:
 
 PENDING, INVALID = Pending(), Invalid()
 _DECODER = json.JSONDecoder()
+# name first, then an arguments object: the arguments stream as the model writes them
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"'
-                   r'\s*:\s*')
+                   r'\s*:\s*(?=\{)')
 _CLOSE = re.compile(r"\s*\}")
 
 
@@ -56,20 +61,30 @@ def held(text: str, markers: tuple[str, ...]) -> int:
     return best
 
 
-def encode_arguments(value) -> str:
-    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+def _arguments(obj: dict) -> str | None:
+    """A whole call object's arguments as JSON text: an object, or a string holding one
+    (some models encode them); None when it has none (then it is not a call)."""
+    args = obj.get("arguments", obj.get("parameters"))
+    if isinstance(args, str):
+        try:
+            return args if isinstance(json.loads(args), dict) else None
+        except ValueError:
+            return None
+    return json.dumps(args, ensure_ascii=False) if isinstance(args, dict) else None
 
 
-def json_call(text: str, start: int, final: bool, ends: tuple[str, ...] = ()
-              ) -> tuple[CallView, int | None] | Pending | Invalid:
+def json_call(text: str, start: int, final: bool, tools: Collection[str],
+              ends: tuple[str, ...] = ()) -> tuple[CallView, int | None] | Pending | Invalid:
     """One ``{"name": ..., "arguments"|"parameters": {...}}`` object starting at ``start``
-    (after optional whitespace). Returns the call and the index just past it (None while
-    it is incomplete). When name comes first, the arguments stream as the model writes
-    them; otherwise the call appears whole once the object is complete. ``ends``: markers
-    that close the region, held back from incomplete arguments."""
+    (after optional whitespace), naming one of ``tools``. Returns the call and the index
+    just past it (None while it is incomplete). When name comes first, the arguments stream
+    as the model writes them; otherwise the call appears whole once the object is complete.
+    ``ends``: markers that close the region, held back from incomplete arguments."""
     head = _HEAD.match(text, start)
     if head is not None:
         name = json.loads('"' + head.group(1) + '"')
+        if name not in tools:
+            return INVALID
         args_at = head.end()
         try:
             _, end = _DECODER.raw_decode(text, args_at)
@@ -92,19 +107,23 @@ def json_call(text: str, start: int, final: bool, ends: tuple[str, ...] = ()
         obj, end = _DECODER.raw_decode(text, body_at)
     except ValueError:
         return INVALID if final else PENDING
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+    if not isinstance(obj, dict) or obj.get("name") not in tools:
         return INVALID
-    args = obj.get("arguments", obj.get("parameters", {}))
-    return CallView(obj["name"], encode_arguments(args), True), end
+    args = _arguments(obj)
+    return INVALID if args is None else (CallView(obj["name"], args, True), end)
 
 
 class ToolParser:
     """Base: ``name`` (the --tool-call-parser value), ``markers`` (tags that open calls;
-    they must reach the text, so requests keep special tokens when a marker is one)."""
+    they must reach the text, so requests keep special tokens when a marker is one),
+    ``tools``: the names a call may have (the request's ``tools``)."""
 
     name = ""
     markers: tuple[str, ...] = ()
     special_markers = False  # the markers are special tokens in this model family
+
+    def __init__(self, tools: Collection[str]) -> None:
+        self.tools = frozenset(tools)
 
     def scan(self, text: str, final: bool) -> ScanView:
         raise NotImplementedError
@@ -114,28 +133,30 @@ class ToolParser:
 
 
 def json_sequence(text: str, at: int, final: bool, sep: str, close: str | None,
-                  ends: tuple[str, ...] = ()) -> tuple[list[CallView], int | None, bool]:
+                  tools: Collection[str], ends: tuple[str, ...] = ()
+                  ) -> tuple[list[CallView], int | None, int | None]:
     """Calls written one after another from ``at``: ``{...}`` objects separated by
     ``sep`` and, when ``close`` is set, ended by it. Returns the calls, the index past the
-    sequence (None while open) and whether the text broke the format."""
+    sequence (None while open) and where the text stops being calls (None: it did not;
+    from there on it is content)."""
     calls: list[CallView] = []
     pos = at
     while True:
-        got = json_call(text, pos, final, ends)
+        got = json_call(text, pos, final, tools, ends)
         if got is PENDING:
-            return calls, None, False
+            return calls, None, None
         if got is INVALID:
-            return calls, None, True
+            return calls, None, pos
         call, end = got
         calls.append(call)
         if end is None:
-            return calls, None, False
+            return calls, None, None
         call.end = end
         m = re.compile(r"\s*(" + re.escape(sep) + r")?\s*").match(text, end)
         pos = m.end()
         if close is not None and text.startswith(close, pos):
-            return calls, pos + len(close), False
+            return calls, pos + len(close), None
         if m.group(1) is None:
             if pos < len(text) or final:
-                return calls, end, False
-            return calls, None, False
+                return calls, end, None
+            return calls, None, None

@@ -32,15 +32,17 @@ class DeepSeekV31Parser(ToolParser):
             sep = text.find(SEP, name_at)
             if sep < 0:
                 break
+            name = text[name_at:sep].strip()
+            if name not in self.tools:  # no call: from this one on, content as written
+                return ScanView(text[:i] + text[pos:] if calls else text, calls)
             args_at = sep + len(SEP)
             end = text.find(CALL_END, args_at)
             if end < 0:
                 args = text[args_at:]
                 if not final:
                     args = args[:len(args) - held(args, (CALL_END,))]
-                calls.append(CallView(text[name_at:sep].strip(), args, final))
+                calls.append(CallView(name, args, final))
                 break
-            calls.append(CallView(text[name_at:sep].strip(), text[args_at:end], True,
-                                  end + len(CALL_END)))
+            calls.append(CallView(name, text[args_at:end], True, end + len(CALL_END)))
             pos = end + len(CALL_END)
         return ScanView(text[:i] + after, calls)

@@ -29,7 +29,7 @@ class HermesParser(ToolParser):
             j = text.find(self.end, body_at)
             closed = j >= 0
             body = text[:j] if closed else text
-            got = json_call(body, body_at, final or closed, (self.end,))
+            got = json_call(body, body_at, final or closed, self.tools, (self.end,))
             if got is PENDING:
                 break
             if got is INVALID:  # not a call after all: the tagged text is content

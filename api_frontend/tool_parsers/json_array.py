@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import secrets
 import string
+from collections.abc import Collection
 
 from api_frontend.tool_parsers.base import ScanView, ToolParser, held, json_sequence
 
@@ -16,7 +17,8 @@ _OPEN = re.compile(r"\s*(\[)?\s*")
 class JsonArrayParser(ToolParser):
     marker = ""
 
-    def __init__(self) -> None:
+    def __init__(self, tools: Collection[str]) -> None:
+        super().__init__(tools)
         self.markers = (self.marker,) if self.marker else ()
 
     def scan(self, text: str, final: bool) -> ScanView:
@@ -29,9 +31,9 @@ class JsonArrayParser(ToolParser):
         if m.end() == len(text) and not final:
             return ScanView(content, [])
         close = "]" if m.group(1) else None
-        calls, end, broken = json_sequence(text, m.end(), final, ",", close)
-        if broken and not calls:
-            return ScanView(text, [])
+        calls, end, broken = json_sequence(text, m.end(), final, ",", close, self.tools)
+        if broken is not None:  # from there on no call: content, as written
+            return ScanView(content + text[broken:] if calls else text, calls)
         if end is not None:
             content += text[end:]
         return ScanView(content, calls)

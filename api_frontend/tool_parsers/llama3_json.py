@@ -27,8 +27,7 @@ class Llama3JsonParser(ToolParser):
             if not body and not final:
                 return ScanView("", [])
             return ScanView(text if not text.lstrip().startswith(PYTHON_TAG) else body, [])
-        calls, end, broken = json_sequence(text, at, final, ";", None)
-        if broken and not calls:
-            return ScanView(text, [])
-        rest = text[end:] if end is not None else ""
-        return ScanView(rest if broken or end is not None else "", calls)
+        calls, end, broken = json_sequence(text, at, final, ";", None, self.tools)
+        if broken is not None:  # from there on no call: content, as written
+            return ScanView(text[broken:] if calls else text, calls)
+        return ScanView(text[end:] if end is not None else "", calls)

@@ -10,6 +10,7 @@ class NamedCallParser(ToolParser):
     name = "named"
 
     def __init__(self, function: str) -> None:
+        super().__init__((function,))
         self.function = function
 
     def scan(self, text: str, final: bool) -> ScanView:

@@ -1,17 +1,19 @@
 """Pythonic lists (Llama 3.2 / 4 style, ``--tool-call-parser pythonic``): the reply is
 ``[get_weather(city="Paris"), now()]``, keyword arguments with Python literal values.
 Calls arrive when the reply ends (a partial Python call has no JSON form, and a
-complete list may still grow into text that is no call list)."""
+complete list may still grow into text that is no call list). A list that calls a
+function the request has no tool for is content, whole."""
 
 from __future__ import annotations
 
 import ast
 import json
+from collections.abc import Collection
 
 from api_frontend.tool_parsers.base import CallView, ScanView, ToolParser
 
 
-def _calls(source: str) -> list[CallView] | None:
+def _calls(source: str, tools: Collection[str]) -> list[CallView] | None:
     try:
         tree = ast.parse(source, mode="eval").body
     except SyntaxError:
@@ -21,7 +23,7 @@ def _calls(source: str) -> list[CallView] | None:
     out = []
     for node in tree.elts:
         if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args
-                and all(k.arg is not None for k in node.keywords)):
+                and node.func.id in tools and all(k.arg is not None for k in node.keywords)):
             return None
         try:
             args = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
@@ -40,5 +42,5 @@ class PythonicParser(ToolParser):
             return ScanView("" if not body and not final else text, [])
         if not final:  # "[f()]" may still grow into text that is no call list
             return ScanView("", [])
-        calls = _calls(body)
+        calls = _calls(body, self.tools)
         return ScanView("", calls) if calls is not None else ScanView(text, [])

@@ -1,0 +1,77 @@
+"""The workloads ``bench.ab`` and ``bench.compare`` run, and the checkpoints they need.
+
+  a      tiny-hd64,              32 concurrent streams, 128-token prompts, 128 output tokens
+  b      ~100M Llama (768 x 12), the same shape of load
+  c      tiny-hd64,              64 requests sharing a 1024-token prefix (+64 own, 32 out)
+  smoke  tiny-hd64,              4 requests of 16 -> 16 tokens: checks the plumbing only
+
+tiny-hd64 is the tiny checkpoint's shape (hidden 64, 4 layers, its tokenizer) with one
+64-wide head: vLLM's CPU attention kernels reject head_dim 16, the tiny model's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.loadgen import Workload
+from bench.models import build_llama_100m, build_tiny, build_tiny_hd64
+
+
+@dataclass(frozen=True)
+class Bench:
+    model: str  # a key of MODELS
+    workload: Workload
+
+    def describe(self) -> str:
+        w = self.workload
+        prefix = f" + {w.shared_prefix_len}-token shared prefix" if w.shared_prefix_len else ""
+        return (f"{self.model}: {w.num_requests} requests ({w.concurrency} at once), "
+                f"{w.prompt_len[0]}-token prompts{prefix} -> {w.output_len[0]} tokens")
+
+
+WORKLOADS = {
+    "a": Bench("tiny-hd64", Workload(num_requests=32, concurrency=32, prompt_len=(128, 128),
+                                     output_len=(128, 128))),
+    "b": Bench("llama-100m", Workload(num_requests=32, concurrency=32, prompt_len=(128, 128),
+                                      output_len=(128, 128))),
+    "c": Bench("tiny-hd64", Workload(num_requests=64, concurrency=64, prompt_len=(64, 64),
+                                     output_len=(32, 32), shared_prefix_len=1024)),
+    "smoke": Bench("tiny-hd64", Workload(num_requests=4, concurrency=4, prompt_len=(16, 16),
+                                         output_len=(16, 16))),
+}
+# KV blocks (of 16 tokens) per model: enough for every workload, small enough that two
+# servers side by side fit in memory
+KV_BLOCKS = {"tiny-hd64": 4096, "llama-100m": 1024}
+
+
+ALL = ("a", "b", "c")  # what "all" means: smoke measures nothing
+
+
+def parse_workloads(text: str) -> list[str]:
+    names = list(ALL) if text == "all" else [w for w in text.split(",") if w]
+    unknown = [w for w in names if w not in WORKLOADS]
+    if unknown:
+        raise SystemExit(f"unknown workload(s) {unknown}; known: {', '.join(WORKLOADS)}")
+    return names
+
+
+def by_model(names: list[str]) -> dict[str, list[str]]:
+    """Workload names grouped by checkpoint, so each server starts once per model."""
+    out: dict[str, list[str]] = {}
+    for name in names:
+        out.setdefault(WORKLOADS[name].model, []).append(name)
+    return out
+
+
+def build_models(models_dir: Path, keys: list[str]) -> dict[str, Path]:
+    """The checkpoints named by ``keys`` (built once, kept in ``models_dir``)."""
+    models_dir.mkdir(parents=True, exist_ok=True)
+    tiny = build_tiny(models_dir)
+    builders = {"tiny-hd64": build_tiny_hd64, "llama-100m": build_llama_100m}
+    return {key: builders[key](models_dir, tiny) for key in keys}
+
+
+def round_workload(bench: Bench, round_index: int) -> Workload:
+    """A fresh seed per round (so no prefix cache carries over), the same for every side."""
+    return Workload(**{**bench.workload.__dict__, "seed": 1000 * round_index + 1})
