@@ -118,6 +118,11 @@ async def test_capabilities_say_which_mode_answers(server):
     async with aiohttp.ClientSession() as session:
         async with session.get(server.base_url + "/v1/capabilities") as resp:
             caps = await resp.json()
+        async with session.post(server.base_url + "/v1/responses", json={
+                "model": MODEL, "input": "hi", "max_output_tokens": 4, "temperature": 0}) as resp:
+            body = await resp.json()
+            assert resp.status == 200, body
+    assert body["candor"]["deterministic"] is True
     assert caps["deterministic"]["enabled"] is True
     assert caps["deterministic"]["note"].startswith("on")
     assert "bitwise" in caps["deterministic"]["scope"]
