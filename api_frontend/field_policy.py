@@ -103,9 +103,11 @@ ROWS: tuple[Row, ...] = (
         sglang="ignored",
         tests="H `test_sse_framing_finish_length_and_usage`, C `test_sdk_exception_classes`"),
     Row(fields=("stop",), **BOTH,
-        candor="honoured, trimmed; at most `max_stop_strings`, each at most "
+        candor="honoured, trimmed; `finish_reason: stop` whenever a stop string cut the text, "
+        "on the last allowed token too; at most `max_stop_strings`, each at most "
         "`max_stop_string_chars`", vllm="honoured", sglang="honoured",
-        tests="H `test_finish_reason_stop_on_stop_string_is_trimmed`, A limits"),
+        tests="H `test_finish_reason_stop_on_stop_string_is_trimmed`, A limits, "
+        "K `test_stop_string_ending_on_the_last_allowed_token_is_stop`"),
     Row(fields=("seed",), **BOTH,
         candor="honoured: per-request generator; same seed + same request + same deployment = "
         "same tokens and logprobs (top_logprobs, prompt logprobs), bitwise, whatever else is "
@@ -120,10 +122,12 @@ ROWS: tuple[Row, ...] = (
         "D `test_alone_and_in_random_batches_bitwise`, D `test_other_step_budget_preemption_and_restart`, "
         "D `test_every_data_parallel_replica`"),
     Row(fields=("presence_penalty", "frequency_penalty"), **BOTH,
-        candor="honoured over generated tokens, -2..2 (checked against an HF reference)",
+        candor="honoured over generated tokens, -2..2 (checked against an HF reference; "
+        "the same with or without a prefix-cache hit)",
         vllm="honoured", sglang="honoured",
         tests="S `test_penalties_match_hf_reference`, "
-        "U `test_penalties_match_a_dense_reference`"),
+        "U `test_penalties_match_a_dense_reference`, "
+        "K `test_history_fields_give_the_same_answer_with_and_without_a_cache_hit`"),
     Row(fields=("logit_bias",), **BOTH,
         candor="at most `max_logit_bias` entries; honoured, sparse (index_put over entries, "
         "cost ∝ entries); ids checked against the vocabulary → 400 `logit_bias`",
@@ -132,9 +136,13 @@ ROWS: tuple[Row, ...] = (
         "S `test_logit_bias_errors_name_the_field`, U `test_logit_bias_is_sparse_and_exact`"),
     Row(fields=("logprobs", "top_logprobs"), chat="honoured",
         candor="honoured, raw log-softmax before filters; `top_logprobs` 0..`max_logprobs` "
-        "(default 20, `--max-logprobs`) and only with `logprobs: true`",
-        vllm="same split", sglang="same",
-        tests="L `test_chat_logprobs_match_hf_and_parse`, L `test_logprobs_validation`"),
+        "(default 20, `--max-logprobs`) and only with `logprobs: true`. `bytes` are the "
+        "token's own bytes: a token holding part of a UTF-8 character has `token` U+FFFD "
+        "and its real byte(s) in `bytes` (top_logprobs too), so they rebuild the text",
+        vllm="same split; `bytes` the UTF-8 of the text (U+FFFD's for part of a character)",
+        sglang="same",
+        tests="L `test_chat_logprobs_match_hf_and_parse`, L `test_logprobs_validation`, "
+        "L `test_chat_logprob_bytes_are_the_tokens_own_bytes`"),
     Row(fields=("logprobs", "echo"), completions="honoured",
         candor="honoured; `logprobs` 0..`max_logprobs`; echo returns the prompt and its "
         "logprobs (first token `null`); `text_offset` is where each token starts in the "
@@ -191,8 +199,8 @@ ROWS: tuple[Row, ...] = (
         "chat template; reported as `candor.tool_parser` and in `/v1/capabilities` "
         "`policy.tool_call_parser[_source]`); no parser → 400 rather than calls arriving as "
         "content. `required` / named: constrained decoding (a JSON list of `{name, "
-        "parameters}` / the named function's arguments object), so arguments always parse "
-        "and validate. Without `tools`, or naming a function not in `tools` → 400 "
+        "parameters}` / the named function's arguments object), so arguments parse and "
+        "validate whenever the reply finishes `tool_calls`. Without `tools`, or naming a function not in `tools` → 400 "
         "`tool_choice`",
         vllm="auto needs `--enable-auto-tool-choice`; required/named guided", sglang="guided",
         tests="T `test_required_calls_always_validate`, "
@@ -212,14 +220,19 @@ ROWS: tuple[Row, ...] = (
         "JSON text), `content` null when the reply is only calls; streamed as OpenAI deltas "
         "(id, type, name in a call's first delta, then `arguments` fragments that concatenate "
         "to exactly the non-streamed arguments); tags never reach `content`; `finish_reason: "
-        "\"tool_calls\"` exactly when calls were emitted. A call has arguments (or "
+        "\"tool_calls\"` exactly when calls were emitted and every call's arguments parse. "
+        "A reply that ends inside a call (a stop string or stop token, `max_tokens`, a "
+        "reasoning block never closed) finishes `stop` / `length` with that call as far as "
+        "it was written, whole and streamed alike (fragments stream as written, so neither "
+        "form drops it); a call whose name was not finished stays content. A call has arguments (or "
         "`parameters`) and a name one of `tools` declares; anything else, however call-like, "
         "stays `content` verbatim (finish `stop`); with a reasoning parser calls are read only "
         "after `</think>`. Parsers: hermes (Hermes / Qwen2.5 / Qwen3), llama3_json (with or "
         "without `<\\|python_tag\\|>`), mistral, deepseek_v31, granite, pythonic",
-        vllm="same shape; any name becomes a call", sglang="same; undeclared names dropped "
+        vllm="same shape; any name becomes a call; `tool_calls` even when `max_tokens` cut "
+        "the call (named: always `stop`)", sglang="same; undeclared names dropped "
         "(log line)",
-        tests="TP (every parser on its real template's text, streamed in pieces of 1..n "
+        tests="T `test_a_call_cut_before_its_end_never_finishes_tool_calls`, TP (every parser on its real template's text, streamed in pieces of 1..n "
         "characters), TP `test_only_declared_tools_are_called`, "
         "T `test_a_call_to_an_undeclared_tool_stays_content`, "
         "T `test_a_call_drafted_inside_think_is_reasoning_not_a_call`"),
@@ -253,20 +266,32 @@ ROWS: tuple[Row, ...] = (
         tests="S `test_top_k_1_and_min_p_1_are_greedy`, "
         "U `test_min_p_keeps_only_tokens_near_the_top`"),
     Row(fields=("repetition_penalty",), **EXT,
-        candor="extension, over prompt + generated (HF), (0, 2]", vllm="extension",
-        sglang="extension", tests="S `test_penalties_match_hf_reference`"),
+        candor="extension, over prompt + generated (HF; a cached prompt included), (0, 2]",
+        vllm="extension", sglang="extension",
+        tests="S `test_penalties_match_hf_reference`, "
+        "K `test_history_fields_give_the_same_answer_with_and_without_a_cache_hit`"),
     Row(fields=("min_tokens",), **EXT,
-        candor="extension: eos and `stop_token_ids` masked until reached; stop strings "
-        "count only where they end after those tokens (as vLLM)", vllm="extension",
+        candor="extension: eos and `stop_token_ids` masked until reached (prefix-cache hit or "
+        "not); stop strings count only where they end after those tokens (as vLLM). With a "
+        "constraint that must end sooner: 400 `constraint_conflict` naming both where known "
+        "up front (`guided_choice`, boolean/null schemas), otherwise that request alone ends "
+        "with that error (its batch goes on)", vllm="extension; the conflict fails the batch",
         sglang="`min_new_tokens`",
         tests="S `test_stop_token_ids_min_tokens_and_ignore_eos`, "
         "S `test_min_tokens_holds_back_stop_strings`, "
-        "U `test_min_tokens_suppresses_stop_ids_until_reached`"),
+        "U `test_min_tokens_suppresses_stop_ids_until_reached`, "
+        "K `test_runtime_constraint_conflict_fails_only_that_request`"),
     Row(fields=("ignore_eos", "stop_token_ids"), **EXT,
-        candor="extension; at most `max_stop_token_ids` ids", vllm="extension",
-        sglang="extension", tests="S `test_stop_token_ids_min_tokens_and_ignore_eos`"),
-    Row(fields=("include_stop_str_in_output",), **EXT, candor="extension", vllm="extension",
-        sglang="`no_stop_trim`", tests="S `test_stop_string_include_stop_str_in_output`"),
+        candor="extension; at most `max_stop_token_ids` ids. The id that stops a sequence "
+        "counts in usage and logprobs; its text is left out of the answer (as vLLM)",
+        vllm="extension", sglang="extension",
+        tests="S `test_stop_token_ids_min_tokens_and_ignore_eos`, "
+        "K `test_stopping_token_text_is_left_out_unless_asked_for`"),
+    Row(fields=("include_stop_str_in_output",), **EXT,
+        candor="extension: keeps the matched stop string, and the text of the EOS or "
+        "`stop_token_ids` id that stopped the sequence", vllm="extension",
+        sglang="`no_stop_trim`", tests="S `test_stop_string_include_stop_str_in_output`, "
+        "K `test_stopping_token_text_is_left_out_unless_asked_for`"),
     Row(fields=("return_token_ids", "skip_special_tokens"), **EXT, candor="extension",
         vllm="extension", sglang="extension", tests="H `test_usage_counts_equal_tokens_produced`"),
     Row(fields=("priority",), **EXT, only_with="priority_scheduling",
@@ -277,6 +302,14 @@ ROWS: tuple[Row, ...] = (
         vllm="400 unless `--scheduling-policy priority`; no bound", sglang="extension",
         tests="P `test_priority_needs_the_priority_scheduling_policy`, test_prefix_cache.py "
         "`test_priority_orders_waiting_fcfs_within_a_priority`"),
+    Row(fields=("cache_salt",), **EXT,
+        candor="extension: prefix-cache blocks are shared only between requests with the "
+        "same salt (none: the unsalted pool), so one tenant cannot time another's prompts; "
+        "with several replicas the salt is also an affinity key",
+        vllm="extension", sglang="—",
+        tests="test_e2e_engine.py `test_prefix_cache_hit_reports_cached_tokens_and_matches_hf`"
+        ", test_data_parallel.py "
+        "`test_cache_salt_is_an_affinity_key_and_separates_equal_prompts`"),
     Row(fields=("strict",), **EXT, candor="extension: this request in strict mode",
         tests="C `test_per_request_strict_turns_ignored_into_400`"),
     Row(fields=("add_generation_prompt", "continue_final_message"), chat="extension",

@@ -118,16 +118,36 @@ def get(name: str) -> ReasoningParser:
 
 
 class ReasoningStream:
-    """New reasoning and answer text after each delta of one choice."""
+    """New reasoning and answer text after each delta of one choice. Once the answer has
+    begun every later delta is answer, and while the reasoning runs to the text's end
+    (nothing held back) a delta without ``<`` (which begins every tag) is reasoning: the
+    text is read again only where a tag may begin, so a long reply costs linear time."""
 
     def __init__(self, parser: ReasoningParser) -> None:
         self.parser = parser
-        self.text = ""
+        self.pieces: list[str] = []  # the text so far, joined when it is read again
         self.sent = (0, 0)
+        self.tail = ""  # "reasoning" / "answer": what a delta without a tag extends
 
     def feed(self, delta: str, final: bool) -> tuple[str, str]:
-        self.text += delta
-        reasoning, content = self.parser.split(self.text, final)
+        self.pieces.append(delta)
+        if self.tail == "answer" or (self.tail == "reasoning" and not final
+                                     and "<" not in delta):
+            if self.tail == "answer":
+                self.sent = (self.sent[0], self.sent[1] + len(delta))
+                return "", delta
+            self.sent = (self.sent[0] + len(delta), self.sent[1])
+            return delta, ""
+        text = "".join(self.pieces)
+        self.pieces = [text]
+        start, end, answer = self.parser.bounds(text, final)
+        reasoning, content = text[start:end], ("" if answer is None else text[answer:])
         out = reasoning[self.sent[0]:], content[self.sent[1]:]
         self.sent = (len(reasoning), len(content))
+        if answer is not None:
+            self.tail = "answer"
+        elif text and start < end == len(text) and not final:
+            self.tail = "reasoning"
+        else:
+            self.tail = ""
         return out

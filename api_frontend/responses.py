@@ -69,14 +69,15 @@ class Collected:
         return "".join(self.parts)
 
 
-def _bytes(token: str) -> list[int]:
-    return list(token.encode("utf-8"))
+def _bytes(entry: ipc.DecodedLogprob | ipc.TopLogprob) -> list[int]:
+    """The token's own bytes (not the UTF-8 of U+FFFD for part of a character)."""
+    return list(entry.raw if entry.raw is not None else entry.token.encode("utf-8"))
 
 
 def chat_logprobs(entries: list[ipc.DecodedLogprob]) -> ChatLogprobs:
     return ChatLogprobs([ChatLogprobEntry(e.token, e.logprob if e.logprob is not None else 0.0,
-                                          _bytes(e.token),
-                                          [TopLogprobEntry(t.token, t.logprob, _bytes(t.token))
+                                          _bytes(e),
+                                          [TopLogprobEntry(t.token, t.logprob, _bytes(t))
                                            for t in e.top]) for e in entries])
 
 
@@ -246,10 +247,12 @@ def _sum_usage(lasts: list[ipc.TextDelta], n: int) -> Usage:
     return Usage(prompt, completion, prompt + completion, PromptTokensDetails(cached))
 
 
-def _tool_finish(reason: str | None, made_calls: bool) -> str | None:
-    """``tool_calls`` when the choice emitted calls and ended on its own; a reply cut by
-    ``max_tokens`` stays ``length`` (its last call's arguments may be incomplete)."""
-    return "tool_calls" if made_calls and reason == "stop" else reason
+def _tool_finish(reason: str | None, made_calls: bool, complete: bool) -> str | None:
+    """``tool_calls`` when the choice made calls, each written to its end, and stopped
+    (an end token, the grammar's end, a stop after the calls). A reply that ended inside a
+    call keeps what ended it, ``stop`` or ``length``: that call was streamed as far as it
+    was written, and its arguments do not parse."""
+    return "tool_calls" if made_calls and complete and reason == "stop" else reason
 
 
 class ChatAssembler(_Assembler):
@@ -281,9 +284,10 @@ class ChatAssembler(_Assembler):
                 content = None  # the whole reply was reasoning
             return AssistantMessage(content, reasoning_content=thought), reason
         result = parse_whole(self.tools.parser(), text)
-        return (AssistantMessage(result.content, tool_calls=result.calls or UNSET,
+        content = result.content if result.content or thought is UNSET else None
+        return (AssistantMessage(content, tool_calls=result.calls or UNSET,
                                  reasoning_content=thought),
-                _tool_finish(reason, bool(result.calls)))
+                _tool_finish(reason, bool(result.calls), result.complete))
 
     def final(self, choices: list[Collected]) -> ChatCompletionResponse:
         out = []
@@ -322,7 +326,7 @@ class ChatAssembler(_Assembler):
                 if stream is None:
                     stream = self._streams[index] = ToolCallStream(self.tools.parser())
                 content, calls = stream.feed(text, final=reason is not None)
-                reason = _tool_finish(reason, stream.made_calls)
+                reason = _tool_finish(reason, stream.made_calls, stream.complete)
             message = ChatDelta(content=content or None, reasoning_content=thought or None,
                                 tool_calls=calls or None)
             if (not content and not calls and not thought and reason is None

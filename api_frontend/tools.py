@@ -3,9 +3,11 @@
 - none: the tools still reach the template (the model knows them), nothing is parsed.
 - auto: unconstrained generation, read afterwards by the deployment's tool-call parser
   (a 400 where the deployment has none, rather than calls arriving as ``content``).
-- required / named: constrained decoding, so the arguments always parse and validate:
-  named makes the reply that function's arguments object; required makes it a JSON list
-  of ``{"name", "parameters"}`` (one element when ``parallel_tool_calls`` is false).
+- required / named: constrained decoding, so the arguments parse and validate whenever
+  the reply finishes ``tool_calls`` (a stop or max_tokens may end it inside a call: then
+  it finishes ``stop``/``length``): named makes the reply that function's arguments
+  object; required makes it a JSON list of ``{"name", "parameters"}`` (one element when
+  ``parallel_tool_calls`` is false).
 """
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ def _models() -> dict[str, Path]:
 
 def _backend_info(runner) -> dict:
     graphs = runner.decode_graphs
-    return {"backend": type(runner.attn_backend).__name__ if runner.attn_backend else "torch",
+    return {"backend": runner.attn_backend.name,
             "graph_sizes": sorted(graphs.graphs) if graphs else [],
             "graph_decode_steps": graphs.steps if graphs else 0,
             "padding_rows": graphs.padding_rows if graphs else 0}
@@ -74,14 +74,16 @@ def _backend_info(runner) -> dict:
 
 
 def warm(args) -> int:
-    from gpu_worker.flashinfer_backend import FlashInferBackend
+    from gpu_worker.attention.base import AttentionSpec
+    from gpu_worker.attention.flashinfer_backend import FlashInferBackend
 
     out = {}
     for heads, kv_heads, head_dim in ((12, 12, 64), (32, 8, 128)):
         key = f"h{heads}-kv{kv_heads}-d{head_dim}"
 
         def check(heads=heads, kv_heads=kv_heads, head_dim=head_dim):
-            b = FlashInferBackend(heads, kv_heads, head_dim, 16, torch.bfloat16, torch.device("cuda"))
+            b = FlashInferBackend(AttentionSpec(heads, kv_heads, head_dim, 16, torch.bfloat16,
+                                                torch.device("cuda"), head_dim**-0.5))
             return {"self_check_max_err": b.self_check(), "tensor_core_decode": b.tensor_core_decode}
 
         _guarded(out, key, check)

@@ -20,8 +20,10 @@ order whatever else is in the batch. Measured on CPU (torch 2.13, MKL 2024.2 sge
   math for every element, tail included; the activations here are built from them.
 - Row-wise ops (RMS and layer norm, softmax, log-softmax, top-k, argmax) and elementwise
   arithmetic (+, *, /) gave equal rows for every batch size and thread count tried.
-- Attention: ``paged_decode.cpp`` attends every query row (prefill or decode) from the
-  paged cache in a fixed key order; see ``cpu_decode``.
+- Attention is the backend's: a backend that declares ``batch_invariant`` serves an
+  ``AttentionSpec(batch_invariant=True)`` (``attention.cpu_kernel_backend``:
+  ``paged_decode.cpp`` attends every query row, prefill or decode, from the paged cache
+  in a fixed key order).
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
+
+from gpu_worker.models.blocks import activation
 
 log = logging.getLogger(__name__)
 
@@ -78,22 +82,10 @@ class Numerics:
         return F.linear(padded, weight, bias)[:m]
 
     def activation(self, name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-        from gpu_worker.models.blocks import activation
-        if self.deterministic:
-            return INVARIANT_ACTIVATIONS[name]
-        return activation(name)
-
-
-def unsupported(device: torch.device, dtype: torch.dtype, attention_kernel) -> str | None:
-    """Why the batch-invariant mode cannot run here, or None. Only the CPU fp32 path has
-    batch-invariant attention so far (flashinfer's split over keys depends on the batch)."""
-    if device.type != "cpu":
-        return f"no batch-invariant attention kernel for {device.type} yet"
-    if dtype != torch.float32:
-        return f"the CPU attention kernel computes in float32, not {str(dtype).removeprefix('torch.')}"
-    if attention_kernel is None:
-        return "the compiled CPU attention kernel is unavailable (see the log for why)"
-    return None
+        """Activation ``name``, chosen at each call: layers are built before the runner
+        settles the mode, and where it ends up off they keep torch's fused kernels."""
+        fast, invariant = activation(name), INVARIANT_ACTIVATIONS[name]
+        return lambda x: invariant(x) if self.deterministic else fast(x)
 
 
 def measure_min_rows(weights: Iterable[tuple[torch.Tensor, torch.Tensor | None]],

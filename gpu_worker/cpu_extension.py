@@ -10,6 +10,11 @@ torch serialises builders with a ``lock`` file that a process killed mid-build l
 behind, after which every later load waits on it forever (a worker stopped during its
 start-up build is enough). ``build`` therefore holds an OS lock (``flock``, released when
 its holder dies) around the load, and under it any torch ``lock`` file is a stale one.
+
+The ninja that builds is whichever is first on PATH (the system's, or the venv's ``ninja``
+package when the venv's bin is on PATH, as in the children the launcher starts); versions
+hash build commands differently, so each took the other's objects for stale and rebuilt.
+Its version is part of the module's name too.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import fcntl
 import hashlib
 import logging
 import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -33,13 +40,25 @@ def isa_flags() -> tuple[str, list[str]]:
     return "generic", []
 
 
+def _ninja_version() -> str:
+    ninja = shutil.which("ninja")
+    if ninja is None:
+        return ""
+    try:
+        return subprocess.run([ninja, "--version"], capture_output=True, text=True,
+                              timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
 def build_dir(source: Path, cflags: tuple[str, ...] = ()) -> tuple[str, str]:
     """(module name, build directory) of ``source``: its ISA and a hash of its text, its
-    extra flags, the Python and the torch it is built against."""
+    extra flags, the Python, the torch it is built against and the ninja that builds it."""
     from torch.utils.cpp_extension import get_default_build_root
 
     isa, _ = isa_flags()
-    key = f"{source.read_text()}\0{' '.join(cflags)}\0{sys.version_info[:2]}\0{torch.__version__}"
+    key = (f"{source.read_text()}\0{' '.join(cflags)}\0{sys.version_info[:2]}\0{torch.__version__}"
+           f"\0{_ninja_version()}")
     name = f"candor_{source.stem}_{isa}_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     return name, os.path.join(get_default_build_root(), name)
 

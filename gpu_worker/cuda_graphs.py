@@ -1,8 +1,8 @@
 """Decode-only steps at a few fixed batch sizes, replayed as CUDA graphs.
 
 A decode step is dozens of small kernels per layer; at small batches launching them costs
-more than running them. When the step holds only single-token decodes (and flashinfer is
-the attention backend), the runner pads the batch up to the next captured size and replays
+more than running them. When the step holds only single-token decodes (and the attention
+backend is ``capturable``: flashinfer), the runner pads the batch up to the next captured size and replays
 that size's graph instead of launching the model eagerly:
 
 - Sizes: 1, 2, 4, 8, 16, 24, 32, 48, 64, then wider steps up to ``max_num_seqs`` (capped
@@ -16,14 +16,14 @@ that size's graph instead of launching the model eagerly:
   scheduler is never told of, so no request's cache can be touched). Each padding row
   attends only to that one slot (which padding row's write lands there does not matter:
   their outputs are computed and dropped).
-- Attention per size: ``make_attention(size)`` gives an object whose ``meta(chunks,
-  slot_mapping)`` plans this step's (padded) batch and returns the metadata the model
-  reads. With flashinfer that is a ``use_cuda_graph`` decode wrapper over fixed index
-  buffers, re-planned on the host before each replay, and the same metadata object every
-  step (``GraphDecodeAttention``). The CPU tests give it torch-path metadata instead,
-  built fresh each step: that cannot be captured (its shapes follow the step's lengths),
-  so it runs the same padded static-buffer function eagerly, which checks padding,
-  buffers and dummy rows against the unpadded path.
+- Attention per size: the backend's ``graph_attention(sizes, ...)`` gives one object per
+  size whose ``meta(chunks, slot_mapping)`` plans this step's (padded) batch and returns
+  the metadata the model reads. With flashinfer that is a ``use_cuda_graph`` decode
+  wrapper over fixed index buffers, re-planned on the host before each replay, and the
+  same metadata object every step (``GraphDecodeAttention``). Other backends plan fresh
+  metadata each step: that cannot be captured (its shapes follow the step's lengths), so
+  the same padded static-buffer function runs eagerly (the CPU tests check padding,
+  buffers and dummy rows against the unpadded path that way).
 
 Capture happens at start-up (``capture``, called by the runner before the worker reports
 ready), not lazily: capturing a size means a warm-up forward plus the capture itself,
@@ -40,14 +40,11 @@ from collections.abc import Callable
 
 import torch
 
-from gpu_worker.attention import AttentionMetadata, kv_slot
+from gpu_worker.attention.base import AttentionMetadata, Chunk, GraphAttention, kv_slot
 
 MAX_CAPTURE_SIZE = 256
 _BASE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 PAD_TOKEN = 0
-
-Chunk = tuple[int, int, list[int]]  # (start_pos, num_tokens, block_table), as build_metadata
-
 
 def capture_sizes(max_num_seqs: int, cap: int = MAX_CAPTURE_SIZE) -> list[int]:
     """Batch sizes to capture: the base ladder below ``min(max_num_seqs, cap)``, plus that
@@ -90,15 +87,15 @@ class DecodeGraphRunner:
     """Runs decode-only steps padded to ``sizes`` through static buffers; replays a CUDA
     graph per size when the attention is capturable and ``capture`` has run."""
 
-    def __init__(self, model: Model, kv_caches: list, make_attention: Callable[[int], object],
-                 sizes: list[int], *, scratch_block: int, block_size: int, hidden_size: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
-        if not sizes:
+    def __init__(self, model: Model, kv_caches: list, attention: dict[int, GraphAttention], *,
+                 scratch_block: int, block_size: int, hidden_size: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        if not attention:
             raise ValueError("no batch sizes to run")
         self.model, self.kv_caches = model, kv_caches
-        self.sizes = sorted(sizes)
+        self.sizes = sorted(attention)
         self.scratch_block, self.block_size, self.device = scratch_block, block_size, device
-        self.attention = {s: make_attention(s) for s in self.sizes}
+        self.attention = attention
         max_size = self.sizes[-1]
         self.static = torch.zeros(3, max_size, dtype=torch.long, device=device)  # ids, positions, slots
         self.static[2].fill_(scratch_block * block_size)

@@ -2,11 +2,12 @@
 
 The model is expected to be freshly materialised (e.g. built on the meta device then
 ``to_empty``), so every parameter must be written exactly once: missing or unknown
-checkpoint tensors are errors rather than silently left uninitialised. Where a tensor
-goes is the model class's business (``weight_pieces``: fused q/k/v, gate/up, stacked
-experts, and under tensor parallelism this rank's slice, which is read straight from
-the file with ``get_slice`` so a rank never reads more than its shard; see
-``models/decoder.py``).
+checkpoint tensors are errors rather than silently left uninitialised. Which parameter
+a tensor feeds is the model's business (``checkpoint_target``: its architecture's
+names); which part of the tensor this rank reads, and where in the parameter it goes,
+is the owning layer's (``weight_loader``: fused q/k/v and gate/up, stacked experts,
+this rank's shard), read straight from the file so a rank never reads more than its
+shard (``models/weights.py``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from gpu_worker.models.weights import CheckpointTensor, copy_into
 from gpu_worker.progress import Progress
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
@@ -45,33 +47,26 @@ def load_weights(model: nn.Module, path: str | Path | None, load_format: str = "
     from safetensors import safe_open
 
     params = dict(model.named_parameters())
+    owners = {name: model.get_submodule(name.rpartition(".")[0]) for name in params}
     # Elements written so far per parameter, so we can prove full coverage at the end.
     written: dict[str, int] = {name: 0 for name in params}
     unknown: list[str] = []
     files = safetensors_files(path)
     progress = Progress("loading weights", sum(f.stat().st_size for f in files))
     with torch.no_grad():
-        for name, rows in model.padding_rows().items():
-            params[name][-rows:].zero_()
-            written[name] += params[name][-rows:].numel()
         for file in files:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for hf_name in f.keys():
-                    pieces = model.weight_pieces(hf_name)
-                    if pieces is None:
+                    target = model.checkpoint_target(hf_name)
+                    if target is None:
                         continue
-                    for target, index, cut in pieces:
-                        if target not in params:
-                            unknown.append(hf_name)
-                            continue
-                        tensor = _read(f, hf_name, cut)
-                        dst = params[target][index] if index else params[target]
-                        if dst.shape != tensor.shape:
-                            raise ValueError(f"{hf_name}: checkpoint shape {tuple(tensor.shape)} "
-                                             f"(this rank's part) != {tuple(dst.shape)}")
-                        dst.copy_(tensor)
-                        written[target] += tensor.numel()
-                        progress.advance(tensor.numel() * tensor.element_size())
+                    name, ids = target
+                    if name not in params:
+                        unknown.append(hf_name)
+                        continue
+                    source = CheckpointTensor(f, hf_name)
+                    written[name] += _load(owners[name], params[name], source, ids)
+                    progress.advance(source.bytes_read)
     progress.finish()
     if unknown:
         raise ValueError(f"checkpoint tensors with no matching parameter: {unknown[:10]}")
@@ -80,13 +75,15 @@ def load_weights(model: nn.Module, path: str | Path | None, load_format: str = "
         raise ValueError(f"parameters not (fully) loaded from checkpoint: {missing[:10]}")
 
 
-def _read(f, name: str, cut: tuple[int, int, int] | None) -> torch.Tensor:
-    """The whole tensor, or rows/columns ``start..start+size`` along ``dim`` only."""
-    if cut is None:
-        return f.get_tensor(name)
-    dim, start, size = cut
-    index = (slice(None),) * dim + (slice(start, start + size),)
-    return f.get_slice(name)[index]
+def _load(owner: nn.Module, param: nn.Parameter, source: CheckpointTensor, ids: tuple) -> int:
+    """Its layer's ``weight_loader`` reads the part this rank holds; a plain module's
+    parameter takes the whole tensor."""
+    loader = getattr(owner, "weight_loader", None)
+    if loader is not None:
+        return loader(param, source, *ids)
+    if ids:
+        raise ValueError(f"{source.name}: a part {ids} of a layer that takes no parts")
+    return copy_into(param, source)
 
 
 def _fill_dummy(model: nn.Module, seed: int) -> None:

@@ -13,6 +13,12 @@ Under tensor parallelism every rank runs the same plan through its shard of the 
 (its share of the heads, so its share of the KV cache); the block count is the smallest
 any rank can hold, and rank 0's sampled ids are adopted by every rank, so the
 placeholders of a run-ahead step resolve to the same token everywhere.
+
+A request's own bad state fails that request alone: a grammar that does not compile or
+rejects a token, a row with nothing left to sample (``StepResult.failed``). From then on
+its chunks are not fed (a run-ahead step queued behind the failure would feed a token
+nobody sampled) until the scheduler releases it. A step that raises (an engine fault)
+fails every request in it the same way, and the step queued behind it runs for the rest.
 """
 
 from __future__ import annotations
@@ -25,25 +31,32 @@ from dataclasses import dataclass
 import torch
 
 from cluster import checkpoint
-from gpu_worker import batch_invariant, cpu_decode, cuda_graphs
-from gpu_worker.attention import GatherScratch, build_metadata, decode_group_blocks, select_backend
+from gpu_worker import batch_invariant, cuda_graphs
+from gpu_worker.attention.base import AttentionBackend, AttentionSpec
+from gpu_worker.attention.registry import select_backend
 from gpu_worker.batch_invariant import Numerics
 from gpu_worker.grammar import GrammarStates
 from gpu_worker.kv_budget import auto_kv_bytes
 from gpu_worker.distributed import Ranks
 from gpu_worker.loader import load_weights
 from gpu_worker.model_config import load_config
-from gpu_worker.models.registry import model_class
+from gpu_worker.models.decoder import DecoderForCausalLM
 from gpu_worker.progress import Progress
 from gpu_worker.request_state import RequestTracker
 from gpu_worker.tp_shard import tp_shard
-from gpu_worker.sampler import Sampler
-from protocol.ipc import (PLACEHOLDER_TOKEN, SampleLogprobs, SamplingParams, SeqChunk, StepPlan,
-                          StepResult, TokenLogprob, WorkerTimings)
+from gpu_worker.sampler import NO_TOKEN, Sampler
+from protocol.ipc import (PLACEHOLDER_TOKEN, RequestFailure, SampleLogprobs, SamplingParams,
+                          SeqChunk, StepPlan, StepResult, TokenLogprob, WorkerTimings)
 
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Requests of a step that raised: the scheduler fails them on the WorkerError already.
+_IN_FAILED_STEP = RequestFailure("engine_error", "the engine failed a step this request was in")
+# Rank 0 could not sample the row, and this rank does not know why (ranks disagree).
+_NOT_SAMPLED = RequestFailure("no_token_allowed", "no token could be sampled for this request")
+# (sampled ids, their logprobs, the requests that failed on their own: rid -> why)
+_Sampled = tuple[list[int], list[SampleLogprobs | None], dict[str, RequestFailure]]
 
 
 @dataclass
@@ -66,6 +79,15 @@ def resolve_dtype(name: str, model_path: str, device: torch.device) -> tuple[tor
 
 
 class ModelRunner:
+    """Start-up runs in named steps (``_build_model``, ``_size_kv_cache``,
+    ``_allocate_kv_cache``, ``_settle_determinism`` with ``_pick_attention``,
+    ``_capture_graphs``); ``execute`` runs one plan.
+
+    ``deterministic``: None (the default) runs batch-invariant numerics (layers padded by
+    ``batch_invariant.Numerics``, a batch-invariant attention backend) where this device
+    has them on every rank, the fast ones elsewhere; True refuses to start without them;
+    False runs the fast ones."""
+
     def __init__(
         self,
         model_path: str,
@@ -86,129 +108,157 @@ class ModelRunner:
     ) -> None:
         self.config = cfg = load_config(model_path)
         self.ranks = ranks = ranks or Ranks()
-        shard = tp_shard(cfg, ranks.rank, ranks.size)
+        self.shard = tp_shard(cfg, ranks.rank, ranks.size)
         self.device = torch.device(device)
         self.dtype, self.dtype_reason = resolve_dtype(dtype, model_path, self.device)
         self.block_size = block_size
-
         # The context limit is settled before this process starts (cluster.checkpoint's
         # effective_max_model_len, which every role uses); windows do not shorten it.
         limit = cfg.max_position_embeddings
         self.max_model_len = min(limit, max_model_len) if max_model_len else limit
 
         # Batch-invariant layers unless turned off; whether the mode holds here is settled
-        # once the weights and the attention kernel are in (``_settle_determinism``).
+        # once the weights are in and the attention backend is chosen (_settle_determinism).
         self.numerics = Numerics(deterministic=deterministic is not False)
-
-        # Build on meta (no init cost), then materialise; the loader writes every weight.
-        with torch.device("meta"):
-            model = model_class(cfg.model_type)(cfg, max_positions=self.max_model_len, device=self.device,
-                                                dtype=self.dtype, tp=ranks.tp_group(shard, self.numerics))
-        model = model.to_empty(device=self.device).to(self.dtype)
-        load_weights(model, model_path, load_format, seed=seed)
-        self.model = model.eval()
-
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        self.block_bytes = 2 * cfg.num_layers * block_size * shard.kv_heads * cfg.head_dim * elem
-        # The budget covers the scratch block too; an explicit count is the scheduler's.
-        if num_blocks is not None:
-            self.kv_reason = f"--num-kv-blocks {num_blocks}"
-        elif kv_cache_memory_bytes is not None:
-            self.kv_reason = f"{kv_cache_memory_bytes / 2**20:.0f} MiB asked for"
-        else:
-            blocks_per_seq = -(-self.max_model_len // block_size)
-            needed = (max_num_seqs * blocks_per_seq + 1) * self.block_bytes
-            kv_cache_memory_bytes, self.kv_reason = auto_kv_bytes(self.device, needed,
-                                                                  gpu_memory_utilization)
-        local = num_blocks if num_blocks is not None else kv_cache_memory_bytes // self.block_bytes - 1
-        self.num_blocks = ranks.min_int(local)  # every rank must hold every block
-        if self.num_blocks < 1:
-            raise ValueError(f"KV cache budget too small: two blocks need {2 * self.block_bytes} bytes")
+        self.model = self._build_model(model_path, load_format, seed)
+        self.num_blocks, self.kv_reason = self._size_kv_cache(num_blocks, kv_cache_memory_bytes,
+                                                              gpu_memory_utilization, max_num_seqs)
         self.scratch_block = self.num_blocks  # never in a plan: _check rejects ids >= num_blocks
-        shape = (self.num_blocks + 1, block_size, shard.kv_heads, cfg.head_dim)
-        # Zeros, not empty: padded decode slots are masked but still multiplied, and
-        # uninitialised memory could hold NaN/inf.
-        zeros = lambda: torch.zeros(shape, dtype=self.dtype, device=self.device)  # noqa: E731
-        kv_bytes = (self.num_blocks + 1) * self.block_bytes  # every layer's K and V
-        progress = Progress("allocating the KV cache", kv_bytes)
-        self.kv_caches = []
-        for _ in range(cfg.num_layers):
-            self.kv_caches.append((zeros(), zeros()))
-            progress.advance(kv_bytes // cfg.num_layers)
-        progress.finish()
+        self.kv_caches = self._allocate_kv_cache()
+        self.attn_spec, self.attn_backend, self.deterministic_note = self._settle_determinism(deterministic)
 
-        # Layers whose attention differs (window, soft-cap) get their own backend plan.
-        self.layer_kinds = [(layer.window, cfg.attn_softcap) for layer in cfg.layers]
-        self.cascade = all(kind == (None, None) for kind in self.layer_kinds)
-        self.attn_backend = select_backend(shard.heads, shard.kv_heads, cfg.head_dim,
-                                           block_size, self.dtype, self.device,
-                                           sm_scale=cfg.scale, layer_kinds=self.layer_kinds)
-        self.decode_group_blocks = decode_group_blocks(self.kv_caches[0][0])
-        self.gather_scratch = GatherScratch()
-        self.decode_kernel = None if self.attn_backend else cpu_decode.load(self.device, self.dtype)
-        self.deterministic_note = self._settle_determinism(deterministic)
         self.grammars = GrammarStates(model_path, cfg.vocab_size, self.device)
         self.sampler = Sampler(self.device, seed, apply_masks=self.grammars.apply_masks)
         self.sampling: dict[str, SamplingParams] = {}
         self.generators: dict[str, torch.Generator] = {}
         self.last_sampled: dict[str, int] = {}  # rid -> its latest token (fills placeholders)
         self.block_tables: dict[str, list[int]] = {}  # rid -> its table, built from plan diffs
-        self.failed_last_step: set[str] = set()  # rids of the previous step, if it failed
+        self.failed: dict[str, RequestFailure] = {}  # rid -> why; not fed until released
         self.tracker = RequestTracker()  # token history (penalties) and prompt logprobs
         self.timings = WorkerTimings()  # cumulative, sent with every result
-        self.decode_graphs: cuda_graphs.DecodeGraphRunner | None = None
-        if self.attn_backend is not None and not enforce_eager and ranks.size > 1:
-            log.info("tensor parallel: decode steps run eagerly (no CUDA graphs across ranks)")
-        elif self.attn_backend is not None and not enforce_eager:
-            sizes = cuda_graphs.capture_sizes(max_num_seqs)
-            pages_per_seq = -(-self.max_model_len // block_size)
-            page_ids = torch.zeros(sizes[-1] * pages_per_seq, dtype=torch.int32, device=self.device)
-            self.decode_graphs = self.static_decode(
-                lambda size: self.attn_backend.graph_decode(size, page_ids), sizes)
-            started = time.perf_counter()
-            try:
-                with torch.inference_mode():
-                    n = self.decode_graphs.capture()
-            except Exception:  # said loudly, and decode stays correct: it just runs eagerly
-                log.exception("CUDA graph capture failed; decode-only steps run eagerly")
-                self.decode_graphs = None
-            else:
-                log.info("captured %d decode CUDA graphs (batch sizes %s) in %.1fs", n, sizes,
-                         time.perf_counter() - started)
+
+        self.decode_graphs = self._capture_graphs(enforce_eager, max_num_seqs)
+
+    # ------------------------------------------------------------------ start-up steps
+
+    def _build_model(self, model_path: str, load_format: str, seed: int) -> DecoderForCausalLM:
+        """This rank's shard of the model, its weights loaded (or seeded, ``dummy``). Built
+        on meta (no init cost), then materialised; the loader writes every weight."""
+        with torch.device("meta"):
+            model = DecoderForCausalLM(self.config, max_positions=self.max_model_len, device=self.device,
+                                       dtype=self.dtype, tp=self.ranks.tp_group(self.shard, self.numerics))
+        model = model.to_empty(device=self.device).to(self.dtype)
+        load_weights(model, model_path, load_format, seed=seed)
+        return model.eval()
+
+    @property
+    def block_bytes(self) -> int:
+        """K and V bytes of one cache block over every layer (this rank's KV heads)."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        cfg = self.config
+        return 2 * cfg.num_layers * self.block_size * self.shard.kv_heads * cfg.head_dim * elem
+
+    def _size_kv_cache(self, num_blocks: int | None, memory_bytes: int | None,
+                       gpu_memory_utilization: float, max_num_seqs: int) -> tuple[int, str]:
+        """(blocks every rank can hold, why): an explicit count is the scheduler's; a byte
+        budget covers the scratch block too; neither: what the machine has free
+        (``kv_budget``), at most what ``max_num_seqs`` full-context sequences need."""
+        if num_blocks is not None:
+            reason = f"--num-kv-blocks {num_blocks}"
+        elif memory_bytes is not None:
+            reason = f"{memory_bytes / 2**20:.0f} MiB asked for"
+        else:
+            blocks_per_seq = -(-self.max_model_len // self.block_size)
+            needed = (max_num_seqs * blocks_per_seq + 1) * self.block_bytes
+            memory_bytes, reason = auto_kv_bytes(self.device, needed, gpu_memory_utilization)
+        local = num_blocks if num_blocks is not None else memory_bytes // self.block_bytes - 1
+        blocks = self.ranks.min_int(local)  # every rank must hold every block
+        if blocks < 1:
+            raise ValueError(f"KV cache budget too small: two blocks need {2 * self.block_bytes} bytes")
+        return blocks, reason
+
+    def _allocate_kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's K and V: [blocks + the scratch block, block_size, kv_heads, head_dim].
+        Zeros, not empty: padded decode slots are masked but still multiplied, and
+        uninitialised memory could hold NaN/inf."""
+        cfg = self.config
+        shape = (self.num_blocks + 1, self.block_size, self.shard.kv_heads, cfg.head_dim)
+        kv_bytes = (self.num_blocks + 1) * self.block_bytes
+        progress = Progress("allocating the KV cache", kv_bytes)
+        caches = []
+        for _ in range(cfg.num_layers):
+            caches.append((torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.dtype, device=self.device)))
+            progress.advance(kv_bytes // cfg.num_layers)
+        progress.finish()
+        return caches
+
+    def _pick_attention(self, batch_invariant: bool) -> tuple[AttentionSpec, AttentionBackend]:
+        """The first attention backend that serves this rank's heads, dtype and device,
+        each layer's kind (window, soft-cap) and, when asked, batch invariance; see
+        ``attention.registry`` (ValueError: none does)."""
+        cfg, shard = self.config, self.shard
+        spec = AttentionSpec(shard.heads, shard.kv_heads, cfg.head_dim, self.block_size, self.dtype,
+                             self.device, cfg.scale, tuple((layer.window, cfg.attn_softcap) for layer in cfg.layers),
+                             batch_invariant=batch_invariant)
+        return spec, select_backend(spec)
 
     @property
     def deterministic(self) -> bool:
         return self.numerics.deterministic
 
-    def _settle_determinism(self, asked: bool | None) -> str:
-        """Keeps the batch-invariant mode where it holds on this rank and every other one
-        (CPU, fp32, the compiled attention kernel, a measured matmul row count), else
-        turns it off; returns what was decided and why. ``asked`` True: off is an error."""
+    def _settle_determinism(self, asked: bool | None) -> tuple[AttentionSpec, AttentionBackend, str]:
+        """(attention spec, backend, what was decided and why): batch-invariant where a
+        backend serves it and the matmuls agree from a measured row count on, on this rank
+        and every other one; else the fast path. ``asked`` True: off is an error."""
         if asked is False:
             self.numerics.deterministic = False
-            return "off (--no-deterministic)"
-        reason = batch_invariant.unsupported(self.device, self.dtype, self.decode_kernel)
-        rows = None
-        if reason is None:
+            return *self._pick_attention(False), "off (--no-deterministic)"
+        try:
+            spec, backend = self._pick_attention(True)
             rows, reason = batch_invariant.measure_min_rows(self.model.matmuls())
+        except ValueError as err:  # no backend attends batch-invariantly here
+            rows, reason = None, str(err)
         if self.ranks.min_int(int(not reason)) == 0:
             reason = reason or "another tensor-parallel rank cannot run it"
-        if reason:
-            if asked:
-                raise RuntimeError(f"--deterministic asked for, but: {reason}")
-            self.numerics.deterministic = False
-            log.warning("deterministic mode off: %s", reason)
-            return f"off: {reason}"
-        self.numerics.min_rows = rows
-        return f"on (batch-invariant kernels; matmuls padded to {rows} rows)"
+        if not reason:
+            self.numerics.min_rows = rows
+            return spec, backend, f"on (batch-invariant kernels; matmuls padded to {rows} rows)"
+        if asked:
+            raise RuntimeError(f"--deterministic asked for, but: {reason}")
+        self.numerics.deterministic = False
+        log.warning("deterministic mode off: %s", reason)
+        return *self._pick_attention(False), f"off: {reason}"
 
-    def static_decode(self, make_attention, sizes: list[int]) -> cuda_graphs.DecodeGraphRunner:
-        """A padded static-buffer decode path over this runner's model and cache
-        (``make_attention(size)``: see ``cuda_graphs``); assign it to ``decode_graphs``."""
-        cfg = self.config
+    def _capture_graphs(self, enforce_eager: bool, max_num_seqs: int) -> cuda_graphs.DecodeGraphRunner | None:
+        """Decode-only steps as CUDA graphs, captured now (see ``cuda_graphs``), where the
+        backend can be captured, eager mode is off and one rank serves; else None."""
+        if not self.attn_backend.capturable or enforce_eager:
+            return None
+        if self.ranks.size > 1:
+            log.info("tensor parallel: decode steps run eagerly (no CUDA graphs across ranks)")
+            return None
+        sizes = cuda_graphs.capture_sizes(max_num_seqs)
+        graphs = self.static_decode(sizes)
+        started = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                n = graphs.capture()
+        except Exception:  # said loudly, and decode stays correct: it just runs eagerly
+            log.exception("CUDA graph capture failed; decode-only steps run eagerly")
+            return None
+        log.info("captured %d decode CUDA graphs (batch sizes %s) in %.1fs", n, sizes,
+                 time.perf_counter() - started)
+        return graphs
+
+    def static_decode(self, sizes: list[int]) -> cuda_graphs.DecodeGraphRunner:
+        """A padded static-buffer decode path at batch ``sizes`` over this runner's model,
+        cache and attention backend (see ``cuda_graphs``); assign it to ``decode_graphs``."""
+        pages_per_seq = -(-self.max_model_len // self.block_size)
         return cuda_graphs.DecodeGraphRunner(
-            self.model, self.kv_caches, make_attention, sizes, scratch_block=self.scratch_block,
-            block_size=self.block_size, hidden_size=cfg.hidden_size, dtype=self.dtype, device=self.device)
+            self.model, self.kv_caches, self.attn_backend.graph_attention(sizes, pages_per_seq),
+            scratch_block=self.scratch_block, block_size=self.block_size,
+            hidden_size=self.config.hidden_size, dtype=self.dtype, device=self.device)
 
     # ------------------------------------------------------------------ state
 
@@ -221,26 +271,26 @@ class ModelRunner:
             self.block_tables.pop(rid, None)
             self.tracker.release(rid)
             self.grammars.release(rid)
+            self.failed.pop(rid, None)
         for rid, params in plan.new_sampling.items():
             old = self.sampling.get(rid)
             self.sampling[rid] = params
-            self.grammars.register(rid, params)
+            self.failed.pop(rid, None)  # registered afresh
+            try:
+                self.grammars.register(rid, params)
+            except (ValueError, RuntimeError) as err:  # its own grammar: it alone fails
+                self.failed[rid] = RequestFailure("grammar_error", str(err))
             # Same params again (e.g. after preemption): keep the seeded stream going.
             if old != params:
                 self.generators.pop(rid, None)
                 if params.seed is not None:
                     self.generators[rid] = torch.Generator(device=self.device).manual_seed(params.seed)
 
-    def _fill_placeholder(self, seq: SeqChunk, failed_before: set[str]) -> None:
-        """A step planned before the previous one returned feeds the token sampled there.
-
-        When that step failed, it sampled nothing, and its requests fail with it: their
-        placeholders get token 0 (the scheduler discards what it yields) rather than
-        failing this step's other requests too."""
+    def _fill_placeholder(self, seq: SeqChunk) -> None:
+        """A step planned before the previous one returned feeds the token sampled there
+        (a request that failed meanwhile is not fed at all: see ``execute``)."""
         if seq.token_ids and seq.token_ids[-1] == PLACEHOLDER_TOKEN:
             last = self.last_sampled.pop(seq.rid, None)  # used once: never a stale token
-            if last is None and seq.rid in failed_before:
-                last = 0
             if last is None:
                 raise ValueError(f"{seq.rid}: placeholder token but nothing sampled for it yet")
             seq.token_ids[-1] = last
@@ -278,28 +328,38 @@ class ModelRunner:
         t0 = time.perf_counter()
         tm = self.timings
         inner_before = tm.forward + tm.sample + tm.grammar
-        failed_before, self.failed_last_step = self.failed_last_step, set()
         try:
             self._update_requests(plan)
             for seq in plan.seqs:  # tables first: a later failure leaves them consistent
                 self._apply_blocks(seq)
-            for seq in plan.seqs:
-                self._fill_placeholder(seq, failed_before)
+            live = [s for s in plan.seqs if s.rid not in self.failed] if self.failed else plan.seqs
+            for seq in live:
+                self._fill_placeholder(seq)
                 self._check(seq)
             sampled: list[int] = []
             logprobs: list[SampleLogprobs | None] = []
-            if plan.seqs:
+            if live:
                 with torch.inference_mode():
-                    sampled, logprobs = self._forward(plan.seqs)
+                    sampled, logprobs, failures = self._forward(live)
+                self.failed.update(failures)
         except Exception:
-            self.failed_last_step = {s.rid for s in plan.seqs}
+            for s in plan.seqs:
+                self.failed.setdefault(s.rid, _IN_FAILED_STEP)
             raise
+        failed = {s.rid: self.failed[s.rid] for s in plan.seqs if s.rid in self.failed
+                  } if self.failed else {}
+        if len(live) < len(plan.seqs):  # the sampling rows of requests not fed: no token
+            rows = dict(zip((id(s) for s in live if s.sample),
+                            zip(sampled, logprobs or [None] * len(sampled))))
+            pairs = [rows.get(id(s), (NO_TOKEN, None)) for s in plan.seqs if s.sample]
+            sampled = [token for token, _ in pairs]
+            logprobs = [lp for _, lp in pairs] if logprobs else []
         total = time.perf_counter() - t0
         tm.prepare += total - (tm.forward + tm.sample + tm.grammar - inner_before)
         return StepResult(step_id=plan.step_id, sampled=sampled, forward_s=total,
-                          logprobs=logprobs, timings=tm)
+                          logprobs=logprobs, timings=tm, failed=failed)
 
-    def _forward(self, seqs: list[SeqChunk]) -> tuple[list[int], list[SampleLogprobs | None]]:
+    def _forward(self, seqs: list[SeqChunk]) -> _Sampled:
         # Flattened order: prefill chunks, then decodes (attention batches those).
         prefills = [s for s in seqs if len(s.token_ids) > 1]
         # By length: decode attention runs in groups, and a group pads to its longest.
@@ -323,9 +383,10 @@ class ModelRunner:
         fed = [(s, self.sampling.get(s.rid)) for s in ordered]
         t0 = time.perf_counter()
         if not masked:
-            self.grammars.observe_all(fed)
+            refused = self.grammars.observe_all(fed)  # no row samples with a grammar
             self.timings.grammar += time.perf_counter() - t0
-            return self._run(batch, None)
+            sampled, logprobs, failed = self._run(batch, None)
+            return sampled, logprobs, {**refused, **failed}
         # matchers advance and masks are built on their thread while the model runs
         pending = self.grammars.masks_soon(fed, [rids[i] for i in masked])
         self.timings.grammar += time.perf_counter() - t0
@@ -337,7 +398,7 @@ class ModelRunner:
             self.timings.grammar += time.perf_counter() - t0
 
     def _run(self, batch: _Batch, pending: tuple[list[int], concurrent.futures.Future] | None
-             ) -> tuple[list[int], list[SampleLogprobs | None]]:
+             ) -> _Sampled:
         ordered, prefills, decodes = batch.ordered, batch.prefills, batch.decodes
         ids, positions = batch.ids, batch.positions
         dev = self.device
@@ -347,12 +408,7 @@ class ModelRunner:
         if not prefills and self.decode_graphs is not None and self.decode_graphs.fits(len(decodes)):
             hidden = self.decode_graphs.run(chunks, ids, positions)
         else:
-            meta = build_metadata(
-                chunks, len(decodes), self.block_size, dev, backend=self.attn_backend,
-                group_blocks=self.decode_group_blocks, scratch=self.gather_scratch,
-                decode_kernel=self.decode_kernel, cascade=self.cascade,
-                invariant=self.numerics.deterministic,
-            )
+            meta = self.attn_backend.build(chunks, len(decodes))
             hidden = self.model(
                 torch.tensor(ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev),
@@ -367,10 +423,10 @@ class ModelRunner:
             tm.sample += time.perf_counter() - t_sample
 
     def _sample(self, batch: _Batch, hidden: torch.Tensor,
-                pending: tuple[list[int], concurrent.futures.Future] | None
-                ) -> tuple[list[int], list[SampleLogprobs | None]]:
-        """Prompt logprobs, then the sampled rows' logits, tokens and logprobs; the time
-        spent waiting for grammar masks is counted as grammar, not here."""
+                pending: tuple[list[int], concurrent.futures.Future] | None) -> _Sampled:
+        """Prompt logprobs, then the sampled rows' logits, tokens and logprobs (NO_TOKEN
+        for a request that failed on its own, with why); the time spent waiting for
+        grammar masks is counted as grammar, not here."""
         ordered, last_row, to_sample = batch.ordered, batch.last_row, batch.to_sample
         dev = self.device
         for s in ordered:
@@ -379,31 +435,35 @@ class ModelRunner:
                 last = last_row[id(s)]
                 chunk_logits = self.model.compute_logits(hidden[last - len(s.token_ids) + 1:last + 1])
                 self.tracker.add_prompt_logprobs(s, params, chunk_logits)
-        if not to_sample:
-            return [], []
+        if not to_sample:  # (then no mask is pending)
+            return [], [], {}
         rows = torch.tensor([last_row[id(s)] for s in to_sample], dtype=torch.long, device=dev)
         logits = self.model.compute_logits(hidden[rows])
         params = [self.sampling[s.rid] for s in to_sample]
-        masks = None
-        if pending is not None:
+        masks, failed = None, {}
+        if pending is not None:  # the grammars' failures: their rows allow no token
             t0 = time.perf_counter()
-            masks = (pending[0], pending[1].result())
+            bitmask, failed = pending[1].result()
+            masks = (pending[0], bitmask)
             waited = time.perf_counter() - t0
             self.timings.grammar += waited
             self.timings.sample -= waited  # _run adds the whole of _sample
-        tokens, token_lps = self.sampler.sample(
+        tokens, token_lps, unsampled = self.sampler.sample(
             logits,
             params,
             [self.generators.get(s.rid) for s in to_sample],
             [self.tracker.history(s.rid, p) for s, p in zip(to_sample, params)],
             masks,
         )
-        tokens = self.ranks.rank0_ints(tokens)
-        for s, token in zip(to_sample, tokens):
-            self.last_sampled[s.rid] = token
+        tokens = self.ranks.rank0_ints(tokens)  # rank 0's outcome, failures included
         out: list[SampleLogprobs | None] = []
-        for s, p, lp in zip(to_sample, params, token_lps):
+        for i, (s, p, token, lp) in enumerate(zip(to_sample, params, tokens, token_lps)):
+            if token == NO_TOKEN:
+                failed.setdefault(s.rid, unsampled.get(i, _NOT_SAMPLED))
+                out.append(None)
+                continue
+            self.last_sampled[s.rid] = token
             prompt = self.tracker.take_prompt_logprobs(s.rid) if p.prompt_logprobs >= 0 else None
             out.append(None if lp is None and prompt is None else
                        SampleLogprobs(lp if lp is not None else TokenLogprob(-1, None), prompt))
-        return tokens, (out if any(x is not None for x in out) else [])
+        return tokens, (out if any(x is not None for x in out) else []), failed

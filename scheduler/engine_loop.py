@@ -16,7 +16,10 @@ publishes the sum and a recent median over steps where work was waiting
 
 Plans go out on one PUB socket that every tensor-parallel rank subscribes to (XPUB, so
 the loop can count the subscriptions): the worker counts as ready once rank 0 reported
-its KV capacity and all ranks are subscribed, so no rank misses the first plan.
+its KV capacity and all ranks are subscribed, so no rank misses the first plan. PUB/SUB
+may still drop a plan while a subscriber reconnects, so plans are numbered without gaps
+and each heartbeat with steps in flight repeats the newest number (``PlanMark``): a rank
+that lost one stops instead of computing on (gpu_worker/plan_order.py).
 """
 
 from __future__ import annotations
@@ -38,8 +41,9 @@ from scheduler.planner import PlannedStep, Planner
 from scheduler.request import SchedRequest
 
 HEARTBEAT_S = 0.25
-# An abort can overtake its request (the client left while the prompt was being
-# tokenized); remember such rids this long so the late request is dropped, not run.
+# An abort can overtake its request (the client left, or the frontend failed it, while
+# the prompt was being tokenized); remember such rids this long so the late request is
+# dropped, not run.
 EARLY_ABORT_TTL_S = 60.0
 MAX_STEPS_IN_FLIGHT = 2  # the one running and the one queued behind it
 
@@ -52,11 +56,12 @@ class InFlight:
 
 
 def _output(rid: str, ids: list[int], reason: str | None, lp: ipc.SampleLogprobs | None,
-            cached_tokens: int | None = None) -> ipc.TokenOutput:
-    """A TokenOutput, carrying the token's (and on the first one, the prompt's) logprobs
-    and, on the first one, the prefix-cache hit."""
+            cached_tokens: int | None = None,
+            failure: ipc.RequestFailure | None = None) -> ipc.TokenOutput:
+    """A TokenOutput, carrying the token's (and on the first one, the prompt's) logprobs,
+    on the first one the prefix-cache hit, and why a request failed on its own."""
     if lp is None:
-        return ipc.TokenOutput(rid, ids, reason, cached_tokens=cached_tokens)
+        return ipc.TokenOutput(rid, ids, reason, cached_tokens=cached_tokens, failure=failure)
     return ipc.TokenOutput(rid, ids, reason, cached_tokens=cached_tokens,
                            logprobs=[lp.token] if lp.token.token_id >= 0 else None,
                            prompt_logprobs=lp.prompt)
@@ -110,20 +115,23 @@ class EngineLoop:
     def _finish(self, sreq: SchedRequest, reason: str, new_ids: list[int],
                 batches: dict[int, list[ipc.TokenOutput]],
                 cached_tokens: int | None = None,
-                logprobs: ipc.SampleLogprobs | None = None) -> None:
+                logprobs: ipc.SampleLogprobs | None = None,
+                failure: ipc.RequestFailure | None = None) -> None:
         """Forget a request the planner finished (finishing it there first if needed)
         and queue its last output."""
         assert self.planner is not None
         self.planner.finish(sreq)
         self.requests.pop(sreq.rid, None)
         self.ops.forget(sreq.rid)
-        self._emit(sreq, new_ids, reason, logprobs, cached_tokens, batches)
+        self._emit(sreq, new_ids, reason, logprobs, cached_tokens, batches, failure)
 
     def _emit(self, sreq: SchedRequest, ids: list[int], reason: str | None,
               lp: ipc.SampleLogprobs | None, cached: int | None,
-              batches: dict[int, list[ipc.TokenOutput]]) -> None:
+              batches: dict[int, list[ipc.TokenOutput]],
+              failure: ipc.RequestFailure | None = None) -> None:
         sender = self._detok_for(sreq.rid)
-        batches.setdefault(id(sender), []).append(_output(sreq.rid, ids, reason, lp, cached))
+        batches.setdefault(id(sender), []).append(_output(sreq.rid, ids, reason, lp, cached,
+                                                          failure))
 
     def _flush(self, batches: dict[int, list[ipc.TokenOutput]]) -> None:
         for sender in self.to_detok:
@@ -166,7 +174,9 @@ class EngineLoop:
             self._reject(req, 400, f"request id {req.rid!r} is already running", None,
                          "duplicate_request_id")
             return
-        if self.max_waiting and len(self.planner.waiting) >= self.max_waiting:
+        # a /health/generate probe is never shed for capacity: it checks that the engine
+        # serves, and one per frontend and replica is in flight at most
+        if self.max_waiting and not req.probe and len(self.planner.waiting) >= self.max_waiting:
             self._reject(req, 503, f"the engine's waiting queue is full ({self.max_waiting} "
                          "requests); retry shortly", None, "queue_full")
             return
@@ -205,7 +215,7 @@ class EngineLoop:
                 self._finish(sreq, "abort", [], batches)
                 self.ops.aborted(reason)
                 self.log.debug("aborted %s (%s)", rid, reason)
-            elif reason == "disconnect":
+            else:  # it overtook its request (still being tokenized): drop that on arrival
                 self.early_aborts[rid] = now
         self.pending_aborts.clear()
         for rid in [r for r, t in self.early_aborts.items() if now - t > EARLY_ABORT_TTL_S]:
@@ -274,8 +284,14 @@ class EngineLoop:
             return
         self.ops.worker_result(msg.idle_s, msg.forward_s, self.work_after_last_result,
                                msg.timings)
-        for s in self.planner.postprocess(planned, msg.sampled):
+        for s in self.planner.postprocess(planned, msg.sampled, msg.failed):
             sreq = s.req
+            if s.failure is not None:  # its own bad state: it alone ends
+                self.log.warning("request %s failed: %s (%s)", sreq.rid, s.failure.message,
+                                 s.failure.code)
+                self._finish(sreq, "error", [], batches, failure=s.failure)
+                self.ops.aborted("request_error")
+                continue
             lp = msg.logprobs[s.row] if msg.logprobs else None
             # the hit is reported once, with the request's first token
             cached = sreq.cached_tokens if sreq.num_generated == 1 else None
@@ -325,7 +341,7 @@ class EngineLoop:
             worker_dtype=self.worker_ready.dtype if self.worker_ready else "",
             max_waiting=self.max_waiting,
             cached_blocks=planner.allocator.num_cached if planner else 0,
-            prefix_hit_blocks=planner.allocator.hits if planner else 0,
+            prefix_hit_blocks=planner.prefix_hit_blocks if planner else 0,
             worker_idle_s=self.ops.worker_idle_s, worker_busy_s=self.ops.worker_busy_s,
             worker_idle_ms_p50=self.ops.worker_idle_ms_p50(),
             preemptions=self.ops.preemptions, aborts=dict(self.ops.aborts),
@@ -338,6 +354,8 @@ class EngineLoop:
             deterministic_note=self.worker_ready.deterministic_note if self.worker_ready else "")
         self.stats_pub.send(stats)
         self.ops.metrics.export(stats)
+        if self.in_flight:  # a rank that lost the newest plan notices (plan_order.py)
+            self.to_worker.send(ipc.PlanMark(self.step_id))
 
     def run(self, should_stop) -> None:
         stalled = False  # work exists but the last plan was empty: do not spin

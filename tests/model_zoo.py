@@ -29,6 +29,7 @@ def _moe(**kw) -> dict:
 # name -> (config class, model class, config kwargs beyond _COMMON)
 ARCHS: dict[str, tuple[str, str, dict]] = {
     "mistral-window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=24)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict()),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(attention_bias=True)),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,

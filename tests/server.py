@@ -59,6 +59,7 @@ class CandorServer:
         self.cmd = [sys.executable, str(REPO / "launch_cluster.py"), "serve", "--model",
                     str(model_dir), "--port", str(self.port), *args]
         self.env = {**os.environ, **(env or {})}
+        self.cwd = REPO
         self.proc: subprocess.Popen | None = None
 
     @classmethod
@@ -74,7 +75,7 @@ class CandorServer:
     def spawn(self, log_path: str | Path | None = None) -> "CandorServer":
         """Start without waiting (a node that serves no HTTP)."""
         log = open(log_path, "w") if log_path else None  # noqa: SIM115 - lives with proc
-        self.proc = subprocess.Popen(self.cmd, env=self.env, cwd=REPO, stderr=log)
+        self.proc = subprocess.Popen(self.cmd, env=self.env, cwd=self.cwd, stderr=log)
         return self
 
     def get(self, path: str, timeout: float = 5) -> tuple[int, bytes]:

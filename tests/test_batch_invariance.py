@@ -14,13 +14,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu_worker import cpu_decode
+from gpu_worker.attention import cpu_kernel_backend
 from gpu_worker.batch_invariant import INVARIANT_ACTIVATIONS, Numerics, measure_min_rows
 from gpu_worker.models.blocks import RMSNorm, activation
 from gpu_worker.sampler import top_logprobs
 from tests.test_decode_groups import _reference
 
-KERNEL = cpu_decode.load(torch.device("cpu"), torch.float32)
+KERNEL = cpu_kernel_backend.load()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no C++ toolchain for the CPU attention kernel")
 BATCH_SIZES = range(1, 65)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import jinja2
 import pytest
 
-from tokenizer_worker.chat_template import ChatTemplate, ChatTemplateError
+from tokenization.chat_template import ChatTemplate, ChatTemplateError
 
 transformers = pytest.importorskip("transformers")
 from tokenizers import Tokenizer, models  # noqa: E402

@@ -3,12 +3,20 @@
 import pytest
 import torch
 
-from gpu_worker import cpu_decode
-from gpu_worker.attention import GatherScratch, build_metadata, paged_attention
+from gpu_worker.attention import cpu_kernel_backend
+from gpu_worker.attention.base import AttentionSpec
+from gpu_worker.attention.cpu_kernel_backend import CpuKernelBackend, KernelStep
+from gpu_worker.attention.torch_backend import TorchBackend
 from tests.test_decode_groups import _reference
 
-KERNEL = cpu_decode.load(torch.device("cpu"), torch.float32)
+KERNEL = cpu_kernel_backend.load()
 pytestmark = pytest.mark.skipif(KERNEL is None, reason="no C++ toolchain for the CPU decode kernel")
+
+
+def _backend(kernel, heads, kvh, d, bs):
+    """The kernel's backend, or (kernel None) the torch backend in groups of 4 blocks."""
+    spec = AttentionSpec(heads, kvh, d, bs, torch.float32, torch.device("cpu"), d ** -0.5)
+    return TorchBackend(spec, group_blocks=4) if kernel is None else CpuKernelBackend(spec, kernel)
 
 
 def _tables(lens, bs, nblocks, shared=()):
@@ -95,17 +103,16 @@ def test_cascade_with_kernel_matches_torch_cascade():
     outs = []
     for kernel in (None, KERNEL):
         kc, vc = k_cache.clone(), v_cache.clone()
-        meta = build_metadata(chunks, len(lens), bs, torch.device("cpu"), group_blocks=4,
-                              scratch=GatherScratch(), decode_kernel=kernel)
+        meta = _backend(kernel, heads, kvh, d, bs).build(chunks, len(lens))
         assert meta.shared_blocks is not None and meta.shared_blocks.tolist() == [7, 3, 50]
-        outs.append(paged_attention(q, k_new, v_new, kc, vc, meta, d ** -0.5))
+        outs.append(meta.attend(q, k_new, v_new, kc, vc))
     ref = _reference(q, kc, vc, tables, lens, bs, d ** -0.5)
     torch.testing.assert_close(outs[0], ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(outs[1], ref, rtol=1e-5, atol=1e-5)
 
 
 def test_paged_attention_with_kernel_matches_torch_path():
-    """Mixed step (a later prefill chunk plus decodes) through build_metadata."""
+    """Mixed step (a later prefill chunk plus decodes) through each backend's build."""
     torch.manual_seed(3)
     bs, heads, kvh, d, nblocks = 4, 6, 2, 8, 64
     k_cache = torch.randn(nblocks, bs, kvh, d)
@@ -118,8 +125,7 @@ def test_paged_attention_with_kernel_matches_torch_path():
     outs = []
     for kernel in (None, KERNEL):
         kc, vc = k_cache.clone(), v_cache.clone()
-        meta = build_metadata(chunks, len(lens) - 1, bs, torch.device("cpu"), group_blocks=4,
-                              scratch=GatherScratch(), decode_kernel=kernel)
-        assert (meta.decode_kernel is not None) == (kernel is not None)
-        outs.append(paged_attention(q, k_new, v_new, kc, vc, meta, d ** -0.5))
+        meta = _backend(kernel, heads, kvh, d, bs).build(chunks, len(lens) - 1)
+        assert isinstance(meta, KernelStep) == (kernel is not None)
+        outs.append(meta.attend(q, k_new, v_new, kc, vc))
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)

@@ -13,8 +13,10 @@ import sys
 import pytest
 import torch
 
-from gpu_worker import cuda_graphs, flashinfer_backend
-from gpu_worker.attention import AttentionMetadata, build_metadata, select_backend
+from gpu_worker import cuda_graphs
+from gpu_worker.attention import flashinfer_backend
+from gpu_worker.attention.base import AttentionSpec
+from gpu_worker.attention.registry import select_backend
 from gpu_worker.cuda_graphs import capture_sizes, pad_decodes, padded_size
 from gpu_worker.model_runner import ModelRunner
 from protocol.ipc import SeqChunk, StepPlan
@@ -59,7 +61,8 @@ def test_pad_decodes_fills_scratch_rows():
 
 
 def test_backend_choice_without_cuda():
-    assert select_backend(4, 2, 64, 16, torch.bfloat16, torch.device("cpu")) is None
+    spec = AttentionSpec(4, 2, 64, 16, torch.bfloat16, torch.device("cpu"), 64**-0.5)
+    assert select_backend(spec).name == "torch"
     assert flashinfer_backend.unsupported_reason(128, torch.bfloat16) is None
     assert flashinfer_backend.unsupported_reason(64, torch.float16) is None
     assert "fp16/bf16" in flashinfer_backend.unsupported_reason(128, torch.float32)
@@ -78,25 +81,10 @@ def test_paged_indices_are_host_int32_csr():
 # ---------------------------------------------------------------- padded decode, torch path
 
 
-class TorchDecodeAttention:
-    """Torch-path metadata for a padded decode batch: fresh each step, so eager only."""
-
-    graphable = False
-
-    def __init__(self, runner: ModelRunner) -> None:
-        self.runner = runner
-
-    def meta(self, chunks, slot_mapping: torch.Tensor) -> AttentionMetadata:
-        r = self.runner
-        meta = build_metadata(chunks, len(chunks), r.block_size, r.device,
-                              group_blocks=r.decode_group_blocks, scratch=r.gather_scratch,
-                              decode_kernel=r.decode_kernel, cascade=r.cascade)
-        meta.slot_mapping = slot_mapping  # the static buffer, not the copy build_metadata made
-        return meta
-
-
 def _torch_decode(runner: ModelRunner, sizes: list[int]) -> cuda_graphs.DecodeGraphRunner:
-    return runner.static_decode(lambda size: TorchDecodeAttention(runner), sizes)
+    """The CPU backend's padded decode: metadata fresh each step, so eager only."""
+    assert not runner.attn_backend.capturable
+    return runner.static_decode(sizes)
 
 
 def _decode_plan(step, rows):
@@ -167,17 +155,14 @@ def fake_fi(monkeypatch):
 
 def _flashinfer_runner(path, **kwargs) -> ModelRunner:
     runner = ModelRunner(str(path), deterministic=False, **kwargs)
-    cfg = runner.config
-    runner.attn_backend = flashinfer_backend.FlashInferBackend(
-        cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, runner.block_size, runner.dtype,
-        runner.device, sm_scale=cfg.head_dim**-0.5)
+    runner.attn_backend = flashinfer_backend.FlashInferBackend(runner.attn_spec)
     return runner
 
 
 def test_flashinfer_self_check_against_fake(fake_fi):
     for heads, kv_heads, bs in ((4, 2, 16), (8, 8, 4), (4, 1, 1)):
-        backend = flashinfer_backend.FlashInferBackend(heads, kv_heads, 16, bs, torch.float32,
-                                                       torch.device("cpu"))
+        backend = flashinfer_backend.FlashInferBackend(
+            AttentionSpec(heads, kv_heads, 16, bs, torch.float32, torch.device("cpu"), 16**-0.5))
         assert backend.self_check() < 1e-5
     assert {p["kind"] for p in fake_fi.PLANS} == {"prefill", "decode"}
     assert all(set(p["devices"].values()) == {"cpu"} for p in fake_fi.PLANS)  # host-side plans
@@ -196,9 +181,7 @@ def test_flashinfer_graph_decode_matches_hf(fake_fi, monkeypatch, tiny_dir, prom
     fixed buffers (which the fake reads at run time, as a replay does), re-planned each
     step, one metadata object per size."""
     runner = _flashinfer_runner(tiny_dir, block_size=8, num_blocks=120)
-    page_ids = torch.zeros(8 * 64, dtype=torch.int32)
-    runner.decode_graphs = runner.static_decode(
-        lambda size: runner.attn_backend.graph_decode(size, page_ids), [1, 2, 4, 8])
+    runner.decode_graphs = runner.static_decode([1, 2, 4, 8])
     assert runner.decode_graphs.capture() == 0  # nothing to capture on CPU: runs eagerly
     metas = {}
     original = flashinfer_backend.GraphDecodeAttention.meta

@@ -2,7 +2,13 @@
 
 import torch
 
-from gpu_worker.attention import GatherScratch, _decode_groups, build_metadata, paged_attention
+from gpu_worker.attention.base import AttentionSpec
+from gpu_worker.attention.torch_backend import TorchBackend, _decode_groups
+
+
+def _backend(heads, kvh, d, bs, cap) -> TorchBackend:
+    spec = AttentionSpec(heads, kvh, d, bs, torch.float32, torch.device("cpu"), d ** -0.5)
+    return TorchBackend(spec, group_blocks=cap)
 
 
 def _reference(q, k_cache, v_cache, tables, lens, bs, scale):
@@ -37,12 +43,10 @@ def test_decode_groups_match_single_call_and_reference():
     v_new = torch.randn(len(lens), kvh, d)
     scale = d ** -0.5
     outs = []
-    for cap, scratch in ((None, None), (4, GatherScratch()), (9, GatherScratch()), (1, None)):
+    for cap in (None, 4, 9, 1):
         kc, vc = k_cache.clone(), v_cache.clone()
-        meta = build_metadata(chunks, len(lens), bs, torch.device("cpu"), group_blocks=cap,
-                              scratch=scratch)
-        outs.append((paged_attention(q, k_new, v_new, kc, vc, meta, scale), kc, vc,
-                     len(meta.decode_groups)))
+        meta = _backend(heads, kvh, d, bs, cap).build(chunks, len(lens))
+        outs.append((meta.attend(q, k_new, v_new, kc, vc), kc, vc, len(meta.decode_groups)))
     assert [o[3] for o in outs] == [1, 5, 4, 6]
     ref = _reference(q, outs[0][1], outs[0][2], tables, lens, bs, scale)
     for out, _, _, _ in outs:
@@ -77,9 +81,8 @@ def test_cascade_over_a_shared_prefix_matches_reference():
     v_new = torch.randn(len(lens), kvh, d)
     for cap in (None, 2):
         kc, vc = k_cache.clone(), v_cache.clone()
-        meta = build_metadata(chunks, len(lens), bs, torch.device("cpu"), group_blocks=cap,
-                              scratch=GatherScratch())
+        meta = _backend(heads, kvh, d, bs, cap).build(chunks, len(lens))
         assert meta.shared_blocks is not None and meta.shared_blocks.tolist() == shared
-        out = paged_attention(q, k_new, v_new, kc, vc, meta, d ** -0.5)
+        out = meta.attend(q, k_new, v_new, kc, vc)
         ref = _reference(q, kc, vc, tables, lens, bs, d ** -0.5)
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

@@ -192,9 +192,9 @@ def test_off_means_the_fast_paths(tiny_dir):
 
 
 def test_required_but_unavailable_refuses_to_start(tiny_dir, monkeypatch):
-    from gpu_worker import cpu_decode
+    from gpu_worker.attention import cpu_kernel_backend
 
-    monkeypatch.setattr(cpu_decode, "load", lambda device, dtype: None)
+    monkeypatch.setattr(cpu_kernel_backend, "load", lambda: None)
     with pytest.raises(RuntimeError, match="--deterministic"):
         ModelRunner(str(tiny_dir), num_blocks=40, deterministic=True)
     runner = ModelRunner(str(tiny_dir), num_blocks=40)  # the default: off, with the reason

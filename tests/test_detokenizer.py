@@ -153,3 +153,36 @@ def test_special_tokens_skipped_or_kept(tokenizer):
         for i in ids:
             detok.add_token(i)
         assert detok.take_delta(final=True) == expect
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stopping_token_counts_but_its_text_is_left_out(tokenizer, include):
+    """The id that ended the sequence (EOS, a stop_token_ids id) is consumed and counted;
+    its text reaches the answer only with include_stop_str_in_output (as vLLM)."""
+    ids = tokenizer.encode("plain words at the end", add_special_tokens=False).ids
+    detok = RequestDetokenizer(tokenizer, DetokParams(skip_special_tokens=False,
+                                                      include_stop_str_in_output=include))
+    detok.add_tokens(ids[:-1])
+    detok.add_tokens(ids[-1:], stopping=True)
+    head = tokenizer.decode(ids[:-1])
+    assert detok.num_tokens == len(ids)
+    assert detok.take_delta(final=True) == (tokenizer.decode(ids) if include else head)
+
+
+def test_token_bytes_keep_what_the_text_of_a_partial_character_loses(tokenizer, tmp_path):
+    """Logprobs' ``bytes`` source: a token holding part of a UTF-8 character (byte-level
+    BPE piece, or sentencepiece ``<0xHH>`` byte fallback) decodes alone to U+FFFD, and
+    carries its own bytes beside; whole tokens carry none (their text's UTF-8 is them)."""
+    from detokenizer.logprobs import TokenTexts
+    from tests.sentencepiece_zoo import build_sentencepiece_tokenizer
+    spm = Tokenizer.from_file(str(build_sentencepiece_tokenizer(tmp_path, 600)
+                                  / "tokenizer.json"))
+    for tok in (tokenizer, spm):
+        texts = TokenTexts(tok)
+        ids = tok.encode("ℵ₿", add_special_tokens=False).ids  # rare: split into bytes
+        got = [texts.get(i) for i in ids]
+        assert any(raw is not None for _, raw in got)
+        rebuilt = b"".join(raw if raw is not None else text.encode() for text, raw in got)
+        assert rebuilt.strip() == "ℵ₿".encode()
+        for text, raw in got:
+            assert (raw is None) == ("\ufffd" not in text)

@@ -102,6 +102,8 @@ async def test_capabilities_publish_every_tier(server):
     assert chat["guided_json"] == "extension" and chat["response_format"] == "honoured"
     assert chat["chat_template"] == "rejected"
     assert caps["fields"]["/v1/completions"]["suffix"] == "ignored"
+    for endpoint in ("/v1/chat/completions", "/v1/completions"):
+        assert caps["fields"][endpoint]["cache_salt"] == "extension"
 
 
 async def test_embeddings_404_says_what_is_served(server):

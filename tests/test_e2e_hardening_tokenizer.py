@@ -79,7 +79,7 @@ def _chat(content: str = "hello there", **extra) -> dict:
 
 def test_length_floor_never_exceeds_the_real_count(tiny_model_dir):
     from tokenizer_worker.length_bound import TokenLengthBound
-    from tokenizer_worker.tokenizer_files import CheckpointTokenizer
+    from tokenization.tokenizer_files import CheckpointTokenizer
 
     tok = CheckpointTokenizer(tiny_model_dir)
     bound = TokenLengthBound(tok.backend)

@@ -177,7 +177,6 @@ def holds(combo: Combo, row: Mapping[str, Any]) -> bool:
     return all(k in row and row[k] in values for k, values in combo)
 
 
-PENALTIES = ("presence", "frequency", "repetition")
 FORCED_GRAMMARS = ("json_schema", "choice", "tools_required", "tools_named", "tools_auto")
 # combinations that no engine can serve as asked (CONFLICTS), also open bugs (KNOWN)
 GRAMMAR_ENDS_BEFORE_MIN_TOKENS: Combo = (("min_tokens", (True,)), ("constraint", ("choice",)))
@@ -185,8 +184,6 @@ GRAMMAR_ENDS_BEFORE_MIN_TOKENS: Combo = (("min_tokens", (True,)), ("constraint",
 # may be the one token the grammar allows
 GRAMMAR_NEEDS_MASKED_STOP_ID: Combo = (("min_tokens", (True,)), ("stop", ("token_id",)),
                                        ("constraint", FORCED_GRAMMARS))
-STOP_INSIDE_TOOL_CALL: Combo = (("stop", ("string", "token_id", "string_at_end")),
-                                ("constraint", TOOL_CONSTRAINTS))
 
 
 @dataclass(frozen=True)
@@ -208,7 +205,6 @@ CONFLICTS: tuple[Conflict, ...] = (
     Conflict(GRAMMAR_NEEDS_MASKED_STOP_ID,
              ("min_tokens", "stop_token_ids", "response_format", "guided_", "tool"),
              waived="min_tokens"),
-    Conflict(STOP_INSIDE_TOOL_CALL, ("stop", "stop_token_ids", "tool")),
 )
 
 
@@ -245,34 +241,8 @@ class Known:
         return f"{where}: {self.what}"
 
 
-KNOWN: tuple[Known, ...] = (
-    Known(1, (("cache", ("hit",)), ("penalty", PENALTIES)),
-          "penalties on a prefix-cache hit see prompt[cached:] + generated"),
-    Known(1, (("cache", ("hit",)), ("min_tokens", (True,))),
-          "min_tokens on a prefix-cache hit blocks the end for min_tokens + cached tokens"),
-    # choice i > 0 of a sampled n > 1 request takes a hit on choice 0's prompt blocks
-    Known(1, (("n", (2,)), ("sampling", ("seeded",)), ("min_tokens", (True,))),
-          "n > 1: a later choice takes a prefix hit on the first's prompt, so min_tokens "
-          "blocks the end for min_tokens + cached tokens"),
-    Known(1, (("n", (2,)), ("sampling", ("seeded",)), ("endpoint", ("completions", "chat")),
-              ("penalty", ("frequency", "presence", "repetition"))),  # frequency: binds
-          "n > 1: a later choice takes a prefix hit on the first's prompt, so its "
-          "penalties see prompt[cached:] + generated"),
-    Known(2, GRAMMAR_ENDS_BEFORE_MIN_TOKENS,
-          "a grammar that must end before min_tokens: all -inf row, the step fails, and "
-          "with it every request in the batch (item 3: and the queued next step)"),
-    Known(2, GRAMMAR_NEEDS_MASKED_STOP_ID,
-          "min_tokens masks a stop_token_ids id that the grammar forces: all -inf row, "
-          "the batch fails (item 3 spreads it)"),
-    Known(6, (("stop", ("string_at_end",)),),
-          "a stop string ending on the last allowed token reports finish_reason length",
-          check="stop_at_end_finish"),
-    Known(None, STOP_INSIDE_TOOL_CALL,
-          "a stop (string or stop_token_ids) that ends a tool_choice required/named/auto "
-          "reply inside a call's arguments still answers finish_reason tool_calls, with "
-          "arguments that do not parse (a fragment, or '' when a reasoning parser never "
-          "reached the answer)"),
-)
+# none open today: a failure the matrix finds goes here, with its item and combo
+KNOWN: tuple[Known, ...] = ()
 
 GATED_CHECKS = frozenset(k.check for k in KNOWN if k.check)
 
@@ -593,6 +563,13 @@ def reply_diffs(got: Reply, refs: list[Reply], offsets: bool, atol: float) -> li
 
 
 # ------------------------------------------------------------------ each feature's promise
+def _parses(args: str) -> bool:
+    try:
+        return isinstance(json.loads(args), dict)
+    except ValueError:
+        return False
+
+
 def feature_problems(cell: Cell, body: dict, reply: Reply, stop: StopPlan,
                      waived: str = "") -> list[str]:
     """What the cell's output breaks of each feature's own promise (the reference is the
@@ -632,12 +609,12 @@ def feature_problems(cell: Cell, body: dict, reply: Reply, stop: StopPlan,
                     "get_weather", "get_time"]
                 if [c[0] for c in ch.calls] != want or ch.text != "Sure.":
                     bad(f"auto tool calls {ch.calls} content {ch.text!r}, want {want}")
-        if not answer_done and ch.finish != "length":  # a stop cut it: the calls still parse
-            for name, args in ch.calls:
-                try:
-                    json.loads(args)
-                except ValueError:
-                    bad(f"tool call {name} has arguments that do not parse: {args!r}")
+        # finish_reason tool_calls means every call was written to its end; a reply that a
+        # stop or max_tokens ended inside a call finishes what ended it (README's policy)
+        for name, args in ch.calls if ch.finish == "tool_calls" else ():
+            if not _parses(args):
+                bad(f"finish_reason tool_calls, yet {name} has arguments that do not parse: "
+                    f"{args!r}")
         if cell.parallel_tool_calls is False and len(ch.calls) > 1:
             bad(f"parallel_tool_calls false gave {len(ch.calls)} calls")
         if cell.reasoning and cell.endpoint == "chat" and ch.text and not ch.reasoning:
@@ -653,8 +630,8 @@ def feature_problems(cell: Cell, body: dict, reply: Reply, stop: StopPlan,
             bad(f"stop string {stop_text!r} is in the output {raw!r}")
         if stop.held[i] and raw is not None and stop_text not in raw:
             bad(f"stop string {stop_text!r} ends within min_tokens, yet it cut {raw!r}")
-        at_end = cell.stop == "string_at_end" and "stop_at_end_finish" in cell.checks_off
-        if cut and ch.finish != "stop" and not at_end:
+        # a stop after the last call's end leaves the calls whole: tool_calls (checked above)
+        if cut and ch.finish not in ("stop", "tool_calls"):
             bad(f"the stop cut the text, yet finish_reason is {ch.finish!r}")
         stop_ids = body.get("stop_token_ids") or []
         if stop_ids and stop_ids[0] in ch.token_ids[:-1]:
@@ -1116,9 +1093,6 @@ def fuzz_requests(draw) -> dict[str, Any]:
         body.update(constraint_fields(constraint))
         if draw(st.booleans()):
             body["parallel_tool_calls"] = False
-    if body.get("min_tokens") and constraint != "none" and any(
-            k.item == 2 for k in KNOWN):
-        del body["min_tokens"]  # issue 18 item 2: its own xfail cell covers this
     if draw(st.booleans()) and "prompt_logprobs" not in body:
         body.update(stream=True, stream_options={"include_usage": draw(st.booleans())})
     return body
@@ -1141,7 +1115,9 @@ def fuzz_target(pool):
 @given(body=fuzz_requests())
 def test_combination_fuzz(body, fuzz_target, bystanders):
     """Valid combinations of many fields beside ordinary traffic: never a 5xx (nor an
-    error frame in a stream), bystanders whole, no failed step, every KV block free."""
+    error frame in a stream) but the policy's own (a constraint that must end before
+    min_tokens ends that request alone), bystanders whole, no failed step, every KV
+    block free."""
     async def once():
         async with client_session() as http:
             refs = await bystanders.references(http, BYSTANDERS)
@@ -1153,10 +1129,11 @@ def test_combination_fuzz(body, fuzz_target, bystanders):
     refs, (*others, reply) = asyncio.run(once())
     after = fuzz_target.wait_all_blocks_free(60)
     problems = []
-    if reply.status >= 500 or (reply.status == 200 and reply.error is not None):
+    err = reply.error.get("error") if isinstance(reply.error, dict) else None
+    conflict = isinstance(err, dict) and err.get("code") == "constraint_conflict"
+    if (reply.status >= 500 or (reply.status == 200 and reply.error is not None)) and not conflict:
         problems.append(f"status {reply.status}: {reply.error}")
-    if reply.status >= 400 and reply.status < 500:
-        err = reply.error.get("error") if isinstance(reply.error, dict) else None
+    if reply.status >= 400 and reply.status < 500 or conflict:
         if not err or set(err) != {"message", "type", "param", "code"}:
             problems.append(f"a {reply.status} not in OpenAI's error shape: {reply.error}")
     problems += bystander_problems(others, refs, logprob_atol(list(SERVERS)[-1]))

@@ -21,6 +21,16 @@ def _hf_logprobs(model, ids: list[int]) -> torch.Tensor:
         return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
 
 
+def _token_bytes(tok) -> dict[int, bytes]:
+    """Each id's own bytes (the reference): byte-level BPE pieces mapped back through
+    GPT-2's byte alphabet; added tokens are their text."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    byte_of = {char: byte for byte, char in bytes_to_unicode().items()}
+    added = {i: t.content for i, t in tok.added_tokens_decoder.items()}
+    return {i: added[i].encode() if i in added else
+            bytes(byte_of[c] for c in tok.convert_ids_to_tokens(i)) for i in range(len(tok))}
+
+
 def test_chat_logprobs_match_hf_and_parse(client, hf_model):
     model, tok = hf_model
     messages = [{"role": "user", "content": "Name a colour."}]
@@ -34,14 +44,16 @@ def test_chat_logprobs_match_hf_and_parse(client, hf_model):
     prompt = list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                           return_dict=False))
     ref = _hf_logprobs(model, prompt + gen)
+    own = _token_bytes(tok)
     for i, entry in enumerate(content):
         row = ref[len(prompt) - 1 + i]
         assert math.isclose(entry.logprob, row[gen[i]].item(), abs_tol=1e-3)
-        assert entry.bytes == list(entry.token.encode())
+        assert bytes(entry.bytes) == own[gen[i]]
         assert [t.logprob for t in entry.top_logprobs] == pytest.approx(
             row.topk(3).values.tolist(), abs=1e-3)
-        assert [t.token for t in entry.top_logprobs] == [tok.decode([t]) for t in
-                                                         row.topk(3).indices.tolist()]
+        top = row.topk(3).indices.tolist()
+        assert [t.token for t in entry.top_logprobs] == [tok.decode([t]) for t in top]
+        assert [bytes(t.bytes) for t in entry.top_logprobs] == [own[t] for t in top]
     assert "".join(e.token for e in content) == choice.message.content
 
 
@@ -68,6 +80,42 @@ def test_completion_logprobs_with_echo_match_hf(client, hf_model):
     no_echo = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0,
                                         logprobs=0, extra_body={"ignore_eos": True})
     assert len(no_echo.choices[0].logprobs.tokens) == 4
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_logprob_bytes_are_the_tokens_own_bytes(client, hf_model, stream):
+    """A token holding part of a UTF-8 character has no text of its own (``token`` is
+    U+FFFD); ``bytes`` are still its real bytes, in top_logprobs too, so a client can
+    rebuild the characters, as OpenAI's ``bytes`` let it (they were the UTF-8 of U+FFFD)."""
+    _, tok = hf_model
+    own = _token_bytes(tok)
+    by_text: dict[str, set[bytes]] = {}
+    for i, raw in own.items():
+        by_text.setdefault(tok.decode([i]), set()).add(raw)
+    text = "ñ日本ü"  # the tiny vocabulary splits these characters across tokens
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Say it."}],
+                  max_tokens=16, temperature=0, logprobs=True, top_logprobs=20,
+                  extra_body={"guided_regex": text, "return_token_ids": True})
+    if stream:
+        entries, ids, content = [], [], ""
+        for chunk in client.chat.completions.create(stream=True, **kwargs):
+            for choice in chunk.choices:
+                content += choice.delta.content or ""
+                ids += choice.model_extra.get("token_ids") or []
+                entries += choice.logprobs.content if choice.logprobs else []
+    else:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        entries, ids = choice.logprobs.content, choice.model_extra["token_ids"]
+        content = choice.message.content
+    assert content == text and len(entries) == len(ids)
+    assert any("\ufffd" in e.token for e in entries), "no token splits a character"
+    assert [bytes(e.bytes) for e in entries] == [own[i] for i in ids]
+    texts = [(e.token, i) for e, i in zip(entries, ids) if i not in tok.all_special_ids]
+    assert b"".join(own[i] for _, i in texts) == text.encode()
+    tops = [t for e in entries for t in e.top_logprobs]
+    assert any("\ufffd" in t.token for t in tops), "no alternative splits a character"
+    for t in tops:
+        assert bytes(t.bytes) in by_text[t.token], (t.token, t.bytes)
 
 
 def test_streamed_chat_logprobs(client):

@@ -126,6 +126,57 @@ def test_required_calls_stream_the_same_calls(client, seed):
     assert [[tuple(c) for c in got[i].values()] for i in range(2)] == expected
 
 
+NAMED_WEATHER = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def _whole(client, **kwargs):
+    """(content, {index: [id, name, arguments]}, finish_reason), as ``_streamed``."""
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    calls = {k: [c.id, c.function.name, c.function.arguments]
+             for k, c in enumerate(choice.message.tool_calls or [])}
+    return choice.message.content or "", calls, choice.finish_reason
+
+
+@pytest.mark.parametrize("tool_choice", ["required", NAMED_WEATHER])
+@pytest.mark.parametrize("cut", ["stop", "stop_token_ids", "max_tokens"])
+def test_a_call_cut_before_its_end_never_finishes_tool_calls(client, tool_choice, cut):
+    """Policy (README): a reply that ends inside a call (a stop string or stop token,
+    max_tokens) reports the call as far as it was written, whole and streamed alike (its
+    argument fragments were streamed as written), and finish_reason says what ended it:
+    never ``tool_calls``, which is kept for replies whose every call's arguments parse."""
+    kwargs = dict(model="tiny-llama", messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice,
+                  max_tokens=200, temperature=0)
+    full = client.chat.completions.create(**kwargs, extra_body={"return_token_ids": True})
+    ids = full.choices[0].model_extra["token_ids"]
+    full_calls = [(c.function.name, c.function.arguments)
+                  for c in full.choices[0].message.tool_calls]
+    args = full_calls[0][1]
+    extra: dict = {}
+    if cut == "stop":  # the first key's name, inside the arguments
+        extra["stop"] = args[2:6]
+    elif cut == "stop_token_ids":  # a token first written in the second half
+        extra["extra_body"] = {"stop_token_ids": [next(
+            t for k, t in enumerate(ids) if k >= len(ids) // 2 and t not in ids[:k])]}
+    else:
+        extra["max_tokens"] = len(ids) // 2
+    want = "length" if cut == "max_tokens" else "stop"
+    whole = _whole(client, **kwargs | extra)
+    streamed = _streamed(client, **kwargs | extra)
+    assert [c[1:] for c in whole[1].values()] == [c[1:] for c in streamed[1].values()]
+    assert (whole[0], whole[2]) == (streamed[0], streamed[2]) == (whole[0], want)
+    got = [tuple(c[1:]) for c in whole[1].values()]
+    if cut == "stop":  # it ends inside the first call's arguments
+        assert len(got) == 1 and got[0][1] != args
+    assert got[:-1] == full_calls[:len(got) - 1]  # the calls before the cut are whole
+    if got:  # the last one is as far as it was written; cut, its arguments do not parse
+        name, written = got[-1]
+        whole_name, whole_args = full_calls[len(got) - 1]
+        assert name == whole_name and whole_args.startswith(written)
+        if written != whole_args:
+            with pytest.raises(ValueError):
+                json.loads(written)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_parallel_false_yields_exactly_one_call(client, seed):
     r = client.chat.completions.create(model="tiny-llama", messages=MESSAGES, tools=TOOLS,
@@ -273,13 +324,17 @@ def test_reasoning_parser_fills_reasoning_content_whole_and_streamed(r1_server):
     assert err.value.body["param"] == "tool_choice"
 
     # a constraint applies to the answer after </think>, which random weights never
-    # reach: the reply is all (free) reasoning until max_tokens
-    r = client.chat.completions.create(tools=TOOLS, tool_choice="required", **{
-        **kwargs, "max_tokens": 40})
-    choice = r.choices[0]
-    assert choice.finish_reason == "length" and choice.message.tool_calls is None
-    assert choice.message.model_extra["reasoning_content"]
-    assert r.model_extra["candor"]["constraint"] == "tools"
+    # reach: the reply is all (free) reasoning until max_tokens, and no call was begun
+    for choice_field in ("required", {"type": "function", "function": {"name": "get_time"}}):
+        r = client.chat.completions.create(tools=TOOLS, tool_choice=choice_field, **{
+            **kwargs, "max_tokens": 40})
+        choice = r.choices[0]
+        assert choice.finish_reason == "length" and choice.message.tool_calls is None
+        assert choice.message.model_extra["reasoning_content"]
+        assert r.model_extra["candor"]["constraint"] in ("tools", "tool_choice")
+        content, calls, finish = _streamed(client, tools=TOOLS, tool_choice=choice_field,
+                                           **{**kwargs, "max_tokens": 40})
+        assert (content, calls, finish) == ("", {}, "length")
 
 
 # ------------------------------------------------ tool calls beside a reasoning parser

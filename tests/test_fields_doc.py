@@ -20,3 +20,15 @@ def test_every_cited_test_exists():
         defined.update(re.findall(r"def (test_\w+)", path.read_text()))
     cited = set(re.findall(r"`(test_\w+)`", fields_doc.render()))
     assert cited and not cited - defined, sorted(cited - defined)
+
+
+def test_every_request_field_has_a_row():
+    """A field the request structs accept but the table lacks is missing from
+    /v1/capabilities, from docs/fields.md and from the report's extensions (cache_salt was)."""
+    from api_frontend import field_policy
+    from cluster.topology import ApiSpec
+    from protocol.openai_api import ChatCompletionRequest, CompletionRequest
+    for kind, request in (("chat", ChatCompletionRequest), ("completions", CompletionRequest)):
+        tiers = field_policy.tiers(kind, ApiSpec())
+        missing = [f for f in request.__struct_fields__ if f not in tiers]
+        assert not missing, f"{kind}: {missing} have no row in api_frontend/field_policy.py"

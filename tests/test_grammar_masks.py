@@ -70,3 +70,16 @@ def test_kernel_refuses_a_row_out_of_range(kernel):
     with pytest.raises(RuntimeError, match="row out of range"):
         kernel(torch.zeros(2, 64), torch.zeros(1, 2, dtype=torch.int32),
                torch.tensor([5], dtype=torch.int64))
+
+
+def test_each_ninja_builds_in_its_own_directory(tmp_path, monkeypatch):
+    """Two ninja versions on one machine (the system's and the venv's pip package, picked
+    by whichever is first on PATH) hash build commands differently, so each treated the
+    other's objects as stale and rebuilt the kernel (about a minute) at every start."""
+    fake = tmp_path / "ninja"
+    fake.write_text("#!/bin/sh\necho 0.0.1-fake\n")
+    fake.chmod(0o755)
+    real = build_dir(SOURCE)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{__import__('os').environ['PATH']}")
+    other = build_dir(SOURCE)
+    assert other[0] != real[0] and other[1] != real[1]

@@ -1,15 +1,15 @@
 """Every registered architecture against HF transformers, at the runner level (fp32,
 random perturbed weights, chunked prefill + continuous batching, prompts longer than the
-sliding windows); config refusals; the registry's two tables agree."""
+sliding windows); config refusals; the one registry covers exactly what the zoo checks."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from gpu_worker.model_config import PARSERS, UnsupportedConfig, load_config, parse_config
+from gpu_worker.attention.torch_backend import TorchBackend
+from gpu_worker.model_config import ARCHITECTURES, UnsupportedConfig, load_config, parse_config
 from gpu_worker.model_runner import ModelRunner
-from gpu_worker.models.registry import MODELS
 from tests import model_zoo
 from tests.test_model_parity import GREEDY, run_continuous
 
@@ -52,8 +52,7 @@ def test_windowed_torch_decode_path_matches_hf(arch, built):
     (small groups, so windows cut across group and block boundaries)."""
     path, want = built(arch)
     runner = ModelRunner(str(path), block_size=8, num_blocks=128, deterministic=False)
-    runner.decode_kernel = None
-    runner.decode_group_blocks = 6
+    runner.attn_backend = TorchBackend(runner.attn_spec, group_blocks=6)
     got = run_continuous(runner, _prompts(), [GREEDY] * len(PROMPT_LENS), new_tokens=NEW, chunk=19)
     assert got == want
 
@@ -102,8 +101,13 @@ def test_unsupported_config_names_field_and_value(patch, field, value):
     assert "\n" not in msg and field in msg and repr(value) in msg, msg
 
 
-def test_registry_tables_agree():
-    assert set(PARSERS) == set(MODELS)
+def test_every_registered_architecture_is_checked_against_hf():
+    """One table registers each model_type (its config parsing and checkpoint names in
+    one family module); the zoo builds every one, so the parity tests above cover them."""
+    import transformers
+
+    zoo = {getattr(transformers, cfg_cls).model_type for cfg_cls, _, _ in model_zoo.ARCHS.values()}
+    assert zoo == set(ARCHITECTURES)
 
 
 def test_flashinfer_per_layer_window_and_softcap(built, monkeypatch):
@@ -111,7 +115,7 @@ def test_flashinfer_per_layer_window_and_softcap(built, monkeypatch):
     logits_soft_cap): one plan per layer kind, tokens equal HF's."""
     import sys
 
-    from gpu_worker import flashinfer_backend
+    from gpu_worker.attention import flashinfer_backend
     from tests import fake_flashinfer
 
     monkeypatch.setitem(sys.modules, "flashinfer", fake_flashinfer)
@@ -119,10 +123,7 @@ def test_flashinfer_per_layer_window_and_softcap(built, monkeypatch):
     monkeypatch.setattr(flashinfer_backend, "SUPPORTED_HEAD_DIMS", (16,))
     path, want = built("gemma2")
     runner = ModelRunner(str(path), block_size=16, num_blocks=64)
-    cfg = runner.config
-    runner.attn_backend = flashinfer_backend.FlashInferBackend(
-        cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, runner.block_size, runner.dtype, runner.device,
-        sm_scale=cfg.scale, layer_kinds=runner.layer_kinds)
+    runner.attn_backend = flashinfer_backend.FlashInferBackend(runner.attn_spec)
     assert sorted(runner.attn_backend.kinds, key=repr) == sorted({(24, 2.0), (None, 2.0)}, key=repr)
     got = run_continuous(runner, _prompts(), [GREEDY] * len(PROMPT_LENS), new_tokens=NEW, chunk=32)
     assert got == want

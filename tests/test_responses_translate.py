@@ -130,3 +130,28 @@ def test_stream_events_parse_with_the_sdk_and_end_failed_on_error():
     assert response.output[1].content[0].text == "Hello"
     assert response.output[1].status == "incomplete" and response.status == "failed"
     assert response.usage.output_tokens_details.reasoning_tokens == 2
+
+
+@pytest.mark.parametrize("finish, status", [("stop", "completed"), ("length", "incomplete")])
+def test_a_function_call_cut_before_its_end_is_an_incomplete_item(finish, status):
+    """Policy (README): a reply that a stop or max_output_tokens ends inside a call keeps
+    the call as far as it was written (its fragments were streamed); the item says it was
+    cut (``incomplete``), as chat's finish_reason does (never tool_calls)."""
+    from api_frontend.tools import ToolPlan
+    plan = ToolPlan([{"type": "function", "function": {"name": "get_time"}}], "named",
+                    "get_time")
+    response = ResponseObject(id="resp_x", created_at=0, status="in_progress", model="m")
+    builder = ResponseBuilder(response, plan, None, streaming=False)
+    builder.start()
+    builder.feed(_delta('{"zone": "U', 1))
+    builder.feed(_delta("", 2, finish))
+    builder.finish()
+    [item] = response.output
+    assert (item.name, item.arguments, item.status) == ("get_time", '{"zone": "U', "incomplete")
+    assert response.status == status
+    whole = ResponseObject(id="resp_y", created_at=0, status="in_progress", model="m")
+    builder = ResponseBuilder(whole, plan, None, streaming=False)
+    builder.start()
+    builder.feed(_delta('{"zone": "UTC"}', 1, "stop"))
+    builder.finish()
+    assert whole.output[0].status == "completed" and whole.status == "completed"

@@ -38,7 +38,7 @@ def hf_tokenizer(sp_model_dir):
 
 def test_worker_encodes_and_renders_like_transformers(sp_model_dir, hf_tokenizer):
     from tokenizer_worker.length_bound import TokenLengthBound, utf8_len
-    from tokenizer_worker.tokenizer_files import CheckpointTokenizer
+    from tokenization.tokenizer_files import CheckpointTokenizer
 
     tok = CheckpointTokenizer(sp_model_dir)
     assert "<0xF0>" in hf_tokenizer.get_vocab()  # byte fallback is in play

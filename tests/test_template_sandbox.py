@@ -10,8 +10,8 @@ import tracemalloc
 
 import pytest
 
-from tokenizer_worker.chat_template import ChatTemplate, ChatTemplateError
-from tokenizer_worker.template_sandbox import DEFAULT_LIMIT
+from tokenization.chat_template import ChatTemplate, ChatTemplateError
+from tokenization.template_sandbox import DEFAULT_LIMIT
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 BIG = 200_000_000  # the 'a' * 200000000

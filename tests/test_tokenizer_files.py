@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tokenizer_worker.chat_template import ChatTemplateError
-from tokenizer_worker.tokenizer_files import CheckpointTokenizer
+from tokenization.chat_template import ChatTemplateError
+from tokenization.tokenizer_files import CheckpointTokenizer
 
 transformers = pytest.importorskip("transformers")
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
@@ -240,6 +240,6 @@ def test_worker_modules_stay_lean():
     import subprocess
     import sys
 
-    code = ("import sys, tokenizer_worker.tokenizer_files, tokenizer_worker.chat_template; "
+    code = ("import sys, tokenization.tokenizer_files, tokenization.chat_template; "
             "heavy = {'transformers', 'torch'} & set(sys.modules); assert not heavy, heavy")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parent.parent)

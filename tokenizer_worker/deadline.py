@@ -19,7 +19,7 @@ import signal
 import threading
 from collections.abc import Iterator
 
-from tokenizer_worker.chat_template import RenderTimeout
+from tokenization.chat_template import RenderTimeout
 
 __all__ = ["Watchdog", "time_limit"]
 

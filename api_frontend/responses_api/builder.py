@@ -180,9 +180,11 @@ class ResponseBuilder:
 
     def finish(self) -> None:
         """After the last delta: close the open item and end with response.completed, or
-        response.incomplete when the sequence hit its token limit."""
+        response.incomplete when the sequence hit its token limit. A call the reply ended
+        inside (a stop, the limit) is an incomplete item: its arguments do not parse."""
         cut = self._last is not None and self._last.finish_reason == "length"
-        self._close("incomplete" if cut else "completed")
+        call_cut = self._calls is not None and not self._calls.complete
+        self._close("incomplete" if cut or call_cut else "completed")
         r = self.response
         r.usage = self._usage()
         if cut:

@@ -10,6 +10,12 @@ and sends only what is new, so every parser keeps one invariant: a view of a pre
 the text is a prefix of the view of the whole text (content and each call's arguments
 only grow; a name, once given, never changes). Text that might still turn out to be a
 tag is held back until it is known, so tags never leak into ``content``.
+
+Re-scanning the whole text for every token is quadratic in the reply's length, so a view
+says where its text ends (``ScanView.tail``): in content, or in the last call's
+arguments, with nothing held back. Text without any of the parser's ``triggers`` (the
+characters that begin its tags, ``}`` that may close arguments) only extends that part,
+and the stream passes it on without a scan.
 """
 
 from __future__ import annotations
@@ -27,11 +33,20 @@ class CallView(msgspec.Struct):
     arguments: str  # JSON text: the exact text the model wrote, or the re-encoded object
     done: bool = False
     end: int | None = None  # index in the text just past the call, once it is complete
+    open: bool = False  # the arguments run to the end of the text, nothing held back
 
 
 class ScanView(msgspec.Struct):
     content: str
     calls: list[CallView]
+    # where the text ends, nothing held back (not final): "content", "arguments" (the last
+    # call's); "": elsewhere (a tag being read), so more text needs a scan
+    tail: str = ""
+
+
+def tail_of(calls: list[CallView]) -> str:
+    """"arguments" where the last call's arguments are open at the text's end."""
+    return "arguments" if calls and calls[-1].open else ""
 
 
 class Pending:
@@ -48,6 +63,16 @@ _DECODER = json.JSONDecoder()
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"'
                    r'\s*:\s*(?=\{)')
 _CLOSE = re.compile(r"\s*\}")
+
+
+def parses(arguments: str) -> bool:
+    """The arguments are a whole JSON object: the call was written to its end (a reply
+    cut by a stop or max_tokens may end inside one; then it finishes ``stop``/``length``,
+    never ``tool_calls``)."""
+    try:
+        return isinstance(json.loads(arguments), dict)
+    except ValueError:
+        return False
 
 
 def held(text: str, markers: tuple[str, ...]) -> int:
@@ -90,9 +115,8 @@ def json_call(text: str, start: int, final: bool, tools: Collection[str],
             _, end = _DECODER.raw_decode(text, args_at)
         except ValueError:
             args = text[args_at:]
-            if not final:
-                args = args[:len(args) - held(args, ends)]
-            return CallView(name, args, False), None
+            kept = len(args) if final else len(args) - held(args, ends)
+            return CallView(name, args[:kept], False, open=kept == len(args) and not final), None
         args = text[args_at:end]
         close = _CLOSE.match(text, end)
         if close is not None:
@@ -121,6 +145,7 @@ class ToolParser:
     name = ""
     markers: tuple[str, ...] = ()
     special_markers = False  # the markers are special tokens in this model family
+    triggers = ""  # characters after which a view's tail may not simply grow (see above)
 
     def __init__(self, tools: Collection[str]) -> None:
         self.tools = frozenset(tools)

@@ -4,25 +4,27 @@ one tag per call, with text allowed before, between and after them."""
 from __future__ import annotations
 
 from api_frontend.tool_parsers.base import (INVALID, PENDING, CallView, ScanView, ToolParser,
-                                            held, json_call)
+                                            held, json_call, tail_of)
 
 
 class HermesParser(ToolParser):
     name = "hermes"
     start, end = "<tool_call>", "</tool_call>"
     markers = (start,)
+    triggers = "<}"
 
     def scan(self, text: str, final: bool) -> ScanView:
         content: list[str] = []
         calls: list[CallView] = []
         pos = 0
+        open_end = ""
         while True:
             i = text.find(self.start, pos)
             if i < 0:
-                tail = text[pos:]
-                if not final:
-                    tail = tail[:len(tail) - held(tail, self.markers)]
-                content.append(tail)
+                rest = text[pos:]
+                kept = len(rest) if final else len(rest) - held(rest, self.markers)
+                content.append(rest[:kept])
+                open_end = "content" if kept == len(rest) and not final else ""
                 break
             content.append(text[pos:i])
             body_at = i + len(self.start)
@@ -41,6 +43,7 @@ class HermesParser(ToolParser):
                     call.end = j + len(self.end)
                 calls.append(call)
             if not closed:
+                open_end = tail_of(calls) if got is not INVALID or final else "content"
                 break
             pos = j + len(self.end)
-        return ScanView("".join(content), calls)
+        return ScanView("".join(content), calls, open_end)

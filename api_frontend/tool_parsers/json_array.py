@@ -9,7 +9,7 @@ import secrets
 import string
 from collections.abc import Collection
 
-from api_frontend.tool_parsers.base import ScanView, ToolParser, held, json_sequence
+from api_frontend.tool_parsers.base import ScanView, ToolParser, held, json_sequence, tail_of
 
 _OPEN = re.compile(r"\s*(\[)?\s*")
 
@@ -20,12 +20,14 @@ class JsonArrayParser(ToolParser):
     def __init__(self, tools: Collection[str]) -> None:
         super().__init__(tools)
         self.markers = (self.marker,) if self.marker else ()
+        self.triggers = self.marker[:1] + "}"
 
     def scan(self, text: str, final: bool) -> ScanView:
         i = text.find(self.marker) if self.marker else 0
         if i < 0:
             keep = len(text) if final else len(text) - held(text, self.markers)
-            return ScanView(text[:keep], [])
+            return ScanView(text[:keep], [], "content" if keep == len(text) and not final
+                            else "")
         content = text[:i]
         m = _OPEN.match(text, i + len(self.marker))
         if m.end() == len(text) and not final:
@@ -36,7 +38,7 @@ class JsonArrayParser(ToolParser):
             return ScanView(content + text[broken:] if calls else text, calls)
         if end is not None:
             content += text[end:]
-        return ScanView(content, calls)
+        return ScanView(content, calls, tail_of(calls) if end is None else "")
 
 
 class MistralParser(JsonArrayParser):

@@ -4,7 +4,7 @@ A reply that does not start with ``{`` is plain content."""
 
 from __future__ import annotations
 
-from api_frontend.tool_parsers.base import ScanView, ToolParser, held, json_sequence
+from api_frontend.tool_parsers.base import ScanView, ToolParser, held, json_sequence, tail_of
 
 PYTHON_TAG = "<|python_tag|>"
 
@@ -13,6 +13,7 @@ class Llama3JsonParser(ToolParser):
     name = "llama3_json"
     markers = (PYTHON_TAG,)
     special_markers = True
+    triggers = "}"  # (a reply that is content stays content, whatever follows)
 
     def scan(self, text: str, final: bool) -> ScanView:
         body = text.lstrip()
@@ -26,8 +27,10 @@ class Llama3JsonParser(ToolParser):
         if not body.startswith("{"):
             if not body and not final:
                 return ScanView("", [])
-            return ScanView(text if not text.lstrip().startswith(PYTHON_TAG) else body, [])
+            return ScanView(text if not text.lstrip().startswith(PYTHON_TAG) else body, [],
+                            "" if final else "content")
         calls, end, broken = json_sequence(text, at, final, ";", None, self.tools)
         if broken is not None:  # from there on no call: content, as written
             return ScanView(text[broken:] if calls else text, calls)
-        return ScanView(text[end:] if end is not None else "", calls)
+        return ScanView(text[end:] if end is not None else "", calls,
+                        tail_of(calls) if end is None else "")

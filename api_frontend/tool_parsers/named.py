@@ -14,4 +14,8 @@ class NamedCallParser(ToolParser):
         self.function = function
 
     def scan(self, text: str, final: bool) -> ScanView:
-        return ScanView("", [CallView(self.function, text, final)])
+        """No call until the arguments have begun: a reply that ends before (reasoning that
+        never closed) made none."""
+        if not text.strip():
+            return ScanView("", [])
+        return ScanView("", [CallView(self.function, text, final)], "" if final else "arguments")

@@ -38,8 +38,9 @@ class PythonicParser(ToolParser):
 
     def scan(self, text: str, final: bool) -> ScanView:
         body = text.strip()
-        if not body.startswith("["):
-            return ScanView("" if not body and not final else text, [])
+        if not body.startswith("["):  # content, whatever follows
+            return ScanView("" if not body and not final else text, [],
+                            "content" if body and not final else "")
         if not final:  # "[f()]" may still grow into text that is no call list
             return ScanView("", [])
         calls = _calls(body, self.tools)

@@ -12,8 +12,8 @@ from cluster.topology import Topology
 
 
 def _template_source(topology: Topology) -> tuple[str | None, str]:
-    from tokenizer_worker.template_source import load_server_template
-    from tokenizer_worker.tokenizer_files import CheckpointTokenizer
+    from tokenization.template_source import load_server_template
+    from tokenization.tokenizer_files import CheckpointTokenizer
     api = topology.api
     if api.chat_template is not None:
         return (load_server_template(api.chat_template, api.limits.max_template_bytes).source,

@@ -1,1 +1,2 @@
-"""Model code: shared blocks, one switchable decoder, and the architecture registry."""
+"""Model code (torch): shared blocks, tensor-parallel layers that load their own shard, and
+the one switchable decoder every architecture (``gpu_worker/architectures/``) configures."""

@@ -1,23 +1,36 @@
-"""Tensor-parallel layers: the collectives a sharded decoder needs, in one place.
+"""Tensor-parallel layers: each one knows its shard, its collectives and its slice of a
+checkpoint tensor.
 
 A ``TPGroup`` is this rank's shard (``tp_shard.TPShard``) plus its torch.distributed
-group. With one rank every collective is a no-op and the layers are plain torch, so a
-single-device model computes exactly what it did before sharding existed.
+group. With one rank every collective is a no-op and each layer computes what its plain
+torch counterpart does, so a single-device model computes exactly what it did before
+sharding existed.
 
-- ``ColumnLinear`` (fused q/k/v, gate/up, Starcoder2's c_fc, the LM head, the MoE router)
-  holds this rank's output columns (all of them where replicated): no communication.
-- ``RowLinear`` (o_proj, down_proj, c_proj) multiplies this rank's input slice and
-  all-reduces the partial sums: one all-reduce per layer; the bias is added once (rank 0).
-- ``VocabEmbedding`` holds one vocabulary range; ids outside it embed to zero and an
-  all-reduce sums the ranges. The LM head's logits are gathered along the vocabulary.
-- ``ShardedRMSNorm`` normalises over a projection split across ranks (OLMo 2's q/k norm):
+- Column-parallel (``ColumnParallelLinear``; ``MergedColumnParallelLinear`` for gate|up;
+  ``QKVParallelLinear``, which keeps a replicated KV head where there are fewer KV heads
+  than ranks): this rank's output rows, no communication.
+- ``RowParallelLinear`` (o_proj, down_proj, c_proj): this rank's input columns; the
+  partial sums are all-reduced (one all-reduce per layer); the bias is added once (rank 0).
+- ``VocabParallelEmbedding``: one vocabulary range (the last padded); ids outside it embed
+  to zero and an all-reduce sums the ranges. As an LM head (``logits``) the ranges'
+  logits are gathered along the vocabulary.
+- ``ShardedRMSNorm``: normalises over a projection split across ranks (OLMo 2's q/k norm):
   the sum of squares is all-reduced.
+- ``ReplicatedLinear`` (the MoE router): the whole matrix on every rank.
+- ``Experts`` (in ``decoder``) are placed whole, ``experts / size`` per rank.
 
 Every matmul goes through the group's ``Numerics`` (``batch_invariant``): padded to a
 batch-invariant row count in the deterministic mode. Sums over ranks stay batch-invariant
 too: two ranks' partial sums add in either order to the same bits; from three ranks on,
 the deterministic mode gathers the partials and adds them in rank order (a ring
 all-reduce's order depends on which chunk of the tensor an element falls in).
+
+Loading: ``weight_loader(param, source, shard_id)`` narrows the checkpoint tensor
+(``weights.CheckpointTensor``) to this rank's part and copies it in. It works on any
+parameter sharded like the layer's own: a column-parallel layer slices dimension 0 of
+whatever it is given, a row-parallel one the last dimension of a matrix, so an adapter
+(a LoRA pair: B [out, r] sharded like a column layer's output, A [r, in] like a row
+layer's input) loads through the layer it wraps.
 """
 
 from __future__ import annotations
@@ -27,6 +40,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.batch_invariant import Numerics
+from gpu_worker.models.blocks import RMSNorm
+from gpu_worker.models.weights import CheckpointTensor, copy_into
 from gpu_worker.tp_shard import TPShard
 
 
@@ -70,57 +85,136 @@ class TPGroup:
         return torch.cat(self._gather(x), dim=-1)
 
 
-class ColumnLinear(nn.Linear):
-    """``y = x W_c^T (+ b_c)`` over this rank's output columns."""
+class ReplicatedLinear(nn.Linear):
+    """The whole ``y = x W^T (+ b)`` on every rank (the MoE router)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
-        super().__init__(in_features, out_features, bias=bias)
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp: TPGroup) -> None:
+        super().__init__(input_size, output_size, bias=bias)
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.numerics.linear(x, self.weight, self.bias)
 
 
-class RowLinear(nn.Linear):
-    """``y = x_r W_r^T`` summed over ranks (+ bias once)."""
+class ColumnParallelLinear(ReplicatedLinear):
+    """``output_size`` output features split evenly: this rank holds rows
+    ``[rank * n, (rank + 1) * n)`` of the weight and bias."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
-        super().__init__(in_features, out_features, bias=bias)
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp: TPGroup) -> None:
+        super().__init__(input_size, output_size // tp.size, bias, tp)
+
+    def weight_loader(self, param: torch.Tensor, source: CheckpointTensor, shard_id=None) -> int:
+        n = param.shape[0]
+        return copy_into(param, source.narrow(0, self.tp.rank * n, n))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs in one matmul (gate|up), each split evenly; this
+    rank's parts sit side by side. ``shard_id``: which output a checkpoint tensor is;
+    None: the checkpoint holds them merged too (Phi-3's ``gate_up_proj``)."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool, tp: TPGroup) -> None:
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), bias, tp)
+
+    def weight_loader(self, param: torch.Tensor, source: CheckpointTensor, shard_id: int | None = None) -> int:
+        if shard_id is None:
+            offsets = [sum(self.output_sizes[:i]) for i in range(len(self.output_sizes))]
+            return sum(self.weight_loader(param, source.narrow(0, offset, size), i)
+                       for i, (offset, size) in enumerate(zip(offsets, self.output_sizes)))
+        size = self.output_sizes[shard_id] // self.tp.size
+        start = sum(self.output_sizes[:shard_id]) // self.tp.size
+        return copy_into(param.narrow(0, start, size), source.narrow(0, self.tp.rank * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused [q; k; v] projection over this rank's query heads and KV heads (a KV head is
+    replicated on every rank whose query heads read it, see ``tp_shard``). ``shard_id``:
+    "q", "k" or "v"; None: the checkpoint holds them fused too (Phi-3's ``qkv_proj``)."""
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
+                 tp: TPGroup) -> None:
+        s = tp.shard
+        nn.Linear.__init__(self, hidden, (s.heads + 2 * s.kv_heads) * head_dim, bias=bias)
+        self.tp = tp
+        q, kv = s.q_size, s.kv_size
+        # shard id -> (rows here, rows in the full separate tensor, rows before it in a fused one)
+        self.parts = {"q": (0, q, s.q_start * head_dim, 0),
+                      "k": (q, kv, s.kv_start * head_dim, num_heads * head_dim),
+                      "v": (q + kv, kv, s.kv_start * head_dim, (num_heads + num_kv_heads) * head_dim)}
+        self.full_sizes = {"q": num_heads * head_dim, "k": num_kv_heads * head_dim, "v": num_kv_heads * head_dim}
+
+    def weight_loader(self, param: torch.Tensor, source: CheckpointTensor, shard_id: str | None = None) -> int:
+        if shard_id is None:
+            return sum(self.weight_loader(param, source.narrow(0, self.parts[i][3], self.full_sizes[i]), i)
+                       for i in self.parts)
+        start, size, src, _ = self.parts[shard_id]
+        return copy_into(param.narrow(0, start, size), source.narrow(0, src, size))
+
+
+class RowParallelLinear(nn.Linear):
+    """``y = x_r W_r^T`` summed over ranks (+ bias once): ``input_size`` input features
+    split evenly, this rank holding columns ``[rank * n, (rank + 1) * n)``."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp: TPGroup) -> None:
+        super().__init__(input_size // tp.size, output_size, bias=bias)
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.tp.numerics.linear(x, self.weight, self.bias if self.tp.rank == 0 else None)
         return self.tp.all_reduce(y)
 
+    def weight_loader(self, param: torch.Tensor, source: CheckpointTensor, shard_id=None) -> int:
+        if param.dim() == 1:  # the bias: whole on every rank, added by rank 0
+            return copy_into(param, source)
+        n = param.shape[-1]
+        return copy_into(param, source.narrow(param.dim() - 1, self.tp.rank * n, n))
 
-class VocabEmbedding(nn.Module):
-    """An embedding table over this rank's vocabulary range ``[start, start + rows)``."""
 
-    def __init__(self, shard: TPShard, hidden: int, tp: TPGroup) -> None:
+class VocabParallelEmbedding(nn.Module):
+    """An embedding table over this rank's vocabulary range ``[start, start + rows)``,
+    padded to ``vocab_per_rank`` rows (zeros, never a real token); also the LM head."""
+
+    def __init__(self, hidden: int, tp: TPGroup) -> None:
         super().__init__()
+        shard = tp.shard
         self.tp = tp
-        self.start, self.rows = shard.vocab_start, shard.vocab_rows
+        self.start, self.rows, self.vocab = shard.vocab_start, shard.vocab_rows, shard.vocab
         self.weight = nn.Parameter(torch.empty(shard.vocab_per_rank, hidden))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
         local = ids - self.start
         outside = (local < 0) | (local >= self.rows)
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
         out.masked_fill_(outside.unsqueeze(-1), 0.0)
         return self.tp.all_reduce(out)
 
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[rows, vocab] logits over the whole vocabulary (every rank's range, padding dropped)."""
+        logits = self.tp.numerics.linear(hidden, self.weight)
+        if self.tp.size > 1:
+            logits = self.tp.gather_last(logits)[:, :self.vocab]
+        return logits
 
-class ShardedRMSNorm(nn.Module):
-    """RMS norm over a vector whose ``full`` elements are spread over the ranks (each
-    holds ``weight.numel()``; replicated KV heads count once per copy, which the mean
-    over ``size * local`` elements accounts for)."""
+    def weight_loader(self, param: torch.Tensor, source: CheckpointTensor, shard_id=None) -> int:
+        param[self.rows:].zero_()
+        return copy_into(param[:self.rows], source.narrow(0, self.start, self.rows)) + param[self.rows:].numel()
 
-    def __init__(self, local: int, eps: float, one_plus: bool, tp: TPGroup) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(local))
-        self.eps, self.one_plus, self.tp = eps, one_plus, tp
+
+class ShardedRMSNorm(RMSNorm):
+    """RMS norm over a vector whose elements are spread over the ranks: this rank holds
+    ``[start, start + size)`` of the weight (replicated KV heads count once per copy,
+    which the mean over ``ranks * size`` elements accounts for)."""
+
+    def __init__(self, start: int, size: int, eps: float, one_plus: bool, tp: TPGroup) -> None:
+        super().__init__(size, eps, one_plus)
+        self.start, self.tp = start, tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return super().forward(x)
         x32 = x.float()
         sq = x32.pow(2).sum(-1, keepdim=True)
         mean = self.tp.all_reduce(sq) / (x.shape[-1] * self.tp.size)
@@ -128,3 +222,6 @@ class ShardedRMSNorm(nn.Module):
         if self.one_plus:
             return (x32 * (1.0 + self.weight.float())).type_as(x)
         return self.weight * x32.to(x.dtype)
+
+    def weight_loader(self, param: torch.Tensor, source: CheckpointTensor, shard_id=None) -> int:
+        return copy_into(param, source.narrow(0, self.start, param.shape[0]))

@@ -32,8 +32,7 @@ import jinja2.meta
 import jinja2.nodes
 import jinja2.utils
 
-from tokenizer_worker.template_sandbox import (DEFAULT_LIMIT, TemplateSandbox, ValueTooLarge,
-                                              value_limit)
+from tokenization.template_sandbox import DEFAULT_LIMIT, TemplateSandbox, ValueTooLarge, value_limit
 
 __all__ = ["ChatTemplate", "ChatTemplateError", "RenderTimeout", "REASONING_FIELDS"]
 

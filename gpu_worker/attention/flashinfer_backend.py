@@ -43,7 +43,7 @@ each distinct ``(window, softcap)`` among the layers (``layer_kinds``: e.g. Gemm
 sliding and global layers) has its own prefill and decode wrapper, all planned over the
 same page table and sharing the float workspace (they run one after another). HF's
 window w (a query sees keys p - w + 1 .. p) is flashinfer's ``window_left = w - 1``.
-``select_backend`` (in ``attention``) imports this module lazily, and this module
+``registry`` imports this module only when it considers flashinfer, and this module
 imports flashinfer only inside functions: importing Candor needs neither CUDA nor it.
 """
 
@@ -53,7 +53,8 @@ from dataclasses import dataclass
 
 import torch
 
-from gpu_worker.attention import AttentionMetadata, kv_slot, write_kv
+from gpu_worker.attention.base import (AttentionBackend, AttentionMetadata, AttentionSpec, Chunk, LayerKind,
+                                       kv_slot, write_kv)
 
 WORKSPACE_BYTES = 128 * 2**20
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
@@ -80,7 +81,7 @@ def available(device: torch.device) -> bool:
     return True
 
 
-def paged_indices(chunks, block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def paged_indices(chunks: list[Chunk], block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """flashinfer's CSR description of each sequence's pages after this step's tokens:
     host int32 (indptr [n + 1], indices [total pages], last_page_len [n] in 1..page)."""
     indptr, indices, last_len = [0], [], []
@@ -94,14 +95,11 @@ def paged_indices(chunks, block_size: int) -> tuple[torch.Tensor, torch.Tensor, 
     return as_i32(indptr), as_i32(indices), as_i32(last_len)
 
 
-def qo_indptr(chunks) -> torch.Tensor:
+def qo_indptr(chunks: list[Chunk]) -> torch.Tensor:
     out = [0]
     for _, n, _ in chunks:
         out.append(out[-1] + n)
     return torch.tensor(out, dtype=torch.int32)
-
-
-Kind = tuple  # (window | None, softcap | None): one attention variant among the layers
 
 
 def window_left(window: int | None) -> int:
@@ -109,22 +107,18 @@ def window_left(window: int | None) -> int:
 
 
 @dataclass
-class FlashInferStep:
+class FlashInferStep(AttentionMetadata):
     """Per-step state handed to every layer: the planned wrappers (per layer kind) and
     the row split."""
 
+    slot_mapping: torch.Tensor
+    num_prefill_tokens: int
     prefill: dict | None  # kind -> planned prefill wrapper; None: no prefill rows
     decode: dict | None  # kind -> planned decode wrapper; None: no decode rows
-    num_prefill_tokens: int
-    sm_scale: float
 
-    def attend(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata,
-               scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
-        """Same contract as ``attention.paged_attention``."""
-        if scale != self.sm_scale:
-            raise ValueError(f"attention scale {scale} differs from the planned {self.sm_scale}")
+    def attend(self, q, k, v, k_cache, v_cache, window=None, softcap=None):
         kind = (window, softcap)
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        write_kv(k_cache, v_cache, k, v, self.slot_mapping)
         q = q.contiguous()  # the model hands q as a view of the fused q|k rotation
         p = self.num_prefill_tokens
         if self.prefill is None:
@@ -137,44 +131,61 @@ class FlashInferStep:
         return out
 
 
-class FlashInferBackend:
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device, sm_scale: float | None = None,
-                 layer_kinds: list[Kind] | None = None) -> None:
+class FlashInferBackend(AttentionBackend):
+    """One prefill and one decode wrapper per layer kind (see the module docstring)."""
+
+    name = "flashinfer"
+    capturable = True
+
+    def __init__(self, spec: AttentionSpec) -> None:
         import flashinfer
 
-        reason = unsupported_reason(head_dim, dtype)
+        super().__init__(spec)
+        reason = unsupported_reason(spec.head_dim, spec.dtype)
         if reason:
             raise ValueError(reason)
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.block_size, self.dtype, self.device = block_size, dtype, device
-        self.sm_scale = head_dim**-0.5 if sm_scale is None else sm_scale
-        self.tensor_core_decode = num_heads // num_kv_heads >= 4
-        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self.kinds: list[Kind] = sorted(set(layer_kinds or [(None, None)]), key=repr)
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.block_size, self.dtype, self.device = spec.block_size, spec.dtype, spec.device
+        self.sm_scale = spec.scale
+        self.tensor_core_decode = spec.num_heads // spec.num_kv_heads >= 4
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=spec.device)
+        self.kinds: list[LayerKind] = spec.kinds
         self.prefill = {kind: flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
                         for kind in self.kinds}
         self.decode = {kind: flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self.tensor_core_decode) for kind in self.kinds}
 
+    @classmethod
+    def unavailable(cls, spec: AttentionSpec) -> str | None:
+        if spec.device.type != "cuda":
+            return "not a CUDA device"
+        if not available(spec.device):
+            return "flashinfer is not installed (or CUDA is unavailable)"
+        return unsupported_reason(spec.head_dim, spec.dtype)
+
+    def check(self) -> str | None:
+        err = self.self_check()
+        if err <= SELF_CHECK_TOLERANCE:
+            return None
+        return f"flashinfer disagrees with SDPA by {err:.3g} on the start-up check"
+
     # ------------------------------------------------------------------ planning
 
-    def plan_prefill(self, wrapper, chunks, kind: Kind = (None, None)) -> None:
+    def plan_prefill(self, wrapper, chunks: list[Chunk], kind: LayerKind = (None, None)) -> None:
         indptr, indices, last = paged_indices(chunks, self.block_size)
         wrapper.plan(qo_indptr(chunks), indptr, indices, last, self.num_heads, self.num_kv_heads,
                      self.head_dim, self.block_size, causal=True, sm_scale=self.sm_scale,
                      window_left=window_left(kind[0]), logits_soft_cap=kind[1] or 0.0,
                      q_data_type=self.dtype, kv_data_type=self.dtype)
 
-    def plan_decode(self, wrapper, chunks, kind: Kind = (None, None)) -> None:
+    def plan_decode(self, wrapper, chunks: list[Chunk], kind: LayerKind = (None, None)) -> None:
         indptr, indices, last = paged_indices(chunks, self.block_size)
         wrapper.plan(indptr, indices, last, self.num_heads, self.num_kv_heads, self.head_dim,
                      self.block_size, sm_scale=self.sm_scale, window_left=window_left(kind[0]),
                      logits_soft_cap=kind[1] or 0.0, q_data_type=self.dtype, kv_data_type=self.dtype)
 
-    def build(self, chunks: list[tuple[int, int, list[int]]], num_decodes: int,
-              slot_mapping: torch.Tensor) -> AttentionMetadata:
-        """Plan the wrappers for this step; ``chunks`` as in ``attention.build_metadata``."""
+    def plan(self, chunks: list[Chunk], num_decodes: int, slot_mapping: torch.Tensor) -> FlashInferStep:
+        """Plan the wrappers for this step."""
         num_prefills = len(chunks) - num_decodes
         prefills, decodes = chunks[:num_prefills], chunks[num_prefills:]
         for kind in self.kinds:
@@ -182,19 +193,17 @@ class FlashInferBackend:
                 self.plan_prefill(self.prefill[kind], prefills, kind)
             if decodes:
                 self.plan_decode(self.decode[kind], decodes, kind)
-        num_prefill_tokens = sum(n for _, n, _ in prefills)
-        meta = AttentionMetadata(slot_mapping=slot_mapping, num_prefill_tokens=num_prefill_tokens)
-        meta.impl = FlashInferStep(self.prefill if prefills else None,
-                                   self.decode if decodes else None, num_prefill_tokens, self.sm_scale)
-        return meta
+        return FlashInferStep(slot_mapping, sum(n for _, n, _ in prefills),
+                              self.prefill if prefills else None, self.decode if decodes else None)
 
     # ------------------------------------------------------------------ CUDA graphs
 
-    def graph_decode(self, size: int, indices: torch.Tensor) -> GraphDecodeAttention:
-        """Decode attention for one captured batch size; ``indices`` (int32, on the device)
-        is the page-id buffer, shared by all sizes: only one replays at a time, and it
-        must hold ``size`` times the most pages one sequence can have."""
-        return GraphDecodeAttention(self, size, indices)
+    def graph_attention(self, sizes: list[int], max_blocks_per_seq: int) -> dict[int, GraphDecodeAttention]:
+        """Decode attention per captured batch size, over one page-id buffer (int32, on the
+        device) all sizes share: only one replays at a time, and it holds the largest size
+        times the most pages one sequence can have."""
+        page_ids = torch.zeros(max(sizes) * max_blocks_per_seq, dtype=torch.int32, device=self.device)
+        return {size: GraphDecodeAttention(self, size, page_ids) for size in sizes}
 
     # ------------------------------------------------------------------ start-up check
 
@@ -244,9 +253,9 @@ class FlashInferBackend:
 
 class GraphDecodeAttention:
     """Decode attention for one captured batch size: a ``use_cuda_graph`` wrapper over
-    caller-owned index buffers, and one fixed ``AttentionMetadata`` the graph was
-    captured with. ``meta`` re-plans the wrapper (host side, outside the graph) for the
-    step's padded batch, which rewrites the buffers the captured kernels read."""
+    caller-owned index buffers, and one fixed ``FlashInferStep`` the graph was captured
+    with. ``meta`` re-plans the wrapper (host side, outside the graph) for the step's
+    padded batch, which rewrites the buffers the captured kernels read."""
 
     graphable = True
 
@@ -264,16 +273,15 @@ class GraphDecodeAttention:
             use_tensor_cores=backend.tensor_core_decode,
             paged_kv_indptr_buffer=self.indptr, paged_kv_indices_buffer=self.indices,
             paged_kv_last_page_len_buffer=self.last_page_len) for kind in backend.kinds}
-        self._meta: AttentionMetadata | None = None
+        self._meta: FlashInferStep | None = None
 
-    def meta(self, chunks, slot_mapping: torch.Tensor) -> AttentionMetadata:
+    def meta(self, chunks: list[Chunk], slot_mapping: torch.Tensor) -> FlashInferStep:
         if len(chunks) != self.size:
             raise ValueError(f"{len(chunks)} rows planned on the size-{self.size} graph")
         for kind, wrapper in self.wrappers.items():
             self.backend.plan_decode(wrapper, chunks, kind)
         if self._meta is None:
-            self._meta = AttentionMetadata(slot_mapping=slot_mapping)
-            self._meta.impl = FlashInferStep(None, self.wrappers, 0, self.backend.sm_scale)
+            self._meta = FlashInferStep(slot_mapping, 0, None, self.wrappers)
         elif self._meta.slot_mapping.data_ptr() != slot_mapping.data_ptr():
             raise ValueError("a captured graph's slot mapping must stay the same buffer")
         return self._meta

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tokenizer_worker.chat_template import ChatTemplate, ChatTemplateError
+from tokenization.chat_template import ChatTemplate, ChatTemplateError
 
 __all__ = ["load_server_template"]
 

@@ -28,7 +28,7 @@ from typing import Any
 
 from tokenizers import AddedToken, Tokenizer
 
-from tokenizer_worker.chat_template import ChatTemplate, ChatTemplateError
+from tokenization.chat_template import ChatTemplate, ChatTemplateError
 
 __all__ = ["CheckpointTokenizer", "NAMED_SPECIAL_TOKENS"]
 
