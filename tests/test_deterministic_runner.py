@@ -185,17 +185,43 @@ def test_architecture_is_batch_invariant(arch, tmp_path):
     _check(runner, GREEDY)
 
 
-def test_off_means_the_fast_paths(tiny_dir):
-    runner = ModelRunner(str(tiny_dir), num_blocks=40, deterministic=False)
-    assert not runner.deterministic and runner.deterministic_note.startswith("off")
-    assert runner.numerics.min_rows == 1
+# (--deterministic flag, the batch-invariant kernel builds) -> (mode on, backend), or the
+# error a worker refuses to start with.
+FLAG_MAPPING = [
+    (None, True, (True, "cpu_kernel")),
+    (True, True, (True, "cpu_kernel")),
+    (False, True, (False, "cpu_kernel")),
+    (None, False, (False, "torch")),
+    (True, False, RuntimeError),
+    (False, False, (False, "torch")),
+]
 
 
-def test_required_but_unavailable_refuses_to_start(tiny_dir, monkeypatch):
+@pytest.mark.parametrize("asked,kernel,expected", FLAG_MAPPING)
+def test_flag_maps_to_the_mode_the_layers_and_the_attention_backend(tiny_dir, monkeypatch, asked, kernel,
+                                                                     expected):
+    """The three states of ``--deterministic`` where the device has a batch-invariant
+    attention kernel and where it has none: unset runs it where it can (off with the
+    reason elsewhere), set requires it, ``--no-`` turns it off. The mode is one decision
+    the layers (``Numerics``: padded matmuls) and the attention backend (its spec) share."""
     from gpu_worker.attention import cpu_kernel_backend
 
-    monkeypatch.setattr(cpu_kernel_backend, "load", lambda: None)
-    with pytest.raises(RuntimeError, match="--deterministic"):
-        ModelRunner(str(tiny_dir), num_blocks=40, deterministic=True)
-    runner = ModelRunner(str(tiny_dir), num_blocks=40)  # the default: off, with the reason
-    assert not runner.deterministic and "kernel" in runner.deterministic_note
+    if not kernel:
+        monkeypatch.setattr(cpu_kernel_backend, "load", lambda: None)  # as where no compiler exists
+    elif cpu_kernel_backend.load() is None:
+        pytest.skip("no C++ toolchain for the CPU attention kernel")
+    if expected is RuntimeError:
+        with pytest.raises(RuntimeError, match="--deterministic asked for, but: .*not batch-invariant"):
+            ModelRunner(str(tiny_dir), num_blocks=40, deterministic=asked)
+        return
+    on, backend = expected
+    runner = ModelRunner(str(tiny_dir), num_blocks=40, deterministic=asked)
+    assert runner.deterministic is on and runner.attn_spec.batch_invariant is on
+    assert runner.attn_backend.name == backend
+    assert runner.model.tp.numerics is runner.numerics
+    if on:
+        assert runner.deterministic_note.startswith("on") and runner.numerics.min_rows >= 1
+    else:
+        assert runner.numerics.min_rows == 1  # no padding
+        why = "(--no-deterministic)" if asked is False else "torch: not batch-invariant"
+        assert runner.deterministic_note.startswith("off") and why in runner.deterministic_note
