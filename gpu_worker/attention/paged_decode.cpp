@@ -10,7 +10,7 @@
 #endif
 
 // Attention straight off the paged KV cache (CPU, fp32), for any query row: a decode's
-// one token or each token of a prefill chunk; see cpu_decode.py.
+// one token or each token of a prefill chunk; see cpu_kernel_backend.py.
 //
 // q [B, H, D]; caches [NB, BS, KVH, D]; tables [S, MB] int64; row_seq [B] int64 (row b
 // reads table row_seq[b]; empty: table b); lens [B] int64 (row b attends keys
@@ -31,7 +31,7 @@
 // log-sum-exp lets a caller merge this result with attention over other keys (the cascade
 // path's shared prefix).
 //
-// Built with AVX2+FMA when the machine has them (cpu_decode.py names the build by ISA);
+// Built with AVX2+FMA when the machine has them (cpu_extension.py names the build by ISA);
 // the portable loops below are the fallback and the reference for the vector code.
 
 namespace {
