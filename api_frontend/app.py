@@ -135,7 +135,8 @@ async def tokenizer_info(request: web.Request) -> web.Response:
 
 
 async def capabilities(request: web.Request) -> web.Response:
-    return extra_routes.capabilities(request.app[MODELS_KEY], request.app[API_KEY])
+    return extra_routes.capabilities(request.app[MODELS_KEY], request.app[API_KEY],
+                                     request.app[ENGINE_KEY].stats)
 
 
 async def embeddings(request: web.Request) -> web.Response:

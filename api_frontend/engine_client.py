@@ -58,13 +58,13 @@ def combine_stats(current: list[ipc.SchedulerStats],
                   (every if name in ipc.SchedulerStats.CUMULATIVE else current)]
         if name in ("time", "step_in_flight_s", "worker_idle_ms_p50"):
             out[name] = max(values)
-        elif name == "worker_ready":
+        elif name in ("worker_ready", "deterministic"):
             out[name] = all(values)
         elif isinstance(values[0], dict):  # aborts by cause, step phases: key by key
             out[name] = {k: sum(v.get(k, 0) for v in values) for d in values for k in d}
         elif name == "replica":
             out[name] = 0
-        elif name in ("worker_device", "worker_dtype"):  # the same model on every replica
+        elif name in ("worker_device", "worker_dtype", "deterministic_note"):  # the same everywhere
             out[name] = next((v for v in values if v), "")
         else:
             out[name] = sum(values)
@@ -370,6 +370,12 @@ class EngineClient:
                     f"{fresh} on their way, this request needs {sequences}, bound "
                     f"{stats.max_waiting}); retry shortly")
         return None
+
+    def deterministic(self, rid: str) -> bool | None:
+        """Whether the replica serving ``rid`` runs batch-invariant kernels (None: unknown,
+        no report from it yet)."""
+        report = self._reports.get(self._replica_of.get(rid, -1))
+        return report[0].deterministic if report is not None and report[0].worker_ready else None
 
     async def submit(self, req: ipc.GenerateReq | ipc.RenderReq | ipc.PoolReq,
                      queue: asyncio.Queue | None = None, engine: int = 0) -> asyncio.Queue:

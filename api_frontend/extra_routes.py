@@ -128,9 +128,26 @@ async def tokenizer_info(engine: EngineClient) -> web.Response:
     return json_response({**info.config, **special, **msgspec.to_builtins(effective)})
 
 
-def capabilities(models: ServedModels, api: ApiSpec) -> web.Response:
+DETERMINISM_SCOPE = (
+    "a greedy or seeded request gets bitwise the same tokens and logprobs (top_logprobs and "
+    "prompt logprobs included) alone or inside any batch, on a prefix-cache hit or miss, under "
+    "any --max-num-batched-tokens, preempted or not, on any replica and after a restart, within "
+    "one deployment (same hardware, software, flags and tensor-parallel size)")
+
+
+def determinism(stats: ipc.SchedulerStats | None) -> dict:
+    """Which numerics the engine runs (``enabled`` None until it has reported)."""
+    known = stats is not None and stats.worker_ready
+    return {"enabled": stats.deterministic if known else None,
+            "note": stats.deterministic_note if known else "the engine has not reported yet",
+            "scope": DETERMINISM_SCOPE}
+
+
+def capabilities(models: ServedModels, api: ApiSpec,
+                 stats: ipc.SchedulerStats | None = None) -> web.Response:
     """The tier of every request field under this deployment's flags, and each served
-    model's runner (what it serves) and, for an embedding model, its pooling."""
+    model's runner (what it serves) and, for an embedding model, its pooling; the
+    numerics the engine runs."""
     card = models.primary.card
     generate, pooling = models.serves("generate"), models.serves("pooling")
     fields, endpoints = {}, ["/v1/models"]
@@ -158,6 +175,7 @@ def capabilities(models: ServedModels, api: ApiSpec) -> web.Response:
         "policy": msgspec.to_builtins(api),
         "limits": msgspec.to_builtins(api.limits),
         "tiers": field_policy.TIER_MEANINGS,
+        "deterministic": determinism(stats),
         "fields": fields,
         "endpoints": endpoints,
     })

@@ -111,9 +111,18 @@ ROWS: tuple[Row, ...] = (
         tests="H `test_finish_reason_stop_on_stop_string_is_trimmed`, A limits, "
         "K `test_stop_string_ending_on_the_last_allowed_token_is_stop`"),
     Row(fields=("seed",), **BOTH,
-        candor="honoured: per-request generator, same tokens alone or in any batch",
-        vllm="hint", sglang="hint",
-        tests="S `test_seed_gives_same_tokens_alone_and_in_a_busy_batch`"),
+        candor="honoured: per-request generator; same seed + same request + same deployment = "
+        "same tokens and logprobs (top_logprobs, prompt logprobs), bitwise, whatever else is "
+        "in the batch, on a prefix-cache hit or miss, under any step budget, preempted or not, "
+        "on any replica, after a restart (the deterministic mode: the default where the device "
+        "has batch-invariant kernels; `/v1/capabilities` `deterministic` and each response's "
+        "`candor.deterministic` say whether it answered; `--no-deterministic` turns it off); "
+        "greedy requests the same",
+        vllm="hint (batch-invariant only with `VLLM_BATCH_INVARIANT=1`, GPU)",
+        sglang="hint (`--enable-deterministic-inference`, GPU)",
+        tests="S `test_seed_gives_same_tokens_alone_and_in_a_busy_batch`, "
+        "D `test_alone_and_in_random_batches_bitwise`, D `test_other_step_budget_preemption_and_restart`, "
+        "D `test_every_data_parallel_replica`"),
     Row(fields=("presence_penalty", "frequency_penalty"), **BOTH,
         candor="honoured over generated tokens, -2..2 (checked against an HF reference; "
         "the same with or without a prefix-cache hit)",

@@ -115,6 +115,12 @@ class Flight:
                 self._early.append(msg)
         return infos
 
+    def deterministic(self) -> bool | None:
+        """Whether every sequence's replica runs batch-invariant kernels (None: unknown,
+        or replicas that differ); for the ``candor`` report."""
+        modes = {self.engine.deterministic(r.rid) for r in self.reqs}
+        return modes.pop() if len(modes) == 1 else None
+
     async def _cut(self, d: ipc.TextDelta) -> ipc.TextDelta:
         if self._first_call is not None and (short := self._first_call.cut(d)) is not None:
             self.unfinished.discard(d.rid)
@@ -165,6 +171,7 @@ async def run_generation(request: web.Request, engine: EngineClient, card: Model
         infos = await flight.start()
         firsts = [r.rid for r in flight.reqs if tr.choices[r.rid][0] % tr.n == 0]  # per prompt
         report = _fold_reports(tr.report, [infos[f] for f in firsts])
+        report.deterministic = flight.deterministic()
         headers = {"X-Request-Id": response_key,
                    "x-candor-adjustments": _JSON.encode(report).decode()}
         logprobs = (parsed.logprobs if is_chat else parsed.logprobs is not None)

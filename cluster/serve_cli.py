@@ -173,6 +173,12 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                    help=argparse.SUPPRESS)
     g.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs for decode steps (used only on CUDA with flashinfer)")
+    g.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
+                   help="batch-invariant kernels: a greedy or seeded request gets the same "
+                        "tokens and logprobs, bitwise, whatever else runs (default: on where "
+                        "the device supports it, reported in /v1/capabilities; "
+                        "--deterministic: refuse to start without it; --no-deterministic: "
+                        "off, for speed)")
 
     g = serve.add_argument_group("processes")
     g.add_argument("--frontends", type=int, default=1)
@@ -336,7 +342,8 @@ def serve_topology(args: argparse.Namespace, model_path: str, default_name: str,
                    "worker_threads": args.worker_threads, "seed": args.seed,
                    "max_waiting_requests": args.max_waiting_requests,
                    "enable_prefix_caching": args.enable_prefix_caching,
-                   "device": args.device, "enforce_eager": args.enforce_eager},
+                   "device": args.device, "enforce_eager": args.enforce_eager,
+                   "deterministic": args.deterministic},
         "http": {"host": args.host, "port": args.port, "max_body_mb": args.max_body_mb,
                  "keepalive_timeout_s": args.keepalive_timeout_s,
                  "body_read_timeout_s": args.body_read_timeout_s,

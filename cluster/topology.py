@@ -85,6 +85,10 @@ class EngineSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # No CUDA graphs: decode-only steps launch eagerly (vLLM's --enforce-eager). Graphs
     # are used only with the flashinfer backend on CUDA; elsewhere this changes nothing.
     enforce_eager: bool = False
+    # Batch-invariant kernels (same request, same bits, whatever the batch): unset = on
+    # where the device has them (CPU, fp32), else off with the reason reported; true =
+    # required (a worker that cannot refuses to start); false = off, for speed.
+    deterministic: bool | None = None
 
 
 class CorsSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -46,6 +46,10 @@ def main() -> None:
     if size > 1:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
+    if cfg.engine.deterministic is not False:
+        # MKL's strict reproducibility mode: a GEMM row's result no longer depends on how
+        # the rows split over threads (see batch_invariant); read when MKL loads, with torch.
+        os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
     import torch  # only this role pays for torch
 
     torch.set_num_threads(cfg.engine.worker_threads or _default_threads(size))
@@ -69,7 +73,7 @@ def main() -> None:
         gpu_memory_utilization=eng.gpu_memory_utilization,
         max_model_len=effective_max_model_len(cfg.model_path, cfg.max_model_len),
         load_format=cfg.load_format, seed=eng.seed, enforce_eager=eng.enforce_eager,
-        max_num_seqs=eng.max_num_seqs, ranks=ranks,
+        max_num_seqs=eng.max_num_seqs, ranks=ranks, deterministic=eng.deterministic,
         pooling=read_pooling_config(cfg.model_path) if cfg.runner == "pooling" else None)
     kv_mib = runner.num_blocks * runner.block_bytes / 2**20
     log.info("rank %d/%d: model loaded in %.2fs, %d threads, dtype %s (%s); KV cache %d blocks "
@@ -77,6 +81,7 @@ def main() -> None:
              torch.get_num_threads(), str(runner.dtype).removeprefix("torch."),
              runner.dtype_reason, runner.num_blocks, kv_mib,
              runner.num_blocks * runner.block_size, runner.kv_reason)
+    log.info("deterministic mode %s", runner.deterministic_note)
 
     ctx = sync_context(cfg.security, dropped_messages(cfg.role))
     plans: Receiver = Receiver(ctx, cfg.addresses.worker_in, ipc.WorkerInbound, bind=False,
@@ -89,7 +94,9 @@ def main() -> None:
 
     answer(ipc.WorkerReady(runner.num_blocks, runner.block_size, runner.max_model_len,
                            device=str(runner.device),
-                           dtype=str(runner.dtype).removeprefix("torch.")))
+                           dtype=str(runner.dtype).removeprefix("torch."),
+                           deterministic=runner.deterministic,
+                           deterministic_note=runner.deterministic_note))
 
     last_sent = time.perf_counter()
     order = PlanOrder()

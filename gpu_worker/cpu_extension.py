@@ -51,25 +51,27 @@ def _ninja_version() -> str:
         return ""
 
 
-def build_dir(source: Path) -> tuple[str, str]:
-    """(module name, build directory) of ``source``: its ISA and a hash of its text, the
-    Python, the torch it is built against and the ninja that builds it."""
+def build_dir(source: Path, cflags: tuple[str, ...] = ()) -> tuple[str, str]:
+    """(module name, build directory) of ``source``: its ISA and a hash of its text, its
+    extra flags, the Python, the torch it is built against and the ninja that builds it."""
     from torch.utils.cpp_extension import get_default_build_root
 
     isa, _ = isa_flags()
-    key = f"{source.read_text()}\0{sys.version_info[:2]}\0{torch.__version__}\0{_ninja_version()}"
+    key = (f"{source.read_text()}\0{' '.join(cflags)}\0{sys.version_info[:2]}\0{torch.__version__}"
+           f"\0{_ninja_version()}")
     name = f"candor_{source.stem}_{isa}_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     return name, os.path.join(get_default_build_root(), name)
 
 
-def build(source: Path, functions: list[str], openmp: bool = False):
-    """The compiled module exposing ``functions``, or None (logged) if it cannot be built."""
+def build(source: Path, functions: list[str], openmp: bool = False, cflags: tuple[str, ...] = ()):
+    """The compiled module exposing ``functions``, or None (logged) if it cannot be built.
+    ``cflags``: extra compiler flags (part of the build's name, as the source is)."""
     try:
         from torch.utils.cpp_extension import load_inline
 
         _, flags = isa_flags()
         text = source.read_text()
-        name, build_dir_ = build_dir(source)
+        name, build_dir_ = build_dir(source, cflags)
         os.makedirs(build_dir_, exist_ok=True)
         with open(os.path.join(build_dir_, "candor.flock"), "w") as held:
             fcntl.flock(held, fcntl.LOCK_EX)
@@ -78,7 +80,7 @@ def build(source: Path, functions: list[str], openmp: bool = False):
             except FileNotFoundError:
                 pass
             return load_inline(name, cpp_sources=[text], functions=functions,
-                               extra_cflags=["-O3", *(["-fopenmp"] if openmp else []), *flags],
+                               extra_cflags=["-O3", *(["-fopenmp"] if openmp else []), *flags, *cflags],
                                build_directory=build_dir_)
     except Exception as exc:  # no compiler, no headers, ...: the torch path still works
         log.warning("CPU kernel %s unavailable, using the torch path: %s", source.name, exc)

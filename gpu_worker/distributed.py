@@ -16,6 +16,7 @@ from datetime import timedelta
 
 import torch
 
+from gpu_worker.batch_invariant import Numerics
 from gpu_worker.models.parallel import TPGroup
 from gpu_worker.tp_shard import TPShard
 
@@ -30,8 +31,8 @@ class Ranks:
     def __init__(self, rank: int = 0, size: int = 1, cpu_group=None) -> None:
         self.rank, self.size, self.cpu_group = rank, size, cpu_group
 
-    def tp_group(self, shard: TPShard) -> TPGroup:
-        return TPGroup(shard, group=None)
+    def tp_group(self, shard: TPShard, numerics: Numerics | None = None) -> TPGroup:
+        return TPGroup(shard, group=None, numerics=numerics)
 
     def min_int(self, value: int) -> int:
         """The smallest ``value`` over the ranks (KV capacity: the scarcest rank's)."""

@@ -32,9 +32,10 @@ import torch
 
 from cluster import checkpoint
 from cluster.pooling import PoolingConfig
-from gpu_worker import cuda_graphs
+from gpu_worker import batch_invariant, cuda_graphs
 from gpu_worker.attention.base import AttentionBackend, AttentionSpec
 from gpu_worker.attention.registry import select_backend
+from gpu_worker.batch_invariant import Numerics
 from gpu_worker.grammar import GrammarStates
 from gpu_worker.kv_budget import auto_kv_bytes
 from gpu_worker.distributed import Ranks
@@ -81,9 +82,15 @@ def resolve_dtype(name: str, model_path: str, device: torch.device) -> tuple[tor
 
 class ModelRunner:
     """Start-up runs in named steps (``_build_model``, ``_size_kv_cache``,
-    ``_allocate_kv_cache``, ``_pick_attention``, ``_capture_graphs``); ``execute`` runs one
-    plan. With ``pooling`` (a pooling deployment) the model has no LM head and each
-    request's output is its pooled hidden state (``pooler``) instead of a sampled token."""
+    ``_allocate_kv_cache``, ``_settle_determinism`` with ``_pick_attention``,
+    ``_capture_graphs``); ``execute`` runs one plan. With ``pooling`` (a pooling deployment)
+    the model has no LM head and each request's output is its pooled hidden state
+    (``pooler``) instead of a sampled token.
+
+    ``deterministic``: None (the default) runs batch-invariant numerics (layers padded by
+    ``batch_invariant.Numerics``, a batch-invariant attention backend) where this device
+    has them on every rank, the fast ones elsewhere; True refuses to start without them;
+    False runs the fast ones."""
 
     def __init__(
         self,
@@ -102,6 +109,7 @@ class ModelRunner:
         max_num_seqs: int = cuda_graphs.MAX_CAPTURE_SIZE,
         ranks: Ranks | None = None,
         pooling: PoolingConfig | None = None,
+        deterministic: bool | None = None,
     ) -> None:
         self.config = cfg = load_config(model_path)
         self.pooling = pooling
@@ -115,12 +123,15 @@ class ModelRunner:
         limit = cfg.max_position_embeddings
         self.max_model_len = min(limit, max_model_len) if max_model_len else limit
 
+        # Batch-invariant layers unless turned off; whether the mode holds here is settled
+        # once the weights are in and the attention backend is chosen (_settle_determinism).
+        self.numerics = Numerics(deterministic=deterministic is not False)
         self.model = self._build_model(model_path, load_format, seed)
         self.num_blocks, self.kv_reason = self._size_kv_cache(num_blocks, kv_cache_memory_bytes,
                                                               gpu_memory_utilization, max_num_seqs)
         self.scratch_block = self.num_blocks  # never in a plan: _check rejects ids >= num_blocks
         self.kv_caches = self._allocate_kv_cache()
-        self.attn_spec, self.attn_backend = self._pick_attention()
+        self.attn_spec, self.attn_backend, self.deterministic_note = self._settle_determinism(deterministic)
 
         self.grammars = GrammarStates(model_path, cfg.vocab_size, self.device)
         self.sampler = Sampler(self.device, seed, apply_masks=self.grammars.apply_masks)
@@ -142,7 +153,8 @@ class ModelRunner:
         on meta (no init cost), then materialised; the loader writes every weight."""
         with torch.device("meta"):
             model = DecoderForCausalLM(self.config, max_positions=self.max_model_len, device=self.device,
-                                       dtype=self.dtype, tp=self.ranks.tp_group(self.shard),
+                                       dtype=self.dtype,
+                                       tp=self.ranks.tp_group(self.shard, self.numerics),
                                        lm_head=self.pooling is None)
         model = model.to_empty(device=self.device).to(self.dtype)
         load_weights(model, model_path, load_format, seed=seed)
@@ -190,13 +202,42 @@ class ModelRunner:
         progress.finish()
         return caches
 
-    def _pick_attention(self) -> tuple[AttentionSpec, AttentionBackend]:
-        """The first attention backend that serves this rank's heads, dtype and device, and
-        each layer's kind (window, soft-cap); see ``attention.registry``."""
+    def _pick_attention(self, batch_invariant: bool) -> tuple[AttentionSpec, AttentionBackend]:
+        """The first attention backend that serves this rank's heads, dtype and device,
+        each layer's kind (window, soft-cap) and, when asked, batch invariance; see
+        ``attention.registry`` (ValueError: none does)."""
         cfg, shard = self.config, self.shard
         spec = AttentionSpec(shard.heads, shard.kv_heads, cfg.head_dim, self.block_size, self.dtype,
-                             self.device, cfg.scale, tuple((layer.window, cfg.attn_softcap) for layer in cfg.layers))
+                             self.device, cfg.scale, tuple((layer.window, cfg.attn_softcap) for layer in cfg.layers),
+                             batch_invariant=batch_invariant)
         return spec, select_backend(spec)
+
+    @property
+    def deterministic(self) -> bool:
+        return self.numerics.deterministic
+
+    def _settle_determinism(self, asked: bool | None) -> tuple[AttentionSpec, AttentionBackend, str]:
+        """(attention spec, backend, what was decided and why): batch-invariant where a
+        backend serves it and the matmuls agree from a measured row count on, on this rank
+        and every other one; else the fast path. ``asked`` True: off is an error."""
+        if asked is False:
+            self.numerics.deterministic = False
+            return *self._pick_attention(False), "off (--no-deterministic)"
+        try:
+            spec, backend = self._pick_attention(True)
+            rows, reason = batch_invariant.measure_min_rows(self.model.matmuls())
+        except ValueError as err:  # no backend attends batch-invariantly here
+            rows, reason = None, str(err)
+        if self.ranks.min_int(int(not reason)) == 0:
+            reason = reason or "another tensor-parallel rank cannot run it"
+        if not reason:
+            self.numerics.min_rows = rows
+            return spec, backend, f"on (batch-invariant kernels; matmuls padded to {rows} rows)"
+        if asked:
+            raise RuntimeError(f"--deterministic asked for, but: {reason}")
+        self.numerics.deterministic = False
+        log.warning("deterministic mode off: %s", reason)
+        return *self._pick_attention(False), f"off: {reason}"
 
     def _capture_graphs(self, enforce_eager: bool, max_num_seqs: int) -> cuda_graphs.DecodeGraphRunner | None:
         """Decode-only steps as CUDA graphs, captured now (see ``cuda_graphs``), where the

@@ -177,15 +177,19 @@ def top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, ks: list[int],
     chosen_col = logprobs.gather(1, chosen[:, None])
     chosen_lp = chosen_col[:, 0].tolist()
     ranks = (logprobs >= chosen_col).sum(dim=-1).tolist() if with_rank else None
-    k_max = max(ks)
-    top_v, top_i = (logprobs.topk(k_max, dim=-1) if k_max > 0 else (None, None))
+    # One top-k per distinct k: which of several equally likely ids make a row's list must
+    # not depend on the largest k another row of the batch asked for.
+    tops: dict[int, tuple[dict[int, list[int]], dict[int, list[float]]]] = {}
+    for k in set(ks) - {0}:
+        rows = [r for r, kr in enumerate(ks) if kr == k]
+        values, indices = logprobs[rows].topk(k, dim=-1)
+        tops[k] = (dict(zip(rows, indices.tolist())), dict(zip(rows, values.tolist())))
     ids = chosen.tolist()
     out = []
     for r, k in enumerate(ks):
         rank = ranks[r] if ranks is not None else None
         if k > 0:
-            out.append(TokenLogprob(ids[r], chosen_lp[r], top_i[r, :k].tolist(),
-                                    top_v[r, :k].tolist(), rank))
+            out.append(TokenLogprob(ids[r], chosen_lp[r], tops[k][0][r], tops[k][1][r], rank))
         else:
             out.append(TokenLogprob(ids[r], chosen_lp[r], rank=rank))
     return out

@@ -316,6 +316,8 @@ class WorkerReady(_Message, tag="ready"):
     max_model_len: int
     device: str = ""  # what --device / --dtype auto resolved to, for /version
     dtype: str = ""
+    deterministic: bool = False  # batch-invariant kernels in use (see gpu_worker.batch_invariant)
+    deterministic_note: str = ""  # what was decided and why
 
 
 class TokenLogprob(msgspec.Struct, array_like=True):
@@ -507,6 +509,8 @@ class SchedulerStats(_Message, tag="stats"):
     worker_device: str = ""  # the device and dtype the gpu_worker computes in
     worker_dtype: str = ""
     replica: int = 0  # which engine replica's scheduler this is
+    deterministic: bool = False  # the worker runs batch-invariant kernels (WorkerReady's)
+    deterministic_note: str = ""
     # Cumulative wall seconds of the step loop by phase: the scheduler's own (sched_*)
     # and the worker's (worker_*, from WorkerTimings); candor_step_phase_seconds.
     step_phases_s: dict[str, float] = {}

@@ -161,6 +161,9 @@ class CandorReport(msgspec.Struct, omit_defaults=True):
     tool_parser: str | None = None  # which parser read tool calls out of the text
     reasoning_parser: str | None = None  # which parser split off reasoning_content
     constraint: str | None = None  # the field whose grammar constrained decoding
+    # The replica that answered ran batch-invariant kernels: a greedy or seeded request's
+    # tokens and logprobs are the same bits whatever else ran beside it.
+    deterministic: bool | None = None
 
 
 class TopLogprobEntry(msgspec.Struct):

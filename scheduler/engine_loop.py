@@ -368,7 +368,9 @@ class EngineLoop:
             prefix_cache_hit_tokens=planner.prefix_hit_tokens if planner else 0,
             step_in_flight_s=self.ops.in_flight_s(self._running_since()),
             step_phases_s=self.ops.step_phases_s(),
-            replica=self.cfg.replica)
+            replica=self.cfg.replica,
+            deterministic=self.worker_ready.deterministic if self.worker_ready else False,
+            deterministic_note=self.worker_ready.deterministic_note if self.worker_ready else "")
         self.stats_pub.send(stats)
         self.ops.metrics.export(stats)
         if self.in_flight:  # a rank that lost the newest plan notices (plan_order.py)

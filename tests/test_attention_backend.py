@@ -44,3 +44,23 @@ def test_a_backend_failing_its_check_is_skipped_with_a_warning(monkeypatch, capl
     assert select_backend(_spec()).name == "torch"
     warned = [r for r in caplog.records if r.levelname == "WARNING"]
     assert warned and "could not be built" in warned[0].getMessage()
+
+
+def test_a_batch_invariant_spec_is_served_only_by_a_backend_that_declares_it(monkeypatch):
+    """The deterministic mode asks the registry for batch invariance: the torch backend
+    (SDPA splits keys as the chunk does) declines it, the CPU kernel serves it, and where
+    no backend can the selection fails, naming each reason."""
+    spec = _spec(batch_invariant=True)
+    assert not backend_class("torch").batch_invariant and backend_class("cpu_kernel").batch_invariant
+    if cpu_kernel_load_ok():
+        assert select_backend(spec).name == "cpu_kernel"
+    monkeypatch.setenv("CANDOR_CPU_DECODE_KERNEL", "0")
+    with pytest.raises(ValueError, match="torch: not batch-invariant"):
+        select_backend(spec)
+    assert select_backend(_spec()).name == "torch"
+
+
+def cpu_kernel_load_ok() -> bool:
+    from gpu_worker.attention import cpu_kernel_backend
+
+    return cpu_kernel_backend.load() is not None

@@ -109,6 +109,15 @@ def test_runner_and_its_task_alias(tiny_model_dir, capsys):
         assert says in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags,mode", [((), None), (("--deterministic",), True),
+                                        (("--no-deterministic",), False)])
+def test_deterministic_is_on_where_supported_required_or_off(tiny_model_dir, flags, mode):
+    """Unset: batch-invariant kernels where the device has them; --deterministic: a
+    worker without them refuses to start; --no-deterministic: the fast kernels."""
+    topo, _ = serve_args_to_topology([str(tiny_model_dir), *flags], environ={})
+    assert topo.engine.deterministic is mode
+
+
 @pytest.mark.parametrize("text,expected", [("4GiB", 4 * 2**30), ("512MiB", 512 * 2**20),
                                            ("2G", 2 * 10**9), ("1024", 1024),
                                            ("1.5 gib", int(1.5 * 2**30))])

@@ -105,6 +105,7 @@ async def create(request: web.Request, models: ServedModels, api: ApiSpec,
         except ApiError as err:
             raise responses_name(err) from None
         report = complete_report(tr.report, info)
+        report.deterministic = flight.deterministic()
         headers = {"X-Request-Id": response_key,
                    "x-candor-adjustments": _JSON.encode(report).decode()}
         builder = ResponseBuilder(_base(req, rid, card, tr, report), tr.tools, tr.reasoning,

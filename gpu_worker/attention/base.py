@@ -16,6 +16,13 @@ Decode-only steps may run at fixed, padded batch sizes through static buffers
 padded batch over the runner's static slot buffer. A ``capturable`` backend returns the
 same metadata object every step (its kernels read buffers re-planned in place), so the
 step can be captured as a CUDA graph; the default plans afresh each step, eagerly.
+
+Batch invariance (the deterministic mode): a spec with ``batch_invariant`` asks that each
+query row's result depend on its own keys alone, never on the other rows of the step, on
+whether its keys came from the cache or from its own chunk, or on where its prompt was
+split into chunks. Only a backend that declares ``batch_invariant`` may serve such a spec
+(``registry.select_backend`` skips the others), and it must then keep that promise for
+every row it plans.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ class AttentionSpec:
     device: torch.device
     scale: float
     layer_kinds: tuple[LayerKind, ...] = ((None, None),)
+    batch_invariant: bool = False  # the deterministic mode (see the module docstring)
 
     @property
     def kinds(self) -> list[LayerKind]:
@@ -93,6 +101,7 @@ class AttentionBackend(ABC):
 
     name: ClassVar[str]
     capturable: ClassVar[bool] = False  # its graph_attention metadata can be captured
+    batch_invariant: ClassVar[bool] = False  # it can serve a spec that asks for batch invariance
 
     def __init__(self, spec: AttentionSpec) -> None:
         self.spec = spec

@@ -11,9 +11,21 @@ soft-cap), and returns each head's log-sum-exp too, so under a cascade it attend
 decode's own suffix and merges with the shared prefix's attention. Prefill chunks run
 as in the torch backend.
 
-It is compiled with the system C++ compiler via ``torch.utils.cpp_extension`` (~45 s the
-first time, then cached under ``TORCH_EXTENSIONS_DIR``); where that fails, the backend
-declines and the torch backend serves. ``CANDOR_CPU_DECODE_KERNEL=0`` turns it off.
+Batch-invariant (``AttentionSpec.batch_invariant``, the deterministic mode): every query
+row, prefill or decode, goes through the kernel after the step's K/V write, reading its
+causal prefix from the cache in key order (``InvariantStep``). The kernel takes any row:
+``row_seq`` names each row's block table, and consecutive rows on one table (a prefill
+chunk) share each K/V read, but a row's arithmetic depends on its own keys only. So a
+token's result never depends on the other rows, on whether its keys came from the cache
+or from its own chunk, or on where its prompt was split; SDPA (whose split over keys
+follows the chunk) and the cascade (which depends on which other decodes share a prefix)
+stay out of it.
+
+It is compiled with ``-ffp-contract=off`` (the compiler may not fuse a multiply and an
+add into one FMA in one call site and not in another) with the system C++ compiler via
+``torch.utils.cpp_extension`` (~45 s the first time, then cached under
+``TORCH_EXTENSIONS_DIR``); where that fails, the backend declines and the torch backend
+serves (and the deterministic mode is off). ``CANDOR_CPU_DECODE_KERNEL=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -25,29 +37,33 @@ from typing import Callable
 
 import torch
 
-from gpu_worker.attention.base import AttentionSpec, Chunk
+from gpu_worker.attention.base import AttentionMetadata, AttentionSpec, Chunk, write_kv
 from gpu_worker.attention.torch_backend import TorchBackend, TorchStep, merge_by_lse, padded_tables
 from gpu_worker.cpu_extension import build
 
 _SOURCE = Path(__file__).with_name("paged_decode.cpp")
 DISABLE_ENV = "CANDOR_CPU_DECODE_KERNEL"
-# (q, k_cache, v_cache, tables, lens, scale, window=None, softcap=None) -> (out, lse)
+CFLAGS = ("-ffp-contract=off",)
+_NO_ROWS = torch.empty(0, dtype=torch.long)
+# (q, k_cache, v_cache, tables, lens, scale, window=None, softcap=None, row_seq=None) -> (out, lse)
 Kernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 def load() -> Kernel | None:
-    """The compiled ``paged_decode``, or None when it cannot be built. ``window``: each
-    decode attends its last ``window`` keys only; ``softcap``: scores pass through
-    ``softcap * tanh(score / softcap)`` first."""
-    module = build(_SOURCE, ["paged_decode"], openmp=True)
+    """The compiled ``paged_attention``, or None when it cannot be built. Row b of ``q``
+    attends keys 0..lens[b]-1 of block table ``tables[row_seq[b]]`` (``row_seq`` None:
+    ``tables[b]``). ``window``: each row attends its last ``window`` keys only;
+    ``softcap``: scores pass through ``softcap * tanh(score / softcap)`` first."""
+    module = build(_SOURCE, ["paged_attention"], openmp=True, cflags=CFLAGS)
     if module is None:
         return None
-    kernel = module.paged_decode
+    kernel = module.paged_attention
 
-    def paged_decode(q, k_cache, v_cache, tables, lens, scale, window=None, softcap=None):
-        return kernel(q, k_cache, v_cache, tables, lens, scale, window or 0, softcap or 0.0)
+    def paged_attention(q, k_cache, v_cache, tables, lens, scale, window=None, softcap=None, row_seq=None):
+        return kernel(q, k_cache, v_cache, tables, _NO_ROWS if row_seq is None else row_seq, lens, scale,
+                      window or 0, softcap or 0.0)
 
-    return paged_decode
+    return paged_attention
 
 
 @dataclass
@@ -69,8 +85,27 @@ class KernelStep(TorchStep):
         return merge_by_lse(op, lse_p, os_.view(b, kvh, g, d), lse_s.view(b, kvh, g)).reshape(b, h, d)
 
 
+@dataclass
+class InvariantStep(AttentionMetadata):
+    """Every row of the step through the kernel, from the cache (see the module docstring)."""
+
+    slot_mapping: torch.Tensor
+    num_prefill_tokens: int
+    scale: float
+    kernel: Kernel
+    tables: torch.Tensor  # [sequences, max_blocks] long, padded
+    row_seq: torch.Tensor  # [num_tokens] long: each row's table
+    lens: torch.Tensor  # [num_tokens] long: each row's position + 1
+
+    def attend(self, q, k, v, k_cache, v_cache, window=None, softcap=None):
+        write_kv(k_cache, v_cache, k, v, self.slot_mapping)
+        return self.kernel(q.contiguous(), k_cache, v_cache, self.tables, self.lens, self.scale, window, softcap,
+                           row_seq=self.row_seq)[0]
+
+
 class CpuKernelBackend(TorchBackend):
     name = "cpu_kernel"
+    batch_invariant = True
 
     def __init__(self, spec: AttentionSpec, kernel: Kernel | None = None) -> None:
         super().__init__(spec)
@@ -87,7 +122,10 @@ class CpuKernelBackend(TorchBackend):
     def check(self) -> str | None:
         return None if self.kernel is not None else "the kernel could not be built (see the log above)"
 
-    def plan(self, chunks: list[Chunk], num_decodes: int, slot_mapping: torch.Tensor) -> KernelStep:
+    def plan(self, chunks: list[Chunk], num_decodes: int,
+             slot_mapping: torch.Tensor) -> KernelStep | InvariantStep:
+        if self.spec.batch_invariant:
+            return self._every_row(chunks, num_decodes, slot_mapping)
         meta = KernelStep(slot_mapping, self.spec.scale, self.scratch, kernel=self.kernel)
         meta = self._prefills(meta, chunks, num_decodes)
         if num_decodes:
@@ -95,3 +133,15 @@ class CpuKernelBackend(TorchBackend):
             meta.decode_lens = torch.tensor(rows.lens, dtype=torch.long, device=self.spec.device)
             meta.decode_tables = padded_tables(rows.lens, rows.tables, self.spec.block_size, self.spec.device)
         return meta
+
+    def _every_row(self, chunks: list[Chunk], num_decodes: int, slot_mapping: torch.Tensor) -> InvariantStep:
+        device = self.spec.device
+        counts = [n for _, n, _ in chunks]
+        return InvariantStep(
+            slot_mapping, sum(counts[:len(chunks) - num_decodes]), self.spec.scale, self.kernel,
+            tables=padded_tables([start + n for start, n, _ in chunks], [t for _, _, t in chunks],
+                                 self.spec.block_size, device),
+            row_seq=torch.repeat_interleave(torch.arange(len(chunks), device=device),
+                                            torch.tensor(counts, device=device)),
+            lens=torch.tensor([p for start, n, _ in chunks for p in range(start + 1, start + n + 1)],
+                              dtype=torch.long, device=device))

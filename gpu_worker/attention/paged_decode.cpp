@@ -9,19 +9,29 @@
 #define CANDOR_AVX2 1
 #endif
 
-// Decode attention straight off the paged KV cache (CPU, fp32); see cpu_decode.py.
+// Attention straight off the paged KV cache (CPU, fp32), for any query row: a decode's
+// one token or each token of a prefill chunk; see cpu_kernel_backend.py.
 //
-// q [B, H, D]; caches [NB, BS, KVH, D]; tables [B, MB] int64; lens [B] int64;
-// window (0: none; else each query sees only its last `window` keys, itself included);
-// softcap (0: none; else scores become softcap * tanh(score / softcap), as Gemma 2's)
-//   -> (out [B, H, D], lse [B, H]).
-// One sequence per task: a K pass in memory order (each token's row holds every KV
-// head, so a block is read as one contiguous slab) writes scores for all query heads,
-// then an exact softmax per head, then a V pass in the same order. Each KV byte comes from memory once per pass and nothing is copied; GQA
-// maps query head i to KV head i / G. The log-sum-exp lets a caller merge this result
-// with attention over other keys (the cascade path's shared prefix).
+// q [B, H, D]; caches [NB, BS, KVH, D]; tables [S, MB] int64; row_seq [B] int64 (row b
+// reads table row_seq[b]; empty: table b); lens [B] int64 (row b attends keys
+// 0..lens[b]-1 of its table: its position + 1); window (0: none; else each row sees only
+// its last `window` keys, itself included); softcap (0: none; else scores become
+// softcap * tanh(score / softcap), as Gemma 2's)  -> (out [B, H, D], lse [B, H]).
 //
-// Built with AVX2+FMA when the machine has them (cpu_decode.py names the build by ISA);
+// Consecutive rows reading the same table (a prefill chunk) form a tile of up to R rows
+// that share each K and V row read; one row is a tile of one (a decode). For each row
+// the arithmetic is fixed by its own keys alone: a K pass in key order (each token's row
+// holds every KV head, so a block is read as one contiguous slab) writes that row's
+// scores for all query heads, then an exact softmax per head, then a V pass in the same
+// key order. Which tile a row lands in, how many rows share it and which thread runs it
+// never change a row's operations or their order, so a row's result is bitwise the same
+// alone or batched, as a decode or inside any prefill chunk (batch invariance: the
+// deterministic mode relies on it; the build uses -ffp-contract=off so the compiler cannot
+// fuse differently in different call sites). GQA maps query head i to KV head i / G. The
+// log-sum-exp lets a caller merge this result with attention over other keys (the cascade
+// path's shared prefix).
+//
+// Built with AVX2+FMA when the machine has them (cpu_extension.py names the build by ISA);
 // the portable loops below are the fallback and the reference for the vector code.
 
 namespace {
@@ -36,17 +46,33 @@ inline const float* row(const float* cache, const int64_t* tab, int64_t t, int64
   return cache + (tab[t / BS] * BS + t % BS) * width;
 }
 
-#ifdef CANDOR_AVX2
-// Rows are KVH * D floats (a few KB) in blocks scattered over the cache; the hardware
-// prefetchers stop at 4 KB pages, so each pass asks for row t + AHEAD explicitly.
-constexpr int64_t AHEAD = 2;
-inline void prefetch_row(const float* cache, const int64_t* tab, int64_t t, int64_t n, int64_t BS,
-                         int64_t width) {
-  if (t >= n) return;
-  const char* r = reinterpret_cast<const char*>(row(cache, tab, t, BS, width));
-  for (int64_t off = 0; off < width * 4; off += 64) _mm_prefetch(r + off, _MM_HINT_T0);
+// Offsets (in floats, from the cache's start) of token rows lo..n-1 of a table, block by
+// block: one division per pass instead of one per key.
+inline void row_offsets(const int64_t* tab, int64_t lo, int64_t n, int64_t BS, int64_t width,
+                        std::vector<int64_t>& out) {
+  out.resize(n - lo);
+  int64_t b = lo / BS, o = lo % BS;
+  for (int64_t t = lo; t < n; ++t) {
+    out[t - lo] = (tab[b] * BS + o) * width;
+    if (++o == BS) o = 0, ++b;
+  }
 }
 
+// One query row of a tile: keys lo..n-1; its scores start at s + off (H * (n - lo) floats).
+struct RowSpan {
+  int64_t lo, n, off;
+};
+
+inline void key_range(const RowSpan* rs, int64_t R, int64_t& tlo, int64_t& thi) {
+  tlo = rs[0].lo;
+  thi = rs[0].n;
+  for (int64_t i = 1; i < R; ++i) {
+    tlo = std::min(tlo, rs[i].lo);
+    thi = std::max(thi, rs[i].n);
+  }
+}
+
+#ifdef CANDOR_AVX2
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -81,66 +107,6 @@ inline __m256 exp256(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
-// Walks rows lo..n-1 of a cache in memory order (a row holds every KV head) and calls
-// f(t - lo, kh, x) with KV head kh's V = D / 8 vectors of row t loaded in x.
-template <int V, class F>
-inline void for_each_head_row(const float* cache, const int64_t* tab, int64_t lo, int64_t n,
-                              int64_t BS, int64_t KVH, F&& f) {
-  const int64_t width = KVH * V * 8;
-  for (int64_t t = lo; t < n; ++t) {
-    prefetch_row(cache, tab, t + AHEAD, n, BS, width);
-    const float* r = row(cache, tab, t, BS, width);
-    for (int64_t kh = 0; kh < KVH; ++kh) {
-      __m256 x[V];
-      for (int i = 0; i < V; ++i) x[i] = _mm256_loadu_ps(r + kh * V * 8 + i * 8);
-      f(t - lo, kh, x);
-    }
-  }
-}
-
-// Scores of every query head against its KV head's keys lo..n-1: s[hq * m + t - lo].
-template <int V>
-void k_pass(const float* q, const float* kc, const int64_t* tab, int64_t lo, int64_t n, int64_t BS,
-            int64_t KVH, int64_t G, float sc, float* s) {
-  const int64_t m = n - lo;
-  for_each_head_row<V>(kc, tab, lo, n, BS, KVH, [&](int64_t t, int64_t kh, const __m256* k) {
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t hq = kh * G + g;
-      const float* qh = q + hq * V * 8;
-      __m256 a0 = _mm256_mul_ps(k[0], _mm256_loadu_ps(qh));
-      __m256 a1 = _mm256_setzero_ps();
-      for (int i = 1; i < V; ++i) {
-        if (i & 1) a1 = _mm256_fmadd_ps(k[i], _mm256_loadu_ps(qh + i * 8), a1);
-        else a0 = _mm256_fmadd_ps(k[i], _mm256_loadu_ps(qh + i * 8), a0);
-      }
-      s[hq * m + t] = hsum(_mm256_add_ps(a0, a1)) * sc;
-    }
-  });
-}
-
-// out[hq] = sum_t p[hq, t] * v[t, hq / G], V rows in memory order with the H x D
-// accumulators in L1: a strided per-head walk instead defeats the prefetchers and costs
-// ~1.5x on a DRAM-resident cache.
-template <int V>
-void v_pass(const float* vc, const int64_t* tab, int64_t lo, int64_t n, int64_t BS, int64_t KVH,
-            int64_t G, const float* p, const float* inv_sum, float* out) {
-  const int64_t H = KVH * G, m = n - lo;
-  std::fill(out, out + H * V * 8, 0.f);
-  for_each_head_row<V>(vc, tab, lo, n, BS, KVH, [&](int64_t t, int64_t kh, const __m256* v) {
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t hq = kh * G + g;
-      const __m256 w = _mm256_set1_ps(p[hq * m + t]);
-      float* o = out + hq * V * 8;
-      for (int i = 0; i < V; ++i) _mm256_storeu_ps(o + i * 8, _mm256_fmadd_ps(w, v[i], _mm256_loadu_ps(o + i * 8)));
-    }
-  });
-  for (int64_t hq = 0; hq < H; ++hq) {
-    const __m256 inv = _mm256_set1_ps(inv_sum[hq]);
-    float* o = out + hq * V * 8;
-    for (int i = 0; i < V; ++i) _mm256_storeu_ps(o + i * 8, _mm256_mul_ps(_mm256_loadu_ps(o + i * 8), inv));
-  }
-}
-
 // Softmax of one head's n scores in place; returns their sum (max already subtracted).
 inline float softmax_row(float* s, int64_t n, float mx) {
   const __m256 m = _mm256_set1_ps(mx);
@@ -165,75 +131,180 @@ inline float row_max(const float* s, int64_t n) {
   return mx;
 }
 
-template <int V>
-void decode_one(const float* q, const float* kc, const float* vc, const int64_t* tab, int64_t lo,
-                int64_t n, int64_t BS, int64_t KVH, int64_t G, float sc, float cap, float* s,
-                float* sum, float* out, float* lse) {
-  const int64_t H = KVH * G, m = n - lo;
-  k_pass<V>(q, kc, tab, lo, n, BS, KVH, G, sc, s);
-  soft_cap(s, H * m, cap);
-  for (int64_t hq = 0; hq < H; ++hq) {
-    const float mx = row_max(s + hq * m, m);
-    sum[hq] = softmax_row(s + hq * m, m, mx);
-    lse[hq] = mx + std::log(sum[hq]);
-    sum[hq] = 1.f / sum[hq];
+// Walks keys tlo..thi-1 of a cache in memory order (a row holds every KV head; off[t] is
+// key t's offset) and calls f(j, t - lo_j, hq, x) for each row j of the tile that attends
+// key t and each query head hq of KV head kh, with kh's V vectors of key t loaded in x.
+// ONE: a tile of one row (a decode), compiled without the per-row range check; the
+// operations on each row are the same either way.
+template <int V, bool ONE, class F>
+inline void for_each_key(const float* cache, const int64_t* off, int64_t tlo, int64_t thi, int64_t KVH,
+                         int64_t G, const RowSpan* rs, int64_t R, F&& f) {
+  for (int64_t t = tlo; t < thi; ++t) {
+    const float* r = cache + off[t];
+    for (int64_t kh = 0; kh < KVH; ++kh) {
+      __m256 x[V];
+      for (int i = 0; i < V; ++i) x[i] = _mm256_loadu_ps(r + kh * V * 8 + i * 8);
+      for (int64_t j = 0; j < R; ++j) {
+        if (!ONE && (t < rs[j].lo || t >= rs[j].n)) continue;
+        for (int64_t g = 0; g < G; ++g) f(j, t - rs[j].lo, kh * G + g, x);
+      }
+    }
   }
-  v_pass<V>(vc, tab, lo, n, BS, KVH, G, s, sum, out);
+}
+
+template <int V, bool ONE>
+void attend_tile(const float* q, const float* kc, const float* vc, const int64_t* tab, const RowSpan* rs,
+                 int64_t R, int64_t BS, int64_t KVH, int64_t G, float sc, float cap, float* s, float* sum,
+                 float* out, float* lse, std::vector<int64_t>& offs) {
+  if (ONE) R = 1;
+  const int64_t H = KVH * G, D = V * 8, width = KVH * D;
+  int64_t tlo, thi;
+  key_range(rs, R, tlo, thi);
+  row_offsets(tab, tlo, thi, BS, width, offs);
+  const int64_t* off = offs.data() - tlo;  // off[t]: row t's offset
+  // K pass: each row's scores against its own keys, in key order.
+  for_each_key<V, ONE>(kc, off, tlo, thi, KVH, G, rs, R, [&](int64_t j, int64_t t, int64_t hq, const __m256* k) {
+    const float* qh = q + (j * H + hq) * D;
+    __m256 a0 = _mm256_mul_ps(k[0], _mm256_loadu_ps(qh));
+    __m256 a1 = _mm256_setzero_ps();
+    for (int i = 1; i < V; ++i) {
+      if (i & 1) a1 = _mm256_fmadd_ps(k[i], _mm256_loadu_ps(qh + i * 8), a1);
+      else a0 = _mm256_fmadd_ps(k[i], _mm256_loadu_ps(qh + i * 8), a0);
+    }
+    s[rs[j].off + hq * (rs[j].n - rs[j].lo) + t] = hsum(_mm256_add_ps(a0, a1)) * sc;
+  });
+  // An exact softmax per row and head.
+  for (int64_t j = 0; j < R; ++j) {
+    const int64_t m = rs[j].n - rs[j].lo;
+    float* sj = s + rs[j].off;
+    soft_cap(sj, H * m, cap);
+    for (int64_t hq = 0; hq < H; ++hq) {
+      const float mx = row_max(sj + hq * m, m);
+      const float total = softmax_row(sj + hq * m, m, mx);
+      lse[j * H + hq] = mx + std::log(total);
+      sum[j * H + hq] = 1.f / total;
+    }
+  }
+  // V pass: out[hq] = sum_t p[hq, t] * v[t, hq / G], V rows in memory order with the
+  // accumulators in L1 (a strided per-head walk costs ~1.5x on a DRAM-resident cache).
+  std::fill(out, out + R * H * D, 0.f);
+  for_each_key<V, ONE>(vc, off, tlo, thi, KVH, G, rs, R, [&](int64_t j, int64_t t, int64_t hq, const __m256* v) {
+    const __m256 w = _mm256_set1_ps(s[rs[j].off + hq * (rs[j].n - rs[j].lo) + t]);
+    float* o = out + (j * H + hq) * D;
+    for (int i = 0; i < V; ++i) _mm256_storeu_ps(o + i * 8, _mm256_fmadd_ps(w, v[i], _mm256_loadu_ps(o + i * 8)));
+  });
+  for (int64_t j = 0; j < R; ++j)
+    for (int64_t hq = 0; hq < H; ++hq) {
+      const __m256 inv = _mm256_set1_ps(sum[j * H + hq]);
+      float* o = out + (j * H + hq) * D;
+      for (int i = 0; i < V; ++i) _mm256_storeu_ps(o + i * 8, _mm256_mul_ps(_mm256_loadu_ps(o + i * 8), inv));
+    }
 }
 #endif
 
-// Portable path: any head_dim, no vector ISA assumed.
-void decode_one_generic(const float* q, const float* kc, const float* vc, const int64_t* tab,
-                        int64_t lo, int64_t n, int64_t BS, int64_t KVH, int64_t G, int64_t D,
-                        float sc, float cap, float* s, float* sum, float* out, float* lse) {
-  const int64_t H = KVH * G, width = KVH * D, m = n - lo;
-  for (int64_t t = lo; t < n; ++t) {
+// Portable path: any head_dim, no vector ISA assumed; the same passes in the same order.
+void attend_tile_generic(const float* q, const float* kc, const float* vc, const int64_t* tab,
+                         const RowSpan* rs, int64_t R, int64_t BS, int64_t KVH, int64_t G, int64_t D,
+                         float sc, float cap, float* s, float* sum, float* out, float* lse) {
+  const int64_t H = KVH * G, width = KVH * D;
+  int64_t tlo, thi;
+  key_range(rs, R, tlo, thi);
+  for (int64_t t = tlo; t < thi; ++t) {
     const float* kt = row(kc, tab, t, BS, width);
-    for (int64_t hq = 0; hq < H; ++hq) {
-      const float* kr = kt + (hq / G) * D;
-      const float* qr = q + hq * D;
-      float dot = 0.f;
-      for (int64_t i = 0; i < D; ++i) dot += qr[i] * kr[i];
-      s[hq * m + t - lo] = dot * sc;
+    for (int64_t j = 0; j < R; ++j) {
+      if (t < rs[j].lo || t >= rs[j].n) continue;
+      const int64_t m = rs[j].n - rs[j].lo;
+      for (int64_t hq = 0; hq < H; ++hq) {
+        const float* kr = kt + (hq / G) * D;
+        const float* qr = q + (j * H + hq) * D;
+        float dot = 0.f;
+        for (int64_t i = 0; i < D; ++i) dot += qr[i] * kr[i];
+        s[rs[j].off + hq * m + t - rs[j].lo] = dot * sc;
+      }
     }
   }
-  soft_cap(s, H * m, cap);
-  for (int64_t hq = 0; hq < H; ++hq) {
-    float* sh = s + hq * m;
-    const float mx = *std::max_element(sh, sh + m);
-    float total = 0.f;
-    for (int64_t t = 0; t < m; ++t) total += (sh[t] = std::exp(sh[t] - mx));
-    lse[hq] = mx + std::log(total);
-    sum[hq] = 1.f / total;
+  for (int64_t j = 0; j < R; ++j) {
+    const int64_t m = rs[j].n - rs[j].lo;
+    float* sj = s + rs[j].off;
+    soft_cap(sj, H * m, cap);
+    for (int64_t hq = 0; hq < H; ++hq) {
+      float* sh = sj + hq * m;
+      const float mx = *std::max_element(sh, sh + m);
+      float total = 0.f;
+      for (int64_t t = 0; t < m; ++t) total += (sh[t] = std::exp(sh[t] - mx));
+      lse[j * H + hq] = mx + std::log(total);
+      sum[j * H + hq] = 1.f / total;
+    }
   }
-  std::fill(out, out + H * D, 0.f);
-  for (int64_t t = lo; t < n; ++t) {
+  std::fill(out, out + R * H * D, 0.f);
+  for (int64_t t = tlo; t < thi; ++t) {
     const float* vt = row(vc, tab, t, BS, width);
-    for (int64_t hq = 0; hq < H; ++hq) {
-      const float* vr = vt + (hq / G) * D;
-      const float p = s[hq * m + t - lo];
-      float* o = out + hq * D;
-      for (int64_t i = 0; i < D; ++i) o[i] += p * vr[i];
+    for (int64_t j = 0; j < R; ++j) {
+      if (t < rs[j].lo || t >= rs[j].n) continue;
+      const int64_t m = rs[j].n - rs[j].lo;
+      for (int64_t hq = 0; hq < H; ++hq) {
+        const float* vr = vt + (hq / G) * D;
+        const float p = s[rs[j].off + hq * m + t - rs[j].lo];
+        float* o = out + (j * H + hq) * D;
+        for (int64_t i = 0; i < D; ++i) o[i] += p * vr[i];
+      }
     }
   }
-  for (int64_t hq = 0; hq < H; ++hq)
-    for (int64_t i = 0; i < D; ++i) out[hq * D + i] *= sum[hq];
+  for (int64_t j = 0; j < R; ++j)
+    for (int64_t hq = 0; hq < H; ++hq)
+      for (int64_t i = 0; i < D; ++i) out[(j * H + hq) * D + i] *= sum[j * H + hq];
+}
+
+#ifdef CANDOR_AVX2
+// The vector code for head sizes it is instantiated for; false for any other.
+template <bool ONE>
+bool attend_avx2(const float* q, const float* kc, const float* vc, const int64_t* tab, const RowSpan* rs,
+                 int64_t R, int64_t BS, int64_t KVH, int64_t G, int64_t D, float sc, float cap, float* s,
+                 float* sum, float* out, float* lse, std::vector<int64_t>& offs) {
+  switch (D) {
+    case 16: attend_tile<2, ONE>(q, kc, vc, tab, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, offs); return true;
+    case 32: attend_tile<4, ONE>(q, kc, vc, tab, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, offs); return true;
+    case 64: attend_tile<8, ONE>(q, kc, vc, tab, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, offs); return true;
+    case 80: attend_tile<10, ONE>(q, kc, vc, tab, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, offs); return true;
+    case 96: attend_tile<12, ONE>(q, kc, vc, tab, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, offs); return true;
+    case 128: attend_tile<16, ONE>(q, kc, vc, tab, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, offs); return true;
+    default: return false;
+  }
+}
+#endif
+
+void attend(const float* q, const float* kc, const float* vc, const int64_t* tab, const RowSpan* rs,
+            int64_t R, int64_t BS, int64_t KVH, int64_t G, int64_t D, float sc, float cap, float* s,
+            float* sum, float* out, float* lse, std::vector<int64_t>& offs) {
+#ifdef CANDOR_AVX2
+  if (R == 1 ? attend_avx2<true>(q, kc, vc, tab, rs, R, BS, KVH, G, D, sc, cap, s, sum, out, lse, offs)
+             : attend_avx2<false>(q, kc, vc, tab, rs, R, BS, KVH, G, D, sc, cap, s, sum, out, lse, offs))
+    return;
+#endif
+  attend_tile_generic(q, kc, vc, tab, rs, R, BS, KVH, G, D, sc, cap, s, sum, out, lse);
+}
+
+// Rows per tile: their H x D accumulators stay within ~16 KB of L1.
+inline int64_t tile_rows(int64_t H, int64_t D) {
+  return std::max<int64_t>(1, std::min<int64_t>(16, 4096 / (H * D)));
 }
 
 }  // namespace
 
-std::tuple<torch::Tensor, torch::Tensor> paged_decode(torch::Tensor q, torch::Tensor kc, torch::Tensor vc,
-                                                      torch::Tensor tables, torch::Tensor lens, double scale,
-                                                      int64_t window, double softcap) {
+std::tuple<torch::Tensor, torch::Tensor> paged_attention(torch::Tensor q, torch::Tensor kc, torch::Tensor vc,
+                                                         torch::Tensor tables, torch::Tensor row_seq,
+                                                         torch::Tensor lens, double scale, int64_t window,
+                                                         double softcap) {
   TORCH_CHECK(q.dtype() == torch::kFloat32 && kc.dtype() == torch::kFloat32 && vc.dtype() == torch::kFloat32);
   TORCH_CHECK(q.is_contiguous() && kc.is_contiguous() && vc.is_contiguous());
-  TORCH_CHECK(tables.dtype() == torch::kInt64 && lens.dtype() == torch::kInt64);
-  tables = tables.contiguous(); lens = lens.contiguous();
+  TORCH_CHECK(tables.dtype() == torch::kInt64 && lens.dtype() == torch::kInt64 && row_seq.dtype() == torch::kInt64);
+  tables = tables.contiguous(); lens = lens.contiguous(); row_seq = row_seq.contiguous();
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t BS = kc.size(1), KVH = kc.size(2), MB = tables.size(1);
+  const int64_t BS = kc.size(1), KVH = kc.size(2), S = tables.size(0), MB = tables.size(1);
   TORCH_CHECK(kc.size(3) == D && H % KVH == 0 && vc.sizes() == kc.sizes());
   const int64_t G = H / KVH;
-  TORCH_CHECK(tables.size(0) == B && lens.size(0) == B);
+  const bool own_tables = row_seq.numel() == 0;
+  TORCH_CHECK(lens.size(0) == B && (own_tables ? S == B : row_seq.size(0) == B));
   auto out = torch::empty_like(q);
   auto lse = torch::empty({B, H}, q.options());
   if (B == 0) return {out, lse};
@@ -241,31 +312,51 @@ std::tuple<torch::Tensor, torch::Tensor> paged_decode(torch::Tensor q, torch::Te
               "context length out of range");
   TORCH_CHECK(tables.min().item<int64_t>() >= 0 && tables.max().item<int64_t>() < kc.size(0),
               "block id out of range");
+  if (!own_tables)
+    TORCH_CHECK(row_seq.min().item<int64_t>() >= 0 && row_seq.max().item<int64_t>() < S,
+                "row's table out of range");
   const float* qp = q.data_ptr<float>();
   const float* kp = kc.data_ptr<float>();
   const float* vp = vc.data_ptr<float>();
   const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* sp = own_tables ? nullptr : row_seq.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   float* lsep = lse.data_ptr<float>();
   const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
-  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> s, sum(H);
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t n = lp[b];
-      const int64_t lo = window > 0 ? std::max<int64_t>(0, n - window) : 0;
-      s.resize((n - lo) * H);
-      const float* qb = qp + b * H * D;
-      const int64_t* tab = tp + b * MB;
-      float* ob = op + b * H * D;
-      float* lb = lsep + b * H;
-#ifdef CANDOR_AVX2
-      if (D == 64) { decode_one<8>(qb, kp, vp, tab, lo, n, BS, KVH, G, sc, cap, s.data(), sum.data(), ob, lb); continue; }
-      if (D == 128) { decode_one<16>(qb, kp, vp, tab, lo, n, BS, KVH, G, sc, cap, s.data(), sum.data(), ob, lb); continue; }
-      if (D == 32) { decode_one<4>(qb, kp, vp, tab, lo, n, BS, KVH, G, sc, cap, s.data(), sum.data(), ob, lb); continue; }
-      if (D == 16) { decode_one<2>(qb, kp, vp, tab, lo, n, BS, KVH, G, sc, cap, s.data(), sum.data(), ob, lb); continue; }
-#endif
-      decode_one_generic(qb, kp, vp, tab, lo, n, BS, KVH, G, D, sc, cap, s.data(), sum.data(), ob, lb);
+  auto seq = [&](int64_t b) { return own_tables ? b : sp[b]; };
+
+  // Tiles: runs of consecutive rows on one table, at most tile_rows(H, D) long.
+  const int64_t R = tile_rows(H, D);
+  std::vector<int64_t> starts;
+  for (int64_t b = 0; b < B;) {
+    starts.push_back(b);
+    int64_t e = b + 1;
+    while (e < B && e - b < R && seq(e) == seq(b)) ++e;
+    b = e;
+  }
+  starts.push_back(B);
+  const int64_t T = static_cast<int64_t>(starts.size()) - 1;
+  // Tiles dealt round-robin: a chunk's late rows (long contexts) spread over the threads.
+  const int64_t workers = std::min<int64_t>(T, at::get_num_threads());
+  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> s, sum(R * H);
+    std::vector<RowSpan> rs(R);
+    std::vector<int64_t> offs;
+    for (int64_t w = begin; w < end; ++w) {
+      for (int64_t k = w; k < T; k += workers) {
+        const int64_t r0 = starts[k], n_rows = starts[k + 1] - r0;
+        int64_t off = 0;
+        for (int64_t j = 0; j < n_rows; ++j) {
+          const int64_t n = lp[r0 + j];
+          const int64_t lo = window > 0 ? std::max<int64_t>(0, n - window) : 0;
+          rs[j] = {lo, n, off};
+          off += (n - lo) * H;
+        }
+        s.resize(off);
+        attend(qp + r0 * H * D, kp, vp, tp + seq(r0) * MB, rs.data(), n_rows, BS, KVH, G, D, sc, cap,
+               s.data(), sum.data(), op + r0 * H * D, lsep + r0 * H, offs);
+      }
     }
   });
   return {out, lse};

@@ -1,8 +1,9 @@
 """The attention backends, in order of preference, and the start-up choice among them.
 
 ``select_backend`` takes the first backend that can serve this rank's ``AttentionSpec``
-(``unavailable``), builds it and lets it check itself (``check``); the torch backend
-serves anything, so the choice always ends there. Each skipped backend's reason is
+(``unavailable``; a spec asking for batch invariance only those declaring it), builds it
+and lets it check itself (``check``); the torch backend serves any spec but a
+batch-invariant one, so the choice ends there unless the spec asks for that. Each skipped backend's reason is
 logged: an expected one (a CPU is not a CUDA device) as info, a failure (a kernel that
 did not build, a self-check that disagreed with SDPA) as a warning.
 
@@ -40,7 +41,8 @@ def select_backend(spec: AttentionSpec, names: list[str] | None = None) -> Atten
     failed = False
     for name in names or list(BACKENDS):
         cls = backend_class(name)
-        reason = cls.unavailable(spec)
+        reason = "not batch-invariant" if spec.batch_invariant and not cls.batch_invariant else None
+        reason = reason or cls.unavailable(spec)
         if reason is None:
             try:
                 backend = cls(spec)

@@ -17,14 +17,14 @@ parameter is the architecture's ``WeightNames`` (``checkpoint_target``).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.attention.base import AttentionMetadata
 from gpu_worker.model_config import LayerSpec, ModelConfig, architecture
-from gpu_worker.models.blocks import RMSNorm, RotaryEmbedding, activation, make_norm
+from gpu_worker.models.blocks import RMSNorm, RotaryEmbedding, make_norm
 from gpu_worker.models.parallel import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
-                                        RowParallelLinear, ShardedRMSNorm, TPGroup, VocabParallelEmbedding)
+                                        ReplicatedLinear, RowParallelLinear, ShardedRMSNorm, TPGroup,
+                                        VocabParallelEmbedding)
 from gpu_worker.models.weights import CheckpointTensor, copy_into
 from gpu_worker.tp_shard import tp_shard
 
@@ -78,7 +78,7 @@ class GatedMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
         self.intermediate_size = tp.shard.intermediate
-        self.act = activation(cfg.act)
+        self.act = tp.numerics.activation(cfg.act)
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2,
                                                        cfg.mlp_bias, tp)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, tp)
@@ -93,7 +93,7 @@ class PlainMLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
-        self.act = activation(cfg.act)
+        self.act = tp.numerics.activation(cfg.act)
         self.c_fc = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, tp)
         self.c_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, tp)
 
@@ -133,8 +133,8 @@ class SparseMoE(nn.Module):
         self.tp = tp
         self.num_experts = moe.num_experts
         self.top_k, self.renormalize = moe.top_k, moe.renormalize
-        self.act = activation(cfg.act)
-        self.gate = nn.Linear(cfg.hidden_size, moe.num_experts, bias=False)
+        self.act = tp.numerics.activation(cfg.act)
+        self.gate = ReplicatedLinear(cfg.hidden_size, moe.num_experts, False, tp)
         self.experts = Experts(tp.shard.expert_start, tp.shard.experts, cfg.hidden_size, moe.intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -152,13 +152,14 @@ class SparseMoE(nn.Module):
         inter = self.experts.intermediate
         start = 0
         first, held = self.experts.first, self.experts.w13.shape[0]
+        linear = self.tp.numerics.linear
         for e, count in enumerate(counts):
             if count == 0 or not first <= e < first + held:
                 start += count
                 continue
             idx = rows[start:start + count]
-            gate, up = F.linear(x[idx], self.experts.w13[e - first]).split(inter, dim=-1)
-            h = F.linear(self.act(gate) * up, self.experts.w2[e - first])
+            gate, up = linear(x[idx], self.experts.w13[e - first]).split(inter, dim=-1)
+            h = linear(self.act(gate) * up, self.experts.w2[e - first])
             out.index_add_(0, idx, (h * slot_weights[start:start + count, None]).to(x.dtype))
             start += count
         return self.tp.all_reduce(out)
@@ -290,6 +291,19 @@ class DecoderForCausalLM(nn.Module):
         if cfg.final_softcap is not None:
             logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
         return logits
+
+    def matmuls(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """(weight, bias) of every matmul the forward pass and ``compute_logits`` run: the
+        shapes whose batch invariance the deterministic mode checks at start-up."""
+        out = []
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                out.append((module.weight, module.bias))
+            elif isinstance(module, Experts) and module.w13.shape[0]:
+                out += [(module.w13[0], None), (module.w2[0], None)]
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        out.append((head.weight, None))
+        return out
 
     def checkpoint_target(self, name: str) -> tuple[str, tuple] | None:
         """Checkpoint tensor ``name`` -> (our parameter, the ids its layer's weight_loader

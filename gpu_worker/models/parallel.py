@@ -16,7 +16,14 @@ sharding existed.
   logits are gathered along the vocabulary.
 - ``ShardedRMSNorm``: normalises over a projection split across ranks (OLMo 2's q/k norm):
   the sum of squares is all-reduced.
+- ``ReplicatedLinear`` (the MoE router): the whole matrix on every rank.
 - ``Experts`` (in ``decoder``) are placed whole, ``experts / size`` per rank.
+
+Every matmul goes through the group's ``Numerics`` (``batch_invariant``): padded to a
+batch-invariant row count in the deterministic mode. Sums over ranks stay batch-invariant
+too: two ranks' partial sums add in either order to the same bits; from three ranks on,
+the deterministic mode gathers the partials and adds them in rank order (a ring
+all-reduce's order depends on which chunk of the tensor an element falls in).
 
 Loading: ``weight_loader(param, source, shard_id)`` narrows the checkpoint tensor
 (``weights.CheckpointTensor``) to this rank's part and copies it in. It works on any
@@ -32,15 +39,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpu_worker.batch_invariant import Numerics
 from gpu_worker.models.blocks import RMSNorm
 from gpu_worker.models.weights import CheckpointTensor, copy_into
 from gpu_worker.tp_shard import TPShard
 
 
 class TPGroup:
-    def __init__(self, shard: TPShard, group=None) -> None:
+    def __init__(self, shard: TPShard, group=None, numerics: Numerics | None = None) -> None:
         self.shard = shard
         self.group = group  # the process group activations travel on (None: world)
+        self.numerics = numerics or Numerics()
 
     @property
     def rank(self) -> int:
@@ -51,29 +60,48 @@ class TPGroup:
         return self.shard.size
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 2 and self.numerics.deterministic:
+            parts = self._gather(x)
+            total = parts[0]
+            for part in parts[1:]:
+                total += part
+            return x.copy_(total)
         if self.size > 1:
             import torch.distributed as dist
             dist.all_reduce(x, group=self.group)
         return x
 
-    def gather_last(self, x: torch.Tensor) -> torch.Tensor:
-        """Concatenate every rank's ``x`` along the last dimension (rank order)."""
-        if self.size == 1:
-            return x
+    def _gather(self, x: torch.Tensor) -> list[torch.Tensor]:
         import torch.distributed as dist
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x, group=self.group)
-        return torch.cat(parts, dim=-1)
+        return parts
+
+    def gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's ``x`` along the last dimension (rank order)."""
+        if self.size == 1:
+            return x
+        return torch.cat(self._gather(x), dim=-1)
 
 
-class ColumnParallelLinear(nn.Linear):
+class ReplicatedLinear(nn.Linear):
+    """The whole ``y = x W^T (+ b)`` on every rank (the MoE router)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp: TPGroup) -> None:
+        super().__init__(input_size, output_size, bias=bias)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.numerics.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(ReplicatedLinear):
     """``output_size`` output features split evenly: this rank holds rows
     ``[rank * n, (rank + 1) * n)`` of the weight and bias."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool, tp: TPGroup) -> None:
-        super().__init__(input_size, output_size // tp.size, bias=bias)
-        self.tp = tp
+        super().__init__(input_size, output_size // tp.size, bias, tp)
 
     def weight_loader(self, param: torch.Tensor, source: CheckpointTensor, shard_id=None) -> int:
         n = param.shape[0]
@@ -133,9 +161,7 @@ class RowParallelLinear(nn.Linear):
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp.size == 1:
-            return super().forward(x)
-        y = F.linear(x, self.weight, self.bias if self.tp.rank == 0 else None)
+        y = self.tp.numerics.linear(x, self.weight, self.bias if self.tp.rank == 0 else None)
         return self.tp.all_reduce(y)
 
     def weight_loader(self, param: torch.Tensor, source: CheckpointTensor, shard_id=None) -> int:
@@ -167,7 +193,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows, vocab] logits over the whole vocabulary (every rank's range, padding dropped)."""
-        logits = F.linear(hidden, self.weight)
+        logits = self.tp.numerics.linear(hidden, self.weight)
         if self.tp.size > 1:
             logits = self.tp.gather_last(logits)[:, :self.vocab]
         return logits

@@ -1,0 +1,124 @@
+"""Batch-invariant numerics: a row's result never depends on the other rows of its batch.
+
+The deterministic mode (the default) promises that a greedy or seeded request gets the
+same bits alone or batched, on a prefix-cache hit or miss, under any prefill chunking.
+That holds when every op computes each token's row with the same operations in the same
+order whatever else is in the batch. Measured on CPU (torch 2.13, MKL 2024.2 sgemm, fp32):
+
+- **Matmuls**: MKL's sgemm takes another path for fewer than 4 rows (row 0 of
+  ``F.linear(A[:M], W)`` differs for M = 1, 2, 3 from every M >= 4), and with several
+  threads, a thread left with a remainder of 1-3 rows does too (M = 5-7, 9-11 with 2
+  threads). MKL's strict conditional-numerical-reproducibility mode (``MKL_CBWR=AUTO,STRICT``,
+  set by the worker before torch loads) removes the thread dependence, so every M >= 4
+  agrees; ``Numerics.linear`` pads a smaller batch with zero rows up to ``min_rows``.
+  ``min_rows`` is measured at start-up on the model's own weights (``measure_min_rows``),
+  never assumed: a BLAS that agrees from no row count on is refused, loudly.
+- **Activations**: torch's fused ``silu``, ``sigmoid`` and tanh-``gelu`` kernels compute the
+  last ``numel % 32`` elements of a tensor (and of each thread's share) with a scalar
+  formula whose ``exp`` differs in the last bit from the vector one, so a row's values
+  depend on where the row sits. ``exp``, ``tanh`` and ``erf`` go through torch's vector
+  math for every element, tail included; the activations here are built from them.
+- Row-wise ops (RMS and layer norm, softmax, log-softmax, top-k, argmax) and elementwise
+  arithmetic (+, *, /) gave equal rows for every batch size and thread count tried.
+- Attention is the backend's: a backend that declares ``batch_invariant`` serves an
+  ``AttentionSpec(batch_invariant=True)`` (``attention.cpu_kernel_backend``:
+  ``paged_decode.cpp`` attends every query row, prefill or decode, from the paged cache
+  in a fixed key order).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+
+from gpu_worker.models.blocks import activation
+
+log = logging.getLogger(__name__)
+
+# Row counts checked at start-up: every count up to 16 (where BLAS paths and per-thread
+# remainders change), then around the powers of two a kernel blocks by.
+PROBE_ROWS = (*range(1, 17), 24, 31, 32, 33, 48, 63, 64, 65, 127, 128, 129)
+MAX_MIN_ROWS = 64  # padding past this would cost more than the mode is worth
+SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
+def _silu(x: torch.Tensor) -> torch.Tensor:
+    return x / (1.0 + torch.exp(-x))
+
+
+def _gelu(x: torch.Tensor) -> torch.Tensor:
+    return 0.5 * x * (1.0 + torch.erf(x * (1.0 / math.sqrt(2.0))))
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return 0.5 * x * (1.0 + torch.tanh(SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)))
+
+
+INVARIANT_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": _silu, "gelu": _gelu, "gelu_tanh": _gelu_tanh}
+
+
+class Numerics:
+    """How this worker's layers compute: ``deterministic`` (batch-invariant) or fastest.
+
+    Layers reach it through their ``TPGroup``; the runner measures ``min_rows`` once the
+    weights are loaded (``ModelRunner``), until then matmuls run unpadded."""
+
+    def __init__(self, deterministic: bool = False) -> None:
+        self.deterministic = deterministic
+        self.min_rows = 1  # matmuls with fewer rows are padded up to this many
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        m = x.shape[0]
+        if m >= self.min_rows or m == 0:
+            return F.linear(x, weight, bias)
+        padded = x.new_zeros((self.min_rows, *x.shape[1:]))
+        padded[:m] = x
+        return F.linear(padded, weight, bias)[:m]
+
+    def activation(self, name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+        """Activation ``name``, chosen at each call: layers are built before the runner
+        settles the mode, and where it ends up off they keep torch's fused kernels."""
+        fast, invariant = activation(name), INVARIANT_ACTIVATIONS[name]
+        return lambda x: invariant(x) if self.deterministic else fast(x)
+
+
+def measure_min_rows(weights: Iterable[tuple[torch.Tensor, torch.Tensor | None]],
+                     probe: tuple[int, ...] = PROBE_ROWS) -> tuple[int | None, str]:
+    """The smallest row count from which ``F.linear`` gives every row bitwise the result it
+    has in the largest probed batch, for every (distinct shape of) ``weights`` (the
+    model's own, with their biases); (None, why) when no count up to ``MAX_MIN_ROWS`` does.
+
+    Each probed batch takes random rows of the reference batch in a random order, so a row
+    is checked at another position among other rows. Costs about ``sum(probe) +
+    max(probe)`` rows of each distinct matmul."""
+    started = time.perf_counter()
+    gen = torch.Generator().manual_seed(0)
+    seen: set[tuple] = set()
+    need, checked = 1, 0
+    for weight, bias in weights:
+        key = (tuple(weight.shape), bias is not None, weight.dtype, weight.device)
+        if key in seen:
+            continue
+        seen.add(key)
+        x = torch.randn(max(probe), weight.shape[1], generator=gen).to(weight.dtype).to(weight.device)
+        ref = F.linear(x, weight, bias)
+        agrees_from = max(probe) + 1
+        for m in sorted(probe, reverse=True):  # the last count that disagrees bounds it
+            rows = torch.randperm(max(probe), generator=gen)[:m].to(x.device)
+            if not torch.equal(F.linear(x[rows], weight, bias), ref[rows]):
+                break
+            agrees_from = m
+        need = max(need, agrees_from)
+        checked += 1
+        if need > MAX_MIN_ROWS:
+            return None, (f"matmul {tuple(weight.shape)}: rows differ with the batch size up to "
+                          f"{agrees_from - 1} rows (checked {len(probe)} sizes up to {max(probe)})")
+    log.info("batch-invariant matmuls from %d rows (%d shapes x %d batch sizes checked in %.2fs)",
+             need, checked, len(probe), time.perf_counter() - started)
+    return need, ""
