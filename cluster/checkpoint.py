@@ -14,12 +14,20 @@ def read_model_config(model_path: str) -> dict:
     return config.get("text_config", config) if "max_position_embeddings" not in config else config
 
 
+def max_seq_length(model_path: str) -> int | None:
+    """sentence-transformers' input bound (``sentence_bert_config.json``), if it sets one."""
+    path = os.path.join(model_path, "sentence_bert_config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as fh:
+        value = json.load(fh).get("max_seq_length")
+    return int(value) if value else None
+
+
 def effective_max_model_len(model_path: str, requested: int | None) -> int:
     """The context the deployment serves: the checkpoint's limit (an embedding
     checkpoint's sentence-transformers ``max_seq_length`` bounds it too: longer inputs
     were never trained), or less if asked."""
-    from cluster.pooling import max_seq_length
-
     limit = int(read_model_config(model_path).get("max_position_embeddings", 2048))
     what = "max_position_embeddings"
     st_limit = max_seq_length(model_path)

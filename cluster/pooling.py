@@ -23,6 +23,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from cluster.checkpoint import read_model_config
+
 Method = Literal["last", "mean", "cls"]
 RUNNERS = ("generate", "pooling")
 # sentence-transformers' pooling modes -> ours; the others are refused
@@ -128,8 +130,6 @@ def _matryoshka(model_path: str, config: dict[str, Any]) -> tuple[bool, list[int
 
 def read_pooling_config(model_path: str) -> PoolingConfig:
     """The pooling a ``--runner pooling`` deployment of ``model_path`` computes."""
-    from cluster.checkpoint import read_model_config
-
     config = read_model_config(model_path)
     modules_path = os.path.join(model_path, "modules.json")
     if os.path.isfile(modules_path):
@@ -142,21 +142,10 @@ def read_pooling_config(model_path: str) -> PoolingConfig:
     return PoolingConfig(method, normalize, int(config["hidden_size"]), source, matryoshka, dims)
 
 
-def max_seq_length(model_path: str) -> int | None:
-    """sentence-transformers' input bound (``sentence_bert_config.json``), if it sets one."""
-    path = os.path.join(model_path, "sentence_bert_config.json")
-    if not os.path.isfile(path):
-        return None
-    value = _json(path).get("max_seq_length")
-    return int(value) if value else None
-
-
 def auto_runner(model_path: str) -> str:
     """``--runner auto``: pooling for a checkpoint without a language-model head (its
     architectures name a base model, ``Qwen3Model``, as sentence-transformers saves
     one), generate otherwise (vLLM's rule for ``*Model`` architectures)."""
-    from cluster.checkpoint import read_model_config
-
     archs = read_model_config(model_path).get("architectures") or []
     if archs and all(str(a).endswith("Model") for a in archs):
         return "pooling"
