@@ -72,7 +72,7 @@ async def serve() -> None:
                           engine.ctx, store.metrics)
     engine.on_peer_message = peers.on_message
     app = build_app(engine, card, cfg.http.max_body_mb * 2**20, cfg.api,
-                    cfg.served_model_aliases, cfg.http.body_read_timeout_s, peers)
+                    cfg.served_model_aliases, cfg.http.body_read_timeout_s, peers, cfg.lora)
     app[LOG_REQUESTS_KEY] = cfg.http.log_requests
     ops = Ops(cfg, engine, watch, metrics)
     install_ops(app, ops)

@@ -13,9 +13,9 @@ import logging
 import msgspec
 from aiohttp import web
 
-from api_frontend import extra_routes
+from api_frontend import extra_routes, lora_routes
 from api_frontend.engine_client import EngineClient
-from api_frontend.errors import ApiError, check_served_model
+from api_frontend.errors import ApiError, adapter_card, check_served_model
 from api_frontend.generate import LOG_REQUESTS_KEY, REQUEST_ID_KEY, run_generation
 from api_frontend.json_body import check_json_body, decode_request, json_response
 from api_frontend.openapi import build_openapi
@@ -23,7 +23,7 @@ from api_frontend.responses_api import routes as responses_routes
 from api_frontend.responses_api.peers import ResponsePeers
 from api_frontend.responses_api.store import ResponseStore
 from api_frontend.translate import prompt_list
-from cluster.topology import ApiSpec
+from cluster.topology import ApiSpec, LoraSpec
 from protocol.openai_api import (ChatCompletionRequest, CompletionRequest, ModelCard,
                                  ModelList)
 
@@ -37,6 +37,7 @@ API_KEY = web.AppKey("api", ApiSpec)
 BODY_TIMEOUT_KEY = web.AppKey("body_read_timeout_s", float)
 ALIASES_KEY = web.AppKey("aliases", list)  # further served names, after the card's id
 RESPONSES_KEY = web.AppKey("responses", ResponsePeers)  # the /v1/responses store, reachable
+LORA_KEY = web.AppKey("lora", LoraSpec)  # adapters and whether they may be loaded at runtime
 
 
 async def _read_body(request: web.Request) -> bytes:
@@ -90,7 +91,8 @@ async def error_middleware(request: web.Request, handler):
 
 
 def _check_model(request: web.Request, name: str) -> ModelCard:
-    return check_served_model(request.app[MODEL_KEY], name, request.app[ALIASES_KEY])
+    app = request.app
+    return check_served_model(app[MODEL_KEY], name, app[ALIASES_KEY], app[ENGINE_KEY].adapters())
 
 
 async def _generate(request: web.Request, kind: type) -> web.StreamResponse:
@@ -127,14 +129,20 @@ async def completions_render(request: web.Request) -> web.Response:
     return await _render(request, CompletionRequest)
 
 
+def _names(request: web.Request) -> list[str]:
+    """Every name /tokenize and /detokenize accept besides the primary: the aliases and
+    the adapters (an adapter tokenizes with its base model's tokenizer)."""
+    return [*request.app[ALIASES_KEY], *request.app[ENGINE_KEY].adapters()]
+
+
 async def tokenize(request: web.Request) -> web.Response:
     return await extra_routes.tokenize(request, request.app[ENGINE_KEY], request.app[MODEL_KEY],
-                                       request.app[API_KEY], request.app[ALIASES_KEY])
+                                       request.app[API_KEY], _names(request))
 
 
 async def detokenize(request: web.Request) -> web.Response:
     return await extra_routes.detokenize(request, request.app[ENGINE_KEY], request.app[MODEL_KEY],
-                                         request.app[ALIASES_KEY])
+                                         _names(request))
 
 
 async def tokenizer_info(request: web.Request) -> web.Response:
@@ -142,7 +150,8 @@ async def tokenizer_info(request: web.Request) -> web.Response:
 
 
 async def capabilities(request: web.Request) -> web.Response:
-    return extra_routes.capabilities(request.app[MODEL_KEY], request.app[API_KEY])
+    return extra_routes.capabilities(request.app[MODEL_KEY], request.app[API_KEY],
+                                     request.app[LORA_KEY])
 
 
 async def embeddings(request: web.Request) -> web.Response:
@@ -169,8 +178,20 @@ async def response_input_items(request: web.Request) -> web.Response:
 
 async def list_models(request: web.Request) -> web.Response:
     card = request.app[MODEL_KEY]
+    adapters = request.app[ENGINE_KEY].adapters().values()
     return json_response(ModelList([card] + [msgspec.structs.replace(card, id=name)
-                                             for name in request.app[ALIASES_KEY]]))
+                                             for name in request.app[ALIASES_KEY]]
+                                   + [adapter_card(card, a) for a in adapters]))
+
+
+async def load_lora_adapter(request: web.Request) -> web.Response:
+    app = request.app
+    return await lora_routes.load(request, app[ENGINE_KEY], app[MODEL_KEY], app[ALIASES_KEY],
+                                  app[LORA_KEY])
+
+
+async def unload_lora_adapter(request: web.Request) -> web.Response:
+    return await lora_routes.unload(request, request.app[ENGINE_KEY], request.app[LORA_KEY])
 
 
 async def get_model(request: web.Request) -> web.Response:
@@ -184,9 +205,10 @@ async def openapi(request: web.Request) -> web.Response:
 def build_app(engine: EngineClient, card: ModelCard, max_body_bytes: int,
               api: ApiSpec | None = None, aliases: list[str] | None = None,
               body_read_timeout_s: float = 60.0,
-              responses: ResponsePeers | None = None) -> web.Application:
+              responses: ResponsePeers | None = None,
+              lora: LoraSpec | None = None) -> web.Application:
     """``responses``: where /v1/responses are stored and found (default: this process's
-    store only, as with one frontend)."""
+    store only, as with one frontend); ``lora``: the adapter settings (default: off)."""
     app = web.Application(middlewares=[error_middleware], client_max_size=max_body_bytes)
     app[BODY_TIMEOUT_KEY] = body_read_timeout_s
     app[ENGINE_KEY] = engine
@@ -194,6 +216,7 @@ def build_app(engine: EngineClient, card: ModelCard, max_body_bytes: int,
     app[ALIASES_KEY] = list(aliases or [])
     app[LOG_REQUESTS_KEY] = False
     app[API_KEY] = api = api or ApiSpec()
+    app[LORA_KEY] = lora or LoraSpec()
     app[RESPONSES_KEY] = responses or ResponsePeers(
         ResponseStore(api.responses_store), 0, [engine.reply_to], engine.reply_to, engine.ctx)
     app.router.add_get("/v1/models", list_models)
@@ -211,5 +234,7 @@ def build_app(engine: EngineClient, card: ModelCard, max_body_bytes: int,
     app.router.add_get("/v1/responses/{response_id}", get_response)
     app.router.add_delete("/v1/responses/{response_id}", delete_response)
     app.router.add_get("/v1/responses/{response_id}/input_items", response_input_items)
+    app.router.add_post("/v1/load_lora_adapter", load_lora_adapter)
+    app.router.add_post("/v1/unload_lora_adapter", unload_lora_adapter)
     app.router.add_get("/openapi.json", openapi)
     return app

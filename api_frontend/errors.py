@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import msgspec
 from aiohttp import web
 
-from protocol.ipc import RequestError
+from protocol.ipc import LoraAdapterInfo, RequestError
 from protocol.openai_api import ErrorBody, ErrorDetail, ModelCard
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error",
@@ -73,14 +73,28 @@ def from_decode_error(err: msgspec.MsgspecError) -> ApiError:
     return ApiError(400, f"Invalid request: {text}", param, "invalid_value")
 
 
-def check_served_model(card: ModelCard, name: str, aliases: Sequence[str] = ()) -> ModelCard:
-    """The card under the name the client used (the primary or one of the
-    ``--served-model-name`` aliases), so responses carry that name; 404 naming every
-    served name otherwise."""
+def check_served_model(card: ModelCard, name: str, aliases: Sequence[str] = (),
+                       adapters: Mapping[str, LoraAdapterInfo] = {}) -> ModelCard:
+    """The card under the name the client used (the primary, one of the
+    ``--served-model-name`` aliases, or a LoRA adapter's name: its card has a
+    ``parent``), so responses carry that name; 404 naming every served name otherwise."""
     if name == card.id:
         return card
     if name in aliases:
         return msgspec.structs.replace(card, id=name)
-    served = ", ".join(repr(n) for n in (card.id, *aliases))
+    adapter = adapters.get(name)
+    if adapter is not None:
+        return adapter_card(card, adapter)
+    served = ", ".join(repr(n) for n in (card.id, *aliases, *adapters))
     raise ApiError(404, f"The model {name!r} does not exist on this deployment. "
                    f"Served models: [{served}]", "model", "model_not_found")
+
+
+def adapter_card(base: ModelCard, adapter: LoraAdapterInfo) -> ModelCard:
+    return msgspec.structs.replace(base, id=adapter.name, root=adapter.path,
+                                   parent=adapter.parent or base.id)
+
+
+def adapter_of(card: ModelCard) -> str | None:
+    """The LoRA adapter a card (from ``check_served_model``) names; None: the base."""
+    return card.id if card.parent is not None else None

@@ -17,7 +17,7 @@ from api_frontend.errors import ApiError, check_served_model
 from api_frontend.generate import complete_report
 from api_frontend.json_body import decode, json_response
 from api_frontend.translate import chat_to_generate, completion_to_generate
-from cluster.topology import ApiSpec
+from cluster.topology import ApiSpec, LoraSpec
 from protocol import ipc
 from protocol.openai_api import (ChatCompletionRequest, DetokenizeRequest,
                                  DetokenizeResponse, ModelCard, RenderResponse, TemplateRef,
@@ -125,8 +125,10 @@ async def tokenizer_info(engine: EngineClient) -> web.Response:
     return json_response({**info.config, **special, **msgspec.to_builtins(effective)})
 
 
-def capabilities(card: ModelCard, api: ApiSpec) -> web.Response:
-    """The tier of every request field under this deployment's flags."""
+def capabilities(card: ModelCard, api: ApiSpec, lora: LoraSpec | None = None) -> web.Response:
+    """The tier of every request field under this deployment's flags, and the LoRA
+    settings (adapters are named in ``model``; /v1/models lists them)."""
+    lora = lora or LoraSpec()
     return json_response({
         "object": "capabilities",
         "model": card.id,
@@ -134,6 +136,9 @@ def capabilities(card: ModelCard, api: ApiSpec) -> web.Response:
         "serves": ["chat.completions", "completions", "responses"],
         "policy": msgspec.to_builtins(api),
         "limits": msgspec.to_builtins(api.limits),
+        "lora": {"enabled": lora.enabled, "max_loras": lora.max_loras,
+                 "max_lora_rank": lora.max_lora_rank, "max_cpu_loras": lora.host_capacity,
+                 "runtime_updates": lora.enabled and lora.allow_runtime_updates},
         "tiers": field_policy.TIER_MEANINGS,
         "fields": {"/v1/chat/completions": field_policy.tiers("chat", api),
                    "/v1/completions": field_policy.tiers("completions", api),
@@ -141,7 +146,9 @@ def capabilities(card: ModelCard, api: ApiSpec) -> web.Response:
         "endpoints": ["/v1/models", "/v1/completions", "/v1/chat/completions",
                       "/v1/responses", "/v1/responses/{id}", "/v1/responses/{id}/input_items",
                       "/v1/completions/render", "/v1/chat/completions/render", "/tokenize",
-                      "/detokenize", "/tokenizer_info", "/v1/capabilities", "/health"],
+                      "/detokenize", "/tokenizer_info", "/v1/capabilities", "/health",
+                      *(["/v1/load_lora_adapter", "/v1/unload_lora_adapter"]
+                        if lora.enabled and lora.allow_runtime_updates else [])],
     })
 
 

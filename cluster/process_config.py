@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import msgspec
 
-from cluster.topology import (LOCAL_NODE, ApiSpec, EngineSpec, HttpSpec, ResolvedAddresses,
-                              RouterSpec, SecuritySpec, SupervisionSpec, Topology, resolve)
+from cluster.topology import (LOCAL_NODE, ApiSpec, EngineSpec, HttpSpec, LoraSpec,
+                              ResolvedAddresses, RouterSpec, SecuritySpec, SupervisionSpec,
+                              Topology, resolve)
 
 
 class ProcessConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
@@ -48,6 +49,7 @@ class FrontendConfig(ProcessConfig, kw_only=True, tag="api_frontend"):
     nodes: list[str] = []  # every node's name, in the order of addresses.node_status
     replicas: int = 1
     router: RouterSpec = msgspec.field(default_factory=RouterSpec)
+    lora: LoraSpec = msgspec.field(default_factory=LoraSpec)  # adapters, runtime loading
 
 
 class TokenizerConfig(ProcessConfig, kw_only=True, tag="tokenizer_worker"):
@@ -70,6 +72,7 @@ class ReplicaConfig(ProcessConfig, kw_only=True):
     engine: EngineSpec = msgspec.field(default_factory=EngineSpec)
     tensor_parallel: int = 1  # ranks in the replica's gpu_worker group
     replica: int = 0
+    lora: LoraSpec = msgspec.field(default_factory=LoraSpec)  # the adapters both halves number alike
 
 
 class SchedulerConfig(ReplicaConfig, kw_only=True, tag="scheduler"):
@@ -102,14 +105,14 @@ def _role_config(role: str, topology: Topology, replica: int, **envelope) -> Pro
             served_model_aliases=model.names()[1:], max_model_len=model.max_model_len,
             http=topology.http, api=topology.api, supervision=topology.supervision,
             nodes=[n.name for n in topology.effective_nodes()],
-            replicas=topology.replicas, router=topology.router)
+            replicas=topology.replicas, router=topology.router, lora=model.lora)
     if role == "tokenizer_worker":
         return TokenizerConfig(**envelope, model_path=path, max_model_len=model.max_model_len,
                                api=topology.api)
     if role == "detokenizer":
         return DetokenizerConfig(**envelope, model_path=path)
     engine = dict(engine=topology.engine, tensor_parallel=topology.tensor_parallel,
-                  replica=replica)
+                  replica=replica, lora=model.lora)
     if role == "scheduler":
         return SchedulerConfig(**envelope, **engine)
     return WorkerConfig(**envelope, **engine, model_path=path,

@@ -13,6 +13,10 @@ Under tensor parallelism every rank runs the same plan through its shard of the 
 (its share of the heads, so its share of the KV cache); the block count is the smallest
 any rank can hold, and rank 0's sampled ids are adopted by every rank, so the
 placeholders of a run-ahead step resolve to the same token everywhere.
+
+With LoRA enabled, ``adapters`` (``lora.store``) holds the adapters and groups each
+step's rows by adapter before the forward pass; a step with adapter rows runs eagerly
+(no CUDA graph: the groups change from step to step).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from cluster import checkpoint
+from cluster.topology import LoraSpec
 from gpu_worker import cuda_graphs
 from gpu_worker.attention.base import AttentionBackend, AttentionSpec
 from gpu_worker.attention.registry import select_backend
@@ -32,6 +37,7 @@ from gpu_worker.grammar import GrammarStates
 from gpu_worker.kv_budget import auto_kv_bytes
 from gpu_worker.distributed import Ranks
 from gpu_worker.loader import load_weights
+from gpu_worker.lora.store import AdapterStore
 from gpu_worker.model_config import load_config
 from gpu_worker.models.decoder import DecoderForCausalLM
 from gpu_worker.progress import Progress
@@ -86,6 +92,7 @@ class ModelRunner:
         enforce_eager: bool = False,
         max_num_seqs: int = cuda_graphs.MAX_CAPTURE_SIZE,
         ranks: Ranks | None = None,
+        lora: LoraSpec | None = None,
     ) -> None:
         self.config = cfg = load_config(model_path)
         self.ranks = ranks = ranks or Ranks()
@@ -99,6 +106,8 @@ class ModelRunner:
         self.max_model_len = min(limit, max_model_len) if max_model_len else limit
 
         self.model = self._build_model(model_path, load_format, seed)
+        self.adapters = (AdapterStore(self.model, lora, cfg, self.dtype, self.device, ranks)
+                         if lora is not None and lora.enabled else None)
         self.num_blocks, self.kv_reason = self._size_kv_cache(num_blocks, kv_cache_memory_bytes,
                                                               gpu_memory_utilization, max_num_seqs)
         self.scratch_block = self.num_blocks  # never in a plan: _check rejects ids >= num_blocks
@@ -229,6 +238,8 @@ class ModelRunner:
                 self.generators.pop(rid, None)
                 if params.seed is not None:
                     self.generators[rid] = torch.Generator(device=self.device).manual_seed(params.seed)
+        if self.adapters is not None:
+            self.adapters.track(plan)
 
     def _fill_placeholder(self, seq: SeqChunk, failed_before: set[str]) -> None:
         """A step planned before the previous one returned feeds the token sampled there.
@@ -343,16 +354,22 @@ class ModelRunner:
         tm = self.timings
         t_forward = time.perf_counter()
         chunks = [(s.start_pos, len(s.token_ids), self.block_tables[s.rid]) for s in ordered]
-        if not prefills and self.decode_graphs is not None and self.decode_graphs.fits(len(decodes)):
-            hidden = self.decode_graphs.run(chunks, ids, positions)
-        else:
-            meta = self.attn_backend.build(chunks, len(decodes))
-            hidden = self.model(
-                torch.tensor(ids, dtype=torch.long, device=dev),
-                torch.tensor(positions, dtype=torch.long, device=dev),
-                self.kv_caches,
-                meta,
-            )
+        adapted = self.adapters is not None and self.adapters.prepare(ordered)
+        try:
+            if (not prefills and not adapted and self.decode_graphs is not None
+                    and self.decode_graphs.fits(len(decodes))):
+                hidden = self.decode_graphs.run(chunks, ids, positions)
+            else:
+                meta = self.attn_backend.build(chunks, len(decodes))
+                hidden = self.model(
+                    torch.tensor(ids, dtype=torch.long, device=dev),
+                    torch.tensor(positions, dtype=torch.long, device=dev),
+                    self.kv_caches,
+                    meta,
+                )
+        finally:
+            if adapted:
+                self.adapters.step_done()
         t_sample = time.perf_counter()
         tm.forward += t_sample - t_forward
         try:

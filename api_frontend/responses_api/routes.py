@@ -18,7 +18,7 @@ import msgspec
 from aiohttp import web
 
 from api_frontend import field_policy
-from api_frontend.errors import ApiError, check_served_model
+from api_frontend.errors import ApiError, adapter_of, check_served_model
 from api_frontend.generate import Flight, client_request_id, complete_report
 from api_frontend.json_body import decode_request, json_response
 from api_frontend.responses_api.builder import ResponseBuilder
@@ -84,7 +84,7 @@ def _base(req: ResponsesRequest, rid: str, card: ModelCard, tr: Translated,
 async def create(request: web.Request, engine, card: ModelCard, aliases: list[str],
                  api: ApiSpec, peers: ResponsePeers) -> web.StreamResponse:
     req, keys = decode_request(await request.read(), ResponsesRequest)
-    card = check_served_model(card, req.model, aliases)
+    card = check_served_model(card, req.model, aliases, engine.adapters())
     previous = None
     if req.previous_response_id is not None:
         previous = await peers.get(req.previous_response_id, "previous_response_id")
@@ -92,6 +92,7 @@ async def create(request: web.Request, engine, card: ModelCard, aliases: list[st
     rid = peers.new_id(stored)
     arrival = time.time()
     plan, tr = _translate(req, keys, previous, rid, engine.reply_to, arrival, api)
+    tr.gen.lora = adapter_of(card)
     if req.store and not stored:
         tr.report.ignored.append(FieldNote("store", "this deployment keeps no responses "
                                            "(responses_store.max_entries 0)"))
