@@ -29,6 +29,7 @@ import zmq
 from api_frontend.errors import ApiError
 from api_frontend.metrics import FrontendMetrics, RequestTimer
 from api_frontend.replica_router import ReplicaRouter, affinity_text
+from cluster.metrics import dropped_messages
 from cluster.process_config import FrontendConfig
 from protocol import ipc
 from protocol.routing import detokenizer_index
@@ -38,13 +39,19 @@ READER_DIED_EXIT = 70  # EX_SOFTWARE: an internal failure the launcher reports
 log = logging.getLogger("api_frontend")
 
 
-def combine_stats(reports: list[ipc.SchedulerStats]) -> ipc.SchedulerStats:
-    """One view over several replicas' heartbeats: counts add up, ages take the worst."""
-    if len(reports) == 1:
-        return reports[0]
+def combine_stats(current: list[ipc.SchedulerStats],
+                  every: list[ipc.SchedulerStats] | None = None) -> ipc.SchedulerStats:
+    """One view over several replicas' heartbeats: the state of those ``current`` (in
+    rotation) adds up, ages take the worst, and the cumulative counts add up over
+    ``every`` replica's last report (default: ``current``), so a replica going stale or
+    lost never takes its share of a total back."""
+    every = current if every is None else every
+    if len(current) == 1 and len(every) == 1:
+        return current[0]
     out = {}
     for name in ipc.SchedulerStats.__struct_fields__:
-        values = [getattr(r, name) for r in reports]
+        values = [getattr(r, name) for r in
+                  (every if name in ipc.SchedulerStats.CUMULATIVE else current)]
         if name in ("time", "step_in_flight_s", "worker_idle_ms_p50"):
             out[name] = max(values)
         elif name == "worker_ready":
@@ -81,7 +88,7 @@ def _exit_if_reader_died(task: asyncio.Task) -> None:
 
 class EngineClient:
     def __init__(self, cfg: FrontendConfig, metrics: FrontendMetrics | None = None) -> None:
-        self.ctx = async_context(cfg.security)
+        self.ctx = async_context(cfg.security, dropped_messages(cfg.role))
         a = cfg.addresses
         self.reply_to = a.frontend_results[cfg.index]
         self._results: Receiver = Receiver(self.ctx, self.reply_to, ipc.FrontendInbound)
@@ -246,7 +253,7 @@ class EngineClient:
                 and now - at <= self.heartbeat_stale_s]
 
     def _route(self, req: ipc.GenerateReq) -> None:
-        if self.replicas == 1:
+        if self.replicas == 1 or req.probe:  # a probe names the replica it checks
             return
         alive = self.in_rotation() or [r for r in range(self.replicas) if r not in self.lost] \
             or [0]
@@ -288,7 +295,8 @@ class EngineClient:
                 self.started.add(report.replica)
             fresh = [s for r, (s, at) in sorted(self._reports.items())
                      if r not in self.lost and now - at <= self.heartbeat_stale_s]
-            self.stats = combine_stats(fresh or [report])
+            self.stats = combine_stats(fresh or [report],
+                                       [s for s, _ in self._reports.values()])
             self._update_replica_gauges()
             self._track()  # finish_reasons is popped by the ops middleware, not here
 

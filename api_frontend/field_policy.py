@@ -103,18 +103,22 @@ ROWS: tuple[Row, ...] = (
         sglang="ignored",
         tests="H `test_sse_framing_finish_length_and_usage`, C `test_sdk_exception_classes`"),
     Row(fields=("stop",), **BOTH,
-        candor="honoured, trimmed; at most `max_stop_strings`, each at most "
+        candor="honoured, trimmed; `finish_reason: stop` whenever a stop string cut the text, "
+        "on the last allowed token too; at most `max_stop_strings`, each at most "
         "`max_stop_string_chars`", vllm="honoured", sglang="honoured",
-        tests="H `test_finish_reason_stop_on_stop_string_is_trimmed`, A limits"),
+        tests="H `test_finish_reason_stop_on_stop_string_is_trimmed`, A limits, "
+        "K `test_stop_string_ending_on_the_last_allowed_token_is_stop`"),
     Row(fields=("seed",), **BOTH,
         candor="honoured: per-request generator, same tokens alone or in any batch",
         vllm="hint", sglang="hint",
         tests="S `test_seed_gives_same_tokens_alone_and_in_a_busy_batch`"),
     Row(fields=("presence_penalty", "frequency_penalty"), **BOTH,
-        candor="honoured over generated tokens, -2..2 (checked against an HF reference)",
+        candor="honoured over generated tokens, -2..2 (checked against an HF reference; "
+        "the same with or without a prefix-cache hit)",
         vllm="honoured", sglang="honoured",
         tests="S `test_penalties_match_hf_reference`, "
-        "U `test_penalties_match_a_dense_reference`"),
+        "U `test_penalties_match_a_dense_reference`, "
+        "K `test_history_fields_give_the_same_answer_with_and_without_a_cache_hit`"),
     Row(fields=("logit_bias",), **BOTH,
         candor="at most `max_logit_bias` entries; honoured, sparse (index_put over entries, "
         "cost ∝ entries); ids checked against the vocabulary → 400 `logit_bias`",
@@ -253,20 +257,32 @@ ROWS: tuple[Row, ...] = (
         tests="S `test_top_k_1_and_min_p_1_are_greedy`, "
         "U `test_min_p_keeps_only_tokens_near_the_top`"),
     Row(fields=("repetition_penalty",), **EXT,
-        candor="extension, over prompt + generated (HF), (0, 2]", vllm="extension",
-        sglang="extension", tests="S `test_penalties_match_hf_reference`"),
+        candor="extension, over prompt + generated (HF; a cached prompt included), (0, 2]",
+        vllm="extension", sglang="extension",
+        tests="S `test_penalties_match_hf_reference`, "
+        "K `test_history_fields_give_the_same_answer_with_and_without_a_cache_hit`"),
     Row(fields=("min_tokens",), **EXT,
-        candor="extension: eos and `stop_token_ids` masked until reached; stop strings "
-        "count only where they end after those tokens (as vLLM)", vllm="extension",
+        candor="extension: eos and `stop_token_ids` masked until reached (prefix-cache hit or "
+        "not); stop strings count only where they end after those tokens (as vLLM). With a "
+        "constraint that must end sooner: 400 `constraint_conflict` naming both where known "
+        "up front (`guided_choice`, boolean/null schemas), otherwise that request alone ends "
+        "with that error (its batch goes on)", vllm="extension; the conflict fails the batch",
         sglang="`min_new_tokens`",
         tests="S `test_stop_token_ids_min_tokens_and_ignore_eos`, "
         "S `test_min_tokens_holds_back_stop_strings`, "
-        "U `test_min_tokens_suppresses_stop_ids_until_reached`"),
+        "U `test_min_tokens_suppresses_stop_ids_until_reached`, "
+        "K `test_runtime_constraint_conflict_fails_only_that_request`"),
     Row(fields=("ignore_eos", "stop_token_ids"), **EXT,
-        candor="extension; at most `max_stop_token_ids` ids", vllm="extension",
-        sglang="extension", tests="S `test_stop_token_ids_min_tokens_and_ignore_eos`"),
-    Row(fields=("include_stop_str_in_output",), **EXT, candor="extension", vllm="extension",
-        sglang="`no_stop_trim`", tests="S `test_stop_string_include_stop_str_in_output`"),
+        candor="extension; at most `max_stop_token_ids` ids. The id that stops a sequence "
+        "counts in usage and logprobs; its text is left out of the answer (as vLLM)",
+        vllm="extension", sglang="extension",
+        tests="S `test_stop_token_ids_min_tokens_and_ignore_eos`, "
+        "K `test_stopping_token_text_is_left_out_unless_asked_for`"),
+    Row(fields=("include_stop_str_in_output",), **EXT,
+        candor="extension: keeps the matched stop string, and the text of the EOS or "
+        "`stop_token_ids` id that stopped the sequence", vllm="extension",
+        sglang="`no_stop_trim`", tests="S `test_stop_string_include_stop_str_in_output`, "
+        "K `test_stopping_token_text_is_left_out_unless_asked_for`"),
     Row(fields=("return_token_ids", "skip_special_tokens"), **EXT, candor="extension",
         vllm="extension", sglang="extension", tests="H `test_usage_counts_equal_tokens_produced`"),
     Row(fields=("priority",), **EXT, only_with="priority_scheduling",

@@ -28,7 +28,8 @@ response carries the report as the `candor` body field (first frame of a stream)
 Tests are in `tests/`; `S` = test_e2e_sampling.py, `L` = test_e2e_logprobs.py,
 `C` = test_e2e_contract.py, `P` = test_e2e_policy.py, `X` = test_e2e_strict.py,
 `H` = test_e2e_http.py, `U` = test_sampler_processors.py, `A` = test_e2e_hardening_api.py,
-`T` = test_e2e_tools.py, `G` = test_e2e_structured.py, `TP` = test_tool_parsers.py.
+`T` = test_e2e_tools.py, `G` = test_e2e_structured.py, `TP` = test_tool_parsers.py,
+`K` = test_e2e_composition.py.
 
 `null` for any optional field means absent (SDKs send explicit nulls): it is dropped before
 decoding and never reported (A `test_null_means_absent_on_both_endpoints`). Every integer is

@@ -156,10 +156,10 @@ def _stats_dict(stats: ipc.SchedulerStats | None) -> dict | None:
 
 
 async def health_generate_route(request: web.Request) -> web.Response:
-    """One real token through tokenizer, scheduler, worker and detokenizer; concurrent
-    callers share one probe (``GenerationProbe``)."""
+    """One real token through tokenizer, scheduler, worker and detokenizer, on every
+    engine replica in rotation; concurrent callers share one round
+    (``GenerationProbe``). 503 when any replica probed fails, naming it."""
     ops = request.app[OPS_KEY]
-    engine = ops.engine
     timeout = PROBE_TIMEOUT_S
     if "timeout" in request.query:
         try:
@@ -171,15 +171,31 @@ async def health_generate_route(request: web.Request) -> web.Response:
     if problems:
         ops.metrics.probes.labels("generate", "fail").inc()
         raise ApiError(503, "unhealthy: " + "; ".join(problems), None, "unhealthy")
-    result = await request.app[PROBE_KEY].check(timeout)
-    ops.metrics.probes.labels("generate", result.outcome).inc()
-    if result.outcome == "timeout":
-        raise ApiError(503, f"generation probe got {result.message}", None, "probe_timeout")
-    if result.outcome != "ok":
-        raise ApiError(503, f"generation probe failed: {result.message}", None,
-                       "probe_failed")
-    return web.json_response({"status": "ok", "tokens": result.tokens,
-                              "latency_s": result.latency_s})
+    probed = await request.app[PROBE_KEY].check(timeout)
+    if not probed.results:  # every replica left rotation since problems() was read
+        ops.metrics.probes.labels("generate", "fail").inc()
+        raise ApiError(503, "unhealthy: no engine replica is in rotation to probe", None,
+                       "unhealthy")
+    failures = probed.failures()
+    outcome = failures[0].outcome if failures else "ok"
+    ops.metrics.probes.labels("generate", outcome).inc()
+    several = ops.engine.replicas > 1
+    if failures:
+        what = "; ".join((f"replica {r.replica}: " if several else "") + r.message
+                         for r in failures)
+        if all(r.outcome == "timeout" for r in failures):
+            raise ApiError(503, f"generation probe got {what}", None, "probe_timeout")
+        raise ApiError(503, f"generation probe failed: {what}", None, "probe_failed")
+    if not several:
+        (result,) = probed.results
+        return web.json_response({"status": "ok", "tokens": result.tokens,
+                                  "latency_s": result.latency_s})
+    replicas = [{"replica": r.replica, "status": "ok", "tokens": r.tokens,
+                 "latency_s": r.latency_s} for r in probed.results]
+    replicas += [{"replica": r, "status": f"not probed: {state}"}
+                 for r, state in probed.skipped.items()]
+    return web.json_response({"status": "degraded" if probed.skipped else "ok",
+                              "replicas": sorted(replicas, key=lambda r: r["replica"])})
 
 
 async def live_route(request: web.Request) -> web.Response:

@@ -36,7 +36,7 @@ class TopologyWatch:
         self._on_replica_lost = on_replica_lost  # (replica, why): it left rotation
         self.lost_replicas: dict[int, str] = {}
         self.status: dict[str, tuple[NodeStatus, float]] = {}
-        self._seen: dict[tuple[str, str, int], tuple[bool, int]] = {}
+        self._deaths: dict[tuple[str, str, int], int] = {}  # deaths seen per process
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -58,13 +58,13 @@ class TopologyWatch:
                 self.lost_replicas[replica] = why
                 self._on_replica_lost(replica, why)
         for child in msg.children:
+            # one death each: the status saying it is dead, or (if that one was missed)
+            # the restart count; a process waiting out its restart backoff dies once
             key = (msg.node, child.role, child.index)
-            seen = self._seen.get(key)
-            self._seen[key] = (child.alive, child.restarts)
-            if seen is None:
-                continue
-            was_alive, restarts = seen
-            if (was_alive and not child.alive) or child.restarts > restarts:
+            deaths = child.restarts + (0 if child.alive else 1)
+            seen = self._deaths.get(key)
+            self._deaths[key] = max(deaths, seen or 0)
+            if seen is not None and deaths > seen:
                 self._on_lost(child.role, child.index,
                               f"{child.role}[{child.index}] on node {msg.node} exited "
                               f"(code {child.exit_code})")

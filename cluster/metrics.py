@@ -48,6 +48,16 @@ def process_exited(path: str, pid: int) -> None:
     mark_process_dead(pid, path)
 
 
+def dropped_messages(role: str):
+    """What counts one undecodable frame a ``Receiver`` of this ``role``'s process
+    dropped (``protocol.transport``), as ``candor_ipc_dropped_messages_total{role}``."""
+    from prometheus_client import Counter
+
+    return Counter("candor_ipc_dropped_messages", "Messages a process received but could "
+                   "not decode and dropped (garbage, a stranger, a version mismatch); the "
+                   "process logs which socket", ["role"], registry=None).labels(role).inc
+
+
 def render(path: str) -> tuple[bytes, str]:
     """The exposition text of every process that wrote into ``path``, labelled with the
     model, plus vLLM's names and per-role process metrics (cluster/metrics_view.py)."""

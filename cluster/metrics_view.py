@@ -3,6 +3,8 @@ no hot path pays for it:
 
 - every Candor series labelled ``model_name`` (the deployment's primary served name),
   as vLLM labels its series, so dashboards filter by model;
+- ratios of the node's summed counters (``candor_prefix_cache_hit_ratio``), which no
+  process can export itself once several replicas add up;
 - vLLM's names with vLLM's meaning (``vllm:num_requests_waiting``,
   ``vllm:kv_cache_usage_perc``, ``vllm:time_to_first_token_seconds`` ...), derived from
   the Candor series, so existing vLLM dashboards, alerts and the Gateway API Inference
@@ -111,6 +113,21 @@ def _total(families: dict, name: str, sample: str | None = None) -> float:
     return sum(s.value for s in family.samples if s.name == (sample or name))
 
 
+def derived_families(families: dict, labels: dict[str, str]) -> Iterable:
+    """Ratios of this node's summed counters (a ratio per process would add up past 1
+    over several replicas)."""
+    if "candor_prefix_cache_queried_tokens" not in families:
+        return
+    queried = _total(families, "candor_prefix_cache_queried_tokens",
+                     "candor_prefix_cache_queried_tokens_total")
+    hits = _total(families, "candor_prefix_cache_hit_tokens",
+                  "candor_prefix_cache_hit_tokens_total")
+    yield _gauge("candor_prefix_cache_hit_ratio", "Share of looked-up prompt tokens found "
+                 "in the prefix cache since start, over every engine replica of the node "
+                 "(0 while the prefix cache is off)", hits / queried if queried else 0.0,
+                 labels)
+
+
 def vllm_families(families: dict, labels: dict[str, str]) -> Iterable:
     """vLLM's view of the Candor families (already labelled)."""
     from prometheus_client.metrics_core import CounterMetricFamily
@@ -195,6 +212,7 @@ class NodeCollector:
         families = {f.name: _with_labels(f, labels)
                     for f in MultiProcessCollector(None, path=self.path).collect()}
         yield from families.values()
+        yield from derived_families(families, labels)
         if info is None:
             return
         if info.compat == "vllm":

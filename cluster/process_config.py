@@ -86,6 +86,7 @@ class WorkerConfig(ReplicaConfig, kw_only=True, tag="gpu_worker"):
     max_model_len: int | None = None
     dtype: str = "auto"
     load_format: str = "auto"
+    tp_interface: str | None = None  # the interface the collectives bind to (Topology)
 
     @property
     def tp_rank(self) -> int:
@@ -117,7 +118,7 @@ def _role_config(role: str, topology: Topology, replica: int, **envelope) -> Pro
         return SchedulerConfig(**envelope, **engine)
     return WorkerConfig(**envelope, **engine, model_path=path,
                         max_model_len=model.max_model_len, dtype=model.dtype,
-                        load_format=model.load_format)
+                        load_format=model.load_format, tp_interface=topology.tp_interface(replica))
 
 
 def process_configs(topology: Topology, run_dir: str, node: str | None = None,

@@ -187,11 +187,28 @@ class CurveSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         return self._path(None, "")
 
 
+class TensorParallelTraffic(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """How tensor-parallel traffic between nodes is protected, which CURVE does not
+    cover: torch.distributed's rendezvous (a TCP store listening on every interface
+    that any host reaching its port can join) and the gloo/NCCL collectives are plain.
+    ``protection``: private_network (a network only the ranks' machines reach) or
+    tunnel (an encrypted link, e.g. WireGuard or IPsec, between them). ``network``: its
+    CIDR; every rank's node host and the rendezvous must lie in it (checked).
+    ``interface``: the network interface the collectives bind to (GLOO_SOCKET_IFNAME,
+    NCCL_SOCKET_IFNAME; an operator's own setting wins)."""
+
+    protection: Literal["private_network", "tunnel"]
+    network: str
+    interface: str | None = None
+
+
 class SecuritySpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """How the internal sockets authenticate. ``curve`` unset: tcp sockets are plain
-    (only for a private network you trust)."""
+    (only for a private network you trust). ``tensor_parallel``: required when one
+    replica's ranks span nodes, naming how their traffic is protected."""
 
     curve: CurveSpec | None = None
+    tensor_parallel: TensorParallelTraffic | None = None
 
 
 class RequestLimits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -304,9 +321,11 @@ class Addresses(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     frontend_results: str = "ipc://{run_dir}/frontend-{i}"
     # each node's launcher publishes its children's liveness here ({n}: node index)
     node_status: str = "ipc://{run_dir}/node-{n}"
-    # torch.distributed rendezvous of one replica's tensor-parallel ranks ({host}: their
-    # node; {port}: a free port the launcher picks, only where every rank is on one node)
-    tp_rendezvous: str = "tcp://{host}:{port}"
+    # torch.distributed rendezvous of one replica's tensor-parallel ranks: by default a
+    # file store in the launcher's private run directory (every rank on one node); ranks
+    # that span nodes need tcp://{host}:PORT ({host}: rank 0's node; {port}: a free port
+    # one launcher picks, so one node only)
+    tp_rendezvous: str = "file://{run_dir}/tp-rendezvous-{r}"
 
 
 class NodeSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -325,10 +344,18 @@ class NodeSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class SupervisionSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """What the launcher does when a child dies or a stop is asked for."""
+    """What the launcher does when a child dies or a stop is asked for.
+
+    A role in ``restart`` comes back at once after its first death in a window; each
+    further restart within ``restart_window_s`` waits twice as long as the one before (1 s,
+    2 s, 4 s ... up to ``restart_backoff_max_s``), and a death past ``max_restarts``
+    restarts within the window stops the topology. Restarts older than the window no
+    longer count, so a crash a day never adds up to the limit."""
 
     restart: list[RoleName] = []  # stateless roles only: tokenizer_worker, detokenizer
-    max_restarts: Annotated[int, Meta(ge=0)] = 10  # per process, then the topology stops
+    max_restarts: Annotated[int, Meta(ge=0)] = 10  # per process and window, then stop
+    restart_window_s: Annotated[float, Meta(gt=0)] = 600.0
+    restart_backoff_max_s: Annotated[float, Meta(ge=0)] = 30.0
     teardown_delay_s: Annotated[float, Meta(ge=0, le=300)] = 0.0  # after a fatal death
     drain_timeout_s: Annotated[float, Meta(ge=0, le=3600)] = 30.0  # SIGTERM grace
     heartbeat_stale_s: Annotated[float, Meta(gt=0.2, le=60)] = 2.0
@@ -381,6 +408,28 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     def nodes_of(self, role: str) -> list[NodeSpec]:
         return [n for n in self.effective_nodes() if role in n.roles]
+
+    def rank_nodes(self, replica: int) -> list[NodeSpec]:
+        """The nodes running replica ``replica``'s gpu_worker ranks (one, unless its
+        tensor-parallel group spans machines)."""
+        tp = self.tensor_parallel
+        out: list[NodeSpec] = []
+        for index in range(replica * tp, replica * tp + tp):
+            node = self.node_of("gpu_worker", index)
+            if node not in out:
+                out.append(node)
+        return out
+
+    def tp_interface(self, replica: int) -> str | None:
+        """The network interface replica ``replica``'s collectives bind to: loopback when
+        its ranks share a node (nothing of theirs listens beyond the host), else
+        ``security.tensor_parallel.interface`` (None: torch's own choice)."""
+        if self.tensor_parallel == 1:
+            return None
+        if len(self.rank_nodes(replica)) == 1:
+            return "lo"
+        traffic = self.security.tensor_parallel
+        return traffic.interface if traffic is not None else None
     api: ApiSpec = msgspec.field(default_factory=ApiSpec)
 
 
@@ -433,7 +482,7 @@ CONNECTORS = {"scheduler_in": ("tokenizer_worker", "detokenizer", "api_frontend"
               # frontends ask each other for stored /v1/responses (api_frontend/responses_api)
               "frontend_results": ("scheduler", "tokenizer_worker", "detokenizer",
                                    "api_frontend"),
-              "node_status": ("api_frontend",)}
+              "node_status": ("api_frontend", "detokenizer")}
 
 
 def resolve(topology: Topology, run_dir: str) -> list[ResolvedAddresses]:

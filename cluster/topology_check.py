@@ -8,7 +8,9 @@ ipc:// sockets that would cross machines, ports used twice on a host, the model 
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import socket
 from urllib.parse import urlsplit
 
 from cluster.topology import (BINDERS, CONNECTORS, ROLES, ResolvedAddresses, Topology,
@@ -50,7 +52,8 @@ def _placement(topology: Topology, problems: list[str]) -> None:
 
 def _rank_placement(topology: Topology, problems: list[str]) -> None:
     """gpu_worker ranks may span nodes when each such node names its ``gpu_workers`` and
-    together they name every rank once; the rendezvous then needs a fixed port."""
+    together they name every rank once; a replica whose ranks span nodes then needs a
+    fixed tcp rendezvous and a declared protection for its traffic."""
     nodes = topology.nodes_of("gpu_worker")
     total = topology.replicas * topology.tensor_parallel
     if any(n.gpu_workers is None for n in nodes):
@@ -63,9 +66,64 @@ def _rank_placement(topology: Topology, problems: list[str]) -> None:
         problems.append(f"the nodes' gpu_workers name {named}; they must name each of "
                         f"0..{total - 1} once ({topology.replicas} replica(s) x "
                         f"{topology.tensor_parallel} rank(s))")
-    if "{port}" in topology.addresses.tp_rendezvous:
+        return
+    _tensor_parallel_traffic(topology, problems)
+
+
+def _host_addresses(host: str) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    """``host`` as an IP address, or what its name resolves to here (empty: it does not)."""
+    try:
+        return [ipaddress.ip_address(host)]
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError):
+        return []
+    return sorted({ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos}, key=str)
+
+
+def _tensor_parallel_traffic(topology: Topology, problems: list[str]) -> None:
+    """Ranks of one replica on several nodes talk outside CURVE (the torch.distributed
+    store and gloo/NCCL): the topology must say how that traffic is protected, and every
+    host involved must lie in the network it names."""
+    spanning = {r: nodes for r in range(topology.replicas)
+                if len(nodes := topology.rank_nodes(r)) > 1}
+    if not spanning:
+        return
+    template = topology.addresses.tp_rendezvous
+    if "{port}" in template or not template.startswith("tcp://"):
         problems.append("addresses.tp_rendezvous needs a fixed port when ranks span nodes "
-                        "(e.g. tcp://{host}:29500); {port} is picked by one launcher only")
+                        "(e.g. tcp://{host}:29500); a file:// store and {port} are one "
+                        "launcher's only")
+    traffic = topology.security.tensor_parallel
+    if traffic is None:
+        r, nodes = next(iter(spanning.items()))
+        problems.append(
+            f"the tensor-parallel ranks of replica {r} span nodes {[n.name for n in nodes]}: "
+            "their torch.distributed rendezvous (a TCP store any host reaching its port "
+            "can join) and gloo/NCCL traffic are plain, outside CURVE; declare how they are "
+            "protected with security.tensor_parallel: {protection: private_network | tunnel, "
+            "network: CIDR} (see the README, 'Who may talk to it')")
+        return
+    try:
+        network = ipaddress.ip_network(traffic.network, strict=False)
+    except ValueError as err:
+        problems.append(f"security.tensor_parallel.network: {err}")
+        return
+    hosts = {n.host: f"node {n.name!r}" for nodes in spanning.values() for n in nodes}
+    rendezvous = urlsplit(template).hostname or ""
+    if rendezvous and "{" not in rendezvous:
+        hosts.setdefault(rendezvous, "addresses.tp_rendezvous")
+    for host, what in hosts.items():
+        found = _host_addresses(host)
+        if not found:
+            problems.append(f"security.tensor_parallel: cannot resolve {what}'s host "
+                            f"{host!r} to check that it lies in {network}")
+        elif outside := [str(a) for a in found if a not in network]:
+            problems.append(f"security.tensor_parallel: {what}'s host {host!r} "
+                            f"({', '.join(outside)}) is outside the declared "
+                            f"{traffic.protection} network {network}")
 
 
 def _addresses(topology: Topology, problems: list[str]) -> list[ResolvedAddresses] | None:
@@ -99,9 +157,9 @@ def _bound_addresses(topology: Topology, replicas: list[ResolvedAddresses]):
         for i, addr in enumerate(values):
             label = f"{key}[{i}]" if isinstance(value, list) else key
             out.append((label, addr, bind_node, connect_nodes))
-    frontend_node = topology.node_of("api_frontend").name
+    listeners = {n.name for role in CONNECTORS["node_status"] for n in topology.nodes_of(role)}
     for node, addr in zip(topology.effective_nodes(), resolved.node_status):
-        out.append((f"node_status[{node.name}]", addr, node.name, {frontend_node}))
+        out.append((f"node_status[{node.name}]", addr, node.name, listeners))
     return out
 
 

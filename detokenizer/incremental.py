@@ -36,11 +36,23 @@ class RequestDetokenizer:
         self.stopped = False    # a stop string matched
         self._min_end = 0       # stop strings must end after this (min_tokens' text)
 
-    def add_token(self, token_id: int) -> None:
-        """Consume one generated id. After a stop string matches, later ids are ignored."""
+    def add_tokens(self, token_ids: list[int], stopping: bool = False) -> None:
+        """Consume generated ids; ``stopping``: the last one ended the sequence (EOS or a
+        stop_token_ids id): it counts, but its text is left out of the answer unless
+        ``include_stop_str_in_output`` (as vLLM)."""
+        last = len(token_ids) - 1
+        for i, token_id in enumerate(token_ids):
+            self.add_token(token_id, text=not (stopping and i == last)
+                           or self._params.include_stop_str_in_output)
+
+    def add_token(self, token_id: int, text: bool = True) -> None:
+        """Consume one generated id (``text`` False: count it, decode nothing). After a
+        stop string matches, later ids are ignored."""
         if self.stopped:
             return
         self.num_tokens += 1
+        if not text:
+            return
         piece = self._stream.step(self._tokenizer, token_id)
         if not piece:
             return

@@ -9,6 +9,7 @@ a collective a dead peer will never join, so SIGTERM ends it at once.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -18,7 +19,9 @@ import zmq
 
 from cluster.checkpoint import effective_max_model_len
 from cluster.lifecycle import StopFlag, die_with_parent, read_config, setup_logging
+from cluster.metrics import dropped_messages
 from cluster.process_config import WorkerConfig
+from gpu_worker.plan_order import PLAN_GAP_EXIT, PlanGap, PlanOrder
 from protocol import ipc
 from protocol.transport import Receiver, Sender, sync_context
 
@@ -76,7 +79,7 @@ def main() -> None:
     log.info("device %s (%s); %d threads (%s)", device, device_why, torch.get_num_threads(),
              f"--worker-threads {eng.worker_threads}" if eng.worker_threads
              else "cores left after the other roles")
-    ranks = init_ranks(rank, size, cfg.tp_address, torch.device(device))
+    ranks = init_ranks(rank, size, cfg.tp_address, torch.device(device), cfg.tp_interface)
     started = time.perf_counter()
     runner = ModelRunner(
         cfg.model_path, device=device, dtype=cfg.dtype, block_size=eng.block_size,
@@ -93,7 +96,7 @@ def main() -> None:
              runner.dtype_reason, runner.num_blocks, kv_mib,
              runner.num_blocks * runner.block_size, runner.kv_reason)
 
-    ctx = sync_context(cfg.security)
+    ctx = sync_context(cfg.security, dropped_messages(cfg.role))
     plans: Receiver = Receiver(ctx, cfg.addresses.worker_in, ipc.WorkerInbound, bind=False,
                                kind=zmq.SUB)
     results = Sender(ctx, cfg.addresses.worker_out) if rank == 0 else None
@@ -107,12 +110,23 @@ def main() -> None:
                            dtype=str(runner.dtype).removeprefix("torch.")))
 
     last_sent = time.perf_counter()
+    order = PlanOrder()
     while not stop.is_set():
         msg = plans.recv(timeout_ms=200)
         if msg is None:
             continue
         if isinstance(msg, ipc.Shutdown):
             break
+        try:
+            if isinstance(msg, ipc.PlanMark):
+                order.check(msg)
+                continue
+            order.accept(msg)
+        except PlanGap as gap:  # computing on would pair collectives of different steps
+            log.critical("rank %d %s; stopping so the topology does not compute on", rank,
+                         gap)
+            logging.shutdown()
+            os._exit(PLAN_GAP_EXIT)
         if isinstance(msg, (ipc.LoadAdapter, ipc.DropAdapter)):
             answer_adapter(runner, msg, answer)
             continue

@@ -3,12 +3,15 @@
 Activations travel on the default group (NCCL on CUDA, gloo on CPU); small host-side
 agreements (the KV block count, the sampled token ids) travel on a gloo group, so they
 need no device copies. The rendezvous address comes from the topology
-(``addresses.tp_rendezvous``), so ranks may sit on different machines.
+(``addresses.tp_rendezvous``): a file store in the launcher's private run directory when
+the ranks share a node (their collectives then bind to loopback), a TCP store when they
+span machines (whose traffic the topology must declare protected: CURVE does not cover it).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from datetime import timedelta
 
 import torch
@@ -70,10 +73,16 @@ class Ranks:
         return out
 
 
-def init_ranks(rank: int, size: int, address: str, device: torch.device) -> Ranks:
+def init_ranks(rank: int, size: int, address: str, device: torch.device,
+               interface: str | None = None) -> Ranks:
+    """Join the group at ``address``; the collectives' sockets bind to ``interface``
+    (gloo and NCCL read it from their variables; an operator's own setting wins)."""
     if size == 1:
         return Ranks()
     import torch.distributed as dist
+    if interface is not None:
+        for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            os.environ.setdefault(var, interface)
     backend = "nccl" if device.type == "cuda" else "gloo"
     log.info("rank %d of %d: joining the %s group at %s", rank, size, backend, address)
     dist.init_process_group(backend, init_method=address, rank=rank, world_size=size,

@@ -7,6 +7,10 @@ for a row is computed right before that row is sampled. Recompute after preempti
 re-feeds the same tokens (skipped), and anything that differs rolls the matcher back, so
 the matcher always equals the tokens the KV cache holds.
 
+A matcher that rejects a fed token, errs, or allows nothing is that request's own bad
+state: it is reported (``Failures``), its mask row allows no token (so the sampler
+cannot draw one), and only that request fails; the step goes on for the others.
+
 The vocabulary view is built on a thread at start-up (about a second on a large
 vocabulary) so the first constrained request does not stall the step loop; matchers are
 copied from a prototype per grammar text (compiled once, cached).
@@ -27,13 +31,19 @@ import llguidance
 import llguidance.torch as llg_torch
 import torch
 
-from protocol.ipc import SamplingParams, SeqChunk
+from protocol.ipc import RequestFailure, SamplingParams, SeqChunk
 
 log = logging.getLogger(__name__)
 _PROTOTYPES = 64
 _BITMASK_SOURCE = Path(__file__).with_name("bitmask.cpp")
 # (logits [rows, vocab], constrained rows, their packed bitmasks) -> None, in place
 MaskApplier = Callable[[torch.Tensor, list[int], torch.Tensor], None]
+# rid -> why its grammar failed it
+Failures = dict[str, RequestFailure]
+
+
+def _grammar_failure(message: str) -> RequestFailure:
+    return RequestFailure("grammar_error", message)
 
 
 class _State:
@@ -139,40 +149,51 @@ class GrammarStates:
         """Indexes of ``rids`` that have a grammar."""
         return [i for i, rid in enumerate(rids) if rid in self._states]
 
-    def observe_all(self, fed: list[tuple[SeqChunk, SamplingParams | None]]) -> None:
+    def observe_all(self, fed: list[tuple[SeqChunk, SamplingParams | None]]) -> Failures:
+        """Advance every fed request's matcher; a request whose matcher rejects its
+        tokens is returned (its matcher is left as it is: the request ends)."""
+        failed: Failures = {}
         if self._states:
             for seq, params in fed:
-                self.observe(seq, params)
+                try:
+                    self.observe(seq, params)
+                except ValueError as err:
+                    failed[seq.rid] = _grammar_failure(str(err))
+        return failed
 
     def masks_soon(self, fed: list[tuple[SeqChunk, SamplingParams | None]],
                    rids: list[str]) -> Future:
         """On the mask thread: advance the matchers over this step's ``fed`` chunks, then
-        ``masks(rids)``. A token that breaks a grammar fails the step at ``result()``."""
-        def job() -> torch.Tensor:
-            self.observe_all(fed)
-            return self.masks(rids)
+        ``masks(rids)``: the future's result is (bitmasks, failures)."""
+        def job() -> tuple[torch.Tensor, Failures]:
+            failed = self.observe_all(fed)
+            return self.masks(rids, failed), failed
         return self._pool.submit(job)
 
-    def masks(self, rids: list[str]) -> torch.Tensor:
+    def masks(self, rids: list[str], failed: Failures) -> torch.Tensor:
         """Packed allowed-token bitmasks ([len(rids), ceil(vocab/32)] int32), one row per
-        rid, from each matcher's current state."""
+        rid, from each matcher's current state. A row whose request ``failed``, or whose
+        matcher errs or allows nothing (added to ``failed``), allows no token."""
         bitmask = llg_torch.allocate_token_bitmask(len(rids), self.vocab_size)
         row_bytes = bitmask.shape[1] * 4
         base = bitmask.data_ptr()
         for row, rid in enumerate(rids):  # the engine writes each row in place
-            self._states[rid].matcher.unsafe_compute_mask_ptr(base + row * row_bytes, row_bytes)
+            if rid in failed:
+                bitmask[row] = 0
+            else:
+                self._states[rid].matcher.unsafe_compute_mask_ptr(base + row * row_bytes,
+                                                                  row_bytes)
         words = bitmask.numpy()
         self._check_special(rids, words)
         empty = np.flatnonzero(~words.any(axis=1)).tolist()
         for row in empty + [r for r, rid in enumerate(rids)
                             if self._states[rid].matcher.is_error() and r not in empty]:
-            # cannot happen for a grammar that compiled: end the sequence cleanly rather
-            # than fail the step (and every other request in it)
-            log.error("%s: grammar allows no token: %s", rids[row],
-                      self._states[rids[row]].matcher.get_error())
+            rid = rids[row]
+            if rid not in failed:  # cannot happen for a grammar that compiled
+                error = self._states[rid].matcher.get_error() or "no token allowed"
+                log.error("%s: grammar allows no token: %s", rid, error)
+                failed[rid] = _grammar_failure(f"the output constraint allows no token: {error}")
             bitmask[row] = 0
-            for eos in self.tokenizer().eos_tokens:
-                bitmask[row, eos // 32] |= _int32(1 << (eos % 32))
         return bitmask
 
     def _check_special(self, rids: list[str], words: np.ndarray) -> None:

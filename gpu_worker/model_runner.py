@@ -14,6 +14,12 @@ Under tensor parallelism every rank runs the same plan through its shard of the 
 any rank can hold, and rank 0's sampled ids are adopted by every rank, so the
 placeholders of a run-ahead step resolve to the same token everywhere.
 
+A request's own bad state fails that request alone: a grammar that does not compile or
+rejects a token, a row with nothing left to sample (``StepResult.failed``). From then on
+its chunks are not fed (a run-ahead step queued behind the failure would feed a token
+nobody sampled) until the scheduler releases it. A step that raises (an engine fault)
+fails every request in it the same way, and the step queued behind it runs for the rest.
+
 With LoRA enabled, ``adapters`` (``lora.store``) holds the adapters and groups each
 step's rows by adapter before the forward pass; a step with adapter rows runs eagerly
 (no CUDA graph: the groups change from step to step).
@@ -43,13 +49,19 @@ from gpu_worker.models.decoder import DecoderForCausalLM
 from gpu_worker.progress import Progress
 from gpu_worker.request_state import RequestTracker
 from gpu_worker.tp_shard import tp_shard
-from gpu_worker.sampler import Sampler
-from protocol.ipc import (PLACEHOLDER_TOKEN, SampleLogprobs, SamplingParams, SeqChunk, StepPlan,
-                          StepResult, TokenLogprob, WorkerTimings)
+from gpu_worker.sampler import NO_TOKEN, Sampler
+from protocol.ipc import (PLACEHOLDER_TOKEN, RequestFailure, SampleLogprobs, SamplingParams,
+                          SeqChunk, StepPlan, StepResult, TokenLogprob, WorkerTimings)
 
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Requests of a step that raised: the scheduler fails them on the WorkerError already.
+_IN_FAILED_STEP = RequestFailure("engine_error", "the engine failed a step this request was in")
+# Rank 0 could not sample the row, and this rank does not know why (ranks disagree).
+_NOT_SAMPLED = RequestFailure("no_token_allowed", "no token could be sampled for this request")
+# (sampled ids, their logprobs, the requests that failed on their own: rid -> why)
+_Sampled = tuple[list[int], list[SampleLogprobs | None], dict[str, RequestFailure]]
 
 
 @dataclass
@@ -120,7 +132,7 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.last_sampled: dict[str, int] = {}  # rid -> its latest token (fills placeholders)
         self.block_tables: dict[str, list[int]] = {}  # rid -> its table, built from plan diffs
-        self.failed_last_step: set[str] = set()  # rids of the previous step, if it failed
+        self.failed: dict[str, RequestFailure] = {}  # rid -> why; not fed until released
         self.tracker = RequestTracker()  # token history (penalties) and prompt logprobs
         self.timings = WorkerTimings()  # cumulative, sent with every result
 
@@ -229,10 +241,15 @@ class ModelRunner:
             self.block_tables.pop(rid, None)
             self.tracker.release(rid)
             self.grammars.release(rid)
+            self.failed.pop(rid, None)
         for rid, params in plan.new_sampling.items():
             old = self.sampling.get(rid)
             self.sampling[rid] = params
-            self.grammars.register(rid, params)
+            self.failed.pop(rid, None)  # registered afresh
+            try:
+                self.grammars.register(rid, params)
+            except (ValueError, RuntimeError) as err:  # its own grammar: it alone fails
+                self.failed[rid] = RequestFailure("grammar_error", str(err))
             # Same params again (e.g. after preemption): keep the seeded stream going.
             if old != params:
                 self.generators.pop(rid, None)
@@ -241,16 +258,11 @@ class ModelRunner:
         if self.adapters is not None:
             self.adapters.track(plan)
 
-    def _fill_placeholder(self, seq: SeqChunk, failed_before: set[str]) -> None:
-        """A step planned before the previous one returned feeds the token sampled there.
-
-        When that step failed, it sampled nothing, and its requests fail with it: their
-        placeholders get token 0 (the scheduler discards what it yields) rather than
-        failing this step's other requests too."""
+    def _fill_placeholder(self, seq: SeqChunk) -> None:
+        """A step planned before the previous one returned feeds the token sampled there
+        (a request that failed meanwhile is not fed at all: see ``execute``)."""
         if seq.token_ids and seq.token_ids[-1] == PLACEHOLDER_TOKEN:
             last = self.last_sampled.pop(seq.rid, None)  # used once: never a stale token
-            if last is None and seq.rid in failed_before:
-                last = 0
             if last is None:
                 raise ValueError(f"{seq.rid}: placeholder token but nothing sampled for it yet")
             seq.token_ids[-1] = last
@@ -288,28 +300,38 @@ class ModelRunner:
         t0 = time.perf_counter()
         tm = self.timings
         inner_before = tm.forward + tm.sample + tm.grammar
-        failed_before, self.failed_last_step = self.failed_last_step, set()
         try:
             self._update_requests(plan)
             for seq in plan.seqs:  # tables first: a later failure leaves them consistent
                 self._apply_blocks(seq)
-            for seq in plan.seqs:
-                self._fill_placeholder(seq, failed_before)
+            live = [s for s in plan.seqs if s.rid not in self.failed] if self.failed else plan.seqs
+            for seq in live:
+                self._fill_placeholder(seq)
                 self._check(seq)
             sampled: list[int] = []
             logprobs: list[SampleLogprobs | None] = []
-            if plan.seqs:
+            if live:
                 with torch.inference_mode():
-                    sampled, logprobs = self._forward(plan.seqs)
+                    sampled, logprobs, failures = self._forward(live)
+                self.failed.update(failures)
         except Exception:
-            self.failed_last_step = {s.rid for s in plan.seqs}
+            for s in plan.seqs:
+                self.failed.setdefault(s.rid, _IN_FAILED_STEP)
             raise
+        failed = {s.rid: self.failed[s.rid] for s in plan.seqs if s.rid in self.failed
+                  } if self.failed else {}
+        if len(live) < len(plan.seqs):  # the sampling rows of requests not fed: no token
+            rows = dict(zip((id(s) for s in live if s.sample),
+                            zip(sampled, logprobs or [None] * len(sampled))))
+            pairs = [rows.get(id(s), (NO_TOKEN, None)) for s in plan.seqs if s.sample]
+            sampled = [token for token, _ in pairs]
+            logprobs = [lp for _, lp in pairs] if logprobs else []
         total = time.perf_counter() - t0
         tm.prepare += total - (tm.forward + tm.sample + tm.grammar - inner_before)
         return StepResult(step_id=plan.step_id, sampled=sampled, forward_s=total,
-                          logprobs=logprobs, timings=tm)
+                          logprobs=logprobs, timings=tm, failed=failed)
 
-    def _forward(self, seqs: list[SeqChunk]) -> tuple[list[int], list[SampleLogprobs | None]]:
+    def _forward(self, seqs: list[SeqChunk]) -> _Sampled:
         # Flattened order: prefill chunks, then decodes (attention batches those).
         prefills = [s for s in seqs if len(s.token_ids) > 1]
         # By length: decode attention runs in groups, and a group pads to its longest.
@@ -333,9 +355,10 @@ class ModelRunner:
         fed = [(s, self.sampling.get(s.rid)) for s in ordered]
         t0 = time.perf_counter()
         if not masked:
-            self.grammars.observe_all(fed)
+            refused = self.grammars.observe_all(fed)  # no row samples with a grammar
             self.timings.grammar += time.perf_counter() - t0
-            return self._run(batch, None)
+            sampled, logprobs, failed = self._run(batch, None)
+            return sampled, logprobs, {**refused, **failed}
         # matchers advance and masks are built on their thread while the model runs
         pending = self.grammars.masks_soon(fed, [rids[i] for i in masked])
         self.timings.grammar += time.perf_counter() - t0
@@ -347,7 +370,7 @@ class ModelRunner:
             self.timings.grammar += time.perf_counter() - t0
 
     def _run(self, batch: _Batch, pending: tuple[list[int], concurrent.futures.Future] | None
-             ) -> tuple[list[int], list[SampleLogprobs | None]]:
+             ) -> _Sampled:
         ordered, prefills, decodes = batch.ordered, batch.prefills, batch.decodes
         ids, positions = batch.ids, batch.positions
         dev = self.device
@@ -378,10 +401,10 @@ class ModelRunner:
             tm.sample += time.perf_counter() - t_sample
 
     def _sample(self, batch: _Batch, hidden: torch.Tensor,
-                pending: tuple[list[int], concurrent.futures.Future] | None
-                ) -> tuple[list[int], list[SampleLogprobs | None]]:
-        """Prompt logprobs, then the sampled rows' logits, tokens and logprobs; the time
-        spent waiting for grammar masks is counted as grammar, not here."""
+                pending: tuple[list[int], concurrent.futures.Future] | None) -> _Sampled:
+        """Prompt logprobs, then the sampled rows' logits, tokens and logprobs (NO_TOKEN
+        for a request that failed on its own, with why); the time spent waiting for
+        grammar masks is counted as grammar, not here."""
         ordered, last_row, to_sample = batch.ordered, batch.last_row, batch.to_sample
         dev = self.device
         for s in ordered:
@@ -390,31 +413,35 @@ class ModelRunner:
                 last = last_row[id(s)]
                 chunk_logits = self.model.compute_logits(hidden[last - len(s.token_ids) + 1:last + 1])
                 self.tracker.add_prompt_logprobs(s, params, chunk_logits)
-        if not to_sample:
-            return [], []
+        if not to_sample:  # (then no mask is pending)
+            return [], [], {}
         rows = torch.tensor([last_row[id(s)] for s in to_sample], dtype=torch.long, device=dev)
         logits = self.model.compute_logits(hidden[rows])
         params = [self.sampling[s.rid] for s in to_sample]
-        masks = None
-        if pending is not None:
+        masks, failed = None, {}
+        if pending is not None:  # the grammars' failures: their rows allow no token
             t0 = time.perf_counter()
-            masks = (pending[0], pending[1].result())
+            bitmask, failed = pending[1].result()
+            masks = (pending[0], bitmask)
             waited = time.perf_counter() - t0
             self.timings.grammar += waited
             self.timings.sample -= waited  # _run adds the whole of _sample
-        tokens, token_lps = self.sampler.sample(
+        tokens, token_lps, unsampled = self.sampler.sample(
             logits,
             params,
             [self.generators.get(s.rid) for s in to_sample],
             [self.tracker.history(s.rid, p) for s, p in zip(to_sample, params)],
             masks,
         )
-        tokens = self.ranks.rank0_ints(tokens)
-        for s, token in zip(to_sample, tokens):
-            self.last_sampled[s.rid] = token
+        tokens = self.ranks.rank0_ints(tokens)  # rank 0's outcome, failures included
         out: list[SampleLogprobs | None] = []
-        for s, p, lp in zip(to_sample, params, token_lps):
+        for i, (s, p, token, lp) in enumerate(zip(to_sample, params, tokens, token_lps)):
+            if token == NO_TOKEN:
+                failed.setdefault(s.rid, unsampled.get(i, _NOT_SAMPLED))
+                out.append(None)
+                continue
+            self.last_sampled[s.rid] = token
             prompt = self.tracker.take_prompt_logprobs(s.rid) if p.prompt_logprobs >= 0 else None
             out.append(None if lp is None and prompt is None else
                        SampleLogprobs(lp if lp is not None else TokenLogprob(-1, None), prompt))
-        return tokens, (out if any(x is not None for x in out) else [])
+        return tokens, (out if any(x is not None for x in out) else []), failed

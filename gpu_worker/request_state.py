@@ -3,17 +3,18 @@
 The worker sees every token a sequence is fed (prompt chunks, then each sampled token as
 the next decode input), so it rebuilds the history from the plan itself instead of having
 the scheduler resend it: penalties and min_tokens read it. Only requests whose sampling
-needs it pay for it. Prompt logprobs (``echo`` + ``logprobs``, or ``prompt_logprobs``) are
-collected chunk by chunk and handed out once, with the request's first sampled token; the
-scheduler never serves such a request's prompt from the prefix cache, so every position
-is fed and has logits.
+needs it pay for it. The one thing it is not fed is a prefix-cache hit: the request's
+first chunk then carries the skipped ids (``SeqChunk.context``), once. Prompt logprobs
+(``echo`` + ``logprobs``, or ``prompt_logprobs``) are collected chunk by chunk and handed
+out once, with the request's first sampled token; the scheduler never serves such a
+request's prompt from the prefix cache, so every position is fed and has logits.
 """
 
 from __future__ import annotations
 
 import torch
 
-from gpu_worker.sampler import History, needs_history, top_logprobs
+from gpu_worker.sampler import History, top_logprobs
 from protocol.ipc import SamplingParams, SeqChunk, TokenLogprob
 
 
@@ -32,10 +33,16 @@ class RequestTracker:
         self._prompt_done.discard(rid)
 
     def observe(self, seq: SeqChunk, params: SamplingParams | None) -> None:
-        """Record the ids fed at ``start_pos..``; a recompute after preemption rewrites them."""
-        if params is None or not needs_history(params):
+        """Record the ids fed at ``start_pos..`` (after the cached ``context`` a first
+        chunk may carry); a recompute after preemption rewrites them."""
+        if params is None or not params.needs_history():
             return
         h = self._history.setdefault(seq.rid, [])
+        if seq.context:
+            h[:] = seq.context
+        if len(h) < seq.start_pos:  # never a history with a hole that looks whole
+            raise ValueError(f"{seq.rid}: fed from position {seq.start_pos} but its history "
+                             f"holds {len(h)} ids (a prefix-cache hit without its context?)")
         del h[seq.start_pos:]
         h.extend(seq.token_ids)
 

@@ -9,6 +9,11 @@ Every processor touches only the rows that use it: penalties count token ids wit
 index_put over the rows that have penalties, logit_bias adds its (row, id, bias) triples
 with one index_put (cost proportional to the number of entries, never batch x vocab).
 
+A row with no finite logit left (everything masked, or NaN/inf from the model) cannot be
+sampled: its token is -1 and ``sample`` says why, so that request alone fails and every
+other row of the step goes on. The check rides on the reduction greedy decoding does
+anyway (``max`` gives the value with the index) and one sum on the host: ~1 us a step.
+
 Drawing uses the exponential race (argmax p_i / E_i with E_i ~ Exp(1), equivalent to
 sampling from p), so a row's draw consumes a fixed amount of randomness from its own
 generator regardless of what else is in the batch: a seeded request reproduces its tokens
@@ -17,24 +22,18 @@ alone or batched.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 
 from gpu_worker.grammar import MaskApplier, apply_masks
-from protocol.ipc import SamplingParams, SampleLogprobs, TokenLogprob
+from protocol.ipc import RequestFailure, SamplingParams, SampleLogprobs, TokenLogprob
 
 # (all token ids fed so far, number of those that are prompt) for one row
 History = tuple[Sequence[int], int]
-
-
-def has_penalties(p: SamplingParams) -> bool:
-    return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
-
-
-def needs_history(p: SamplingParams) -> bool:
-    """Rows whose processing reads the token history the worker keeps."""
-    return has_penalties(p) or p.min_tokens > 0
+# A row that could not be sampled gets this id (never a vocabulary id).
+NO_TOKEN = -1
 
 
 class Sampler:
@@ -52,19 +51,21 @@ class Sampler:
         generators: list[torch.Generator | None],
         histories: list[History | None] | None = None,
         masks: tuple[list[int], torch.Tensor] | None = None,
-    ) -> tuple[list[int], list[TokenLogprob | None]]:
+    ) -> tuple[list[int], list[TokenLogprob | None], dict[int, RequestFailure]]:
         """logits: [rows, vocab], modified in place (bias, masks, penalties): the caller
         must not reuse them. ``generators[i]`` is row i's own generator, or None;
         ``histories[i]`` row i's token history (needed only where ``needs_history``);
         ``masks``: (rows, packed allowed-token bitmasks) of constrained rows, applied
         after every other processor so nothing can re-allow a disallowed token.
-        Returns the sampled ids and, per row, its logprobs (None where not asked for)."""
+        Returns the sampled ids, per row its logprobs (None where not asked for), and
+        why each row that could not be sampled (id ``NO_TOKEN``) failed."""
+        histories = histories or [None] * len(params)
         lp_rows = [i for i, p in enumerate(params) if p.logprobs >= 0]
         raw_logprobs = torch.log_softmax(logits[lp_rows].float(), dim=-1) if lp_rows else None
-        logits = self._process(logits.float(), params, histories or [None] * len(params))
+        logits = self._process(logits.float(), params, histories)
         if masks is not None:
             self.apply_masks(logits, *masks)
-        tokens = logits.argmax(dim=-1)
+        best, tokens = logits.max(dim=-1)
         rand_rows = [i for i, p in enumerate(params) if p.temperature > 0]
         if rand_rows:
             sub = [params[i] for i in rand_rows]
@@ -76,7 +77,16 @@ class Sampler:
             for j, entry in enumerate(top_logprobs(raw_logprobs, chosen,
                                                    [params[i].logprobs for i in lp_rows])):
                 out_lp[lp_rows[j]] = entry
-        return tokens.tolist(), out_lp
+        ids = tokens.tolist()
+        if math.isfinite(sum(best.tolist())):  # (an overflow only costs the scan below)
+            return ids, out_lp, {}
+        bests = best.tolist()
+        constrained = set(masks[0]) if masks is not None else set()
+        failed = {i: _why_no_token(logits[i], params[i], histories[i], i in constrained)
+                  for i, b in enumerate(bests) if not math.isfinite(b)}
+        for i in failed:
+            ids[i] = NO_TOKEN
+        return ids, out_lp, failed
 
     # ------------------------------------------------------------------ processors
 
@@ -92,13 +102,13 @@ class Sampler:
                               torch.tensor(values, dtype=logits.dtype, device=dev), accumulate=True)
         suppress = []
         for i, p in enumerate(params):
-            h = histories[i]
-            if p.min_tokens > 0 and h is not None and len(h[0]) - h[1] < p.min_tokens:
+            if _holds_back_the_end(p, histories[i]):
                 suppress.extend((i, t) for t in p.min_tokens_stop_ids)
         if suppress:
             rows, ids = zip(*suppress)
             logits[torch.tensor(rows, device=dev), torch.tensor(ids, device=dev)] = float("-inf")
-        pen_rows = [i for i, p in enumerate(params) if has_penalties(p) and histories[i] is not None]
+        pen_rows = [i for i, p in enumerate(params)
+                    if p.has_penalties() and histories[i] is not None]
         if pen_rows:
             logits[pen_rows] = _penalize(logits[pen_rows], [params[i] for i in pen_rows],
                                          [histories[i] for i in pen_rows])
@@ -135,6 +145,29 @@ class Sampler:
         # An exact 0 draw would turn a filtered-out p=0 into 0/0 = NaN, which argmax picks.
         noise.clamp_(min=torch.finfo(noise.dtype).tiny)
         return (probs / noise).argmax(dim=-1)
+
+
+def _holds_back_the_end(p: SamplingParams, history: History | None) -> bool:
+    """min_tokens still suppresses this row's end-of-sequence and stop ids."""
+    return p.min_tokens > 0 and history is not None and len(history[0]) - history[1] < p.min_tokens
+
+
+def _why_no_token(row: torch.Tensor, p: SamplingParams, history: History | None,
+                  constrained: bool) -> RequestFailure:
+    """The failure of a row with no finite logit (the rare path: worth a look at it)."""
+    if not (row.isnan().any() or row.isposinf().any()):
+        if constrained and _holds_back_the_end(p, history):
+            made = len(history[0]) - history[1]
+            return RequestFailure(
+                "constraint_conflict",
+                f"after {made} generated tokens the output constraint allows only tokens "
+                f"that end the sequence (end-of-sequence or a stop_token_ids id), but "
+                f"min_tokens ({p.min_tokens}) holds them back: the constraint and min_tokens "
+                "cannot both hold; lower min_tokens or widen the constraint", 400, "min_tokens")
+        return RequestFailure("no_token_allowed", "no token could be sampled for this request: "
+                              "its processors and constraint ruled out every token")
+    return RequestFailure("invalid_logits", "the model produced non-finite logits (NaN or inf) "
+                          "for this request, so nothing could be sampled")
 
 
 def top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, ks: list[int],
@@ -201,4 +234,4 @@ def _filter(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-__all__ = ["Sampler", "SampleLogprobs", "has_penalties", "needs_history", "top_logprobs"]
+__all__ = ["NO_TOKEN", "Sampler", "SampleLogprobs", "top_logprobs"]

@@ -3,7 +3,8 @@
 The launcher is the one process that sees its children die (it reaps them), so it
 publishes a ``NodeStatus`` on its node's ``node_status`` address at every change and
 every heartbeat; each frontend subscribes to every node's address, which is how /health
-knows about processes on other machines without each role running a heartbeat socket.
+knows about processes on other machines without each role running a heartbeat socket
+(the detokenizers subscribe too, to free the state of a lost replica's requests).
 """
 
 from __future__ import annotations

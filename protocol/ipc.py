@@ -7,7 +7,7 @@ msgspec; token ids travel as plain int lists.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Any, ClassVar, Literal, Union
 
 import msgspec
 
@@ -46,6 +46,16 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     # Constrained decoding: an llguidance grammar, compiled and checked by the tokenizer
     # worker; the gpu_worker masks every sampled token with it.
     grammar: str | None = None
+
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    def needs_history(self) -> bool:
+        """Whether sampling reads the request's token history (prompt + generated): the
+        worker keeps it only for such requests, and the scheduler sends them the prompt
+        ids a prefix-cache hit skips (``SeqChunk.context``)."""
+        return self.has_penalties() or self.min_tokens > 0
 
 
 class GuidedSpec(msgspec.Struct, frozen=True):
@@ -210,7 +220,8 @@ class TokenizedReq(_Message, tag="tokenized", omit_defaults=True):
 
 
 class Abort(_Message, tag="abort"):
-    """Stop a request and free its KV blocks. ``reason``: disconnect | stop_string | error."""
+    """Stop a request and free its KV blocks. ``reason``: disconnect | stop_string | error
+    | probe_timeout (the cause ``candor_aborts_total`` counts it under)."""
 
     rid: str
     reason: str = "disconnect"
@@ -233,7 +244,11 @@ class SeqChunk(msgspec.Struct, array_like=True):
     The block table travels as a diff, so a plan's size does not grow with context: the
     worker keeps each rid's table, cuts it to its first ``kept_blocks`` ids and appends
     ``new_blocks``. ``kept_blocks`` 0 (a request's first chunk, or after preemption)
-    means ``new_blocks`` is the whole table."""
+    means ``new_blocks`` is the whole table.
+
+    ``context``: the ids at positions ``0..start_pos-1`` when the worker was never fed
+    them (a prefix-cache hit), sent once, with the first chunk of a request whose sampling
+    reads its token history (penalties, min_tokens); empty otherwise (one byte)."""
 
     rid: str
     token_ids: list[int]
@@ -241,13 +256,17 @@ class SeqChunk(msgspec.Struct, array_like=True):
     new_blocks: list[int]
     sample: bool
     kept_blocks: int = 0
+    context: list[int] = []
 
 
 class StepPlan(_Message, tag="step", omit_defaults=True):
-    """One forward pass over a batch. ``new_sampling`` carries params for sequences the
-    worker has not seen (or sees again after preemption); ``released`` lists rids whose
-    worker-side state (block table, seeded generators) can be dropped. ``new_adapters``:
-    the LoRA adapter id of each such sequence that uses one (see ``LoadAdapter``)."""
+    """One forward pass over a batch. ``step_id`` numbers the plans from 1 without gaps
+    (every rank checks it: gpu_worker/plan_order.py; the adapter messages below take
+    their numbers from the same sequence). ``new_sampling`` carries params for sequences
+    the worker has not seen (or sees again after preemption); ``released`` lists rids
+    whose worker-side state (block table, seeded generators) can be dropped.
+    ``new_adapters``: the LoRA adapter id of each such sequence that uses one (see
+    ``LoadAdapter``)."""
 
     step_id: int
     seqs: list[SeqChunk]
@@ -260,16 +279,20 @@ class LoadAdapter(_Message, tag="load_adapter"):
     """Scheduler -> every rank: register a LoRA adapter under ``adapter_id`` (the
     scheduler's number, never reused), read from ``path`` (which must lie in the
     deployment's allowed directories). Rank 0 answers ``AdapterLoaded``; the ranks agree
-    first, so either all hold it or none."""
+    first, so either all hold it or none. ``step_id``: its place in the plans' sequence
+    (``StepPlan.step_id``)."""
 
+    step_id: int
     adapter_id: int
     name: str
     path: str
 
 
 class DropAdapter(_Message, tag="drop_adapter"):
-    """Scheduler -> every rank: an adapter no request uses any more is gone."""
+    """Scheduler -> every rank: an adapter no request uses any more is gone (``step_id``
+    as ``LoadAdapter``'s)."""
 
+    step_id: int
     adapter_id: int
 
 
@@ -279,6 +302,13 @@ class AdapterLoaded(_Message, tag="adapter_loaded"):
 
     adapter_id: int
     error: str = ""
+
+
+class PlanMark(_Message, tag="plan_mark"):
+    """The newest ``StepPlan.step_id`` the scheduler has published, re-sent with its
+    heartbeat while steps are in flight: a rank that has not seen that plan lost it."""
+
+    step_id: int
 
 
 class Shutdown(_Message, tag="shutdown"):
@@ -314,6 +344,17 @@ class SampleLogprobs(msgspec.Struct, array_like=True):
     prompt: list[TokenLogprob] | None = None
 
 
+class RequestFailure(msgspec.Struct, array_like=True, frozen=True):
+    """Why one request ended with an error of its own (a token its grammar rejects, no
+    token left to sample, non-finite logits) while its step went on for the others; it
+    becomes that request's ``RequestError``."""
+
+    code: str
+    message: str
+    status: int = 500
+    param: str | None = None
+
+
 class WorkerTimings(msgspec.Struct, array_like=True):
     """Cumulative seconds rank 0 spent in each part of its steps since it started
     (perf_counter deltas, a handful per step). On CUDA the forward is asynchronous: its
@@ -328,7 +369,9 @@ class WorkerTimings(msgspec.Struct, array_like=True):
 
 class StepResult(_Message, tag="result"):
     """Sampled token ids, one per ``SeqChunk`` with ``sample=True``, in plan order.
-    ``logprobs`` is empty unless some row asked for them; else aligned with ``sampled``."""
+    ``logprobs`` is empty unless some row asked for them; else aligned with ``sampled``.
+    ``failed``: requests of the plan that failed on their own (by rid; their ``sampled``
+    entry, if any, is -1): they end with that error, everyone else goes on."""
 
     step_id: int
     sampled: list[int]
@@ -336,6 +379,7 @@ class StepResult(_Message, tag="result"):
     idle_s: float = 0.0  # worker idle between sending the previous result and this plan
     logprobs: list[SampleLogprobs | None] = []
     timings: WorkerTimings | None = None
+    failed: dict[str, RequestFailure] = {}
 
 
 class WorkerError(_Message, tag="worker_error"):
@@ -367,6 +411,8 @@ class TokenOutput(msgspec.Struct, array_like=True):
     cached_tokens: int | None = None  # prompt tokens served by the prefix cache (first output)
     logprobs: list[TokenLogprob] | None = None  # aligned with token_ids, when asked for
     prompt_logprobs: list[TokenLogprob] | None = None
+    # why, when finish_reason is "error" (None: a step it was in failed)
+    failure: RequestFailure | None = None
 
 
 class TokenBatch(_Message, tag="tokens"):
@@ -429,7 +475,12 @@ class RequestError(_Message, tag="request_error"):
 
 
 class SchedulerStats(_Message, tag="stats"):
-    """Published by the scheduler every heartbeat; the frontend's /health reads it."""
+    """Published by the scheduler every heartbeat; the frontend's /health reads it.
+    ``CUMULATIVE`` fields count since the scheduler started (they never go down)."""
+
+    CUMULATIVE: ClassVar[tuple[str, ...]] = (
+        "steps", "prefix_hit_blocks", "worker_idle_s", "worker_busy_s", "preemptions",
+        "aborts", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "step_phases_s")
 
     time: float
     running: int
@@ -446,7 +497,7 @@ class SchedulerStats(_Message, tag="stats"):
     worker_idle_ms_p50: float = 0.0  # median idle gap over recent busy steps (ms)
     preemptions: int = 0  # cumulative requests preempted (recompute)
     # Cumulative since start, exported as Prometheus counters by scheduler/metrics.py.
-    aborts: dict[str, int] = {}  # by cause: disconnect | stop_string | error
+    aborts: dict[str, int] = {}  # by cause: disconnect | stop_string | error | probe_timeout
     # Prefix cache, in prompt tokens: looked up, and found cached (the planner counts both).
     prefix_cache_queried_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
@@ -534,7 +585,7 @@ class StoreAnswer(_Message, tag="store_answer"):
 # One tagged union per receiving socket.
 TokenizerInbound = Union[GenerateReq, RenderReq]
 SchedulerInbound = Union[TokenizedReq, Abort, AdapterLoad, AdapterUnload]
-WorkerInbound = Union[StepPlan, Shutdown, LoadAdapter, DropAdapter]
+WorkerInbound = Union[StepPlan, PlanMark, Shutdown, LoadAdapter, DropAdapter]
 WorkerOutbound = Union[WorkerReady, StepResult, WorkerError, AdapterLoaded]
 DetokenizerInbound = Union[DetokStart, TokenBatch]
 FrontendInbound = Union[TextDeltas, RequestError, RequestInfo, RenderResult, StoreQuery,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Generic, TypeVar
+from typing import Any, Callable, Generic, TypeVar
 
 import msgspec
 import zmq
@@ -163,13 +163,14 @@ class Receiver(Generic[T]):
     """A PULL (or SUB) socket that decodes exactly ``msg_type``.
 
     Every recv skips frames that do not decode as ``msg_type`` (garbage, another
-    message type, a field of the wrong type): each is counted in ``dropped`` and logged
-    at most once per ``DROP_LOG_INTERVAL_S``, and the caller only ever sees valid
-    messages."""
+    message type, a field of the wrong type): each is counted in ``dropped`` (and by
+    the context's ``on_drop``, the process's metric) and logged at most once per
+    ``DROP_LOG_INTERVAL_S``, and the caller only ever sees valid messages."""
 
     def __init__(self, ctx: zmq.Context, address: str | list[str], msg_type: Any,
                  bind: bool = True, kind: int = zmq.PULL) -> None:
         self.sock = open_socket(ctx, kind, address, bind)
+        self._on_drop: Callable[[], None] | None = getattr(ctx, "on_drop", None)
         self._decoder = msgspec.msgpack.Decoder(msg_type)
         self._where = address if isinstance(address, str) else ",".join(address)
         self.dropped = 0
@@ -186,6 +187,8 @@ class Receiver(Generic[T]):
 
     def _drop(self, err: Exception, size: int) -> None:
         self.dropped += 1
+        if self._on_drop is not None:
+            self._on_drop()
         now = time.monotonic()
         if now - self._last_log >= DROP_LOG_INTERVAL_S:
             log.warning("dropped %d undecodable message(s) on %s (last: %d bytes, %s)",
@@ -251,9 +254,11 @@ class SenderPool:
 
 
 class _KeyedContext:
-    """Mixin: the CURVE keys (None: plain) and the ZAP handler of one context."""
+    """Mixin: the CURVE keys (None: plain), the ZAP handler and what counts a dropped
+    frame (None: only ``Receiver.dropped``) of one process's context."""
 
     curve: CurveKeys | None = None
+    on_drop: Callable[[], None] | None = None
     _authenticator: ThreadAuthenticator | None = None
 
     def destroy(self, linger: int | None = None) -> None:
@@ -271,15 +276,19 @@ class AsyncContext(_KeyedContext, zmq.asyncio.Context):
     pass
 
 
-def _keyed(ctx: _KeyedContext, security: SecuritySpec | None):
+def _keyed(ctx: _KeyedContext, security: SecuritySpec | None,
+           on_drop: Callable[[], None] | None):
     if security is not None and security.curve is not None:
         ctx.curve = CurveKeys(security.curve)
+    ctx.on_drop = on_drop
     return ctx
 
 
-def async_context(security: SecuritySpec | None = None) -> zmq.asyncio.Context:
-    return _keyed(AsyncContext(), security)
+def async_context(security: SecuritySpec | None = None,
+                  on_drop: Callable[[], None] | None = None) -> zmq.asyncio.Context:
+    return _keyed(AsyncContext(), security, on_drop)
 
 
-def sync_context(security: SecuritySpec | None = None) -> zmq.Context:
-    return _keyed(SyncContext(), security)
+def sync_context(security: SecuritySpec | None = None,
+                 on_drop: Callable[[], None] | None = None) -> zmq.Context:
+    return _keyed(SyncContext(), security, on_drop)

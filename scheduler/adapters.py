@@ -84,8 +84,8 @@ class AdapterRegistry:
 
     # ------------------------------------------------------------------ load / unload
 
-    def start_load(self, msg: ipc.AdapterLoad) -> tuple[ipc.LoadAdapter | None, ipc.AdapterReply | None]:
-        """(the message for the ranks, or the refusal)."""
+    def start_load(self, msg: ipc.AdapterLoad) -> tuple[Adapter | None, ipc.AdapterReply | None]:
+        """(the adapter for the ranks to load, or the refusal)."""
         if not self.enabled:
             return None, self._reply(msg, 400, "LoRA is not enabled on this engine (--enable-lora)",
                                      None, "lora_disabled")
@@ -99,7 +99,7 @@ class AdapterRegistry:
         adapter = Adapter(self.next_id, ipc.LoraAdapterInfo(msg.name, msg.path, msg.parent))
         self.next_id += 1
         self.loading[adapter.adapter_id] = (msg, adapter)
-        return ipc.LoadAdapter(adapter.adapter_id, msg.name, msg.path), None
+        return adapter, None
 
     def finish_load(self, loaded: ipc.AdapterLoaded) -> tuple[ipc.AdapterLoad | None, ipc.AdapterReply | None, int | None]:
         """(the load it answers, the reply for its frontend, an id to drop: the adapter it

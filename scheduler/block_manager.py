@@ -41,7 +41,6 @@ class BlockAllocator:
         self._parent: list[int] = [-1] * num_blocks  # parent block id when registered
         self._cached: dict[BlockKey, int] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()  # ref 0, still cached; LRU first
-        self.hits = 0  # blocks served from the cache (counter for stats)
         self.evictions = 0
 
     @property
@@ -103,7 +102,6 @@ class BlockAllocator:
         if self._ref[block] == 0:
             self._evictable.pop(block, None)
         self._ref[block] += 1
-        self.hits += 1
 
     def register(self, block: int, key: BlockKey, parent_block: int) -> None:
         """Make a full, written block findable. A duplicate of content that is already

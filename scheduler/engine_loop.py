@@ -16,11 +16,15 @@ publishes the sum and a recent median over steps where work was waiting
 
 Plans go out on one PUB socket that every tensor-parallel rank subscribes to (XPUB, so
 the loop can count the subscriptions): the worker counts as ready once rank 0 reported
-its KV capacity and all ranks are subscribed, so no rank misses the first plan.
+its KV capacity and all ranks are subscribed, so no rank misses the first plan. PUB/SUB
+may still drop a plan while a subscriber reconnects, so plans are numbered without gaps
+and each heartbeat with steps in flight repeats the newest number (``PlanMark``): a rank
+that lost one stops instead of computing on (gpu_worker/plan_order.py).
 
 LoRA adapters (``adapters``) are loaded and dropped on the ranks through the same
-socket, in order with the plans; a load is answered to its frontend once rank 0 says
-every rank holds it, and the next heartbeat (sent at once) tells every frontend.
+socket, numbered in the same sequence as the plans (a rank that lost one stops just the
+same); a load is answered to its frontend once rank 0 says every rank holds it, and the
+next heartbeat (sent at once) tells every frontend.
 """
 
 from __future__ import annotations
@@ -43,8 +47,9 @@ from scheduler.planner import PlannedStep, Planner
 from scheduler.request import SchedRequest
 
 HEARTBEAT_S = 0.25
-# An abort can overtake its request (the client left while the prompt was being
-# tokenized); remember such rids this long so the late request is dropped, not run.
+# An abort can overtake its request (the client left, or the frontend failed it, while
+# the prompt was being tokenized); remember such rids this long so the late request is
+# dropped, not run.
 EARLY_ABORT_TTL_S = 60.0
 MAX_STEPS_IN_FLIGHT = 2  # the one running and the one queued behind it
 
@@ -57,11 +62,12 @@ class InFlight:
 
 
 def _output(rid: str, ids: list[int], reason: str | None, lp: ipc.SampleLogprobs | None,
-            cached_tokens: int | None = None) -> ipc.TokenOutput:
-    """A TokenOutput, carrying the token's (and on the first one, the prompt's) logprobs
-    and, on the first one, the prefix-cache hit."""
+            cached_tokens: int | None = None,
+            failure: ipc.RequestFailure | None = None) -> ipc.TokenOutput:
+    """A TokenOutput, carrying the token's (and on the first one, the prompt's) logprobs,
+    on the first one the prefix-cache hit, and why a request failed on its own."""
     if lp is None:
-        return ipc.TokenOutput(rid, ids, reason, cached_tokens=cached_tokens)
+        return ipc.TokenOutput(rid, ids, reason, cached_tokens=cached_tokens, failure=failure)
     return ipc.TokenOutput(rid, ids, reason, cached_tokens=cached_tokens,
                            logprobs=[lp.token] if lp.token.token_id >= 0 else None,
                            prompt_logprobs=lp.prompt)
@@ -95,7 +101,8 @@ class EngineLoop:
         self.early_aborts: dict[str, float] = {}  # rid -> monotonic time of the abort
         self.in_flight: deque[InFlight] = deque()  # oldest (running on the worker) first
         self.last_result = 0.0  # monotonic time the last step came back
-        self.step_id = 0
+        self.step_id = 0  # the last number on the plan socket (plans and adapter messages)
+        self.adapter_messages = 0  # of those numbers, the ones adapter messages took
         self.arrivals = 0
         self.last_heartbeat = 0.0
         self.max_waiting = cfg.engine.max_waiting_requests
@@ -116,7 +123,8 @@ class EngineLoop:
     def _finish(self, sreq: SchedRequest, reason: str, new_ids: list[int],
                 batches: dict[int, list[ipc.TokenOutput]],
                 cached_tokens: int | None = None,
-                logprobs: ipc.SampleLogprobs | None = None) -> None:
+                logprobs: ipc.SampleLogprobs | None = None,
+                failure: ipc.RequestFailure | None = None) -> None:
         """Forget a request the planner finished (finishing it there first if needed)
         and queue its last output."""
         assert self.planner is not None
@@ -124,13 +132,15 @@ class EngineLoop:
             self._drop_adapter(self.adapters.release(sreq.adapter))
         self.planner.finish(sreq)
         self.ops.forget(sreq.rid)
-        self._emit(sreq, new_ids, reason, logprobs, cached_tokens, batches)
+        self._emit(sreq, new_ids, reason, logprobs, cached_tokens, batches, failure)
 
     def _emit(self, sreq: SchedRequest, ids: list[int], reason: str | None,
               lp: ipc.SampleLogprobs | None, cached: int | None,
-              batches: dict[int, list[ipc.TokenOutput]]) -> None:
+              batches: dict[int, list[ipc.TokenOutput]],
+              failure: ipc.RequestFailure | None = None) -> None:
         sender = self._detok_for(sreq.rid)
-        batches.setdefault(id(sender), []).append(_output(sreq.rid, ids, reason, lp, cached))
+        batches.setdefault(id(sender), []).append(_output(sreq.rid, ids, reason, lp, cached,
+                                                          failure))
 
     def _flush(self, batches: dict[int, list[ipc.TokenOutput]]) -> None:
         for sender in self.to_detok:
@@ -139,9 +149,15 @@ class EngineLoop:
                 sender.send(ipc.TokenBatch(outputs))
 
     # ------------------------------------------------------------------ adapters
+    def _adapter_number(self) -> int:
+        """The next number of the plan socket's sequence, for an adapter message."""
+        self.step_id += 1
+        self.adapter_messages += 1
+        return self.step_id
+
     def _drop_adapter(self, adapter_id: int | None) -> None:
         if adapter_id is not None:
-            self.to_worker.send(ipc.DropAdapter(adapter_id))
+            self.to_worker.send(ipc.DropAdapter(self._adapter_number(), adapter_id))
             self.last_heartbeat = 0.0  # every frontend learns of it with the next beat
 
     def _on_adapter_request(self, msg: ipc.AdapterLoad | ipc.AdapterUnload) -> None:
@@ -154,11 +170,12 @@ class EngineLoop:
             self._drop_adapter(drop)
             self.last_heartbeat = 0.0
         else:
-            load, refusal = self.adapters.start_load(msg)
+            adapter, refusal = self.adapters.start_load(msg)
             if refusal is not None:
                 self.replies.send(msg.reply_to, refusal)
             else:
-                self.to_worker.send(load)
+                self.to_worker.send(ipc.LoadAdapter(self._adapter_number(), adapter.adapter_id,
+                                                    adapter.info.name, adapter.info.path))
 
     def _on_adapter_loaded(self, msg: ipc.AdapterLoaded) -> None:
         load, reply, drop = self.adapters.finish_load(msg)
@@ -207,7 +224,9 @@ class EngineLoop:
             self._reject(req, 400, f"request id {req.rid!r} is already running", None,
                          "duplicate_request_id")
             return
-        if self.max_waiting and len(self.planner.waiting) >= self.max_waiting:
+        # a /health/generate probe is never shed for capacity: it checks that the engine
+        # serves, and one per frontend and replica is in flight at most
+        if self.max_waiting and not req.probe and len(self.planner.waiting) >= self.max_waiting:
             self._reject(req, 503, f"the engine's waiting queue is full ({self.max_waiting} "
                          "requests); retry shortly", None, "queue_full")
             return
@@ -255,7 +274,7 @@ class EngineLoop:
                 self._finish(sreq, "abort", [], batches)
                 self.ops.aborted(reason)
                 self.log.debug("aborted %s (%s)", rid, reason)
-            elif reason == "disconnect":
+            else:  # it overtook its request (still being tokenized): drop that on arrival
                 self.early_aborts[rid] = now
         self.pending_aborts.clear()
         for rid in [r for r, t in self.early_aborts.items() if now - t > EARLY_ABORT_TTL_S]:
@@ -326,8 +345,14 @@ class EngineLoop:
             return
         self.ops.worker_result(msg.idle_s, msg.forward_s, self.work_after_last_result,
                                msg.timings)
-        for s in self.planner.postprocess(planned, msg.sampled):
+        for s in self.planner.postprocess(planned, msg.sampled, msg.failed):
             sreq = s.req
+            if s.failure is not None:  # its own bad state: it alone ends
+                self.log.warning("request %s failed: %s (%s)", sreq.rid, s.failure.message,
+                                 s.failure.code)
+                self._finish(sreq, "error", [], batches, failure=s.failure)
+                self.ops.aborted("request_error")
+                continue
             lp = msg.logprobs[s.row] if msg.logprobs else None
             # the hit is reported once, with the request's first token
             cached = sreq.cached_tokens if sreq.num_generated == 1 else None
@@ -374,12 +399,12 @@ class EngineLoop:
             waiting=len(planner.waiting) if planner else 0,
             free_blocks=planner.allocator.num_free if planner else 0,
             total_blocks=planner.allocator.total if planner else 0,
-            steps=self.step_id, worker_ready=planner is not None,
+            steps=self.step_id - self.adapter_messages, worker_ready=planner is not None,
             worker_device=self.worker_ready.device if self.worker_ready else "",
             worker_dtype=self.worker_ready.dtype if self.worker_ready else "",
             max_waiting=self.max_waiting,
             cached_blocks=planner.allocator.num_cached if planner else 0,
-            prefix_hit_blocks=planner.allocator.hits if planner else 0,
+            prefix_hit_blocks=planner.prefix_hit_blocks if planner else 0,
             worker_idle_s=self.ops.worker_idle_s, worker_busy_s=self.ops.worker_busy_s,
             worker_idle_ms_p50=self.ops.worker_idle_ms_p50(),
             preemptions=self.ops.preemptions, aborts=dict(self.ops.aborts),
@@ -390,6 +415,9 @@ class EngineLoop:
             replica=self.cfg.replica, **self._lora_stats())
         self.stats_pub.send(stats)
         self.ops.metrics.export(stats)
+        if self.in_flight or self.adapters.loading:  # a rank that lost the newest plan
+            # (or adapter load, which the ranks answer together) notices (plan_order.py)
+            self.to_worker.send(ipc.PlanMark(self.step_id))
 
     def _lora_stats(self) -> dict:
         """The heartbeat's LoRA fields: adapters served, requests per adapter name."""

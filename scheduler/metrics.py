@@ -18,7 +18,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from cluster.metrics import LATENCY_BUCKETS, STEP_BUCKETS
 from protocol import ipc
 
-ABORT_CAUSES = ("disconnect", "stop_string", "error")
+ABORT_CAUSES = ("disconnect", "stop_string", "error", "request_error", "probe_timeout")
 
 
 class SchedulerMetrics:
@@ -48,9 +48,6 @@ class SchedulerMetrics:
                              "requests", **g)
         self.kv_total = Gauge("candor_kv_blocks_total", "Paged KV-cache blocks the worker "
                               "allocated", **g)
-        self.prefix_ratio = Gauge(
-            "candor_prefix_cache_hit_ratio", "Share of looked-up prompt tokens found in the "
-            "prefix cache since start (0 while the prefix cache is off)", **g)
         self.prefix_queried = Counter(
             "candor_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix "
             "cache", registry=None)
@@ -63,7 +60,11 @@ class SchedulerMetrics:
         self.aborts = Counter(
             "candor_aborts", "Requests stopped before finishing, by cause: disconnect "
             "(client left), stop_string (the detokenizer matched a stop), error (a failed "
-            "step)", ["cause"], registry=None)
+            "step: every request in it, or a process holding the request was lost), "
+            "request_error (the request's own bad state ended it alone: a constraint that "
+            "conflicts with min_tokens, a token its grammar rejects, nothing left to "
+            "sample), probe_timeout (a /health/generate probe ran out of time)", ["cause"],
+            registry=None)
         self.steps = Counter("candor_scheduler_steps", "Forward steps the scheduler ran",
                              registry=None)
         self.queue_time = Histogram(
@@ -109,8 +110,6 @@ class SchedulerMetrics:
         self.waiting.set(stats.waiting)
         self.kv_total.set(stats.total_blocks)
         self.kv_used.set(stats.total_blocks - stats.free_blocks)
-        self.prefix_ratio.set(stats.prefix_cache_hit_tokens / stats.prefix_cache_queried_tokens
-                              if stats.prefix_cache_queried_tokens else 0.0)
         self._add("steps", self.steps, stats.steps)
         self._add("preemptions", self.preemptions, stats.preemptions)
         self._add("prefix_queried", self.prefix_queried, stats.prefix_cache_queried_tokens)

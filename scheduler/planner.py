@@ -21,7 +21,9 @@ full (prefix-cached) block.
 
 Prefix caching: when a request is admitted (fresh, or again after preemption) its leading
 full blocks are looked up in the allocator's cache and shared instead of recomputed. At
-least one prompt token is always left to compute, because sampling needs its logits. A
+least one prompt token is always left to compute, because sampling needs its logits. The
+worker never sees a hit's ids, so a request whose sampling reads its token history
+(penalties, min_tokens) gets them once, as its first chunk's ``context``. A
 request that asks for prompt logprobs needs the logits of every prompt position, so it
 never takes a hit (as vLLM); its blocks are still offered to the cache for others.
 Blocks become findable only after the step that wrote them has returned (``commit``), so
@@ -46,7 +48,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from protocol.ipc import PLACEHOLDER_TOKEN, SamplingParams, SeqChunk
+from protocol.ipc import PLACEHOLDER_TOKEN, RequestFailure, SamplingParams, SeqChunk
 from scheduler.block_manager import BlockAllocator
 from scheduler.request import SchedRequest
 from scheduler.waiting import WaitQueue
@@ -66,12 +68,14 @@ class PlannedStep:
 @dataclass
 class Sampled:
     """One token a returned step sampled for a live request. ``row`` indexes the
-    StepResult's ``sampled``/``logprobs``; ``finish_reason`` set means it was the last."""
+    StepResult's ``sampled``/``logprobs``; ``finish_reason`` set means it was the last.
+    A request that failed on its own has ``failure`` (finish_reason "error", no token)."""
 
     req: SchedRequest
     token: int
     row: int
     finish_reason: str | None
+    failure: RequestFailure | None = None
 
 
 class Planner:
@@ -89,6 +93,7 @@ class Planner:
         # prompt tokens looked up in / served from the prefix cache, cumulative
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
+        self.prefix_hit_blocks = 0  # cached blocks admitted requests took, every admission
         # full blocks that planned steps are still filling (chained hash -> count): a
         # request about to recompute one waits a step and then hits it in the cache
         self.blocks_being_written: Counter[int] = Counter()
@@ -120,21 +125,30 @@ class Planner:
         for (req, n), chunk in zip(step.members, step.chunks):
             req.step_returned(n, chunk.sample)
 
-    def postprocess(self, step: PlannedStep, sampled: list[int]) -> list[Sampled]:
+    def postprocess(self, step: PlannedStep, sampled: list[int],
+                    failed: dict[str, RequestFailure] | None = None) -> list[Sampled]:
         """A step came back with ``sampled`` (one id per sampling chunk, plan order):
         commit written blocks to the prefix cache, append each live request's token and
-        finish those it ends. Requests finished meanwhile (aborts) are skipped."""
+        finish those it ends. Requests finished meanwhile (aborts) are skipped; those
+        that ``failed`` on their own are finished, their blocks never offered to the
+        cache (the worker may not have written them)."""
         self._returned(step)
+        failed = failed or {}
         out: list[Sampled] = []
         row = 0
         for (req, _), chunk in zip(step.members, step.chunks):
-            if not req.finished:
-                self.commit(req)
-            if not chunk.sample:
-                continue
-            token, row = sampled[row], row + 1
+            row += chunk.sample
             if req.finished:
                 continue
+            failure = failed.get(req.rid)
+            if failure is not None:
+                self.finish(req)
+                out.append(Sampled(req, -1, -1, "error", failure))
+                continue
+            self.commit(req)
+            if not chunk.sample:
+                continue
+            token = sampled[row - 1]
             req.token_ids.append(token)
             req.num_generated += 1
             reason = req.finish_reason_after(token)
@@ -196,10 +210,11 @@ class Planner:
         """Whether ``req`` may be served from the prefix cache."""
         return self.enable_prefix_caching and req.req.sampling.prompt_logprobs < 0
 
-    def _match_prefix(self, req: SchedRequest) -> None:
-        """Share the longest cached run of leading full blocks (never the whole prompt)."""
+    def _match_prefix(self, req: SchedRequest) -> int:
+        """Share the longest cached run of leading full blocks (never the whole prompt);
+        returns how many were found."""
         if not self._reads_cache(req) or req.num_computed or req.block_table:
-            return
+            return 0
         bs = self.block_size
         limit = (len(req.token_ids) - 1) // bs
         req.full_block_hashes(limit, bs)
@@ -214,6 +229,7 @@ class Planner:
             parent = block
         req.reset_computed(len(req.block_table) * bs)
         req.num_registered = len(req.block_table)
+        return len(req.block_table)
 
     def _unmatch(self, req: SchedRequest) -> None:
         """Admission failed after matching: give the shared blocks back."""
@@ -245,13 +261,18 @@ class Planner:
             tokens.append(PLACEHOLDER_TOKEN)
         sample = start + n == len(req.token_ids) + req.samples_in_flight
         kept = req.blocks_sent
-        step.chunks.append(SeqChunk(req.rid, tokens, start, req.block_table[kept:], sample, kept))
+        sampling = req.req.sampling
+        # a hit the worker never saw, for a request whose sampling reads its history
+        context = (req.token_ids[:start] if start and not req.seen_by_worker
+                   and sampling.needs_history() else [])
+        step.chunks.append(SeqChunk(req.rid, tokens, start, req.block_table[kept:], sample, kept,
+                                    context))
         req.blocks_sent = len(req.block_table)
         self._note_writes(step, req, start, n)
         req.scheduled(n, sample)
         step.members.append((req, n))
         if not req.seen_by_worker:
-            step.new_sampling[req.rid] = req.req.sampling
+            step.new_sampling[req.rid] = sampling
             if req.adapter:
                 step.new_adapters[req.rid] = req.adapter
             req.seen_by_worker = True
@@ -293,7 +314,7 @@ class Planner:
                 if req.adapter not in adapters and len(adapters) >= self.max_loras:
                     at += 1
                     continue
-            self._match_prefix(req)
+            matched = self._match_prefix(req)
             if self._waits_for_prefix(req):
                 self._unmatch(req)
                 break
@@ -306,6 +327,7 @@ class Planner:
                 if self._reads_cache(req):
                     self.prefix_queried_tokens += len(req.req.prompt_token_ids)
                     self.prefix_hit_tokens += req.num_computed
+            self.prefix_hit_blocks += matched  # counted once admitted, not per attempt
             self.waiting.pop(at)
             self.running.append(req)
             if adapters is not None and req.adapter:

@@ -1,23 +1,27 @@
-"""Hooks from the test side into a real server's gpu_worker (the children import
-``tests/fault_site/sitecustomize.py``, which patches ``gpu_worker.model_runner`` as it is
-imported), or in-process:
+"""Hooks from the test side into a real server's processes (the children import
+``tests/fault_site/sitecustomize.py``, which patches a module as it is imported), or
+in-process:
 
 - ``failing_forward`` / ``fault_env``: a step fails when it feeds a chosen token id.
 - ``scripted_execute`` / ``script_env``: a request whose ``seed`` names a script gets
   exactly that script's tokens, whatever the weights say, so a test can make the real
   processes carry a reply random weights would never write (a call inside ``<think>``, a
-  JSON object that is no call). Unconstrained requests only: a grammar would refuse."""
+  JSON object that is no call). Unconstrained requests only: a grammar would refuse.
+- ``dropping_plan`` / ``drop_plan_env``: one gpu_worker rank never sees one step plan, as
+  when its subscription reconnects while the plan is published."""
 
 from __future__ import annotations
 
 import functools
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Callable
 
 FAULT_TOKEN_ENV = "CANDOR_TEST_FAULT_TOKEN"
 SCRIPTS_ENV = "CANDOR_TEST_SCRIPTS"
+DROP_PLAN_ENV = "CANDOR_TEST_DROP_PLAN"
 SITE_DIR = Path(__file__).parent / "fault_site"
 
 
@@ -55,6 +59,27 @@ def scripted_execute(execute: Callable, scripts: dict[int, list[int]]) -> Callab
     return wrapper
 
 
+def dropping_plan(recv: Callable, index: int, step_id: int) -> Callable:
+    """``Receiver.recv`` that, in the gpu_worker process ``index`` only, swallows the step
+    plan ``step_id`` (once) and returns what follows it."""
+    argv = sys.argv[1] if len(sys.argv) > 1 else "{}"
+    try:
+        config = json.loads(argv)
+    except ValueError:
+        config = {}
+    if config.get("role") != "gpu_worker" or config.get("index") != index:
+        return recv
+
+    @functools.wraps(recv)
+    def wrapper(self, timeout_ms=None):
+        msg = recv(self, timeout_ms)
+        if getattr(msg, "step_id", None) == step_id and type(msg).__name__ == "StepPlan":
+            return recv(self, timeout_ms)
+        return msg
+
+    return wrapper
+
+
 def _site_path() -> str:
     """PYTHONPATH with the site directory first (the launcher keeps an inherited
     PYTHONPATH after its own directory)."""
@@ -72,3 +97,9 @@ def script_env(scripts: dict[int, list[int]]) -> dict[str, str]:
     request with that seed."""
     return {SCRIPTS_ENV: json.dumps({str(k): v for k, v in scripts.items()}),
             "PYTHONPATH": _site_path()}
+
+
+def drop_plan_env(index: int, step_id: int) -> dict[str, str]:
+    """Environment for a ``CandorServer`` whose gpu_worker ``index`` misses plan
+    ``step_id``."""
+    return {DROP_PLAN_ENV: f"{index}:{step_id}", "PYTHONPATH": _site_path()}

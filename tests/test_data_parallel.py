@@ -175,3 +175,74 @@ def test_losing_a_replica_fails_its_requests_and_the_other_serves_on(tiny_model_
     finally:
         assert srv.stop() == 0
     assert "engine replica 1 lost" in (tmp_path / "log").read_text()
+
+
+def test_probes_and_operators_numbers_are_per_replica_and_forget_a_lost_one(tiny_model_dir,
+                                                                           tmp_path):
+    """DP=2, round robin. /health/generate probes every replica (a replica whose worker
+    is stuck is named, whichever one the router would pick) and a probe that times out
+    is no error abort; the prefix-cache hit ratio is one ratio, not a sum of them; once a
+    replica is lost its gauges leave the sums, the detokenizer frees its requests' state,
+    and /health's cumulative totals do not go back."""
+    srv = _dp_server(tiny_model_dir, tmp_path, "--data-parallel-routing", "round_robin")
+    try:
+        status, body = srv.get("/health/generate?timeout=30", timeout=40)
+        assert status == 200, body
+        assert [(r["replica"], r["status"]) for r in json.loads(body)["replicas"]] == [
+            (0, "ok"), (1, "ok")]
+
+        stuck = next(p for p in srv.children() if role_of(p) == "gpu_worker[1]")
+        os.kill(stuck, signal.SIGSTOP)
+        try:
+            status, body = srv.get("/health/generate?timeout=3", timeout=20)
+        finally:
+            os.kill(stuck, signal.SIGCONT)
+        message = json.loads(body)["error"]["message"]
+        assert status == 503 and "replica 1: no token within 3s" in message, body
+        assert "replica 0" not in message
+        aborts = wait_until(lambda: scrape(srv), "the probe's abort counted",
+                            until=lambda s: s.total("candor_aborts_total") >= 1)
+        assert aborts.total("candor_aborts_total", cause="error") == 0
+        assert aborts.total("candor_aborts_total", cause="probe_timeout") == 1
+
+        prompt = "The same long system prompt, " * 40
+        for _ in range(6):  # three to each replica: a miss, then two hits on each
+            assert _post(srv, {"prompt": prompt, "max_tokens": 1})[0] == 200
+        s = wait_until(lambda: scrape(srv), "six prefix lookups exported",
+                       until=lambda s: s.total("candor_prefix_cache_hit_tokens_total") > 0
+                       and all(s.value("candor_replica_prefix_cache_queried_tokens",
+                                       replica=r) > 0 for r in "01"))
+        hits = s.total("candor_prefix_cache_hit_tokens_total")
+        queried = s.total("candor_prefix_cache_queried_tokens_total")
+        ratio = s.value("candor_prefix_cache_hit_ratio")
+        print(f"prefix-cache hit ratio over both replicas: {ratio:.3f}")
+        assert 0.5 < ratio <= 1.0 and abs(ratio - hits / queried) < 1e-9
+
+        long = {"max_tokens": 600, "ignore_eos": True}
+        with ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(_post, srv, {**long, "prompt": f"{i} tell me more"})
+                       for i in range(4)]
+            wait_until(lambda: srv.health()[1].get("replicas", []), "both replicas decoding",
+                       until=lambda rs: rs and all((r["running"] or 0) == 2 for r in rs),
+                       timeout=60)
+            wait_until(lambda: scrape(srv), "the detokenizer tracking all four",
+                       until=lambda s: s.value("candor_detokenizer_requests") == 4)
+            before = srv.engine_stats()
+            os.kill(next(p for p in srv.children() if role_of(p) == "scheduler[1]"),
+                    signal.SIGKILL)
+            wait_until(srv.health, "replica 1 lost",
+                       until=lambda h: h[1].get("status") == "degraded", timeout=10)
+            results = [f.result() for f in futures]
+        assert sorted(status for status, _ in results) == [200, 200, 503, 503]
+        at_rest = srv.wait_all_blocks_free()  # heartbeats of the survivor alone since
+        for name in ("prefix_cache_queried_tokens", "prefix_cache_hit_tokens"):
+            assert at_rest[name] == before[name], (name, before[name], at_rest[name])
+        assert at_rest["aborts"]["probe_timeout"] == 1  # counted by the lost replica
+        s = wait_until(lambda: scrape(srv), "the lost replica gone from the sums",
+                       until=lambda s: s.value("candor_kv_blocks_total")
+                       == at_rest["total_blocks"] and s.value("candor_detokenizer_requests") == 0)
+        assert s.value("vllm:num_requests_running") == 0
+        assert s.value("vllm:kv_cache_usage_perc") == 0
+        assert s.value("candor_replica_kv_blocks_total", replica="1") == 0
+    finally:
+        assert srv.stop() == 0

@@ -167,7 +167,7 @@ def test_several_nodes_need_a_node_name(tiny_model_dir):
     topo = load_topology(str(DEPLOY / "topologies" / "two-node.yaml"))
     topo = msgspec.structs.replace(topo, model=msgspec.structs.replace(
         topo.model, path=str(tiny_model_dir)))
-    from launch_cluster import launch
+    from cluster.launch import launch
     with pytest.raises(SystemExit, match="--node NAME"):
         launch(topo)
 
@@ -282,7 +282,7 @@ async def test_every_dashboard_and_alert_query_uses_an_exported_metric(server):
     # the two left out only appear once something failed; their help texts are declared
     from api_frontend.metrics import FrontendMetrics  # noqa: F401 - declares stream errors
     assert "candor_stream_errors" in (REPO / "api_frontend" / "metrics.py").read_text()
-    assert "candor_process_restarts" in (REPO / "launch_cluster.py").read_text()
+    assert "candor_process_restarts" in (REPO / "cluster" / "supervisor.py").read_text()
 
 
 # ------------------------------------------------------------------ images and probes
@@ -444,3 +444,19 @@ def test_manifests_validate_against_the_kubernetes_schemas():
             kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
             checked.add(kind)
     assert {"Deployment", "StatefulSet", "Service", "ConfigMap"} <= checked, checked
+
+
+def test_tensor_parallel_is_shown_on_one_host_and_across_machines():
+    """Operators copy from deploy/topologies: TP on one host, and TP across machines
+    with its traffic protection declared (the launcher refuses it otherwise)."""
+    shipped = {p.name: load_topology(str(p)) for p in (DEPLOY / "topologies").glob("*.yaml")}
+    tp = {name: t for name, t in shipped.items() if t.tensor_parallel > 1}
+    spanning = {name for name, t in tp.items() if len(t.rank_nodes(0)) > 1}
+    assert spanning and set(tp) - spanning, sorted(tp)
+    for name in spanning:
+        traffic = tp[name].security.tensor_parallel
+        assert traffic is not None and tp[name].security.curve is not None, name
+    one_host = next(t for name, t in tp.items() if name not in spanning)
+    workers = [c for c in process_configs(one_host, "/tmp/r") if c.role == "gpu_worker"]
+    assert [c.tp_interface for c in workers] == ["lo"] * one_host.tensor_parallel
+    assert workers[0].tp_address.startswith("file:///tmp/r/")

@@ -155,6 +155,20 @@ def test_special_tokens_skipped_or_kept(tokenizer):
         assert detok.take_delta(final=True) == expect
 
 
+@pytest.mark.parametrize("include", [False, True])
+def test_stopping_token_counts_but_its_text_is_left_out(tokenizer, include):
+    """The id that ended the sequence (EOS, a stop_token_ids id) is consumed and counted;
+    its text reaches the answer only with include_stop_str_in_output (as vLLM)."""
+    ids = tokenizer.encode("plain words at the end", add_special_tokens=False).ids
+    detok = RequestDetokenizer(tokenizer, DetokParams(skip_special_tokens=False,
+                                                      include_stop_str_in_output=include))
+    detok.add_tokens(ids[:-1])
+    detok.add_tokens(ids[-1:], stopping=True)
+    head = tokenizer.decode(ids[:-1])
+    assert detok.num_tokens == len(ids)
+    assert detok.take_delta(final=True) == (tokenizer.decode(ids) if include else head)
+
+
 def test_token_bytes_keep_what_the_text_of_a_partial_character_loses(tokenizer, tmp_path):
     """Logprobs' ``bytes`` source: a token holding part of a UTF-8 character (byte-level
     BPE piece, or sentencepiece ``<0xHH>`` byte fallback) decodes alone to U+FFFD, and

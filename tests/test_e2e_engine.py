@@ -88,6 +88,35 @@ async def test_preempted_requests_keep_greedy_tokens_identical_to_hf(tight_serve
         until=lambda s: s["preemptions"] > preempted_before)
 
 
+async def test_penalized_requests_keep_hf_tokens_through_cache_hits_and_preemption(
+        tight_server, hf_model):
+    """Penalties read the whole history: a request that took a prefix-cache hit, was
+    preempted and recomputed (from its own cached blocks) still gets HF's penalized
+    greedy tokens."""
+    from tests.test_e2e_sampling import _hf_penalized_greedy
+
+    model, tok = hf_model
+    before = tight_server.wait_all_blocks_free()
+    prompts = [_TEXT + f" Request {i} shares this head." for i in range(4)]
+    penalties = {"presence_penalty": 1.0, "frequency_penalty": 0.5, "repetition_penalty": 1.3}
+    async with aiohttp.ClientSession() as session:
+        status, _, body = await _complete(session, tight_server, {  # caches the head
+            "prompt": _TEXT, "max_tokens": 1})
+        assert status == 200, body
+        results = await asyncio.gather(*[
+            _complete(session, tight_server, {"prompt": p, "max_tokens": 40, "ignore_eos": True,
+                                              "return_token_ids": True, **penalties})
+            for p in prompts])
+    for prompt, (status, _, body) in zip(prompts, results):
+        assert status == 200, body
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        want = _hf_penalized_greedy(model, tok(prompt)["input_ids"], 40, 1.0, 0.5, 1.3)
+        assert body["choices"][0]["token_ids"] == want, prompt
+    tight_server.wait_all_blocks_free(
+        what="a preemption (the KV cache was meant to be too small for all four)",
+        until=lambda s: s["preemptions"] > before["preemptions"])
+
+
 async def test_full_waiting_queue_answers_503_with_retry_after(tight_server):
     async def one(session, i):
         return await _complete(session, tight_server, {"prompt": f"Load {i} " + _TEXT,

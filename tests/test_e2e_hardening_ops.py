@@ -20,6 +20,7 @@ import pytest
 import zmq
 
 from protocol import ipc
+from tests.metrics_text import scrape
 from tests.polling import wait_until
 from tests.server import REPO, CandorServer, free_port, pid_alive
 
@@ -124,6 +125,10 @@ def test_malformed_messages_are_dropped_and_serving_continues(srv):
     log = srv.log.read_text()
     assert "scheduler[0] WARNING dropped" in log and "undecodable" in log
     assert "api_frontend[0] WARNING dropped" in log
+    metrics = scrape(srv)  # ... and counted per role, for an alert
+    for role in ("api_frontend", "scheduler"):
+        assert metrics.value("candor_ipc_dropped_messages_total", role=role) == \
+            len(_garbage_frames()), role
 
 
 def test_a_dead_reader_task_ends_the_frontend_process():

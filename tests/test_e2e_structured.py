@@ -210,3 +210,39 @@ def test_constraint_applies_after_the_reasoning_block(tiny_model_dir, parser, ki
     assert accepts(f"{opening}a <b </thin x</think>\n\n{good}")
     assert not accepts(f"{opening}thinking</think>\n\nzzz")
     assert not accepts(f"{opening}never closed {good}")
+
+
+def test_a_cached_rejection_names_each_callers_own_field(tiny_model_dir):
+    """The compile cache is shared by every route: a schema refused for /v1/responses
+    (`text.format.schema`) and then sent to chat as `guided_json` names `guided_json`
+    (CI once saw the first caller's field in the second caller's error)."""
+    from tokenization.grammar_vocab import build_tokenizer
+    from tokenization.tokenizer_files import CheckpointTokenizer
+    from tokenizer_worker.grammar import GrammarCompiler, GrammarError
+    tok = CheckpointTokenizer(tiny_model_dir)
+    compiler = GrammarCompiler(build_tokenizer(tok.backend.to_str(), tok.vocab_size,
+                                               tok.eos_token_ids))
+    schema = '{"type": "object", "properties": {"a": {"not": {"type": "string"}}}}'
+    for field in ("text.format.schema", "guided_json", "text.format.schema"):
+        with pytest.raises(GrammarError) as err:
+            compiler.compile(GuidedSpec("json_schema", schema, field, None))
+        assert err.value.param == field and str(err.value).startswith(f"`{field}`")
+
+
+@pytest.mark.parametrize("kind, spec, longest", [
+    ("choice", '["yes", "nope", "ü"]', 4),
+    ("json_schema", '{"type": "boolean"}', 5),
+    ("json_schema", '{"type": ["null", "boolean"]}', 5),
+    ("json_schema", '{"enum": [true, null]}', 4),
+    ("json_schema", '{"const": false}', 5),
+    ("json_schema", '{"enum": ["a", "b"]}', None),  # a string's spellings are not counted
+    ("json_schema", '{"type": "integer", "maximum": 9}', None),
+    ("regex", "(yes|no)", None),
+])
+def test_longest_output_is_known_only_where_it_is_certain(kind, spec, longest):
+    """What decides the up-front 400 for a constraint that must end before min_tokens:
+    a bound only where every spelling is known, never a guess."""
+    from tokenizer_worker.grammar import longest_output_bytes
+
+    assert longest_output_bytes(GuidedSpec(kind, spec, "f")) == longest
+    assert longest_output_bytes(GuidedSpec(kind, spec, "f", reasoning="qwen3")) is None

@@ -126,3 +126,22 @@ def test_each_role_decodes_only_its_own_slice(tmp_path):
     assert [(c.replica, c.tp_rank) for c in workers] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     front = next(c for c in configs if c.role == "api_frontend")
     assert front.supervision.heartbeat_stale_s == 5.0 and front.replicas == 2
+    # one node: a file store in the private run directory, collectives on loopback
+    assert workers[0].tp_address == "file:///tmp/r/tp-rendezvous-0"
+    assert workers[2].tp_address == "file:///tmp/r/tp-rendezvous-1"
+    assert {c.tp_interface for c in workers} == {"lo"}
+
+
+def test_restart_budget_backs_off_and_forgets_restarts_past_its_window():
+    from cluster.supervisor import RestartBudget
+
+    budget = RestartBudget(limit=4, window_s=60, backoff_max_s=3)
+    delays = []
+    for t in (0.0, 1.0, 2.0, 3.0):
+        delays.append(budget.delay(t))
+        budget.spend(t)
+    assert delays == [0.0, 1.0, 2.0, 3.0]  # doubling, capped at backoff_max_s
+    assert budget.delay(4.0) is None  # a fifth within the minute: the topology stops
+    assert budget.recent(60.5) == 3 and budget.delay(60.5) == 3.0  # the first has left
+    assert budget.recent(200.0) == 0 and budget.delay(200.0) == 0.0  # a crash a day
+    assert RestartBudget(limit=0, window_s=60, backoff_max_s=3).delay(0.0) is None

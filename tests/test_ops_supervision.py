@@ -249,3 +249,147 @@ def test_scrape_size_and_time_with_the_session_topology(server, scrapes):
     print(f"scrape: {sizes[-1]} bytes, {len(parsed.samples)} samples, median "
           f"{times[len(times) // 2] * 1000:.1f} ms, max {times[-1] * 1000:.1f} ms")
     assert times[len(times) // 2] < 0.5
+
+
+def _running(srv: CandorServer, name: str) -> int | None:
+    """The pid of the child ``name`` once it runs its role (a child just forked still
+    shows the launcher's command line), else None."""
+    for pid in srv.children():
+        try:
+            if role_of(pid) == name:
+                return pid
+        except (OSError, IndexError, ValueError):
+            continue
+    return None
+
+
+def _kill_and_time_the_comeback(srv: CandorServer, name: str) -> tuple[float, float]:
+    """SIGKILL ``name``; (when its successor started, seconds that took)."""
+    old = wait_until(lambda: _running(srv, name), f"{name} running", timeout=30)
+    os.kill(old, signal.SIGKILL)
+    killed = time.monotonic()
+    wait_until(lambda: _running(srv, name) not in (None, old), f"{name} restarted",
+               timeout=30, interval=0.02)
+    now = time.monotonic()
+    return now, now - killed
+
+
+def test_restarts_back_off_and_their_limit_counts_a_window(tiny_model_dir, tmp_path):
+    """A crash loop is slowed (the second restart in a window waits a second, then two
+    ...) and stopped after max_restarts within restart_window_s; restarts older than the
+    window no longer count, so a role that crashes now and then never uses the limit up."""
+    port = free_port()
+    topo = _write(tmp_path / "t.yaml", f"""
+model: {{path: {tiny_model_dir}, served_model_name: {MODEL}, max_model_len: 1024}}
+http: {{port: {port}}}
+supervision: {{restart: [detokenizer], max_restarts: 2, restart_window_s: 8}}
+""")
+    log = tmp_path / "launcher.log"
+    srv = CandorServer.from_topology(topo, port).start(log_path=log)
+    try:
+        first_restart, immediate = _kill_and_time_the_comeback(srv, "detokenizer[0]")
+        _, backed_off = _kill_and_time_the_comeback(srv, "detokenizer[0]")
+        print(f"first restart after {immediate:.2f}s, second after {backed_off:.2f}s")
+        assert backed_off >= 1.0 > immediate
+        wait_until(srv.health, "/health 200 with the detokenizer back",
+                   until=lambda h: h[0] == 200, timeout=30, interval=0.1)
+        # the first restart leaves the window: one more restart is allowed
+        time.sleep(max(0.0, first_restart + 8.3 - time.monotonic()))
+        _kill_and_time_the_comeback(srv, "detokenizer[0]")
+        assert srv.proc.poll() is None
+        # a crash loop spends the limit within the window: the topology stops
+        for _ in range(3):
+            pid = wait_until(lambda: _running(srv, "detokenizer[0]") or srv.proc.poll(),
+                             "the detokenizer back, or the launcher gone", timeout=30)
+            if srv.proc.poll() is not None:
+                break
+            os.kill(pid, signal.SIGKILL)
+            wait_until(lambda: _running(srv, "detokenizer[0]") != pid or srv.proc.poll(),
+                       "the detokenizer reaped", timeout=30, interval=0.02)
+        assert srv.proc.wait(timeout=30) == 1
+    finally:
+        srv.stop()
+    assert "restarted 2 times within 8s" in log.read_text()
+
+
+def test_an_engine_death_during_the_drain_fails_requests_at_once(tiny_model_dir, tmp_path):
+    """SIGTERM, then the gpu_worker dies: the requests it held fail at once (not at the
+    drain limit) in the error shape, and the launcher exits non-zero."""
+    port = free_port()
+    topo = _write(tmp_path / "t.yaml", f"""
+model: {{path: {tiny_model_dir}, served_model_name: {MODEL}, max_model_len: 2048}}
+http: {{port: {port}}}
+supervision: {{drain_timeout_s: 90}}
+""")
+    srv = CandorServer.from_topology(topo, port).start(log_path=tmp_path / "launcher.log")
+    try:
+        worker = _pid_of(srv, "gpu_worker[0]")
+        os.kill(worker, signal.SIGSTOP)  # the requests cannot finish before it dies
+        results: list[tuple[int, bytes]] = []
+        clients = [threading.Thread(target=lambda i=i: results.append(_post(
+            srv.base_url, {"prompt": f"drain {i}", "max_tokens": 2000, "ignore_eos": True},
+            timeout=120))) for i in range(2)]
+        for t in clients:
+            t.start()
+        wait_until(srv.engine_stats, "both requests in the engine",
+                   until=lambda s: s["running"] + s["waiting"] == 2, timeout=30)
+        srv.proc.send_signal(signal.SIGTERM)
+        wait_until(srv.health, "/health 503 while draining",
+                   until=lambda h: h[0] == 503, timeout=10, interval=0.02)
+        os.kill(worker, signal.SIGKILL)
+        killed = time.monotonic()
+        for t in clients:
+            t.join(timeout=20)
+        took = time.monotonic() - killed
+        assert not any(t.is_alive() for t in clients), "requests hung after the worker died"
+        print(f"requests failed {took:.2f}s after the worker died during the drain")
+        for status, payload in results:
+            assert status == 503, payload
+            error = json.loads(payload)["error"]
+            assert set(error) == {"message", "type", "param", "code"}
+            assert "gpu_worker[0]" in error["message"], error
+        assert srv.proc.wait(timeout=30) == 1
+    finally:
+        srv.stop()
+
+
+def test_a_full_waiting_queue_does_not_fail_the_generation_probe(tiny_model_dir, tmp_path):
+    """The waiting-queue bound sheds requests, never /health/generate: the probe jumps
+    the queue, so a busy, healthy engine stays in rotation under load."""
+    port = free_port()
+    topo = _write(tmp_path / "t.yaml", f"""
+model: {{path: {tiny_model_dir}, served_model_name: {MODEL}, max_model_len: 1024}}
+http: {{port: {port}}}
+engine: {{max_num_seqs: 2, max_waiting_requests: 2}}
+""")
+    srv = CandorServer.from_topology(topo, port).start(log_path=tmp_path / "launcher.log")
+    worker = _pid_of(srv, "gpu_worker[0]")
+    try:
+        os.kill(worker, signal.SIGSTOP)  # the engine is busy: nothing finishes meanwhile
+        results: list[tuple[int, bytes]] = []
+        clients = [threading.Thread(target=lambda i=i: results.append(_post(
+            srv.base_url, {"prompt": f"busy {i}", "max_tokens": 300, "ignore_eos": True})))
+            for i in range(3)]
+        for i, t in enumerate(clients):  # one by one: the frontend sheds a burst early
+            t.start()
+            wait_until(srv.engine_stats, f"{i + 1} request(s) in the engine",
+                       until=lambda s: s["running"] + s["waiting"] == i + 1, timeout=30)
+        assert srv.engine_stats()["waiting"] == 2  # the stopped worker holds the first
+        status, payload = _post(srv.base_url, {"prompt": "one too many", "max_tokens": 2})
+        assert status == 503 and json.loads(payload)["error"]["code"] == "queue_full"
+        probe: list[tuple[int, bytes]] = []
+        prober = threading.Thread(target=lambda: probe.append(
+            srv.get("/health/generate?timeout=60", timeout=70)))
+        prober.start()
+        # the probe waits at the head of the full queue (or, refused, is answered at once)
+        wait_until(lambda: probe or srv.engine_stats()["waiting"] == 3,
+                   "the probe queued or answered", timeout=30)
+        os.kill(worker, signal.SIGCONT)
+        prober.join(timeout=70)
+        assert probe and probe[0][0] == 200, probe
+        for t in clients:
+            t.join(timeout=120)
+        assert [s for s, _ in results] == [200] * 3
+    finally:
+        os.kill(worker, signal.SIGCONT)
+        assert srv.stop() == 0

@@ -226,3 +226,49 @@ def test_step_failed_finishes_its_live_requests():
     step = planner.plan()
     assert planner.step_failed(step) == [a]
     assert a.finished and planner.allocator.num_free == 16 and a.steps_in_flight == 0
+
+
+def test_a_request_that_failed_on_its_own_ends_alone_and_caches_nothing():
+    """A StepResult that names a failed rid: that request ends with its failure, its
+    blocks (the worker may not have written them) never reach the prefix cache; the
+    others in the step append their tokens."""
+    from protocol.ipc import RequestFailure
+
+    planner = Planner(BlockAllocator(64), block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    bad, good = _req("bad", 9), _req("good", 9, seq=1)
+    good.token_ids = [100 + t for t in good.token_ids]  # no prefix shared with bad
+    _wait(planner, bad, good)
+    step = planner.plan()
+    why = RequestFailure("constraint_conflict", "both cannot hold", 400, "min_tokens")
+    out = planner.postprocess(step, [-1, 42], {"bad": why})
+    assert [(s.req.rid, s.token, s.finish_reason, s.failure) for s in out] == [
+        ("bad", -1, "error", why), ("good", 42, None, None)]
+    assert bad.finished and bad not in planner.running and planner.released == ["bad"]
+    assert good.token_ids[-1] == 42 and good.num_registered == 2
+    assert planner.allocator.num_cached == 2  # good's two full blocks, none of bad's
+
+
+def test_prefix_hits_count_only_admitted_requests():
+    """A request that matches cached blocks but cannot be admitted (its other blocks do
+    not fit) gives the matches back; /health's prefix_hit_blocks must not count them on
+    every retry."""
+    planner = Planner(BlockAllocator(4), block_size=4, max_num_seqs=8,
+                      max_num_batched_tokens=64)
+    first = _req("first", 9, max_tokens=1)
+    planner.waiting.push(first)
+    step = planner.plan()
+    for s in planner.postprocess(step, [7]):
+        assert s.finish_reason == "length"
+    assert planner.allocator.num_cached == 2  # its two full prompt blocks
+    too_big = SchedRequest(TokenizedReq(
+        rid="too_big", reply_to="ipc://x", prompt_token_ids=list(range(1, 21)), max_tokens=1,
+        sampling=SamplingParams(temperature=0.0), detok=DetokParams(), eos_token_ids=[0]), 1)
+    planner.waiting.push(too_big)
+    for _ in range(3):  # matches the 2 cached blocks, needs 3 more, 2 are free
+        assert not planner.plan().chunks
+    assert planner.prefix_hit_blocks == 0
+    planner.waiting.remove(too_big)
+    fits = _req("fits", 9, max_tokens=1, seq=2)
+    planner.waiting.push(fits)
+    assert [c.start_pos for c in planner.plan().chunks] == [8]
+    assert planner.prefix_hit_blocks == 2

@@ -239,3 +239,25 @@ def test_prompt_logprobs_request_computes_its_whole_prompt_but_shares_its_blocks
     planner.waiting.push(c)
     got = {ch.rid: ch for ch in _step(planner)}
     assert got["c"].start_pos == 8 and c.block_table[:2] == first.block_table[:2]
+
+
+def test_a_hit_sends_its_prompt_ids_once_to_requests_that_read_their_history():
+    """Penalties and min_tokens read the whole history: the chunk after a hit carries the
+    cached ids, once; a request that reads none pays nothing."""
+    import msgspec
+
+    planner = _planner()
+    prompt = list(range(1, 11))
+    a = _req("a", prompt)
+    planner.waiting.push(a)
+    _step(planner)
+    plain = _req("plain", prompt, seq=1)
+    penalized = _req("pen", prompt, seq=2, max_tokens=8)
+    penalized.req = msgspec.structs.replace(
+        penalized.req, sampling=SamplingParams(temperature=0.0, presence_penalty=1.0))
+    _wait(planner, plain, penalized)
+    got = {c.rid: c for c in _step(planner)}
+    assert got["plain"].start_pos == got["pen"].start_pos == 8
+    assert got["plain"].context == [] and got["pen"].context == prompt[:8]
+    got = {c.rid: c for c in _step(planner)}
+    assert got["pen"].context == []  # the worker has it now

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from gpu_worker.request_state import RequestTracker
@@ -49,7 +50,8 @@ def test_min_tokens_suppresses_stop_ids_until_reached():
     logits = torch.zeros(2, 10)
     logits[:, 2] = 10.0  # the "eos" would win
     p = SamplingParams(temperature=0.0, min_tokens=2, min_tokens_stop_ids=[2])
-    tokens, _ = Sampler().sample(logits, [p, p], [None, None], [([5, 6, 7], 2), ([5, 6, 7, 8], 2)])
+    histories = [([5, 6, 7], 2), ([5, 6, 7, 8], 2)]
+    tokens, _, _ = Sampler().sample(logits, [p, p], [None, None], histories)
     assert tokens[0] != 2          # one generated so far: eos suppressed
     assert tokens[1] == 2          # two generated: allowed again
 
@@ -67,7 +69,7 @@ def test_logprobs_are_raw_log_softmax_before_processors():
     params = [SamplingParams(temperature=0.0, logprobs=3, logit_bias=[(7, 100.0)]),
               SamplingParams(temperature=0.5, top_k=2)]
     ref = torch.log_softmax(logits[0], -1)  # before: the sampler works in place
-    tokens, lps = Sampler().sample(logits, params, [None, None])
+    tokens, lps, _ = Sampler().sample(logits, params, [None, None])
     assert tokens[0] == 7 and lps[1] is None
     assert abs(lps[0].logprob - ref[7].item()) < 1e-5
     top = ref.topk(3)
@@ -90,3 +92,44 @@ def test_prompt_logprobs_across_chunks_equal_one_pass():
         assert abs(got[pos].logprob - ref[pos - 1, ids[pos]].item()) < 1e-5
         assert got[pos].top_ids == ref[pos - 1].topk(2).indices.tolist()
     assert tracker.take_prompt_logprobs("r") is None  # handed out once
+
+
+def test_a_row_with_nothing_to_sample_fails_alone_and_says_why():
+    """min_tokens holding back the only token a grammar allows, NaN logits, everything
+    masked: that row gets no token and a reason; the other rows sample as alone."""
+    torch.manual_seed(3)
+    logits = torch.randn(4, 64)
+    warm = SamplingParams(temperature=0.7)
+    alone = Sampler().sample(logits[3:].clone(), [warm], [torch.Generator().manual_seed(1)])[0][0]
+    logits[1, 5] = float("nan")
+    only_eos = torch.zeros(4, 2, dtype=torch.int32)
+    only_eos[:, 0] = 1 << 2  # token 2 ("eos") alone allowed
+    held = SamplingParams(temperature=0.0, min_tokens=4, min_tokens_stop_ids=[2])
+    params = [held, GREEDY, GREEDY, warm]
+    histories = [([1, 2, 3], 1), None, None, None]
+    gens = [None, None, None, torch.Generator().manual_seed(1)]
+    masked = logits.clone()
+    tokens, _, failed = Sampler().sample(masked, params, gens, histories, ([0, 2], only_eos[:2]))
+    assert tokens == [-1, -1, 2, alone]
+    assert set(failed) == {0, 1}
+    assert (failed[0].code, failed[0].status, failed[0].param) == ("constraint_conflict", 400,
+                                                                   "min_tokens")
+    assert "min_tokens (4)" in failed[0].message and "after 2 generated" in failed[0].message
+    assert failed[1].code == "invalid_logits" and failed[1].status == 500
+    nothing = torch.zeros(1, 2, dtype=torch.int32)
+    _, _, failed = Sampler().sample(torch.randn(1, 64), [GREEDY], [None], None, ([0], nothing))
+    assert failed[0].code == "no_token_allowed"
+
+
+def test_history_after_a_cache_hit_starts_with_the_context():
+    tracker = RequestTracker()
+    p = SamplingParams(presence_penalty=1.0, num_prompt_tokens=6)
+    tracker.observe(SeqChunk("r", [5, 6], 4, [0], True, 0, [1, 2, 3, 4]), p)
+    tracker.observe(SeqChunk("r", [9], 6, [], True, 1), p)
+    assert tracker.history("r", p) == ([1, 2, 3, 4, 5, 6, 9], 6)
+    tracker.observe(SeqChunk("r", [5, 6, 9], 4, [0], False), p)  # recompute after preemption
+    assert tracker.history("r", p) == ([1, 2, 3, 4, 5, 6, 9], 6)
+    tracker.observe(SeqChunk("plain", [7], 3, [0], True), GREEDY)  # needs none: kept none
+    assert tracker.history("plain", GREEDY) is None
+    with pytest.raises(ValueError, match="history holds 0 ids"):  # loud, never a hole
+        tracker.observe(SeqChunk("hole", [5, 6], 4, [0], True), p)

@@ -13,6 +13,10 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
+import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -20,11 +24,13 @@ import torch
 import torch.multiprocessing as mp
 
 from gpu_worker.model_config import load_config
+from gpu_worker.plan_order import PLAN_GAP_EXIT
 from gpu_worker.tp_shard import ShardError, shard_problems, tp_shard
 from protocol.ipc import PLACEHOLDER_TOKEN, SamplingParams, SeqChunk, StepPlan
 from tests import model_zoo
+from tests.faults import drop_plan_env
 from tests.polling import wait_until
-from tests.server import CandorServer, free_port, role_of
+from tests.server import REPO, CandorServer, free_port, role_of
 
 MAX_NEW = 12
 GREEDY = SamplingParams(temperature=0.0)
@@ -209,6 +215,7 @@ addresses:
   worker_in: tcp://{{host}}:{ports[2]}
   worker_out: tcp://{{host}}:{ports[3]}
   tp_rendezvous: tcp://{{host}}:{ports[4]}
+security: {{tensor_parallel: {{protection: private_network, network: 127.0.0.0/8}}}}
 """)
     from cluster.process_config import process_configs
     from cluster.topology import load_topology
@@ -260,3 +267,107 @@ def test_ranks_across_nodes_must_be_named_once_with_a_fixed_rendezvous(tiny_mode
         tp_rendezvous="tcp://{host}:7003")
     assert "needs a fixed port" in problems(
         [gateway, {"name": "b", "host": "10.0.0.2", "roles": ["gpu_worker"], "gpu_workers": [1]}])
+
+
+@pytest.mark.parametrize("dropped, max_tokens", [(3, 40), (1, 1)],
+                         ids=["gap-seen-at-the-next-plan", "the-last-plan-lost"])
+def test_a_rank_that_misses_a_plan_stops_loudly(tiny_model_dir, tmp_path, dropped, max_tokens):
+    """Plans reach the ranks over PUB/SUB, which drops messages while a subscriber
+    reconnects: here rank 1 never sees plan ``dropped``. It must not compute on (its next
+    collective would pair with rank 0's previous one: wrong sums, then a hang at the
+    120 s collective timeout): it stops naming the plan it missed (seen from the next
+    plan's number, or from the scheduler's mark of the newest plan when no other plan
+    comes), the request fails in the error shape within seconds, /health turns 503
+    naming the rank and the launcher exits 1."""
+    log = tmp_path / "log"
+    port = free_port()
+    topo = tmp_path / "tp2.yaml"
+    topo.write_text(f"model: {{path: {tiny_model_dir}}}\ntensor_parallel: 2\n"
+                    f"http: {{port: {port}}}\nsupervision: {{teardown_delay_s: 5}}\n")
+    srv = CandorServer.from_topology(topo, port, env=drop_plan_env(1, dropped)).start(
+        log_path=log)
+    try:
+        body = {"model": "tiny-llama", "prompt": [0, 15, 200, 31],
+                "max_tokens": max_tokens, "ignore_eos": True}
+        req = urllib.request.Request(srv.base_url + "/v1/completions",
+                                     data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        started = time.monotonic()
+        with pytest.raises(urllib.error.HTTPError) as failed:
+            urllib.request.urlopen(req, timeout=60)
+        took = time.monotonic() - started
+        error = json.loads(failed.value.read())["error"]
+        print(f"failed after {took:.2f}s: {failed.value.code} {error}")
+        assert failed.value.code in (500, 503) and set(error) == {"message", "type", "param",
+                                                                    "code"}
+        assert took < 20
+        health = wait_until(srv.health, "/health 503 naming the rank",
+                            until=lambda h: h[0] == 503, timeout=5, interval=0.02)
+        assert "gpu_worker[1]" in health[1]["error"]["message"]
+        assert srv.proc.wait(timeout=30) == 1
+    finally:
+        srv.stop()
+    text = log.read_text()
+    assert f"missed step plan {dropped}" in text
+    assert f"gpu_worker[1] exited with code {PLAN_GAP_EXIT}; stopping the topology" in text
+
+
+def _spanning(**security) -> str:
+    """Problems of a TP=2 topology whose ranks sit on two nodes (10.0.0.1, 10.0.0.2)."""
+    import msgspec
+
+    from cluster.topology import Topology
+    from cluster.topology_check import TopologyError, check_topology
+
+    topo = msgspec.convert({
+        "model": {"path": "/m"}, "tensor_parallel": 2, "security": security,
+        "nodes": [{"name": "a", "host": "10.0.0.1", "gpu_workers": [0],
+                   "roles": ["api_frontend", "tokenizer_worker", "detokenizer", "scheduler",
+                             "gpu_worker"]},
+                  {"name": "b", "host": "10.0.0.2", "roles": ["gpu_worker"], "gpu_workers": [1],
+                   "status_address": "tcp://{host}:7004"}],
+        "addresses": {"worker_in": "tcp://{host}:7001", "worker_out": "tcp://{host}:7002",
+                      "tp_rendezvous": "tcp://{host}:7003",
+                      "node_status": "tcp://{host}:7005"}}, Topology)
+    try:
+        check_topology(topo, check_model=False)
+    except TopologyError as err:
+        return str(err)
+    return ""
+
+
+def test_ranks_across_nodes_need_their_traffic_protection_declared():
+    """The rendezvous store and gloo/NCCL are outside CURVE: ranks that span nodes are
+    refused until the topology names a private network or tunnel holding every host."""
+    assert "span nodes ['a', 'b']" in _spanning()
+    assert "outside CURVE" in _spanning()
+    assert _spanning(tensor_parallel={"protection": "private_network",
+                                      "network": "10.0.0.0/24", "interface": "eth1"}) == ""
+    assert _spanning(tensor_parallel={"protection": "tunnel", "network": "10.0.0.0/8"}) == ""
+    outside = _spanning(tensor_parallel={"protection": "tunnel", "network": "10.0.0.0/31"})
+    assert "node 'b''s host '10.0.0.2' (10.0.0.2) is outside the declared tunnel network " \
+           "10.0.0.0/31" in outside
+    assert "node 'a'" not in outside
+    assert "security.tensor_parallel.network" in _spanning(
+        tensor_parallel={"protection": "tunnel", "network": "10.0.0.0/33"})
+
+
+def test_cross_node_tp_is_refused_at_check_and_at_start(tmp_path, tiny_model_dir):
+    topo = tmp_path / "span.yaml"
+    topo.write_text(f"""
+model: {{path: {tiny_model_dir}}}
+tensor_parallel: 2
+nodes:
+  - {{name: a, host: 127.0.0.1, gpu_workers: [0],
+      roles: [api_frontend, tokenizer_worker, detokenizer, scheduler, gpu_worker]}}
+  - {{name: b, host: 127.0.0.2, roles: [gpu_worker], gpu_workers: [1]}}
+addresses:
+  worker_in: tcp://{{host}}:{free_port()}
+  worker_out: tcp://{{host}}:{free_port()}
+  tp_rendezvous: tcp://{{host}}:{free_port()}
+  node_status: tcp://{{host}}:{free_port()}
+""")
+    for extra in (["--check"], ["--node", "b"]):
+        out = subprocess.run([sys.executable, str(REPO / "launch_cluster.py"), str(topo),
+                              *extra], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and "outside CURVE" in out.stderr, out.stderr

@@ -17,8 +17,9 @@ import pytest
 
 from cluster.generation_config import GenerationConfigError, sampling_defaults
 from cluster.hf_cache import ModelNotFound, hub_cache_dir, resolve_model
+from cluster.preflight import settle_defaults
 from cluster.serve_cli import normalize_argv, parse_size, serve_parser
-from launch_cluster import serve_args_to_topology, settle_defaults
+from launch_cluster import serve_args_to_topology
 from tests.server import REPO, CandorServer
 
 DOC = REPO / "docs" / "migrating-from-vllm.md"

@@ -7,6 +7,7 @@ from collections import deque
 
 from cluster.checkpoint import effective_max_model_len, read_model_config
 from cluster.lifecycle import StopFlag, die_with_parent, read_config, setup_logging
+from cluster.metrics import dropped_messages
 from cluster.process_config import TokenizerConfig
 from protocol import ipc
 from protocol.transport import Receiver, Sender, SenderPool, sync_context
@@ -55,7 +56,7 @@ def main() -> None:
     preparer = RequestPreparer(CheckpointTokenizer(cfg.model_path),
                                effective_max_model_len(cfg.model_path, cfg.max_model_len),
                                cfg.api, int(vocab) if vocab else None)
-    ctx = sync_context(cfg.security)
+    ctx = sync_context(cfg.security, dropped_messages(cfg.role))
     inbound: Receiver = Receiver(ctx, cfg.addresses.tokenizer_in[cfg.index],
                                  ipc.TokenizerInbound)
     # one per engine replica; the frontend's router named the replica in the request

@@ -14,6 +14,7 @@ import hashlib
 import json
 import re
 from collections import OrderedDict
+from typing import NamedTuple
 
 import llguidance
 
@@ -77,6 +78,38 @@ def grammar_text(spec: GuidedSpec) -> str:
     return llguidance.grammar_from("grammar", spec.spec)
 
 
+# JSON values whose every spelling is known: a schema of only these has a longest output.
+_FINITE_TYPES = {"boolean": (True, False), "null": (None,)}
+
+
+def longest_output_bytes(spec: GuidedSpec) -> int | None:
+    """The most bytes any output of ``spec`` can have, where that is cheap and certain (a
+    choice list; a JSON schema of booleans/null: a const, an enum or those types); None
+    otherwise. Every token is at least a byte, so it bounds the tokens before the end."""
+    if spec.reasoning is not None:  # the <think> block before the answer is unbounded
+        return None
+    if spec.kind == "choice":
+        return max(len(choice.encode()) for choice in json.loads(spec.spec))
+    if spec.kind != "json_schema":
+        return None
+    schema = json.loads(spec.spec)
+    if not isinstance(schema, dict):
+        return None
+    if "const" in schema:
+        values = [schema["const"]]
+    elif isinstance(schema.get("enum"), list):
+        values = schema["enum"]
+    else:
+        types = schema.get("type")
+        types = [types] if isinstance(types, str) else types
+        if not isinstance(types, list) or not types or any(t not in _FINITE_TYPES for t in types):
+            return None
+        values = [v for t in types for v in _FINITE_TYPES[t]]
+    if not values or not all(v is None or isinstance(v, bool) for v in values):
+        return None
+    return max(len(json.dumps(v)) for v in values)
+
+
 END_THINK = "</think>"
 
 
@@ -116,13 +149,21 @@ def after_reasoning(answer: str, parser: str) -> str:
     return json.dumps({"grammars": [{"lark_grammar": wrapper}, *grammars]})
 
 
+class _Rejection(NamedTuple):
+    """Why the grammar engine refused a spec, without the field that carried it."""
+    what: str
+    detail: str
+
+
 class GrammarCompiler:
     def __init__(self, tokenizer: llguidance.LLTokenizer) -> None:
         self.tokenizer = tokenizer
-        self._cache: OrderedDict[str, str | GrammarError] = OrderedDict()
+        self._cache: OrderedDict[str, str | _Rejection] = OrderedDict()
 
     def compile(self, spec: GuidedSpec) -> str:
-        """The grammar text the worker will enforce, or GrammarError naming the field."""
+        """The grammar text the worker will enforce, or GrammarError naming the field.
+        The cache is keyed by what is compiled, not by who asked: a rejection is kept
+        without a field name, so each caller's error names its own field."""
         key = hashlib.sha256(f"{spec.kind}\0{spec.reasoning}\0{spec.spec}".encode()).hexdigest()
         got = self._cache.get(key)
         if got is None:
@@ -132,11 +173,13 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         else:
             self._cache.move_to_end(key)
-        if isinstance(got, GrammarError):
-            raise GrammarError(str(got), got.param)
+        if isinstance(got, _Rejection):
+            raise GrammarError(f"`{spec.field}`: this {got.what} cannot be enforced by "
+                               f"Candor's grammar engine (llguidance): {got.detail}",
+                               spec.field)
         return got
 
-    def _compile(self, spec: GuidedSpec) -> str | GrammarError:
+    def _compile(self, spec: GuidedSpec) -> str | _Rejection:
         what = {"json_schema": "JSON schema", "json_object": "JSON object constraint",
                 "regex": "regular expression", "choice": "choice list",
                 "grammar": "grammar"}[spec.kind]
@@ -154,5 +197,4 @@ class GrammarCompiler:
         if not failed:
             return grammar
         detail = "; ".join(m for m in messages if m) or "rejected by the grammar engine"
-        return GrammarError(f"`{spec.field}`: this {what} cannot be enforced by Candor's "
-                            f"grammar engine (llguidance): {detail}", spec.field)
+        return _Rejection(what, detail)

@@ -22,7 +22,7 @@ from tokenization.tokenizer_files import CheckpointTokenizer
 from tokenizer_worker.budget import resolve_max_tokens
 from tokenizer_worker.content_format import detect_content_format, flatten_content
 from tokenizer_worker.deadline import time_limit
-from tokenizer_worker.grammar import GrammarCompiler, GrammarError
+from tokenizer_worker.grammar import GrammarCompiler, GrammarError, longest_output_bytes
 from tokenizer_worker.length_bound import TokenLengthBound, utf8_len
 from tokenizer_worker.text_offsets import token_starts
 from tokenizer_worker.tool_arguments import (ArgumentsError, arguments_as_objects,
@@ -271,6 +271,20 @@ class RequestPreparer:
             self._fail(req, f"logit_bias token ids {bad_bias[:5]} are outside the vocabulary "
                        f"(0..{self.vocab_size - 1})", "logit_bias", "invalid_token_id")
 
+    def _check_constraint_fits(self, req: ipc.GenerateReq) -> None:
+        """A constraint whose every output ends before min_tokens tokens can never be met
+        with the end held back until then: a 400 naming both, before any work (where that
+        is not known up front, the request fails alone when it happens)."""
+        if req.guided is None or req.min_tokens == 0:
+            return
+        longest = longest_output_bytes(req.guided)
+        if longest is not None and longest < req.min_tokens:
+            self._fail(req, f"`{req.guided.field}` allows at most {longest} bytes of output, so "
+                       f"the sequence must end within {longest} tokens, but min_tokens "
+                       f"({req.min_tokens}) holds the end back until {req.min_tokens} tokens: "
+                       "both cannot hold; lower min_tokens or widen the constraint",
+                       "min_tokens", "constraint_conflict")
+
     def _grammar(self, req: ipc.GenerateReq) -> str | None:
         if req.guided is None:
             return None
@@ -301,6 +315,7 @@ class RequestPreparer:
         if req.min_tokens > max_tokens:
             self._fail(req, f"min_tokens ({req.min_tokens}) is larger than the {max_tokens} "
                        "tokens this request may generate", "min_tokens", "invalid_value")
+        self._check_constraint_fits(req)
         eos = self.tokenizer.eos_token_ids
         suppress = list(dict.fromkeys((([] if req.ignore_eos else eos) + req.stop_token_ids)))
         sampling = msgspec.structs.replace(

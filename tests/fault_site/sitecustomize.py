@@ -1,7 +1,11 @@
 """Imported by every Python process started with this directory on PYTHONPATH (see
-tests/faults.py). With CANDOR_TEST_FAULT_TOKEN or CANDOR_TEST_SCRIPTS set, the first import
-of gpu_worker.model_runner gets a ModelRunner patched accordingly; every other process and
-module is left as it is."""
+tests/faults.py). Each hook is switched on by its variable and patches one module right
+after its first import; every other process and module is left as it is:
+
+- CANDOR_TEST_FAULT_TOKEN, CANDOR_TEST_SCRIPTS: gpu_worker.model_runner gets a ModelRunner
+  whose steps fail when they feed that token, or that writes the scripted tokens;
+- CANDOR_TEST_DROP_PLAN (``INDEX:STEP``): the gpu_worker process ``INDEX`` never sees
+  step plan STEP (protocol.transport's Receiver swallows it)."""
 
 from __future__ import annotations
 
@@ -11,16 +15,14 @@ import json
 import os
 import sys
 
-_TARGET = "gpu_worker.model_runner"
 
-
-class _PatchModelRunner(importlib.abc.MetaPathFinder):
-    def __init__(self, token: int | None, scripts: dict[int, list[int]] | None) -> None:
-        self.token = token
-        self.scripts = scripts
+class _PatchAfterImport(importlib.abc.MetaPathFinder):
+    def __init__(self, target: str, patch) -> None:
+        self.target = target
+        self.patch = patch
 
     def find_spec(self, name, path, target=None):
-        if name != _TARGET:
+        if name != self.target:
             return None
         sys.meta_path.remove(self)  # find the real module with the other finders
         spec = importlib.util.find_spec(name)
@@ -28,20 +30,38 @@ class _PatchModelRunner(importlib.abc.MetaPathFinder):
 
         def exec_and_patch(module) -> None:
             exec_module(module)
-            from tests.faults import failing_forward, scripted_execute
-            runner = module.ModelRunner
-            if self.token is not None:
-                runner._forward = failing_forward(runner._forward, self.token)
-            if self.scripts is not None:
-                runner.execute = scripted_execute(runner.execute, self.scripts)
+            self.patch(module)
 
         spec.loader.exec_module = exec_and_patch
         return spec
 
 
+def _patch_runner(token: int | None, scripts: dict[int, list[int]] | None):
+    def patch(module) -> None:
+        from tests.faults import failing_forward, scripted_execute
+        runner = module.ModelRunner
+        if token is not None:
+            runner._forward = failing_forward(runner._forward, token)
+        if scripts is not None:
+            runner.execute = scripted_execute(runner.execute, scripts)
+    return patch
+
+
+def _patch_receiver(index: int, step_id: int):
+    def patch(module) -> None:
+        from tests.faults import dropping_plan
+        module.Receiver.recv = dropping_plan(module.Receiver.recv, index, step_id)
+    return patch
+
+
 _token = os.environ.get("CANDOR_TEST_FAULT_TOKEN")
 _scripts = os.environ.get("CANDOR_TEST_SCRIPTS")
 if _token or _scripts:
-    sys.meta_path.insert(0, _PatchModelRunner(
+    sys.meta_path.insert(0, _PatchAfterImport("gpu_worker.model_runner", _patch_runner(
         int(_token) if _token else None,
-        {int(k): v for k, v in json.loads(_scripts).items()} if _scripts else None))
+        {int(k): v for k, v in json.loads(_scripts).items()} if _scripts else None)))
+_dropped = os.environ.get("CANDOR_TEST_DROP_PLAN")
+if _dropped:
+    _index, _step = _dropped.split(":")
+    sys.meta_path.insert(0, _PatchAfterImport("protocol.transport",
+                                              _patch_receiver(int(_index), int(_step))))
