@@ -516,7 +516,7 @@ class SchedulerStats(_Message, tag="stats"):
     lora_waiting: dict[str, int] = {}
 
 
-class LoraAdapterInfo(msgspec.Struct, array_like=True):
+class LoraAdapterInfo(msgspec.Struct):
     """A LoRA adapter a replica serves: the name clients send as ``model``, its
     directory, and the base model name /v1/models shows as its ``parent``."""
 
