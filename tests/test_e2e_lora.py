@@ -210,7 +210,10 @@ async def _stream_open(session, srv, model: str):
 
 
 def _lora_info(srv) -> dict[str, str]:
-    labels = [dict(ls) for name, ls in scrape(srv).samples if name == "vllm:lora_requests_info"]
+    """The labels of vLLM's LoRA gauge, as the Inference Extension's picker reads them."""
+    now = scrape(srv)
+    assert now.families["vllm:lora_requests_info"].type == "gauge"
+    labels = [dict(ls) for name, ls in now.samples if name == "vllm:lora_requests_info"]
     assert len(labels) == 1, labels
     return labels[0]
 
