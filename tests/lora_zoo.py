@@ -16,6 +16,11 @@ import torch
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 STD = 0.15
+# the two adapters the LoRA tests batch together: rank 8 on all seven projections, and
+# rank 4 rslora on q, v and down of two of the three layers
+NAMED = {"full": dict(rank=8, alpha=16, seed=1),
+         "qv": dict(rank=4, alpha=8, seed=2, rslora=True, targets=["q_proj", "v_proj", "down_proj"],
+                    layers=[0, 2])}
 
 
 def build_adapter(base_dir: str | Path, out: str | Path, *, rank: int, alpha: float,
@@ -39,6 +44,11 @@ def build_adapter(base_dir: str | Path, out: str | Path, *, rank: int, alpha: fl
                 p.copy_(torch.randn(p.shape, generator=gen) * STD)
     model.save_pretrained(out)
     return Path(out)
+
+
+def build_named(base_dir: str | Path, out_root: str | Path) -> dict[str, Path]:
+    """The ``NAMED`` adapters for ``base_dir``, each in ``out_root / name``."""
+    return {name: build_adapter(base_dir, Path(out_root) / name, **kw) for name, kw in NAMED.items()}
 
 
 def edit_config(adapter_dir: str | Path, **fields) -> None:

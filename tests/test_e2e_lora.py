@@ -58,9 +58,7 @@ def zoo(tmp_path_factory, tiny_model_dir):
     wider = model_zoo.build(BASE, root / "wider", intermediate_size=96)
     return {
         "root": root, "base": base,
-        "full": lora_zoo.build_adapter(base, adapters / "full", rank=8, alpha=16, seed=1),
-        "qv": lora_zoo.build_adapter(base, adapters / "qv", rank=4, alpha=8, seed=2, rslora=True,
-                                     targets=["q_proj", "v_proj", "down_proj"], layers=[0, 2]),
+        **lora_zoo.build_named(base, adapters),  # full, qv
         "late": lora_zoo.build_adapter(base, adapters / "late", rank=8, alpha=8, seed=3,
                                        targets=["o_proj", "gate_proj", "up_proj"]),
         "late-b": lora_zoo.build_adapter(base, adapters / "late-b", rank=6, alpha=12, seed=4),

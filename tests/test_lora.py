@@ -40,9 +40,7 @@ def zoo(tmp_path_factory):
     phi3 = model_zoo.build("phi3", root / "phi3")
     return {
         "qwen2": qwen2, "phi3": phi3,
-        "full": lora_zoo.build_adapter(qwen2, root / "full", rank=8, alpha=16, seed=1),
-        "qv": lora_zoo.build_adapter(qwen2, root / "qv", rank=4, alpha=8, seed=2, rslora=True,
-                                     targets=["q_proj", "v_proj", "down_proj"], layers=[0, 2]),
+        **lora_zoo.build_named(qwen2, root),
         "phi3-a": lora_zoo.build_adapter(phi3, root / "phi3-a", rank=8, alpha=8, seed=3,
                                          targets=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
     }
