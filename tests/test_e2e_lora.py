@@ -335,3 +335,34 @@ async def test_one_lora_slot_queues_the_other_adapter_and_the_metric_says_so(zoo
         server.wait_all_blocks_free(timeout=30)
     finally:
         assert server.stop() == 0
+
+
+async def test_a_runtime_load_reaches_every_data_parallel_replica(zoo):
+    """Two replicas, round robin: one load serves the adapter on both (requests for it
+    land on each, with PEFT's tokens), and one unload takes it from both."""
+    server = CandorServer(zoo["base"], "--served-model-name", BASE, "--data-parallel-size", "2",
+                          "--data-parallel-routing", "round_robin", "--num-kv-blocks", "32",
+                          "--enable-lora", "--lora-modules", f"full={zoo['full']}",
+                          "--allow-runtime-lora-updating").start(log_path=zoo["root"] / "dp.log")
+    prompt = _prompt(10, 3)
+    try:
+        async with aiohttp.ClientSession() as session:
+            load = {"lora_name": "late", "lora_path": str(zoo["late"])}
+            code, body = await _post(session, server, "/v1/load_lora_adapter", load, {})
+            assert code == 200, body
+            for _ in range(4):  # round robin: two on each replica
+                tokens, _ = await _complete(session, server, "late", prompt)
+                assert tokens == _reference(zoo, "late", prompt)
+            # only these requests reached the engines: each replica looked up prompts
+            wait_until(lambda: scrape(server), "both replicas served a request for it",
+                       until=lambda s: all(s.value("candor_replica_prefix_cache_queried_tokens",
+                                                   replica=r) > 0 for r in "01"))
+            code, body = await _post(session, server, "/v1/unload_lora_adapter",
+                                     {"lora_name": "late"}, {})
+            assert code == 200, body
+            for _ in range(2):
+                code, body = await _post(session, server, "/v1/completions",
+                                         {"model": "late", "prompt": "hi", "max_tokens": 2}, {})
+                assert code == 404, body
+    finally:
+        assert server.stop() == 0
