@@ -48,7 +48,7 @@ def served_models(cfg: FrontendConfig, engine: EngineClient) -> ServedModels:
         pooling = read_pooling_config(served.model_path) if served.runner == "pooling" else None
         models.append(ServedModel(card, served.names[1:], served.runner, engine.view(i),
                                   pooling))
-    return ServedModels(models)
+    return ServedModels(models, engine.adapters)
 
 
 async def serve() -> None:
@@ -85,7 +85,7 @@ async def serve() -> None:
                           engine.ctx, store.metrics)
     engine.on_peer_message = peers.on_message
     app = build_app(engine, served_models(cfg, engine), cfg.http.max_body_mb * 2**20, cfg.api,
-                    cfg.http.body_read_timeout_s, peers)
+                    cfg.http.body_read_timeout_s, peers, cfg.lora)
     app[LOG_REQUESTS_KEY] = cfg.http.log_requests
     ops = Ops(cfg, engine, watch, metrics)
     install_ops(app, ops)

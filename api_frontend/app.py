@@ -13,7 +13,7 @@ import logging
 from aiohttp import web
 
 from api_frontend import embeddings as embeddings_route
-from api_frontend import extra_routes
+from api_frontend import extra_routes, lora_routes
 from api_frontend.engine_client import EngineClient
 from api_frontend.errors import ApiError
 from api_frontend.generate import LOG_REQUESTS_KEY, REQUEST_ID_KEY, run_generation
@@ -24,7 +24,7 @@ from api_frontend.responses_api.peers import ResponsePeers
 from api_frontend.responses_api.store import ResponseStore
 from api_frontend.served_models import ServedModels
 from api_frontend.translate import prompt_list
-from cluster.topology import ApiSpec
+from cluster.topology import ApiSpec, LoraSpec
 from protocol.openai_api import ChatCompletionRequest, CompletionRequest, ModelList
 
 log = logging.getLogger("api_frontend")
@@ -36,6 +36,7 @@ MODELS_KEY = web.AppKey("models", ServedModels)  # every served model, by name
 API_KEY = web.AppKey("api", ApiSpec)
 BODY_TIMEOUT_KEY = web.AppKey("body_read_timeout_s", float)
 RESPONSES_KEY = web.AppKey("responses", ResponsePeers)  # the /v1/responses store, reachable
+LORA_KEY = web.AppKey("lora", LoraSpec)  # adapters and whether they may be loaded at runtime
 
 
 async def _read_body(request: web.Request) -> bytes:
@@ -122,6 +123,12 @@ async def completions_render(request: web.Request) -> web.Response:
     return await _render(request, CompletionRequest)
 
 
+def _names(request: web.Request) -> list[str]:
+    """Every name /tokenize and /detokenize accept besides the primary: the aliases and
+    the adapters (an adapter tokenizes with its base model's tokenizer)."""
+    return [*request.app[ALIASES_KEY], *request.app[ENGINE_KEY].adapters()]
+
+
 async def tokenize(request: web.Request) -> web.Response:
     return await extra_routes.tokenize(request, request.app[MODELS_KEY], request.app[API_KEY])
 
@@ -136,7 +143,7 @@ async def tokenizer_info(request: web.Request) -> web.Response:
 
 async def capabilities(request: web.Request) -> web.Response:
     return extra_routes.capabilities(request.app[MODELS_KEY], request.app[API_KEY],
-                                     request.app[ENGINE_KEY].stats)
+                                     request.app[ENGINE_KEY].stats, request.app[LORA_KEY])
 
 
 async def embeddings(request: web.Request) -> web.Response:
@@ -165,6 +172,15 @@ async def list_models(request: web.Request) -> web.Response:
     return json_response(ModelList(request.app[MODELS_KEY].cards()))
 
 
+async def load_lora_adapter(request: web.Request) -> web.Response:
+    app = request.app
+    return await lora_routes.load(request, app[ENGINE_KEY], app[MODELS_KEY], app[LORA_KEY])
+
+
+async def unload_lora_adapter(request: web.Request) -> web.Response:
+    return await lora_routes.unload(request, request.app[ENGINE_KEY], request.app[LORA_KEY])
+
+
 async def get_model(request: web.Request) -> web.Response:
     return json_response(request.app[MODELS_KEY].find(request.match_info["model_id"])[1])
 
@@ -175,16 +191,19 @@ async def openapi(request: web.Request) -> web.Response:
 
 def build_app(engine: EngineClient, models: ServedModels, max_body_bytes: int,
               api: ApiSpec | None = None, body_read_timeout_s: float = 60.0,
-              responses: ResponsePeers | None = None) -> web.Application:
+              responses: ResponsePeers | None = None,
+              lora: LoraSpec | None = None) -> web.Application:
     """``models``: what the routes serve, by name (each reaching its engines through
     ``engine``); ``responses``: where /v1/responses are stored and found (default: this
-    process's store only, as with one frontend)."""
+    process's store only, as with one frontend); ``lora``: the adapter settings (default:
+    off)."""
     app = web.Application(middlewares=[error_middleware], client_max_size=max_body_bytes)
     app[BODY_TIMEOUT_KEY] = body_read_timeout_s
     app[ENGINE_KEY] = engine
     app[MODELS_KEY] = models
     app[LOG_REQUESTS_KEY] = False
     app[API_KEY] = api = api or ApiSpec()
+    app[LORA_KEY] = lora or LoraSpec()
     app[RESPONSES_KEY] = responses or ResponsePeers(
         ResponseStore(api.responses_store), 0, [engine.reply_to], engine.reply_to, engine.ctx)
     app.router.add_get("/v1/models", list_models)
@@ -202,5 +221,7 @@ def build_app(engine: EngineClient, models: ServedModels, max_body_bytes: int,
     app.router.add_get("/v1/responses/{response_id}", get_response)
     app.router.add_delete("/v1/responses/{response_id}", delete_response)
     app.router.add_get("/v1/responses/{response_id}/input_items", response_input_items)
+    app.router.add_post("/v1/load_lora_adapter", load_lora_adapter)
+    app.router.add_post("/v1/unload_lora_adapter", unload_lora_adapter)
     app.router.add_get("/openapi.json", openapi)
     return app

@@ -66,6 +66,14 @@ def combine_stats(current: list[ipc.SchedulerStats],
             out[name] = 0
         elif name in ("worker_device", "worker_dtype", "deterministic_note"):  # the same everywhere
             out[name] = next((v for v in values if v), "")
+        elif name == "max_loras":
+            out[name] = max(values)
+        elif name == "lora_adapters":  # each adapter once, as the first replica lists it
+            seen: dict[str, ipc.LoraAdapterInfo] = {}
+            for adapters in values:
+                for a in adapters:
+                    seen.setdefault(a.name, a)
+            out[name] = list(seen.values())
         else:
             out[name] = sum(values)
     return ipc.SchedulerStats(**out)
@@ -126,6 +134,10 @@ class EngineClient:
 
     def view(self, engine: int) -> "EngineView":
         return EngineView(self, engine)
+        # the LoRA adapters served before any heartbeat said otherwise (--lora-modules)
+        self._start_adapters = {m.name: ipc.LoraAdapterInfo(m.name, m.resolved_path(),
+                                                            m.base_model_name or "")
+                                for m in cfg.lora.modules} if cfg.lora.enabled else {}
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._read_results(), name="results"),
@@ -351,6 +363,40 @@ class EngineClient:
         if not self.stats.worker_ready:
             return "the gpu_worker is still loading the model"
         return None
+
+    def adapters(self) -> dict[str, ipc.LoraAdapterInfo]:
+        """The LoRA adapters served now, by name: what the replicas' latest heartbeats
+        list (each scheduler sends one at once when its adapters change)."""
+        if self.stats is None:
+            return self._start_adapters
+        return {a.name: a for a in self.stats.lora_adapters}
+
+    async def ask_replicas(self, make: Callable[[str, int], ipc.AdapterLoad | ipc.AdapterUnload],
+                           timeout: float, only: list[int] | None = None
+                           ) -> tuple[list[int], dict[int, ipc.AdapterReply]]:
+        """Send ``make(rid, replica)`` to every replica in rotation (or those ``only``
+        names); (the replicas asked, their replies by replica: a replica missing from
+        them did not answer in time)."""
+        replicas = only if only is not None else self.in_rotation() if self.replicas > 1 else [0]
+        queue: asyncio.Queue = asyncio.Queue()
+        rids = [f"lora-{os.urandom(8).hex()}-{r}" for r in replicas]
+        for rid in rids:
+            self._queues[rid] = queue
+        replies: dict[int, ipc.AdapterReply] = {}
+        try:
+            for rid, replica in zip(rids, replicas):
+                await self._to_scheduler[replica].send(make(rid, replica))
+            deadline = time.monotonic() + timeout
+            while len(replies) < len(replicas):
+                msg = await asyncio.wait_for(queue.get(), max(0.0, deadline - time.monotonic()))
+                if isinstance(msg, ipc.AdapterReply):
+                    replies[msg.replica] = msg
+        except (asyncio.TimeoutError, TimeoutError):
+            pass
+        finally:
+            for rid in rids:
+                self._queues.pop(rid, None)
+        return replicas, replies
 
     def queue_full(self, sequences: int = 1) -> str | None:
         """Why a new request of ``sequences`` queued sequences (n x prompts) should be shed

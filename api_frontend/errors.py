@@ -50,7 +50,7 @@ class ApiError(Exception):
 
 
 _AT_PATH = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
-_MISSING = re.compile(r"missing required field `(?P<field>[^`]+)`")
+_MISSING = re.compile(r"(missing required|contains unknown) field `(?P<field>[^`]+)`")
 
 
 def from_decode_error(err: msgspec.MsgspecError) -> ApiError:

@@ -18,7 +18,7 @@ from api_frontend.generate import complete_report
 from api_frontend.json_body import decode, json_response
 from api_frontend.served_models import ROUTES, ServedModels
 from api_frontend.translate import chat_to_generate, completion_to_generate
-from cluster.topology import ApiSpec
+from cluster.topology import ApiSpec, LoraSpec
 from protocol import ipc
 from protocol.openai_api import (ChatCompletionRequest, DetokenizeRequest,
                                  DetokenizeResponse, ModelCard, RenderResponse, TemplateRef,
@@ -143,11 +143,13 @@ def determinism(stats: ipc.SchedulerStats | None) -> dict:
             "scope": DETERMINISM_SCOPE}
 
 
-def capabilities(models: ServedModels, api: ApiSpec,
-                 stats: ipc.SchedulerStats | None = None) -> web.Response:
+def capabilities(models: ServedModels, api: ApiSpec, stats: ipc.SchedulerStats | None = None,
+                 lora: LoraSpec | None = None) -> web.Response:
     """The tier of every request field under this deployment's flags, and each served
     model's runner (what it serves) and, for an embedding model, its pooling; the
-    numerics the engine runs."""
+    numerics the engine runs; the LoRA settings (adapters are named in ``model``;
+    /v1/models lists them)."""
+    lora = lora or LoraSpec()
     card = models.primary.card
     generate, pooling = models.serves("generate"), models.serves("pooling")
     fields, endpoints = {}, ["/v1/models"]
@@ -161,6 +163,8 @@ def capabilities(models: ServedModels, api: ApiSpec,
     if pooling:
         fields["/v1/embeddings"] = field_policy.tiers("embeddings", api)
         endpoints.append("/v1/embeddings")
+    if generate and lora.enabled and lora.allow_runtime_updates:
+        endpoints += ["/v1/load_lora_adapter", "/v1/unload_lora_adapter"]
     endpoints += ["/tokenize", "/detokenize", "/tokenizer_info", "/v1/capabilities", "/health"]
     return json_response({
         "object": "capabilities",
@@ -174,6 +178,9 @@ def capabilities(models: ServedModels, api: ApiSpec,
                    for m in models.models],
         "policy": msgspec.to_builtins(api),
         "limits": msgspec.to_builtins(api.limits),
+        "lora": {"enabled": lora.enabled, "max_loras": lora.max_loras,
+                 "max_lora_rank": lora.max_lora_rank, "max_cpu_loras": lora.host_capacity,
+                 "runtime_updates": lora.enabled and lora.allow_runtime_updates},
         "tiers": field_policy.TIER_MEANINGS,
         "deterministic": determinism(stats),
         "fields": fields,

@@ -74,9 +74,12 @@ BOTH = {"chat": "honoured", "completions": "honoured"}
 EXT = {"chat": "extension", "completions": "extension"}
 
 ROWS: tuple[Row, ...] = (
-    Row(fields=("model",), **BOTH, candor="honoured; unknown → 404 listing served names",
-        vllm="404", sglang="no check; `:` = LoRA",
-        tests="H `test_unknown_model_route_and_method`, C `test_sdk_exception_classes`"),
+    Row(fields=("model",), **BOTH, candor="honoured; a LoRA adapter's name (`--lora-modules`, "
+        "or loaded at runtime; /v1/models lists it with its `parent`) runs the request on "
+        "that adapter over the base model; unknown → 404 listing served names, adapters "
+        "included", vllm="same (adapter names too)", sglang="no check; `:` = LoRA",
+        tests="H `test_unknown_model_route_and_method`, C `test_sdk_exception_classes`, "
+        "LR `test_mixed_adapters_and_base_batched_give_peft_tokens`"),
     Row(fields=("max_tokens",), **BOTH, clamps=True,
         candor="honoured; overflow → 400 naming the field used and both counts; "
         "`--max-tokens-policy clamp` → clamped and reported",
@@ -351,7 +354,8 @@ ROWS: tuple[Row, ...] = (
 _NO_GUIDED = "use guided_json / guided_regex / guided_grammar or response_format"
 _NO_BEAM = "beam search is not implemented"
 _BEAM_ONLY = "only applies to beam search, which Candor rejects"
-_NO_LORA = "LoRA adapters are not served"
+_NO_LORA = ("name the LoRA adapter in `model` (vLLM's way; /v1/models lists the served "
+            "adapters, POST /v1/load_lora_adapter adds one)")
 _NO_PROCESSORS = "custom logits processors are not implemented"
 FOREIGN: tuple[Foreign, ...] = (
     Foreign("regex", "rejected", _NO_GUIDED + " (SGLang `regex`)"),
@@ -391,13 +395,54 @@ FOREIGN: tuple[Foreign, ...] = (
 FOREIGN_FIELDS: dict[str, Foreign] = {f.field: f for f in FOREIGN}
 
 
+class RouteField(msgspec.Struct, frozen=True, kw_only=True):
+    """A body field of a management route (the LoRA adapter routes): no tiers there,
+    every field is honoured and an unknown one is a 400."""
+
+    route: str
+    field: str
+    candor: str
+    vllm: str = "same"
+    tests: str = ""
+
+
+_LOAD, _UNLOAD = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
+# tests: LR = test_e2e_lora.py
+LORA_ROUTE_FIELDS: tuple[RouteField, ...] = (
+    RouteField(route=_LOAD, field="lora_name",
+               candor="the name clients send as `model`; the base model's name, or an adapter "
+               "already served without `load_inplace` → 400 naming `lora_name`",
+               tests="LR `test_runtime_load_and_unload_behind_the_key`"),
+    RouteField(route=_LOAD, field="lora_path",
+               candor="an absolute PEFT adapter directory inside `--lora-allowed-dirs` (default: "
+               "the directories holding the `--lora-modules`), symlinks resolved; outside them, "
+               "missing files, a rank above `--max-lora-rank`, DoRA or other non-plain LoRA, "
+               "target modules or shapes that do not fit the base → 400 naming it",
+               vllm="any path the server can read",
+               tests="LR `test_bad_adapters_are_400_naming_the_problem`"),
+    RouteField(route=_LOAD, field="load_inplace",
+               candor="replace the adapter served under `lora_name`: new requests take the new "
+               "one once every replica holds it; running ones finish on the old",
+               tests="LR `test_runtime_load_and_unload_behind_the_key`"),
+    RouteField(route=_UNLOAD, field="lora_name",
+               candor="new requests for it → 404 at once; queued and running ones finish on it "
+               "(the reply counts them); unknown → 404 listing the served adapters",
+               tests="LR `test_runtime_load_and_unload_behind_the_key`"),
+    RouteField(route=_UNLOAD, field="lora_int_id",
+               candor="accepted, not used (an adapter is named by `lora_name`)",
+               vllm="used when given"),
+)
+
+
 RESP = {"responses": "extension"}
 _NOT_USED = "accepted for compatibility; Candor does not use it"
 # /v1/responses runs on the chat pipeline (api_frontend/responses_api): a field whose
 # meaning is chat's says so; tests: R = test_e2e_responses.py
 RESPONSES_ROWS: tuple[Row, ...] = (
-    Row(fields=("model",), responses="honoured", candor="as chat: unknown → 404 listing "
-        "served names", vllm="same", tests="R `test_bad_requests_are_4xx_naming_the_field`"),
+    Row(fields=("model",), responses="honoured", candor="as chat: a LoRA adapter's name runs "
+        "on that adapter; unknown → 404 listing served names", vllm="same",
+        tests="R `test_bad_requests_are_4xx_naming_the_field`, "
+        "LR `test_mixed_adapters_and_base_batched_give_peft_tokens`"),
     Row(fields=("input",), responses="honoured",
         candor="a string (one user message) or items: `message` (roles user, assistant, "
         "system, developer; content a string or `input_text` / `output_text` / `refusal` "

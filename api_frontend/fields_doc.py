@@ -13,8 +13,8 @@ from pathlib import Path
 import msgspec
 
 from api_frontend.field_policy import (EMBEDDINGS_FOREIGN, EMBEDDINGS_ROWS, FOREIGN,
-                                      RESPONSES_ROWS, RESPONSES_UNBUILT, ROWS, TIER_MEANINGS,
-                                      UNKNOWN, Foreign, Row)
+                                      LORA_ROUTE_FIELDS, RESPONSES_ROWS, RESPONSES_UNBUILT, ROWS,
+                                      TIER_MEANINGS, UNKNOWN, Foreign, RouteField, Row)
 from cluster.topology import RequestLimits
 
 PATH = Path(__file__).resolve().parent.parent / "docs" / "fields.md"
@@ -30,7 +30,7 @@ Tests are in `tests/`; `S` = test_e2e_sampling.py, `L` = test_e2e_logprobs.py,
 `C` = test_e2e_contract.py, `P` = test_e2e_policy.py, `X` = test_e2e_strict.py,
 `H` = test_e2e_http.py, `U` = test_sampler_processors.py, `A` = test_e2e_hardening_api.py,
 `T` = test_e2e_tools.py, `G` = test_e2e_structured.py, `TP` = test_tool_parsers.py,
-`K` = test_e2e_composition.py, `D` = test_e2e_determinism.py.
+`K` = test_e2e_composition.py, `D` = test_e2e_determinism.py, `LR` = test_e2e_lora.py.
 
 `null` for any optional field means absent (SDKs send explicit nulls): it is dropped before
 decoding and never reported (A `test_null_means_absent_on_both_endpoints`). Every integer is
@@ -69,6 +69,15 @@ by `model`). Each input is a prefill whose output is the pooled hidden state, ba
 model's scheduler with other requests. The report is the response's `candor` field and the
 `x-candor-adjustments` header. `E` = test_e2e_embeddings.py, `PR` = test_pooling_runner.py,
 `MM` = test_multi_model.py.
+"""
+
+_LORA_INTRO = """\
+## LoRA adapter routes
+
+With `--enable-lora`, a request runs on an adapter when its `model` names one (the rows above).
+`POST /v1/load_lora_adapter` and `POST /v1/unload_lora_adapter` take vLLM's bodies, need the
+API key, and answer 404 unless runtime loading is allowed (`--allow-runtime-lora-updating` or
+`VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`); an unknown field is a 400. `LR` = test_e2e_lora.py.
 """
 
 _OUTRO = """\
@@ -113,6 +122,10 @@ def _endpoint_row(row: Row, kind: str = "responses") -> str:
     label = row.label or ", ".join(f"`{f}`" for f in row.fields)
     return "| " + " | ".join((label, row.tier(kind) or "—", row.candor, row.vllm,
                               row.tests)) + " |"
+
+
+def _route_field(spec: RouteField) -> str:
+    return f"| `{spec.route}` | `{spec.field}` | {spec.candor} | {spec.vllm} | {spec.tests} |"
 
 
 def _foreign(spec: Foreign) -> str:
@@ -169,6 +182,11 @@ def render() -> str:
         "| field | tier | why |",
         "|---|---|---|",
         *map(_foreign, EMBEDDINGS_FOREIGN),
+        "",
+        _LORA_INTRO,
+        "| route | field | Candor | vLLM | test |",
+        "|---|---|---|---|---|",
+        *map(_route_field, LORA_ROUTE_FIELDS),
         "",
         _OUTRO.format(limits=limits),
     ]

@@ -19,6 +19,7 @@ from aiohttp import web
 
 from api_frontend.engine_client import EngineClient
 from api_frontend.errors import RETRY_AFTER_S, ApiError
+from api_frontend.served_models import adapter_of
 from api_frontend.limits import check_share
 from api_frontend.responses import (DONE_FRAME, ChatAssembler, Collected,
                                    CompletionAssembler, sse)
@@ -160,6 +161,8 @@ async def run_generation(request: web.Request, engine: EngineClient, card: Model
     arrival = time.time()
     tr: Translated = (chat_to_generate if is_chat else completion_to_generate)(
         parsed, rid, engine.reply_to, arrival, keys, api)
+    for gen in tr.gens:
+        gen.lora = adapter_of(card)
     flight = Flight(engine, tr, api)
     if request.app[LOG_REQUESTS_KEY]:
         log.info("request %s (X-Request-Id %s): model %r, %d prompt(s), n=%d, max_tokens=%s, "

@@ -10,7 +10,8 @@ from typing import Any
 import msgspec
 
 from protocol.openai_api import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                 EmbeddingRequest, ErrorBody, TokenizeRequest)
+                                 EmbeddingRequest, ErrorBody, LoadLoraAdapterRequest,
+                                 TokenizeRequest, UnloadLoraAdapterRequest)
 from protocol.responses_api import ResponsesRequest
 from protocol.version import VERSION
 
@@ -26,6 +27,9 @@ REQUEST_BODIES: dict[str, type] = {
     "/v1/completions/render": CompletionRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
+    # 404 unless the deployment allows runtime LoRA updates (api_frontend/lora_routes.py)
+    "/v1/load_lora_adapter": LoadLoraAdapterRequest,
+    "/v1/unload_lora_adapter": UnloadLoraAdapterRequest,
 }
 GET_ROUTES = ("/v1/models", "/v1/models/{model_id}", "/v1/capabilities", "/health",
               "/health/generate", "/metrics", "/version", "/v1/responses/{response_id}",

@@ -13,6 +13,7 @@ import asyncio
 import platform
 import time
 
+import msgspec
 from aiohttp import web
 
 from api_frontend.engine_client import EngineClient
@@ -153,7 +154,7 @@ async def health_route(request: web.Request) -> web.Response:
 def _stats_dict(stats: ipc.SchedulerStats | None) -> dict | None:
     if stats is None:
         return None
-    return {f: getattr(stats, f) for f in stats.__struct_fields__}
+    return {f: msgspec.to_builtins(getattr(stats, f)) for f in stats.__struct_fields__}
 
 
 async def health_generate_route(request: web.Request) -> web.Response:

@@ -24,12 +24,15 @@ MAX_KEY_CHUNKS = 64  # prefixes longer than this many chunks route by their head
 
 
 def affinity_text(req: ipc.GenerateReq) -> str:
+    """The text a request's prefix keys hash; a LoRA adapter's name leads it (its prefix
+    cache is its own, and its requests meet where it is loaded on the device)."""
+    head = f"lora:{req.lora}\n" if req.lora is not None else ""
     if req.messages is not None:
         tools = msgspec.json.encode(req.tools).decode() if req.tools else ""
-        return tools + msgspec.json.encode(req.messages).decode()
+        return head + tools + msgspec.json.encode(req.messages).decode()
     if isinstance(req.prompt, list):
-        return ",".join(map(str, req.prompt))
-    return req.prompt or ""
+        return head + ",".join(map(str, req.prompt))
+    return head + (req.prompt or "")
 
 
 class ReplicaRouter:

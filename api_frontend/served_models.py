@@ -5,16 +5,20 @@ each of one runner: generate (completions, chat, responses, render) or pooling
 (embeddings). A request is routed by its ``model`` to that model's engines
 (``EngineClient.view``); a name no model has is a 404 listing every served name, and a
 route of the other kind is a 400 naming the model's runner and the routes it serves.
+LoRA adapters (``--enable-lora``) are names too: each reaches the generation model it
+was trained on (the first generation model), with a card whose ``parent`` says so.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import msgspec
 
 from api_frontend.errors import ApiError
 from cluster.pooling import PoolingConfig
+from protocol.ipc import LoraAdapterInfo
 from protocol.openai_api import ModelCard
 
 ROUTES = {"generate": "/v1/chat/completions, /v1/completions and /v1/responses",
@@ -37,8 +41,15 @@ class ServedModel:
 
 
 class ServedModels:
-    def __init__(self, models: list[ServedModel]) -> None:
+    def __init__(self, models: list[ServedModel],
+                 adapters: Callable[[], Mapping[str, LoraAdapterInfo]] = dict) -> None:
         self.models = models
+        self.adapters = adapters  # the LoRA adapters served now (loads change them)
+
+    @property
+    def lora_base(self) -> ServedModel | None:
+        """The model LoRA adapters apply to: the first generation model."""
+        return next((m for m in self.models if m.runner == "generate"), None)
 
     @property
     def primary(self) -> ServedModel:
@@ -48,9 +59,12 @@ class ServedModels:
         return [name for m in self.models for name in m.names]
 
     def cards(self) -> list[ModelCard]:
-        """Every served name's card (an alias shares its model's)."""
+        """Every served name's card (an alias shares its model's; an adapter's names its
+        ``parent``)."""
+        base = self.lora_base
+        adapters = [adapter_card(base.card, a) for a in self.adapters().values()] if base else []
         return [msgspec.structs.replace(m.card, id=name) for m in self.models
-                for name in m.names]
+                for name in m.names] + adapters
 
     def find(self, name: str) -> tuple[ServedModel, ModelCard]:
         """The model ``name`` reaches, and its card under that name (responses carry the
@@ -58,7 +72,11 @@ class ServedModels:
         for m in self.models:
             if name in m.names:
                 return m, msgspec.structs.replace(m.card, id=name)
-        served = ", ".join(repr(n) for n in self.names())
+        adapters = self.adapters()
+        base = self.lora_base
+        if base is not None and name in adapters:
+            return base, adapter_card(base.card, adapters[name])
+        served = ", ".join(repr(n) for n in (*self.names(), *adapters))
         raise ApiError(404, f"The model {name!r} does not exist on this deployment. "
                        f"Served models: [{served}]", "model", "model_not_found")
 
@@ -82,3 +100,13 @@ class ServedModels:
         """What this deployment serves, for a 404 on a route none of its models has."""
         return "; ".join(f"{KIND[m.runner]} {m.card.id!r} on {ROUTES[m.runner]}"
                          for m in self.models)
+
+
+def adapter_card(base: ModelCard, adapter: LoraAdapterInfo) -> ModelCard:
+    return msgspec.structs.replace(base, id=adapter.name, root=adapter.path,
+                                   parent=adapter.parent or base.id)
+
+
+def adapter_of(card: ModelCard) -> str | None:
+    """The LoRA adapter a card (from ``ServedModels.find``) names; None: a model."""
+    return card.id if card.parent is not None else None

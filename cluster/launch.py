@@ -13,8 +13,8 @@ import shutil
 import signal
 import tempfile
 
-from cluster.preflight import (check_chat_template, check_model_config, check_port_free,
-                               resolve_api_keys, settle_defaults)
+from cluster.preflight import (check_chat_template, check_lora_adapters, check_model_config,
+                               check_port_free, resolve_api_keys, settle_defaults)
 from cluster.supervisor import NodeSupervisor, say, stop
 from cluster.topology import Topology
 from cluster.topology_check import TopologyError, check_topology
@@ -78,6 +78,8 @@ def launch(topology: Topology, node: str | None = None,
                              "start each with --node NAME on its machine")
         node = nodes[0].name
     spec = next(n for n in nodes if n.name == node)
+    if "gpu_worker" in spec.roles:  # the adapters' files are read where the ranks run
+        check_lora_adapters(topology)
     if topology.api.chat_template is not None and "tokenizer_worker" in spec.roles:
         check_chat_template(topology)  # a refusal stays one line: check before settling
     topology = settle_defaults(topology, spec)

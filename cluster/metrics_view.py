@@ -9,6 +9,9 @@ no hot path pays for it:
   ``vllm:kv_cache_usage_perc``, ``vllm:time_to_first_token_seconds`` ...), derived from
   the Candor series, so existing vLLM dashboards, alerts and the Gateway API Inference
   Extension's endpoint picker read Candor unchanged;
+- ``vllm:lora_requests_info`` (with LoRA on): vLLM's gauge whose labels name the adapters
+  with running and waiting requests and ``max_lora``, its value the time of the stats,
+  which the Inference Extension's LoRA-affinity routing reads;
 - ``process_*`` (RSS, CPU seconds, open fds, start time) of every process of this node,
   labelled ``role`` and ``index``, read from /proc for the pids the launcher lists.
 
@@ -19,6 +22,7 @@ instance) into the metrics directory; the multiprocess collector reads only ``*.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterable
 
 import msgspec
@@ -153,6 +157,29 @@ def vllm_families(families: dict, labels: dict[str, str]) -> Iterable:
     for reason, value in finished.items():
         success.add_metric([*labels.values(), reason], value)
     yield success
+    lora = lora_info(families, labels)
+    if lora is not None:
+        yield lora
+
+
+def lora_info(families: dict, labels: dict[str, str]):
+    """vLLM's ``vllm:lora_requests_info``: one sample whose labels list the adapters with
+    running and with waiting requests (comma-separated, every replica of this host) and
+    ``max_lora``, valued the time now; None while LoRA is off."""
+    slots = families.get("candor_lora_max_adapters")
+    if slots is None or not slots.samples:
+        return None
+    counts: dict[str, set[str]] = {"running": set(), "waiting": set()}
+    requests = families.get("candor_lora_requests")
+    for s in requests.samples if requests is not None else ():
+        if s.value > 0 and s.labels.get("state") in counts:
+            counts[s.labels["state"]].add(s.labels["adapter"])
+    return _gauge("vllm:lora_requests_info", "Running stats on LoRA requests (vLLM's): "
+                  "adapters with running and waiting requests; the value is the time of "
+                  "the stats", time.time(),
+                  {**labels, "max_lora": str(int(max(s.value for s in slots.samples))),
+                   "waiting_lora_adapters": ",".join(sorted(counts["waiting"])),
+                   "running_lora_adapters": ",".join(sorted(counts["running"]))})
 
 
 def process_families(info: NodeMetricsInfo, labels: dict[str, str]) -> Iterable:

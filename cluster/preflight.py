@@ -99,6 +99,27 @@ def _check_model(group: EngineGroup) -> None:
             f"dimensions ({pooling.source})")
 
 
+def check_lora_adapters(topology: Topology) -> None:
+    """Refuse a --lora-modules adapter the gpu_worker could not serve (not a PEFT LoRA
+    directory, DoRA, other target modules, a rank past --max-lora-rank, shapes that do not
+    fit the base model), in one line naming it, before any process starts (torch-free).
+    Run where the ranks run: the adapters' files are read there."""
+    lora = topology.model.lora
+    path = topology.model.resolved_path()
+    if not lora.enabled or not lora.modules or not os.path.isfile(os.path.join(path, "config.json")):
+        return
+    from gpu_worker.lora.peft_files import AdapterError, read_adapter
+    from gpu_worker.model_config import load_config
+
+    base = load_config(path)
+    for module in lora.modules:
+        try:
+            read_adapter(module.resolved_path(), base, lora.max_lora_rank)
+        except AdapterError as err:
+            raise SystemExit(f"candor: cannot serve LoRA adapter {module.name!r}: "
+                             + " ".join(str(err).split())) from None
+
+
 def _usable_cores() -> int:
     try:
         return len(os.sched_getaffinity(0))

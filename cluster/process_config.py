@@ -12,6 +12,7 @@ from __future__ import annotations
 import msgspec
 
 from cluster.topology import (LOCAL_NODE, ApiSpec, EngineGroup, EngineSpec, HttpSpec,
+                              LoraSpec,
                               ResolvedAddresses, RouterSpec, SecuritySpec, SupervisionSpec,
                               Topology, resolve)
 
@@ -74,6 +75,7 @@ class FrontendConfig(ProcessConfig, kw_only=True, tag="api_frontend"):
                              runner=self.runner, replicas=list(range(self.replicas)),
                              tokenizers=list(range(len(self.addresses.tokenizer_in))),
                              detokenizers=list(range(len(self.addresses.detokenizer_in))))]
+    lora: LoraSpec = msgspec.field(default_factory=LoraSpec)  # adapters, runtime loading
 
 
 class TokenizerConfig(ProcessConfig, kw_only=True, tag="tokenizer_worker"):
@@ -96,6 +98,7 @@ class ReplicaConfig(ProcessConfig, kw_only=True):
     engine: EngineSpec = msgspec.field(default_factory=EngineSpec)
     tensor_parallel: int = 1  # ranks in the replica's gpu_worker group
     replica: int = 0
+    lora: LoraSpec = msgspec.field(default_factory=LoraSpec)  # the adapters both halves number alike
 
 
 class SchedulerConfig(ReplicaConfig, kw_only=True, tag="scheduler"):
@@ -143,14 +146,15 @@ def _role_config(role: str, topology: Topology, group: EngineGroup, replica: int
             http=topology.http, api=topology.api, supervision=topology.supervision,
             nodes=[n.name for n in topology.effective_nodes()],
             replicas=topology.total_replicas, router=topology.router, runner=group.runner,
-            engines=_engines(topology, groups))
+            engines=_engines(topology, groups),
+            lora=next((g.model.lora for g in groups if g.runner == "generate"), LoraSpec()))
     if role == "tokenizer_worker":
         return TokenizerConfig(**envelope, model_path=path, max_model_len=model.max_model_len,
                                api=topology.api)
     if role == "detokenizer":
         return DetokenizerConfig(**envelope, model_path=path)
     engine = dict(engine=group.engine, tensor_parallel=group.tensor_parallel,
-                  replica=replica)
+                  replica=replica, lora=model.lora)
     if role == "scheduler":
         return SchedulerConfig(**envelope, **engine)
     return WorkerConfig(**envelope, **engine, model_path=path,

@@ -34,7 +34,11 @@ VLLM_ELSEWHERE = {
     "--swap-space": "Candor preempts by recomputing; there is no CPU swap space",
     "--kv-cache-dtype": "the KV cache uses the compute dtype (--dtype)",
     "--quantization": "quantized checkpoints are not supported yet",
-    "--enable-lora": "LoRA adapters are not supported yet",
+    "--lora-dtype": "adapters compute in the model's dtype (--dtype)",
+    "--fully-sharded-loras": "Candor shards every adapter like the layer it adapts (B by "
+                             "its output rows, A by its input columns on row-parallel "
+                             "layers); there is no other mode",
+    "--long-lora-scaling-factors": "long-context LoRA is not supported",
 }
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
@@ -65,6 +69,31 @@ def _str_list(text: str) -> list[str]:
             raise argparse.ArgumentTypeError("expected a JSON list of strings")
         return value
     return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _lora_module(text: str) -> dict:
+    """vLLM's --lora-modules item: ``name=path`` or JSON ``{"name", "path",
+    "base_model_name"}``."""
+    if text.lstrip().startswith("{"):
+        try:
+            value = json.loads(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(f"not JSON: {err}") from None
+        unknown = set(value) - {"name", "path", "base_model_name"} if isinstance(value, dict) else ()
+        if not isinstance(value, dict) or unknown or not {"name", "path"} <= set(value):
+            raise argparse.ArgumentTypeError(
+                f"expected {{\"name\": ..., \"path\": ..., \"base_model_name\": ...}}, got "
+                f"{text[:120]!r}" + (f" (unknown: {', '.join(sorted(unknown))})" if unknown else ""))
+        return value
+    name, eq, path = text.partition("=")
+    if not eq or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH or JSON, got {text[:120]!r}")
+    return {"name": name, "path": path}
+
+
+def runtime_lora_env(environ: dict[str, str]) -> bool:
+    """vLLM's switch for runtime adapter loading."""
+    return environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("1", "true")
 
 
 class ServeParser(argparse.ArgumentParser):
@@ -179,6 +208,28 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                         "the device supports it, reported in /v1/capabilities; "
                         "--deterministic: refuse to start without it; --no-deterministic: "
                         "off, for speed)")
+
+    g = serve.add_argument_group("LoRA adapters (vLLM's names)")
+    g.add_argument("--enable-lora", action="store_true",
+                   help="serve PEFT LoRA adapters over the model; clients name one in `model`")
+    g.add_argument("--lora-modules", nargs="+", type=_lora_module, default=[],
+                   metavar="NAME=PATH|JSON",
+                   help='adapters served from start: name=path, or JSON {"name": ..., '
+                        '"path": ..., "base_model_name": ...} (the parent /v1/models shows)')
+    g.add_argument("--max-loras", type=int, default=1,
+                   help="distinct adapters in one batch (and resident on the device); "
+                        "requests for another adapter wait")
+    g.add_argument("--max-lora-rank", type=int, default=16,
+                   help="the largest adapter rank served (a larger one is refused)")
+    g.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters kept in host memory (default: --max-loras); the others "
+                        "are read from their files again when needed")
+    g.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="mount POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+                        "(behind the API key; also VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)")
+    g.add_argument("--lora-allowed-dirs", type=_str_list, default=[], metavar="DIRS",
+                   help="the directories runtime loads may read adapters from (JSON list or "
+                        "comma-separated; default: those holding the --lora-modules)")
 
     g = serve.add_argument_group("processes")
     g.add_argument("--frontends", type=int, default=1)
@@ -324,6 +375,13 @@ def serve_topology(args: argparse.Namespace, model_path: str, default_name: str,
     without --served-model-name (MODEL as given, like vLLM)."""
     env = os.environ if environ is None else environ
     names = args.served_model_name or [default_name]
+    if not args.enable_lora:
+        given = [flag for flag, value in (("--lora-modules", args.lora_modules),
+                                          ("--allow-runtime-lora-updating",
+                                           args.allow_runtime_lora_updating),
+                                          ("--lora-allowed-dirs", args.lora_allowed_dirs)) if value]
+        if given:
+            raise ServeArgsError(f"{given[0]} needs --enable-lora")
     return msgspec.convert({
         "tensor_parallel": args.tensor_parallel_size,
         "replicas": args.data_parallel_size,
@@ -332,7 +390,13 @@ def serve_topology(args: argparse.Namespace, model_path: str, default_name: str,
                   "served_model_name": names if len(names) > 1 else names[0],
                   "max_model_len": args.max_model_len, "dtype": args.dtype,
                   "load_format": args.load_format, "runner": runner(args),
-                  "generation_config": args.generation_config},
+                  "generation_config": args.generation_config,
+                  "lora": {"enabled": args.enable_lora, "modules": args.lora_modules,
+                           "max_loras": args.max_loras, "max_lora_rank": args.max_lora_rank,
+                           "max_cpu_loras": args.max_cpu_loras,
+                           "allow_runtime_updates": args.enable_lora and (
+                               args.allow_runtime_lora_updating or runtime_lora_env(env)),
+                           "allowed_dirs": args.lora_allowed_dirs}},
         "roles": {"api_frontend": args.frontends, "tokenizer_worker": args.tokenizer_workers,
                   "detokenizer": args.detokenizers},
         "engine": {"num_kv_blocks": args.num_kv_blocks, "max_num_seqs": args.max_num_seqs,

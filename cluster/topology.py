@@ -23,6 +23,50 @@ Count = Annotated[int, Meta(ge=1, le=64)]
 Port = Annotated[int, Meta(ge=1, le=65535)]
 
 
+class LoraModuleSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """One PEFT LoRA adapter served from start (vLLM's ``--lora-modules``): clients name
+    it in ``model``; ``base_model_name`` is the ``parent`` /v1/models shows (default:
+    the base model's served name)."""
+
+    name: Annotated[str, Meta(min_length=1, max_length=256)]
+    path: str
+    base_model_name: str | None = None
+
+    def resolved_path(self) -> str:
+        return os.path.abspath(os.path.expanduser(self.path))
+
+
+class LoraSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """LoRA adapters over the base model (vLLM's ``--enable-lora`` and its flags).
+
+    ``max_loras``: distinct adapters in one step and resident on the device (a request
+    for another adapter waits until one of them has no running request);
+    ``max_cpu_loras``: adapters kept in host memory (None: ``max_loras``), the others
+    are read again from their files when needed; ``max_lora_rank``: the largest rank an
+    adapter may have. ``allow_runtime_updates`` mounts POST /v1/load_lora_adapter and
+    /v1/unload_lora_adapter (vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``), which load
+    only from ``allowed_dirs`` (default: the directories holding ``modules``)."""
+
+    enabled: bool = False
+    modules: list[LoraModuleSpec] = []
+    max_loras: Annotated[int, Meta(ge=1, le=256)] = 1
+    max_lora_rank: Annotated[int, Meta(ge=1, le=1024)] = 16
+    max_cpu_loras: Annotated[int, Meta(ge=1)] | None = None
+    allow_runtime_updates: bool = False
+    allowed_dirs: list[str] = []
+
+    @property
+    def host_capacity(self) -> int:
+        return max(self.max_cpu_loras or self.max_loras, self.max_loras)
+
+    def allowed_roots(self) -> list[str]:
+        """Directories runtime loads may read from: the named ones, else the parents of
+        the start-up adapters' directories (absolute, normalised)."""
+        dirs = self.allowed_dirs or [os.path.dirname(m.resolved_path().rstrip("/"))
+                                     for m in self.modules]
+        return list(dict.fromkeys(os.path.abspath(os.path.expanduser(d)) for d in dirs))
+
+
 class ModelSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """``served_model_name``: one name or several (aliases; the first is the primary,
     every one answers). ``generation_config``: where requests that omit a sampling
@@ -30,7 +74,8 @@ class ModelSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     (the API's own defaults), or a directory holding a generation_config.json.
     ``runner`` (vLLM's --runner): generate serves the completion routes; pooling serves
     /v1/embeddings (``cluster.pooling``); auto is pooling for a checkpoint without an LM
-    head (a base ``*Model`` architecture) and generate otherwise."""
+    head (a base ``*Model`` architecture) and generate otherwise. ``lora``: adapters
+    served over this model."""
 
     path: str
     served_model_name: str | list[str] | None = None
@@ -39,6 +84,7 @@ class ModelSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     dtype: Literal["auto", "half", "float16", "bfloat16", "float", "float32"] = "auto"
     load_format: Literal["auto", "dummy"] = "auto"
     runner: Literal["auto", "generate", "pooling"] = "auto"
+    lora: LoraSpec = msgspec.field(default_factory=LoraSpec)
 
     def runner_kind(self) -> str:
         """generate | pooling (auto settled from the checkpoint; without its config.json

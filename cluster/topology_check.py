@@ -224,6 +224,30 @@ def _served_names(topology: Topology, problems: list[str]) -> None:
             seen[name] = group.index
 
 
+def _lora(topology: Topology, problems: list[str]) -> None:
+    """LoRA settings that cannot work together (the adapters' files are checked by the
+    launcher of a node that holds them, against the base model's config)."""
+    model = topology.model
+    lora = model.lora
+    if not lora.enabled:
+        given = [k for k in ("modules", "allow_runtime_updates", "allowed_dirs") if getattr(lora, k)]
+        if given:
+            problems.append(f"model.lora.{given[0]} needs model.lora.enabled: true")
+        return
+    if lora.max_cpu_loras is not None and lora.max_cpu_loras < lora.max_loras:
+        problems.append(f"model.lora.max_cpu_loras ({lora.max_cpu_loras}) must be at least "
+                        f"max_loras ({lora.max_loras})")
+    names = [m.name for m in lora.modules]
+    for name in sorted({n for n in names if names.count(n) > 1}):
+        problems.append(f"model.lora.modules: the adapter name {name!r} is used twice")
+    for name in sorted(set(names) & set(model.names())):
+        problems.append(f"model.lora.modules: the adapter name {name!r} is the base model's "
+                        "served name")
+    for d in lora.allowed_dirs:
+        if not os.path.isabs(os.path.expanduser(d)):
+            problems.append(f"model.lora.allowed_dirs: {d!r} is not an absolute path")
+
+
 def _security(topology: Topology, problems: list[str]) -> None:
     """CURVE key files must exist where the topology says (checked with the model, on
     the machine that starts a node)."""
@@ -259,6 +283,7 @@ def check_topology(topology: Topology, node: str | None = None,
         resolved = _addresses(topology, problems)
         if resolved is not None:
             _sockets(topology, resolved, problems)
+    _lora(topology, problems)
     if check_model:
         _model(topology, problems)
         if node is not None or len(names) == 1:  # key files are per machine

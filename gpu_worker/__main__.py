@@ -37,6 +37,26 @@ def _default_threads(ranks: int) -> int:
     return max(1, ((os.cpu_count() or 1) - 1) // ranks)
 
 
+def answer_adapter(runner, msg: ipc.LoadAdapter | ipc.DropAdapter, answer) -> None:
+    """Register or drop a LoRA adapter on this rank (every rank agrees on a load's
+    outcome before rank 0 answers it)."""
+    from gpu_worker.lora.peft_files import AdapterError
+
+    if runner.adapters is None:  # the scheduler only sends these with LoRA enabled
+        if isinstance(msg, ipc.LoadAdapter):
+            answer(ipc.AdapterLoaded(msg.adapter_id, "LoRA is not enabled on this engine"))
+        return
+    if isinstance(msg, ipc.DropAdapter):
+        runner.adapters.drop(msg.adapter_id)
+        return
+    try:
+        runner.adapters.register(msg.adapter_id, msg.name, msg.path)
+    except AdapterError as err:
+        answer(ipc.AdapterLoaded(msg.adapter_id, str(err)))
+        return
+    answer(ipc.AdapterLoaded(msg.adapter_id))
+
+
 def main() -> None:
     die_with_parent()
     cfg = read_config(WorkerConfig)
@@ -74,7 +94,8 @@ def main() -> None:
         max_model_len=effective_max_model_len(cfg.model_path, cfg.max_model_len),
         load_format=cfg.load_format, seed=eng.seed, enforce_eager=eng.enforce_eager,
         max_num_seqs=eng.max_num_seqs, ranks=ranks, deterministic=eng.deterministic,
-        pooling=read_pooling_config(cfg.model_path) if cfg.runner == "pooling" else None)
+        pooling=read_pooling_config(cfg.model_path) if cfg.runner == "pooling" else None,
+        lora=cfg.lora)
     kv_mib = runner.num_blocks * runner.block_bytes / 2**20
     log.info("rank %d/%d: model loaded in %.2fs, %d threads, dtype %s (%s); KV cache %d blocks "
              "= %.0f MiB = %d tokens (%s)", rank, size, time.perf_counter() - started,
@@ -116,6 +137,9 @@ def main() -> None:
                          gap)
             logging.shutdown()
             os._exit(PLAN_GAP_EXIT)
+        if isinstance(msg, (ipc.LoadAdapter, ipc.DropAdapter)):
+            answer_adapter(runner, msg, answer)
+            continue
         idle = time.perf_counter() - last_sent
         try:
             result = runner.execute(msg)

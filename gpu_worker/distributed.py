@@ -54,6 +54,26 @@ class Ranks:
         return t.tolist()
 
 
+    def gather_texts(self, text: str, limit: int = 1024) -> list[str]:
+        """Every rank's ``text`` (its first ``limit`` UTF-8 bytes), in rank order: how the
+        ranks agree on whether a step of their own (loading an adapter) worked, and say
+        why not."""
+        if self.size == 1:
+            return [text]
+        import torch.distributed as dist
+        data = text.encode()[:limit]
+        mine = torch.zeros(limit + 2, dtype=torch.uint8)
+        mine[0], mine[1] = len(data) >> 8, len(data) & 0xFF
+        mine[2:2 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[2:2]
+        parts = [torch.empty_like(mine) for _ in range(self.size)]
+        dist.all_gather(parts, mine, group=self.cpu_group)
+        out = []
+        for part in parts:
+            n = (int(part[0]) << 8) | int(part[1])
+            out.append(bytes(part[2:2 + n].tolist()).decode(errors="replace"))
+        return out
+
+
 def init_ranks(rank: int, size: int, address: str, device: torch.device,
                interface: str | None = None) -> Ranks:
     """Join the group at ``address``; the collectives' sockets bind to ``interface``

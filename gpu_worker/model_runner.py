@@ -19,6 +19,10 @@ rejects a token, a row with nothing left to sample (``StepResult.failed``). From
 its chunks are not fed (a run-ahead step queued behind the failure would feed a token
 nobody sampled) until the scheduler releases it. A step that raises (an engine fault)
 fails every request in it the same way, and the step queued behind it runs for the rest.
+
+With LoRA enabled, ``adapters`` (``lora.store``) holds the adapters and groups each
+step's rows by adapter before the forward pass; a step with adapter rows runs eagerly
+(no CUDA graph: the groups change from step to step).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import torch
 
 from cluster import checkpoint
 from cluster.pooling import PoolingConfig
+from cluster.topology import LoraSpec
 from gpu_worker import batch_invariant, cuda_graphs
 from gpu_worker.attention.base import AttentionBackend, AttentionSpec
 from gpu_worker.attention.registry import select_backend
@@ -40,6 +45,7 @@ from gpu_worker.grammar import GrammarStates
 from gpu_worker.kv_budget import auto_kv_bytes
 from gpu_worker.distributed import Ranks
 from gpu_worker.loader import load_weights
+from gpu_worker.lora.store import AdapterStore
 from gpu_worker.model_config import load_config
 from gpu_worker.models.decoder import DecoderForCausalLM
 from gpu_worker.pooler import Pooler
@@ -110,6 +116,7 @@ class ModelRunner:
         ranks: Ranks | None = None,
         pooling: PoolingConfig | None = None,
         deterministic: bool | None = None,
+        lora: LoraSpec | None = None,
     ) -> None:
         self.config = cfg = load_config(model_path)
         self.pooling = pooling
@@ -127,6 +134,8 @@ class ModelRunner:
         # once the weights are in and the attention backend is chosen (_settle_determinism).
         self.numerics = Numerics(deterministic=deterministic is not False)
         self.model = self._build_model(model_path, load_format, seed)
+        self.adapters = (AdapterStore(self.model, lora, cfg, self.dtype, self.device, ranks)
+                         if lora is not None and lora.enabled else None)
         self.num_blocks, self.kv_reason = self._size_kv_cache(num_blocks, kv_cache_memory_bytes,
                                                               gpu_memory_utilization, max_num_seqs)
         self.scratch_block = self.num_blocks  # never in a plan: _check rejects ids >= num_blocks
@@ -299,6 +308,8 @@ class ModelRunner:
         if self.pooler is not None:
             for rid, pooling in plan.new_pooling.items():
                 self.pooler.register(rid, pooling)
+        if self.adapters is not None:
+            self.adapters.track(plan)
 
     def _fill_placeholder(self, seq: SeqChunk) -> None:
         """A step planned before the previous one returned feeds the token sampled there
@@ -425,16 +436,22 @@ class ModelRunner:
         tm = self.timings
         t_forward = time.perf_counter()
         chunks = [(s.start_pos, len(s.token_ids), self.block_tables[s.rid]) for s in ordered]
-        if not prefills and self.decode_graphs is not None and self.decode_graphs.fits(len(decodes)):
-            hidden = self.decode_graphs.run(chunks, ids, positions)
-        else:
-            meta = self.attn_backend.build(chunks, len(decodes))
-            hidden = self.model(
-                torch.tensor(ids, dtype=torch.long, device=dev),
-                torch.tensor(positions, dtype=torch.long, device=dev),
-                self.kv_caches,
-                meta,
-            )
+        adapted = self.adapters is not None and self.adapters.prepare(ordered)
+        try:
+            if (not prefills and not adapted and self.decode_graphs is not None
+                    and self.decode_graphs.fits(len(decodes))):
+                hidden = self.decode_graphs.run(chunks, ids, positions)
+            else:
+                meta = self.attn_backend.build(chunks, len(decodes))
+                hidden = self.model(
+                    torch.tensor(ids, dtype=torch.long, device=dev),
+                    torch.tensor(positions, dtype=torch.long, device=dev),
+                    self.kv_caches,
+                    meta,
+                )
+        finally:
+            if adapted:
+                self.adapters.step_done()
         t_sample = time.perf_counter()
         tm.forward += t_sample - t_forward
         try:

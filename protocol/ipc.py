@@ -129,6 +129,7 @@ class GenerateReq(_Message, tag="generate", omit_defaults=True):
     echo_prompt: bool = False        # return the prompt text in RequestInfo (completions echo)
     guided: GuidedSpec | None = None  # constrained decoding, compiled by the tokenizer worker
     replica: int = 0  # the engine replica the frontend's router chose
+    lora: str | None = None  # the LoRA adapter the client named in `model` (None: the base)
 
 
 class PoolReq(_Message, tag="pool", omit_defaults=True):
@@ -242,6 +243,7 @@ class TokenizedReq(_Message, tag="tokenized", omit_defaults=True):
     # set: a pooling request (prefill only; its one output is the pooled hidden state,
     # sent to ``reply_to`` as ``Pooled``; max_tokens is 1, that output)
     pooling: PoolingParams | None = None
+    lora: str | None = None  # LoRA adapter name (the scheduler resolves it; None: the base)
 
 
 class Abort(_Message, tag="abort"):
@@ -284,17 +286,50 @@ class SeqChunk(msgspec.Struct, array_like=True):
     context: list[int] = []
 
 
-class StepPlan(_Message, tag="step"):
+class StepPlan(_Message, tag="step", omit_defaults=True):
     """One forward pass over a batch. ``step_id`` numbers the plans from 1 without gaps
-    (every rank checks it: gpu_worker/plan_order.py). ``new_sampling`` carries params for
-    sequences the worker has not seen (or sees again after preemption); ``released``
-    lists rids whose worker-side state (block table, seeded generators) can be dropped."""
+    (every rank checks it: gpu_worker/plan_order.py; the adapter messages below take
+    their numbers from the same sequence). ``new_sampling`` carries params for sequences
+    the worker has not seen (or sees again after preemption); ``released`` lists rids
+    whose worker-side state (block table, seeded generators) can be dropped.
+    ``new_adapters``: the LoRA adapter id of each such sequence that uses one (see
+    ``LoadAdapter``)."""
 
     step_id: int
     seqs: list[SeqChunk]
     new_sampling: dict[str, SamplingParams] = {}
     released: list[str] = []
     new_pooling: dict[str, PoolingParams] = {}  # pooling rids among new_sampling's
+    new_adapters: dict[str, int] = {}
+
+
+class LoadAdapter(_Message, tag="load_adapter"):
+    """Scheduler -> every rank: register a LoRA adapter under ``adapter_id`` (the
+    scheduler's number, never reused), read from ``path`` (which must lie in the
+    deployment's allowed directories). Rank 0 answers ``AdapterLoaded``; the ranks agree
+    first, so either all hold it or none. ``step_id``: its place in the plans' sequence
+    (``StepPlan.step_id``)."""
+
+    step_id: int
+    adapter_id: int
+    name: str
+    path: str
+
+
+class DropAdapter(_Message, tag="drop_adapter"):
+    """Scheduler -> every rank: an adapter no request uses any more is gone (``step_id``
+    as ``LoadAdapter``'s)."""
+
+    step_id: int
+    adapter_id: int
+
+
+class AdapterLoaded(_Message, tag="adapter_loaded"):
+    """Rank 0 -> scheduler: the outcome of a ``LoadAdapter`` (``error`` empty: every rank
+    holds it)."""
+
+    adapter_id: int
+    error: str = ""
 
 
 class PlanMark(_Message, tag="plan_mark"):
@@ -514,6 +549,59 @@ class SchedulerStats(_Message, tag="stats"):
     # Cumulative wall seconds of the step loop by phase: the scheduler's own (sched_*)
     # and the worker's (worker_*, from WorkerTimings); candor_step_phase_seconds.
     step_phases_s: dict[str, float] = {}
+    # LoRA (max_loras 0: adapters off): the adapters this replica serves, and its
+    # requests per adapter name, running and waiting (names with none left out)
+    max_loras: int = 0
+    lora_adapters: list[LoraAdapterInfo] = []
+    lora_running: dict[str, int] = {}
+    lora_waiting: dict[str, int] = {}
+
+
+class LoraAdapterInfo(msgspec.Struct):
+    """A LoRA adapter a replica serves: the name clients send as ``model``, its
+    directory, and the base model name /v1/models shows as its ``parent``."""
+
+    name: str
+    path: str
+    parent: str
+
+
+class AdapterLoad(_Message, tag="adapter_load"):
+    """Frontend -> every replica's scheduler: serve the adapter at ``path`` as ``name``
+    (POST /v1/load_lora_adapter). ``replace``: an adapter already served under the name
+    gives way once the new one is loaded (its running requests finish on it). Answered
+    with an ``AdapterReply`` carrying ``rid``."""
+
+    rid: str
+    reply_to: str
+    name: str
+    path: str
+    parent: str
+    replace: bool = False
+
+
+class AdapterUnload(_Message, tag="adapter_unload"):
+    """Frontend -> every replica's scheduler: stop serving ``name`` (POST
+    /v1/unload_lora_adapter). New requests for it are refused at once; requests already
+    queued or running finish on it, then the ranks drop it."""
+
+    rid: str
+    reply_to: str
+    name: str
+
+
+class AdapterReply(_Message, tag="adapter_reply"):
+    """Scheduler -> frontend: the outcome of an AdapterLoad / AdapterUnload on one replica
+    (``status`` 200, or the HTTP status of the error ``message`` names).
+    ``in_flight``: an unload's requests that still finish on the adapter."""
+
+    rid: str
+    replica: int
+    status: int
+    message: str = ""
+    param: str | None = None  # the request field the error is about
+    code: str | None = None
+    in_flight: int = 0
 
 
 class Pooled(_Message, tag="pooled"):
@@ -546,10 +634,10 @@ class StoreAnswer(_Message, tag="store_answer"):
 
 # One tagged union per receiving socket.
 TokenizerInbound = Union[GenerateReq, RenderReq, PoolReq]
-SchedulerInbound = Union[TokenizedReq, Abort]
-WorkerInbound = Union[StepPlan, PlanMark, Shutdown]
-WorkerOutbound = Union[WorkerReady, StepResult, WorkerError]
+SchedulerInbound = Union[TokenizedReq, Abort, AdapterLoad, AdapterUnload]
+WorkerInbound = Union[StepPlan, PlanMark, Shutdown, LoadAdapter, DropAdapter]
+WorkerOutbound = Union[WorkerReady, StepResult, WorkerError, AdapterLoaded]
 DetokenizerInbound = Union[DetokStart, TokenBatch]
 FrontendInbound = Union[TextDeltas, RequestError, RequestInfo, RenderResult, StoreQuery,
-                        StoreAnswer, Pooled]
+                        StoreAnswer, Pooled, AdapterReply]
 SchedulerBroadcast = SchedulerStats

@@ -322,12 +322,16 @@ class CompletionChunk(msgspec.Struct):
 
 
 class ModelCard(msgspec.Struct):
+    """A served model; a LoRA adapter's card names its base in ``parent`` and its
+    directory in ``root`` (vLLM's shape)."""
+
     id: str
     created: int
     max_model_len: int
     object: str = "model"
     owned_by: str = "candor"
     root: str | None = None
+    parent: str | None = None
 
 
 class ModelList(msgspec.Struct):
@@ -347,6 +351,23 @@ class ErrorBody(msgspec.Struct):
 
 
 # ---------------------------------------------------------------- tokenize / detokenize
+
+
+class LoadLoraAdapterRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """POST /v1/load_lora_adapter (vLLM's body): serve the PEFT adapter in ``lora_path``
+    as ``lora_name``; ``load_inplace``: replace the adapter already served under it."""
+
+    lora_name: Annotated[str, Meta(min_length=1, max_length=256)]
+    lora_path: Annotated[str, Meta(min_length=1, max_length=4096)]
+    load_inplace: bool = False
+
+
+class UnloadLoraAdapterRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """POST /v1/unload_lora_adapter (vLLM's body); ``lora_int_id`` is accepted and not
+    used (an adapter is named by ``lora_name``)."""
+
+    lora_name: Annotated[str, Meta(min_length=1, max_length=256)]
+    lora_int_id: int | None = None
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

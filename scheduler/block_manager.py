@@ -11,7 +11,8 @@ whose count drops to zero goes back to the pool:
 So ``num_free`` (plain + evictable) returning to ``total`` after a load proves that no
 request leaked a block, whether or not the prefix cache kept their content.
 
-A cached block's key is ``(parent_hash, salt, token_ids)``: the parent's chained hash,
+A cached block's key is ``(parent_hash, salt, token_ids)``: the parent's chained hash
+(for a prompt's first block: its LoRA adapter's id, ``ROOT_HASH`` for the base model),
 the request's ``cache_salt`` and the block's own token ids. The dict lookup compares the
 full key (the actual token ids, not only a hash), and the block must also record the
 parent block the lookup walked through, so a hash collision cannot alias two prefixes.
@@ -23,7 +24,7 @@ from collections import OrderedDict, deque
 
 BlockKey = tuple[int, str | None, tuple[int, ...]]
 
-ROOT_HASH = 0  # the "parent" of a prompt's first block
+ROOT_HASH = 0  # the "parent" of a base-model prompt's first block (adapter n: n)
 
 
 def chain_hash(key: BlockKey) -> int:

@@ -23,6 +23,11 @@ its KV capacity and all ranks are subscribed, so no rank misses the first plan. 
 may still drop a plan while a subscriber reconnects, so plans are numbered without gaps
 and each heartbeat with steps in flight repeats the newest number (``PlanMark``): a rank
 that lost one stops instead of computing on (gpu_worker/plan_order.py).
+
+LoRA adapters (``adapters``) are loaded and dropped on the ranks through the same
+socket, numbered in the same sequence as the plans (a rank that lost one stops just the
+same); a load is answered to its frontend once rank 0 says every rank holds it, and the
+next heartbeat (sent at once) tells every frontend.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from cluster.process_config import SchedulerConfig
 from protocol import ipc
 from protocol.routing import detokenizer_index
 from protocol.transport import Receiver, Sender, SenderPool
+from scheduler.adapters import AdapterRegistry
 from scheduler.block_manager import BlockAllocator
 from scheduler.metrics import SchedulerOps
 from scheduler.planner import PlannedStep, Planner
@@ -98,12 +104,14 @@ class EngineLoop:
         self.early_aborts: dict[str, float] = {}  # rid -> monotonic time of the abort
         self.in_flight: deque[InFlight] = deque()  # oldest (running on the worker) first
         self.last_result = 0.0  # monotonic time the last step came back
-        self.step_id = 0
+        self.step_id = 0  # the last number on the plan socket (plans and adapter messages)
+        self.adapter_messages = 0  # of those numbers, the ones adapter messages took
         self.arrivals = 0
         self.last_heartbeat = 0.0
         self.max_waiting = cfg.engine.max_waiting_requests
         self.work_after_last_result = False  # did the worker's last idle gap have work?
         self.ops = SchedulerOps(cfg.replica)
+        self.adapters = AdapterRegistry(cfg.lora, cfg.replica)
 
     # ------------------------------------------------------------------ helpers
     def _detok_for(self, rid: str) -> Sender:
@@ -123,8 +131,9 @@ class EngineLoop:
         """Forget a request the planner finished (finishing it there first if needed)
         and queue its last output."""
         assert self.planner is not None
+        if self.requests.pop(sreq.rid, None) is not None and sreq.adapter:
+            self._drop_adapter(self.adapters.release(sreq.adapter))
         self.planner.finish(sreq)
-        self.requests.pop(sreq.rid, None)
         self.ops.forget(sreq.rid)
         if sreq.req.pooling is None:
             self._emit(sreq, new_ids, reason, logprobs, cached_tokens, batches, failure)
@@ -146,6 +155,46 @@ class EngineLoop:
             outputs = batches.get(id(sender))
             if outputs:
                 sender.send(ipc.TokenBatch(outputs))
+
+    # ------------------------------------------------------------------ adapters
+    def _adapter_number(self) -> int:
+        """The next number of the plan socket's sequence, for an adapter message."""
+        self.step_id += 1
+        self.adapter_messages += 1
+        return self.step_id
+
+    def _drop_adapter(self, adapter_id: int | None) -> None:
+        if adapter_id is not None:
+            self.to_worker.send(ipc.DropAdapter(self._adapter_number(), adapter_id))
+            self.last_heartbeat = 0.0  # every frontend learns of it with the next beat
+
+    def _on_adapter_request(self, msg: ipc.AdapterLoad | ipc.AdapterUnload) -> None:
+        if self.planner is None:
+            self.replies.send(msg.reply_to, ipc.AdapterReply(
+                msg.rid, self.cfg.replica, 503, "the engine is still loading", code="not_ready"))
+        elif isinstance(msg, ipc.AdapterUnload):
+            reply, drop = self.adapters.unload(msg)
+            self.replies.send(msg.reply_to, reply)
+            self._drop_adapter(drop)
+            self.last_heartbeat = 0.0
+        else:
+            adapter, refusal = self.adapters.start_load(msg)
+            if refusal is not None:
+                self.replies.send(msg.reply_to, refusal)
+            else:
+                self.to_worker.send(ipc.LoadAdapter(self._adapter_number(), adapter.adapter_id,
+                                                    adapter.info.name, adapter.info.path))
+
+    def _on_adapter_loaded(self, msg: ipc.AdapterLoaded) -> None:
+        load, reply, drop = self.adapters.finish_load(msg)
+        if load is None:
+            return
+        self._drop_adapter(drop)
+        self.last_heartbeat = 0.0
+        self._heartbeat(time.monotonic())  # the frontends hear of it before its 200
+        self.replies.send(load.reply_to, reply)
+        self.log.info("LoRA adapter %r from %s: %s", load.name, load.path,
+                      msg.error or f"loaded as id {msg.adapter_id}")
 
     # ------------------------------------------------------------------ inbound
     def _count_subscriptions(self) -> None:
@@ -170,7 +219,8 @@ class EngineLoop:
         self.worker_ready = msg
         self.planner = Planner(BlockAllocator(msg.num_blocks), msg.block_size,
                                eng.max_num_seqs, eng.max_num_batched_tokens,
-                               enable_prefix_caching=eng.enable_prefix_caching)
+                               enable_prefix_caching=eng.enable_prefix_caching,
+                               max_loras=self.cfg.lora.max_loras if self.adapters.enabled else 0)
         self.log.info("worker ready: %d KV blocks of %d tokens, %d rank(s)", msg.num_blocks,
                       msg.block_size, self.ranks)
 
@@ -203,7 +253,16 @@ class EngineLoop:
                          "tokens; lower max_tokens or shorten the prompt",
                          "max_tokens", "kv_cache_too_small")
             return
-        sreq = SchedRequest(req, self.arrivals)
+        adapter = 0
+        if req.lora is not None:
+            adapter = self.adapters.acquire(req.lora)
+            if adapter is None:
+                served = ", ".join(repr(n) for n in self.adapters.served) or "none"
+                self._reject(req, 404, f"The model {req.lora!r} does not exist on this "
+                             f"deployment (a LoRA adapter unloaded meanwhile?). Served "
+                             f"adapters: [{served}]", "model", "model_not_found")
+                return
+        sreq = SchedRequest(req, self.arrivals, adapter=adapter)
         self.arrivals += 1
         self.requests[req.rid] = sreq
         if req.pooling is None:
@@ -242,6 +301,8 @@ class EngineLoop:
         while (msg := self.inbound.recv_nowait()) is not None:
             if isinstance(msg, ipc.Abort):
                 self.pending_aborts[msg.rid] = msg.reason
+            elif isinstance(msg, (ipc.AdapterLoad, ipc.AdapterUnload)):
+                self._on_adapter_request(msg)
             elif self.planner is None:
                 self._reject(msg, 503, "the engine is still loading", None, "not_ready")
             else:
@@ -264,7 +325,8 @@ class EngineLoop:
             return False
         self.step_id += 1
         plan = ipc.StepPlan(self.step_id, planned.chunks, planned.new_sampling,
-                            planned.released, new_pooling=planned.new_pooling)
+                            planned.released, new_pooling=planned.new_pooling,
+                            new_adapters=planned.new_adapters)
         t1 = time.perf_counter()
         self.to_worker.send(plan)
         phases.plan += t1 - t0
@@ -337,6 +399,8 @@ class EngineLoop:
                 return
             if isinstance(msg, ipc.WorkerReady):
                 self._on_worker_ready(msg)
+            elif isinstance(msg, ipc.AdapterLoaded):
+                self._on_adapter_loaded(msg)
             else:
                 self._on_result(msg)
 
@@ -355,7 +419,7 @@ class EngineLoop:
             waiting=len(planner.waiting) if planner else 0,
             free_blocks=planner.allocator.num_free if planner else 0,
             total_blocks=planner.allocator.total if planner else 0,
-            steps=self.step_id, worker_ready=planner is not None,
+            steps=self.step_id - self.adapter_messages, worker_ready=planner is not None,
             worker_device=self.worker_ready.device if self.worker_ready else "",
             worker_dtype=self.worker_ready.dtype if self.worker_ready else "",
             max_waiting=self.max_waiting,
@@ -370,11 +434,29 @@ class EngineLoop:
             step_phases_s=self.ops.step_phases_s(),
             replica=self.cfg.replica,
             deterministic=self.worker_ready.deterministic if self.worker_ready else False,
-            deterministic_note=self.worker_ready.deterministic_note if self.worker_ready else "")
+            deterministic_note=self.worker_ready.deterministic_note if self.worker_ready else "",
+            **self._lora_stats())
         self.stats_pub.send(stats)
         self.ops.metrics.export(stats)
-        if self.in_flight:  # a rank that lost the newest plan notices (plan_order.py)
+        if self.in_flight or self.adapters.loading:  # a rank that lost the newest plan
+            # (or adapter load, which the ranks answer together) notices (plan_order.py)
             self.to_worker.send(ipc.PlanMark(self.step_id))
+
+    def _lora_stats(self) -> dict:
+        """The heartbeat's LoRA fields: adapters served, requests per adapter name."""
+        if not self.adapters.enabled:
+            return {}
+        running: dict[str, int] = {}
+        waiting: dict[str, int] = {}
+        planner = self.planner
+        for queue, counts in ((planner.running if planner else [], running),
+                              (planner.waiting if planner else [], waiting)):
+            for sreq in queue:
+                if sreq.adapter:
+                    name = self.adapters.by_id[sreq.adapter].info.name
+                    counts[name] = counts.get(name, 0) + 1
+        return {"max_loras": self.cfg.lora.max_loras, "lora_adapters": self.adapters.infos(),
+                "lora_running": running, "lora_waiting": waiting}
 
     def run(self, should_stop) -> None:
         stalled = False  # work exists but the last plan was empty: do not spin

@@ -83,6 +83,13 @@ class SchedulerMetrics:
             "by phase: sched_* in the scheduler (intake, plan, postprocess, ipc), worker_* in "
             "the gpu_worker's rank 0 (prepare, forward, sample, grammar, send); the worker's "
             "idle gaps are candor_worker_idle_seconds", ["phase"], registry=None)
+        self.lora_requests = Gauge(
+            "candor_lora_requests", "Requests per LoRA adapter, by state: running (in the "
+            "batch) or waiting", ["adapter", "state"], **g)
+        self.lora_slots = Gauge(
+            "candor_lora_max_adapters", "Distinct LoRA adapters one step may run "
+            "(--max-loras); absent while LoRA is off", multiprocess_mode="livemax", registry=None)
+        self._lora_labels: set[tuple[str, str]] = set()
         self._exported: dict[str, float] = {}
 
     def _add(self, key: str, counter, total: float) -> None:
@@ -111,6 +118,19 @@ class SchedulerMetrics:
             self._add(f"abort:{cause}", self.aborts.labels(cause), total)
         for phase, total in stats.step_phases_s.items():
             self._add(f"phase:{phase}", self.step_phases.labels(phase), total)
+        if stats.max_loras:
+            self._export_lora(stats)
+
+    def _export_lora(self, stats: ipc.SchedulerStats) -> None:
+        self.lora_slots.set(stats.max_loras)
+        now = {(name, state): n for state, counts in (("running", stats.lora_running),
+                                                      ("waiting", stats.lora_waiting))
+               for name, n in counts.items()}
+        for labels in self._lora_labels - now.keys():  # an adapter with none left: 0
+            self.lora_requests.labels(*labels).set(0)
+        for labels, n in now.items():
+            self.lora_requests.labels(*labels).set(n)
+        self._lora_labels = set(now)
 
 
 class SchedulerPhases(msgspec.Struct):

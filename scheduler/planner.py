@@ -35,6 +35,11 @@ no request ever reads a block the worker has not finished writing. A waiting req
 next block a planned step is filling (the same shared prefix, admitted a step earlier)
 waits for that step instead of recomputing the block: one step later it is a hit.
 
+LoRA: at most ``max_loras`` distinct adapters run at once (the ranks hold that many on
+the device). A waiting request for another adapter lets the requests behind it in the
+queue go first until one of the running adapters has no request left; the base model
+counts as no adapter. A request's adapter roots its blocks' keys (see ``request``).
+
 Plans are diffs: a chunk names only the blocks the worker has not been sent for that
 request yet (``SeqChunk.kept_blocks`` / ``new_blocks``), so a decode step's message stays
 the same size at any context length. After a step returns, ``postprocess`` appends the
@@ -63,6 +68,7 @@ class PlannedStep:
     writing: list[int] = field(default_factory=list)  # chained hashes of the full blocks it fills
     released: list[str] = field(default_factory=list)  # rids the worker may forget
     new_pooling: dict[str, PoolingParams] = field(default_factory=dict)
+    new_adapters: dict[str, int] = field(default_factory=dict)  # rid -> LoRA adapter id
 
 
 @dataclass
@@ -80,8 +86,10 @@ class Sampled:
 
 class Planner:
     def __init__(self, allocator: BlockAllocator, block_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, enable_prefix_caching: bool = True) -> None:
+                 max_num_batched_tokens: int, enable_prefix_caching: bool = True,
+                 max_loras: int = 0) -> None:
         self.allocator = allocator
+        self.max_loras = max_loras  # distinct adapters running at once (0: LoRA off)
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -274,6 +282,8 @@ class Planner:
             step.new_sampling[req.rid] = sampling
             if req.req.pooling is not None:
                 step.new_pooling[req.rid] = req.req.pooling
+            if req.adapter:
+                step.new_adapters[req.rid] = req.adapter
             req.seen_by_worker = True
 
     def plan(self, lookahead: bool = False) -> PlannedStep:
@@ -301,10 +311,18 @@ class Planner:
                 i += 1
                 continue
             # req itself was preempted; the loop index now points at the next one
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
+        adapters: set[int] | None = None  # running adapters, once a waiting request has one
+        at = 0  # the queue position admitted next: past requests whose adapter must wait
+        while at < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[at]
             if step.preempted and req in step.preempted:
                 break  # do not re-admit what this very step had to evict
+            if req.adapter:
+                if adapters is None:
+                    adapters = {r.adapter for r in self.running if r.adapter}
+                if req.adapter not in adapters and len(adapters) >= self.max_loras:
+                    at += 1
+                    continue
             matched = self._match_prefix(req)
             if self._waits_for_prefix(req):
                 self._unmatch(req)
@@ -319,8 +337,10 @@ class Planner:
                     self.prefix_queried_tokens += len(req.req.prompt_token_ids)
                     self.prefix_hit_tokens += req.num_computed
             self.prefix_hit_blocks += matched  # counted once admitted, not per attempt
-            self.waiting.popleft()
+            self.waiting.pop(at)
             self.running.append(req)
+            if adapters is not None and req.adapter:
+                adapters.add(req.adapter)
             self._add(step, req, n)
             budget -= n
         if step.chunks:

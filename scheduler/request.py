@@ -26,6 +26,7 @@ class SchedRequest:
     num_registered: int = 0  # leading blocks of block_table offered to the prefix cache
     blocks_sent: int = 0  # leading blocks of block_table the worker already holds
     finished: bool = False  # finished or aborted: later samples for it are dropped
+    adapter: int = 0  # LoRA adapter id (scheduler.adapters); 0: the base model
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -51,8 +52,11 @@ class SchedRequest:
 
     def block_key(self, i: int, block_size: int) -> BlockKey:
         """The prefix-cache key of full block ``i``: its parent's chained hash (the
-        hashes of blocks before ``i`` must be computed), the salt and its token ids."""
-        parent = self.block_hashes[i - 1] if i else ROOT_HASH
+        hashes of blocks before ``i`` must be computed), the salt and its token ids. The
+        first block's parent is the request's LoRA adapter id (ROOT_HASH, 0, for the
+        base model), so every block of the chain is the adapter's own: a block computed
+        under one adapter never serves another adapter or the base model."""
+        parent = self.block_hashes[i - 1] if i else ROOT_HASH + self.adapter
         return parent, self.req.cache_salt, tuple(self.token_ids[i * block_size:(i + 1) * block_size])
 
     @property

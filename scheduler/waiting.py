@@ -38,9 +38,9 @@ class WaitQueue:
         self._keys.insert(i, key)
         self._items.insert(i, req)
 
-    def popleft(self) -> SchedRequest:
-        self._keys.pop(0)
-        return self._items.pop(0)
+    def pop(self, i: int) -> SchedRequest:
+        self._keys.pop(i)
+        return self._items.pop(i)
 
     def remove(self, req: SchedRequest) -> None:
         for i, r in enumerate(self._items):

@@ -8,7 +8,9 @@ in-process:
   processes carry a reply random weights would never write (a call inside ``<think>``, a
   JSON object that is no call). Unconstrained requests only: a grammar would refuse.
 - ``dropping_plan`` / ``drop_plan_env``: one gpu_worker rank never sees one step plan, as
-  when its subscription reconnects while the plan is published."""
+  when its subscription reconnects while the plan is published.
+- ``slow_execute`` / ``slow_env``: every step takes longer, so a request stays running
+  while a test looks at it."""
 
 from __future__ import annotations
 
@@ -16,11 +18,13 @@ import functools
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Callable
 
 FAULT_TOKEN_ENV = "CANDOR_TEST_FAULT_TOKEN"
 SCRIPTS_ENV = "CANDOR_TEST_SCRIPTS"
+STEP_DELAY_ENV = "CANDOR_TEST_STEP_DELAY_S"
 DROP_PLAN_ENV = "CANDOR_TEST_DROP_PLAN"
 SITE_DIR = Path(__file__).parent / "fault_site"
 
@@ -55,6 +59,17 @@ def scripted_execute(execute: Callable, scripts: dict[int, list[int]]) -> Callab
             if script is not None and 0 <= at < len(script):
                 result.sampled[i] = self.last_sampled[seq.rid] = script[at]
         return result
+
+    return wrapper
+
+
+def slow_execute(execute: Callable, delay: float) -> Callable:
+    """``ModelRunner.execute`` that sleeps ``delay`` seconds before each step."""
+
+    @functools.wraps(execute)
+    def wrapper(self, plan):
+        time.sleep(delay)
+        return execute(self, plan)
 
     return wrapper
 
@@ -103,3 +118,8 @@ def drop_plan_env(index: int, step_id: int) -> dict[str, str]:
     """Environment for a ``CandorServer`` whose gpu_worker ``index`` misses plan
     ``step_id``."""
     return {DROP_PLAN_ENV: f"{index}:{step_id}", "PYTHONPATH": _site_path()}
+
+
+def slow_env(delay: float) -> dict[str, str]:
+    """Environment for a ``CandorServer`` whose gpu_worker steps take ``delay`` s longer."""
+    return {STEP_DELAY_ENV: str(delay), "PYTHONPATH": _site_path()}

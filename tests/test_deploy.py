@@ -349,13 +349,16 @@ def test_inference_pool_manifests_fit_together():
     flags = _pool_metric_flags(docs)
     assert flags["--total-queued-requests-metric"] == "vllm:num_requests_waiting"
     assert flags["--kv-cache-usage-percentage-metric"] == "vllm:kv_cache_usage_perc"
+    # LoRA affinity: the pods serve an adapter and the picker reads vLLM's LoRA gauge
+    assert flags["--lora-info-metric"] == "vllm:lora_requests_info"
+    assert topology.model.lora.enabled and topology.model.lora.modules
 
 
 def test_a_live_scrape_carries_what_the_endpoint_picker_reads(server):
     """The model-server protocol: queued requests (gauge) and KV-cache utilisation (gauge,
     0..1), under the names the EPP is configured with; present before any traffic."""
     flags = _pool_metric_flags(_docs(POOL))
-    wanted = [v for v in flags.values() if v]
+    wanted = [v for k, v in flags.items() if v and k != "--lora-info-metric"]  # its LoRA gauge: test_e2e_lora.py
     assert len(wanted) == 2
     now = scrape(server)
     for name in wanted:

@@ -33,3 +33,12 @@ def test_every_request_field_has_a_row():
         tiers = field_policy.tiers(kind, ApiSpec())
         missing = [f for f in request.__struct_fields__ if f not in tiers]
         assert not missing, f"{kind}: {missing} have no row in api_frontend/field_policy.py"
+
+
+def test_every_lora_route_field_has_a_row():
+    from api_frontend.field_policy import LORA_ROUTE_FIELDS
+    from protocol.openai_api import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
+    for route, request in (("/v1/load_lora_adapter", LoadLoraAdapterRequest),
+                           ("/v1/unload_lora_adapter", UnloadLoraAdapterRequest)):
+        rows = {f.field for f in LORA_ROUTE_FIELDS if f.route == route}
+        assert rows == set(request.__struct_fields__), route

@@ -25,9 +25,11 @@ import pytest
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
+from tests import lora_zoo
 from tests.server import CandorServer
 
 MODEL = "tiny-llama"
+ADAPTER = "fz"
 EXAMPLES = int(os.environ.get("CANDOR_FUZZ_EXAMPLES", "40"))
 FUZZ_SEED = os.environ.get("CANDOR_FUZZ_SEED")
 CLIENT_TIMEOUT_S = 60.0
@@ -52,9 +54,14 @@ def _settings(fn):
 
 
 @pytest.fixture(scope="module")
-def fuzz_server(tiny_model_dir):
+def fuzz_server(tiny_model_dir, tmp_path_factory):
+    """With a LoRA adapter and runtime adapter loading on, so the adapter routes are
+    fuzzed past their 404."""
+    adapter = lora_zoo.build_adapter(tiny_model_dir, tmp_path_factory.mktemp("fuzz-lora") / ADAPTER,
+                                     rank=4, alpha=8)
     srv = CandorServer(tiny_model_dir, "--served-model-name", MODEL, "--max-model-len", "256",
-                       "--allow-request-chat-template").start()
+                       "--allow-request-chat-template", "--enable-lora", "--lora-modules",
+                       f"{ADAPTER}={adapter}", "--allow-runtime-lora-updating").start()
     yield srv
     assert srv.stop() == 0
 
@@ -175,7 +182,7 @@ def _route_schema(doc: dict, route: str) -> dict:
             props[field] = {"anyOf": [{"type": "integer", "minimum": 1, "maximum": cap},
                                       {"type": "null"}]}
     if "model" in props:
-        props["model"] = {"const": MODEL}
+        props["model"] = {"enum": [MODEL, ADAPTER]}  # the base, or the LoRA adapter
     if "messages" in props:
         props["messages"] = {**props["messages"], "maxItems": 4}
     if "input" in props:  # /v1/responses: a string, or a few items of the kinds it takes
@@ -238,7 +245,8 @@ def _post(client: Client, route: str, body) -> None:
 
 
 POST_ROUTES = ["/v1/chat/completions", "/v1/completions", "/v1/chat/completions/render",
-               "/v1/completions/render", "/tokenize", "/detokenize", "/v1/responses"]
+               "/v1/completions/render", "/tokenize", "/detokenize", "/v1/responses",
+               "/v1/load_lora_adapter", "/v1/unload_lora_adapter"]
 
 
 @pytest.mark.parametrize("route", POST_ROUTES)

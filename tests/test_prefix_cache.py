@@ -14,12 +14,12 @@ def _wait(planner, *reqs):
         planner.waiting.push(req)
 
 
-def _req(rid, prompt, seq=0, salt=None, priority=0, max_tokens=4):
+def _req(rid, prompt, seq=0, salt=None, priority=0, max_tokens=4, adapter=0):
     tok = TokenizedReq(rid=rid, reply_to="ipc://x", prompt_token_ids=list(prompt),
                        max_tokens=max_tokens, sampling=SamplingParams(temperature=0.0),
                        detok=DetokParams(), eos_token_ids=[0], cache_salt=salt,
                        priority=priority)
-    return SchedRequest(tok, seq)
+    return SchedRequest(tok, seq, adapter=adapter)
 
 
 def _step(planner, token=7):
@@ -40,9 +40,9 @@ def _finish(planner, req):
     planner.free(req)
 
 
-def _planner(blocks=32, bs=4, budget=64):
+def _planner(blocks=32, bs=4, budget=64, max_loras=4):
     return Planner(BlockAllocator(blocks), block_size=bs, max_num_seqs=8,
-                   max_num_batched_tokens=budget)
+                   max_num_batched_tokens=budget, max_loras=max_loras)
 
 
 def test_refcounts_and_lru_eviction():
@@ -107,6 +107,37 @@ def test_different_salts_never_share():
     _step(planner)
     assert b.cached_tokens == 0 and not set(b.block_table) & set(a.block_table)
     assert c.cached_tokens == 8
+
+
+def test_blocks_are_keyed_by_lora_adapter():
+    """A block computed under adapter 1 never serves adapter 2 or the base model (their
+    KV differ: the adapter changes k and v), and serves adapter 1 again."""
+    planner = _planner()
+    prompt = list(range(1, 11))
+    a = _req("a", prompt, adapter=1)
+    planner.waiting.push(a)
+    _step(planner)
+    base, other, same = (_req("base", prompt, seq=1), _req("b", prompt, seq=2, adapter=2),
+                         _req("c", prompt, seq=3, adapter=1))
+    _wait(planner, base, other, same)
+    step = planner.plan()
+    assert base.cached_tokens == 0 and other.cached_tokens == 0 and same.cached_tokens == 8
+    assert not set(base.block_table) & set(a.block_table)
+    assert not set(other.block_table) & set(a.block_table)
+    assert step.new_adapters == {"b": 2, "c": 1}  # the worker learns each request's adapter
+
+
+def test_at_most_max_loras_adapters_run_and_others_let_later_requests_by():
+    planner = _planner(max_loras=1)
+    one, two, base, one_again = (_req("one", [1, 2], adapter=1), _req("two", [3, 4], seq=1, adapter=2),
+                                 _req("base", [5, 6], seq=2), _req("one2", [7, 8], seq=3, adapter=1))
+    _wait(planner, one, two, base, one_again)
+    chunks = _step(planner)
+    assert [c.rid for c in chunks] == ["one", "base", "one2"]  # adapter 2 waits its turn
+    assert list(planner.waiting) == [two]
+    for req in (one, one_again):
+        planner.finish(req)
+    assert [c.rid for c in _step(planner)] == ["base", "two"]  # adapter 1 has left
 
 
 def test_hash_collisions_are_checked_not_assumed(monkeypatch):

@@ -44,10 +44,12 @@ def _prompts() -> list[list[int]]:
     return [[0] + torch.randint(6, model_zoo.VOCAB, (n - 1,), generator=g).tolist() for n in (7, 40)]
 
 
-def _generate(runner, prompts: list[list[int]], n: int) -> list[list[int]]:
+def _generate(runner, prompts: list[list[int]], n: int,
+              adapters: list[int] | None = None) -> list[list[int]]:
     """Greedy ``n`` tokens per prompt: one prefill step, then decode steps planned one
     ahead, as the scheduler does (each feeds the token the previous step sampled as a
-    placeholder, and only the block ids new to the worker)."""
+    placeholder, and only the block ids new to the worker). ``adapters``: each prompt's
+    LoRA adapter id (0: the base model)."""
     bs = runner.block_size
     rids = [f"r{i}" for i in range(len(prompts))]
     tables, sent = [], []
@@ -66,7 +68,8 @@ def _generate(runner, prompts: list[list[int]], n: int) -> list[list[int]]:
 
     out = [[] for _ in prompts]
     first = runner.execute(StepPlan(0, [chunk(i, p, 0) for i, p in enumerate(prompts)],
-                                    {r: GREEDY for r in rids}))
+                                    {r: GREEDY for r in rids},
+                                    new_adapters={r: a for r, a in zip(rids, adapters or []) if a}))
     for i, t in enumerate(first.sampled):
         out[i].append(t)
     for step in range(1, n):

@@ -150,6 +150,34 @@ def test_vllm_flag_with_another_home_says_where(capsys):
     assert "never runs code from a checkpoint" in capsys.readouterr().err
 
 
+def test_lora_flags_map_onto_the_topology(tiny_model_dir, tmp_path, capsys):
+    """vLLM's LoRA flags: --lora-modules as name=path and as JSON, the limits, and the
+    runtime-loading switch (flag or VLLM_ALLOW_RUNTIME_LORA_UPDATING)."""
+    qv = {"name": "qv", "path": str(tmp_path / "b" / "qv"), "base_model_name": "base"}
+    argv = [str(tiny_model_dir), "--enable-lora", "--lora-modules", f"sql={tmp_path}/a/sql",
+            json.dumps(qv), "--max-loras", "3", "--max-lora-rank", "32", "--max-cpu-loras", "5"]
+    topo, _ = serve_args_to_topology(argv, environ={})
+    lora = topo.model.lora
+    assert lora.enabled and (lora.max_loras, lora.max_lora_rank, lora.max_cpu_loras) == (3, 32, 5)
+    assert [(m.name, m.path, m.base_model_name) for m in lora.modules] == [
+        ("sql", f"{tmp_path}/a/sql", None), ("qv", qv["path"], "base")]
+    assert not lora.allow_runtime_updates
+    assert lora.allowed_roots() == [str(tmp_path / "a"), str(tmp_path / "b")]
+    env_on, _ = serve_args_to_topology(argv, environ={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
+    assert env_on.model.lora.allow_runtime_updates
+    flag_on, _ = serve_args_to_topology(argv + ["--allow-runtime-lora-updating",
+                                                "--lora-allowed-dirs", "/srv/a,/srv/b"], environ={})
+    assert flag_on.model.lora.allow_runtime_updates
+    assert flag_on.model.lora.allowed_roots() == ["/srv/a", "/srv/b"]
+    for bad, says in ((["--lora-modules", "x=/a"], "--lora-modules needs --enable-lora"),
+                      (["--enable-lora", "--lora-modules", "no-equals"], "expected NAME=PATH"),
+                      (["--enable-lora", "--lora-modules", '{"name": "x"}'], "expected {"),
+                      (["--enable-lora", "--max-loras", "0"], "max_loras")):
+        with pytest.raises(SystemExit):
+            serve_args_to_topology([str(tiny_model_dir), *bad], environ={})
+        assert says in capsys.readouterr().err, bad
+
+
 def test_worker_threads_from_cores_left(tiny_model_dir, monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))

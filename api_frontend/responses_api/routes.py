@@ -24,7 +24,7 @@ from api_frontend.json_body import decode_request, json_response
 from api_frontend.responses_api.builder import ResponseBuilder
 from api_frontend.responses_api.peers import ResponsePeers
 from api_frontend.responses_api.translate import ChatPlan, responses_name, to_chat
-from api_frontend.served_models import ServedModels
+from api_frontend.served_models import ServedModels, adapter_of
 from api_frontend.translate import Translated, chat_to_generate
 from cluster.topology import ApiSpec
 from protocol.openai_api import CandorReport, FieldNote, ModelCard
@@ -94,6 +94,7 @@ async def create(request: web.Request, models: ServedModels, api: ApiSpec,
     rid = peers.new_id(stored)
     arrival = time.time()
     plan, tr = _translate(req, keys, previous, rid, engine.reply_to, arrival, api)
+    tr.gen.lora = adapter_of(card)
     if req.store and not stored:
         tr.report.ignored.append(FieldNote("store", "this deployment keeps no responses "
                                            "(responses_store.max_entries 0)"))

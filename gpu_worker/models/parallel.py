@@ -31,6 +31,10 @@ parameter sharded like the layer's own: a column-parallel layer slices dimension
 whatever it is given, a row-parallel one the last dimension of a matrix, so an adapter
 (a LoRA pair: B [out, r] sharded like a column layer's output, A [r, in] like a row
 layer's input) loads through the layer it wraps.
+
+Adapters: a column or row layer whose ``lora`` hook is set (``gpu_worker.lora.batch``)
+adds each adapter row group's delta to its output, before a row layer's all-reduce (the
+delta of a row layer is a partial sum too). Unset (the default), forward is unchanged.
 """
 
 from __future__ import annotations
@@ -100,8 +104,14 @@ class ColumnParallelLinear(ReplicatedLinear):
     """``output_size`` output features split evenly: this rank holds rows
     ``[rank * n, (rank + 1) * n)`` of the weight and bias."""
 
+    lora = None  # gpu_worker.lora.batch.LoraSite where adapters may target this layer
+
     def __init__(self, input_size: int, output_size: int, bias: bool, tp: TPGroup) -> None:
         super().__init__(input_size, output_size // tp.size, bias, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.numerics.linear(x, self.weight, self.bias)
+        return y if self.lora is None else self.lora.add_delta(x, y)
 
     def weight_loader(self, param: torch.Tensor, source: CheckpointTensor, shard_id=None) -> int:
         n = param.shape[0]
@@ -156,12 +166,16 @@ class RowParallelLinear(nn.Linear):
     """``y = x_r W_r^T`` summed over ranks (+ bias once): ``input_size`` input features
     split evenly, this rank holding columns ``[rank * n, (rank + 1) * n)``."""
 
+    lora = None  # as ColumnParallelLinear's
+
     def __init__(self, input_size: int, output_size: int, bias: bool, tp: TPGroup) -> None:
         super().__init__(input_size // tp.size, output_size, bias=bias)
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.tp.numerics.linear(x, self.weight, self.bias if self.tp.rank == 0 else None)
+        if self.lora is not None:
+            y = self.lora.add_delta(x, y)
         return self.tp.all_reduce(y)
 
     def weight_loader(self, param: torch.Tensor, source: CheckpointTensor, shard_id=None) -> int:

@@ -2,8 +2,9 @@
 tests/faults.py). Each hook is switched on by its variable and patches one module right
 after its first import; every other process and module is left as it is:
 
-- CANDOR_TEST_FAULT_TOKEN, CANDOR_TEST_SCRIPTS: gpu_worker.model_runner gets a ModelRunner
-  whose steps fail when they feed that token, or that writes the scripted tokens;
+- CANDOR_TEST_FAULT_TOKEN, CANDOR_TEST_SCRIPTS, CANDOR_TEST_STEP_DELAY_S:
+  gpu_worker.model_runner gets a ModelRunner whose steps fail when they feed that token,
+  that writes the scripted tokens, or whose every step takes that much longer;
 - CANDOR_TEST_DROP_PLAN (``INDEX:STEP``): the gpu_worker process ``INDEX`` never sees
   step plan STEP (protocol.transport's Receiver swallows it)."""
 
@@ -36,14 +37,17 @@ class _PatchAfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
-def _patch_runner(token: int | None, scripts: dict[int, list[int]] | None):
+def _patch_runner(token: int | None, scripts: dict[int, list[int]] | None,
+                  delay: float | None):
     def patch(module) -> None:
-        from tests.faults import failing_forward, scripted_execute
+        from tests.faults import failing_forward, scripted_execute, slow_execute
         runner = module.ModelRunner
         if token is not None:
             runner._forward = failing_forward(runner._forward, token)
         if scripts is not None:
             runner.execute = scripted_execute(runner.execute, scripts)
+        if delay is not None:
+            runner.execute = slow_execute(runner.execute, delay)
     return patch
 
 
@@ -56,10 +60,12 @@ def _patch_receiver(index: int, step_id: int):
 
 _token = os.environ.get("CANDOR_TEST_FAULT_TOKEN")
 _scripts = os.environ.get("CANDOR_TEST_SCRIPTS")
-if _token or _scripts:
+_delay = os.environ.get("CANDOR_TEST_STEP_DELAY_S")
+if _token or _scripts or _delay:
     sys.meta_path.insert(0, _PatchAfterImport("gpu_worker.model_runner", _patch_runner(
         int(_token) if _token else None,
-        {int(k): v for k, v in json.loads(_scripts).items()} if _scripts else None)))
+        {int(k): v for k, v in json.loads(_scripts).items()} if _scripts else None,
+        float(_delay) if _delay else None)))
 _dropped = os.environ.get("CANDOR_TEST_DROP_PLAN")
 if _dropped:
     _index, _step = _dropped.split(":")
