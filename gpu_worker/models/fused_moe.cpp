@@ -20,9 +20,9 @@ namespace {
 constexpr int TR = 4;  // rows per tile
 constexpr int TC = 3;  // output columns per tile (4 x 3 accumulators + 3 weights + 1 row: 16 registers)
 
-// Sum of 8 lanes in one fixed order.
+// Sum of 8 lanes in one fixed order (the AVX2 path's: pairs, pairs of pairs, halves).
 inline float reduce8(const float* a) {
-  return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+  return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
 }
 
 #ifdef __AVX2__
@@ -55,12 +55,15 @@ inline void dot_tile(const float* const* x, const float* const* w, int64_t n, fl
     const __m256i mask = _mm256_load_si256(reinterpret_cast<const __m256i*>(m));
     step([k, mask](const float* p) { return _mm256_maskload_ps(p + k, mask); });
   }
-  alignas(32) float lanes[8];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < TC; ++c) {
-      _mm256_store_ps(lanes, acc[r][c]);
-      out[r][c] = reduce8(lanes);
-    }
+  // each row's TC sums at once, in reduce8's order: pairs, then pairs of pairs, then halves
+  static_assert(TC == 3, "the reduction below packs three columns");
+  alignas(16) float sums[4];
+  for (int r = 0; r < R; ++r) {
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(acc[r][0], acc[r][1]),
+                                    _mm256_hadd_ps(acc[r][2], acc[r][2]));
+    _mm_store_ps(sums, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+    for (int c = 0; c < TC; ++c) out[r][c] = sums[c];
+  }
 }
 #else
 template <int R>
