@@ -66,10 +66,10 @@ def test_a_tokens_result_does_not_depend_on_the_batch(kernel, experts, threads):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        x, weights, chosen = _routing(70, seed=1)
+        x, weights, chosen = _routing(300, seed=1)  # ~100 rows per expert: several row blocks
         full = kernel(x, weights, chosen, *experts, 0)
-        for size in (1, 2, 5, 9, 33):
-            rows = torch.randperm(70, generator=torch.Generator().manual_seed(size))[:size]
+        for size in (1, 2, 5, 9, 33, 150):
+            rows = torch.randperm(300, generator=torch.Generator().manual_seed(size))[:size]
             part = kernel(x[rows], weights[rows], chosen[rows], *experts, 0)
             assert torch.equal(part, full[rows]), size
     finally:

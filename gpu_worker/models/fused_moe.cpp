@@ -81,32 +81,39 @@ inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
 
 // For every expert e and each of its pairs q (start[e] .. start[e + 1]):
 // store(q, c, dot(row(q), w_e[c])) for c < cols, w_e = w + e * cols * n ([cols, n]).
-// Work items are (expert, TC columns), in parallel; each sweeps the expert's pairs TR at a
-// time (then one at a time) while its TC weight rows stay in L1. The last column tile
-// repeats its last column and drops the copy.
+// Work items are (expert, block of RB pairs, TC columns), in parallel, columns varying
+// fastest: a block's rows stay in L2 while its TC weight rows sit in L1 and the block is
+// swept TR pairs at a time (then one at a time). The last column tile repeats its last
+// column and drops the copy.
 template <class Row, class Store>
 void project(const std::vector<int64_t>& start, const float* w, int64_t cols, int64_t n,
              Row row, Store store) {
-  const int64_t E = static_cast<int64_t>(start.size()) - 1;
+  constexpr int64_t RB = 64;
+  struct Block { int64_t e, begin, end; };
+  std::vector<Block> blocks;
+  for (int64_t e = 0; e + 1 < static_cast<int64_t>(start.size()); ++e)
+    for (int64_t q = start[e]; q < start[e + 1]; q += RB)
+      blocks.push_back({e, q, std::min(q + RB, start[e + 1])});
   const int64_t col_tiles = (cols + TC - 1) / TC;
-  at::parallel_for(0, E * col_tiles, 1, [&](int64_t begin, int64_t end) {
+  const int64_t items = static_cast<int64_t>(blocks.size()) * col_tiles;
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     for (int64_t it = begin; it < end; ++it) {
-      const int64_t e = it / col_tiles, c0 = (it % col_tiles) * TC;
-      if (start[e] == start[e + 1]) continue;
-      const float* we = w + e * cols * n;
+      const Block& b = blocks[it / col_tiles];
+      const int64_t c0 = (it % col_tiles) * TC;
+      const float* we = w + b.e * cols * n;
       const float* wc[TC];
       for (int c = 0; c < TC; ++c) wc[c] = we + std::min<int64_t>(c0 + c, cols - 1) * n;
       const int ncols = static_cast<int>(std::min<int64_t>(TC, cols - c0));
       float out[TR][TC];
       const float* xr[TR];
-      int64_t q = start[e];
-      for (; q + TR <= start[e + 1]; q += TR) {
+      int64_t q = b.begin;
+      for (; q + TR <= b.end; q += TR) {
         for (int r = 0; r < TR; ++r) xr[r] = row(q + r);
         dot_tile<TR>(xr, wc, n, out);
         for (int r = 0; r < TR; ++r)
           for (int c = 0; c < ncols; ++c) store(q + r, c0 + c, out[r][c]);
       }
-      for (; q < start[e + 1]; ++q) {
+      for (; q < b.end; ++q) {
         xr[0] = row(q);
         dot_tile<1>(xr, wc, n, out);
         for (int c = 0; c < ncols; ++c) store(q, c0 + c, out[0][c]);
