@@ -34,8 +34,9 @@ the prefix once and all of them get their first token in the same step, where a 
 had to wait for the filling step to return. The filler must be one the worker surely
 feeds: a request with a grammar lends nothing (its grammar may fail to compile, and then
 the worker skips it). If the filling step fails, or the filler fails on its own, the
-requests that borrowed its blocks fail with it (``PlannedStep.lent``). Such blocks enter
-the prefix cache when a holder's step returns (``commit``).
+requests that borrowed its blocks fail with it (``PlannedStep.lent``); a filler that
+finishes (an abort) lends nothing more, since its freed blocks may be handed out again.
+Such blocks enter the prefix cache when a holder's step returns (``commit``).
 
 Plans are diffs: a chunk names only the blocks the worker has not been sent for that
 request yet (``SeqChunk.kept_blocks`` / ``new_blocks``), so a decode step's message stays
@@ -116,6 +117,9 @@ class Planner:
         self.released: list[str] = []  # finished rids the worker has seen, for the next plan
 
     def free(self, req: SchedRequest) -> None:
+        if self.filling:  # its blocks may go to others now: lend none of them any more
+            for key in [k for k, entry in self.filling.items() if entry.filler is req]:
+                del self.filling[key]
         self.allocator.free(req.block_table)
         req.block_table = []
         req.num_registered = 0

@@ -215,6 +215,29 @@ def test_a_prefix_longer_than_the_budget_is_shared_from_the_step_in_flight():
     assert planner.allocator.lookup(a.block_key(3, 4), a.block_table[2]) == a.block_table[3]
 
 
+def test_a_finished_filler_lends_nothing_more():
+    """Aborted while its step is in flight, a request's blocks go back to the pool (a later
+    plan may hand them to anyone), so nobody may borrow them as 'being filled' any more;
+    those already borrowed keep their references and stay allocated."""
+    planner = _planner(blocks=64, bs=4, budget=16)
+    prefix = list(range(100, 116))
+    a, b = _req("a", prefix + [1], seq=0), _req("b", prefix + [2], seq=1)
+    _wait(planner, a, b)
+    first = planner.plan()
+    ahead = planner.plan(lookahead=True)
+    assert b.cached_tokens == 16
+    planner.finish(a)
+    assert not any(entry.filler is a for entry in planner.filling.values())
+    assert planner.allocator.num_free == 64 - len(b.block_table)  # b holds the prefix
+    d = _req("d", prefix + [3], seq=2)
+    planner.waiting.push(d)
+    planner.postprocess(first, [])
+    planner.postprocess(ahead, [7, 7])
+    planner.plan()
+    # a's blocks never entered the cache (a finished before its step returned); b's did
+    assert d.cached_tokens == 16 and d.block_table[:4] == b.block_table[:4]
+
+
 def test_borrowers_fail_with_a_filler_that_failed():
     """The worker skips a request that failed on its own, so the blocks it was to fill
     may hold nothing: requests sharing them fail too, with a reason of their own; a
