@@ -26,7 +26,7 @@ worker never sees a hit's ids, so a request whose sampling reads its token histo
 (penalties, min_tokens) gets them once, as its first chunk's ``context``. A
 request that asks for prompt logprobs needs the logits of every prompt position, so it
 never takes a hit (as vLLM); its blocks are still offered to the cache for others.
-Blocks that planned steps are still filling are shared too (``InFlightBlocks``): the
+Blocks that planned steps are still filling are shared too (``Planner.filling``): the
 worker runs steps in order and, within a step, writes every chunk's K/V before any chunk
 attends, so a request planned after the chunk that fills a block (in the same step or a
 later one) reads it written. A burst of requests with one long prefix therefore computes
