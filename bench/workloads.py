@@ -3,6 +3,8 @@
   a      tiny-hd64,              32 concurrent streams, 128-token prompts, 128 output tokens
   b      ~100M Llama (768 x 12), the same shape of load
   c      tiny-hd64,              64 requests sharing a 1024-token prefix (+64 own, 32 out)
+  d      tiny-hd64,              32 requests at once sharing a 256-token prefix (+32 own, 32
+                                 out): a burst that fits a few steps (TTFT of a burst)
   smoke  tiny-hd64,              4 requests of 16 -> 16 tokens: checks the plumbing only
 
 tiny-hd64 is the tiny checkpoint's shape (hidden 64, 4 layers, its tokenizer) with one
@@ -37,6 +39,8 @@ WORKLOADS = {
                                       output_len=(128, 128))),
     "c": Bench("tiny-hd64", Workload(num_requests=64, concurrency=64, prompt_len=(64, 64),
                                      output_len=(32, 32), shared_prefix_len=1024)),
+    "d": Bench("tiny-hd64", Workload(num_requests=32, concurrency=32, prompt_len=(32, 32),
+                                     output_len=(32, 32), shared_prefix_len=256)),
     "smoke": Bench("tiny-hd64", Workload(num_requests=4, concurrency=4, prompt_len=(16, 16),
                                          output_len=(16, 16))),
 }

@@ -47,6 +47,7 @@ from gpu_worker.distributed import Ranks
 from gpu_worker.loader import load_weights
 from gpu_worker.lora.store import AdapterStore
 from gpu_worker.model_config import load_config
+from gpu_worker.models import fused_moe
 from gpu_worker.models.decoder import DecoderForCausalLM
 from gpu_worker.pooler import Pooler
 from gpu_worker.progress import Progress
@@ -136,6 +137,7 @@ class ModelRunner:
         self.model = self._build_model(model_path, load_format, seed)
         self.adapters = (AdapterStore(self.model, lora, cfg, self.dtype, self.device, ranks)
                          if lora is not None and lora.enabled else None)
+        self._log_moe_path()
         self.num_blocks, self.kv_reason = self._size_kv_cache(num_blocks, kv_cache_memory_bytes,
                                                               gpu_memory_utilization, max_num_seqs)
         self.scratch_block = self.num_blocks  # never in a plan: _check rejects ids >= num_blocks
@@ -168,6 +170,20 @@ class ModelRunner:
         model = model.to_empty(device=self.device).to(self.dtype)
         load_weights(model, model_path, load_format, seed=seed)
         return model.eval()
+
+    def _log_moe_path(self) -> None:
+        """Build the fused MoE kernel now (not on the first request) where it applies, and
+        say which expert path serves."""
+        if self.config.moe is None:
+            return
+        probe = torch.empty(0, dtype=self.dtype, device=self.device)
+        if not fused_moe.applies(probe, self.config.act):
+            log.info("MoE experts: per-expert matmuls (the fused kernel is for float32 SiLU "
+                     "experts on CPU)")
+        elif fused_moe.load() is None:
+            log.info("MoE experts: per-expert matmuls (the fused kernel could not be built)")
+        else:
+            log.info("MoE experts: the fused CPU kernel")
 
     @property
     def block_bytes(self) -> int:

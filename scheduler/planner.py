@@ -30,10 +30,17 @@ A pooling request (``TokenizedReq.pooling``: a prefill whose one output, its "sa
 the pooled hidden state) neither reads nor fills the cache: mean and cls pooling need the
 hidden state of positions a hit would skip, and last-token pooling's equality under a hit
 is not proven, so every pooling prompt is computed whole.
-Blocks become findable only after the step that wrote them has returned (``commit``), so
-no request ever reads a block the worker has not finished writing. A waiting request whose
-next block a planned step is filling (the same shared prefix, admitted a step earlier)
-waits for that step instead of recomputing the block: one step later it is a hit.
+Blocks that planned steps are still filling are shared too (``Planner.filling``): the
+worker runs steps in order and, within a step, writes every chunk's K/V before any chunk
+attends, so a request planned after the chunk that fills a block (in the same step or a
+later one) reads it written. A burst of requests with one long prefix therefore computes
+the prefix once and all of them get their first token in the same step, where a request
+had to wait for the filling step to return. The filler must be one the worker surely
+feeds: a request with a grammar lends nothing (its grammar may fail to compile, and then
+the worker skips it). If the filling step fails, or the filler fails on its own, the
+requests that borrowed its blocks fail with it (``PlannedStep.lent``); a filler that
+finishes (an abort) lends nothing more, since its freed blocks may be handed out again.
+Such blocks enter the prefix cache when a holder's step returns (``commit``).
 
 LoRA: at most ``max_loras`` distinct adapters run at once (the ranks hold that many on
 the device). A waiting request for another adapter lets the requests behind it in the
@@ -49,14 +56,19 @@ moves messages.
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, field
 
 from protocol.ipc import (PLACEHOLDER_TOKEN, PoolingParams, RequestFailure, SamplingParams,
                           SeqChunk)
-from scheduler.block_manager import BlockAllocator
+from scheduler.block_manager import BlockAllocator, BlockKey
 from scheduler.request import SchedRequest
 from scheduler.waiting import WaitQueue
+
+
+# a request whose shared prefix blocks were never written: its filler failed first
+BORROWED_FROM_FAILED = RequestFailure(
+    "engine_error", "the request computing this request's shared prompt prefix failed, so "
+    "the prefix this request was to reuse was not computed")
 
 
 @dataclass
@@ -65,10 +77,23 @@ class PlannedStep:
     members: list[tuple[SchedRequest, int]] = field(default_factory=list)  # (req, n tokens)
     new_sampling: dict[str, SamplingParams] = field(default_factory=dict)
     preempted: list[SchedRequest] = field(default_factory=list)
-    writing: list[int] = field(default_factory=list)  # chained hashes of the full blocks it fills
+    writing: list[BlockKey] = field(default_factory=list)  # full blocks it fills, lendable at once
     released: list[str] = field(default_factory=list)  # rids the worker may forget
     new_pooling: dict[str, PoolingParams] = field(default_factory=dict)
     new_adapters: dict[str, int] = field(default_factory=dict)  # rid -> LoRA adapter id
+    # filler rid -> requests that share blocks this step fills for it (they fail with it)
+    lent: dict[str, list[SchedRequest]] = field(default_factory=dict)
+
+
+@dataclass
+class FillingBlock:
+    """A full block a planned step is filling: its id, the block before it in the filler's
+    table (checked as the allocator checks a cached block's parent) and who fills it."""
+
+    block: int
+    parent: int
+    filler: SchedRequest
+    step: PlannedStep
 
 
 @dataclass
@@ -100,12 +125,15 @@ class Planner:
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
         self.prefix_hit_blocks = 0  # cached blocks admitted requests took, every admission
-        # full blocks that planned steps are still filling (chained hash -> count): a
-        # request about to recompute one waits a step and then hits it in the cache
-        self.blocks_being_written: Counter[int] = Counter()
+        # full blocks that planned steps are still filling, lent to requests admitted
+        # meanwhile (see the module docstring)
+        self.filling: dict[BlockKey, FillingBlock] = {}
         self.released: list[str] = []  # finished rids the worker has seen, for the next plan
 
     def free(self, req: SchedRequest) -> None:
+        if self.filling:  # its blocks may go to others now: lend none of them any more
+            for key in [k for k, entry in self.filling.items() if entry.filler is req]:
+                del self.filling[key]
         self.allocator.free(req.block_table)
         req.block_table = []
         req.num_registered = 0
@@ -150,6 +178,8 @@ class Planner:
             if failure is not None:
                 self.finish(req)
                 out.append(Sampled(req, -1, -1, "error", failure))
+                out.extend(Sampled(b, -1, -1, "error", BORROWED_FROM_FAILED)
+                           for b in self._fail_borrowers(step, req.rid))
                 continue
             self.commit(req)
             if not chunk.sample:
@@ -169,7 +199,17 @@ class Planner:
         failed = [req for req, _ in step.members if not req.finished]
         for req in failed:
             self.finish(req)
+        for rid in step.lent:
+            failed.extend(self._fail_borrowers(step, rid))
         return failed
+
+    def _fail_borrowers(self, step: PlannedStep, filler_rid: str) -> list[SchedRequest]:
+        """Finish the live requests that share blocks ``step`` was to fill for a request
+        that failed (the worker may not have written them)."""
+        out = [b for b in step.lent.get(filler_rid, ()) if not b.finished]
+        for borrower in out:
+            self.finish(borrower)
+        return out
 
     def commit(self, req: SchedRequest) -> None:
         """After a step returned: offer the request's newly completed full blocks to the
@@ -187,30 +227,41 @@ class Planner:
         req.num_registered = full
 
     def step_returned(self, step: PlannedStep) -> None:
-        """A planned step came back (or failed): its blocks are no longer being written."""
-        self.blocks_being_written.subtract(step.writing)
-        self.blocks_being_written += Counter()  # drop zero counts
+        """A planned step came back (or failed): its blocks are no longer being filled
+        (the fillers' ``commit`` caches them)."""
+        for key in step.writing:
+            if (entry := self.filling.get(key)) is not None and entry.step is step:
+                del self.filling[key]
 
     def _note_writes(self, step: PlannedStep, req: SchedRequest, start: int, n: int) -> None:
-        """Record the full blocks of known tokens that this chunk completes."""
+        """Offer the full blocks of known tokens that this chunk completes to requests
+        admitted before it returns (unless the worker might skip ``req``'s chunk)."""
         bs = self.block_size
         end = min(start + n, len(req.token_ids)) // bs  # a placeholder's block is unknown
-        if not self.enable_prefix_caching or end <= start // bs or req.req.pooling is not None:
+        if (not self.enable_prefix_caching or end <= start // bs
+                or req.req.sampling.grammar is not None or req.req.pooling is not None):
             return
-        hashes = req.full_block_hashes(end, bs)
-        written = hashes[start // bs:end]
-        step.writing.extend(written)
-        self.blocks_being_written.update(written)
+        req.full_block_hashes(end, bs)
+        table = req.block_table
+        for i in range(start // bs, end):
+            key = req.block_key(i, bs)
+            if key not in self.filling:
+                self.filling[key] = FillingBlock(table[i], table[i - 1] if i else -1, req, step)
+                step.writing.append(key)
 
-    def _waits_for_prefix(self, req: SchedRequest) -> bool:
-        """True when the block after ``req``'s cache hit is being written by a planned
-        step: waiting one step turns its recompute into a hit."""
-        if not self.blocks_being_written or not self._reads_cache(req):
-            return False
-        i = len(req.block_table)
-        if i >= (len(req.token_ids) - 1) // self.block_size:
-            return False
-        return req.full_block_hashes(i + 1, self.block_size)[i] in self.blocks_being_written
+    def _borrow_filling(self, req: SchedRequest, limit: int) -> None:
+        """Extend ``req``'s prefix match with blocks planned steps are filling."""
+        bs = self.block_size
+        table = req.block_table
+        for i in range(len(table), limit):
+            entry = self.filling.get(req.block_key(i, bs))
+            if entry is None or entry.parent != (table[i - 1] if i else -1):
+                return
+            self.allocator.acquire(entry.block)
+            table.append(entry.block)
+            borrowers = entry.step.lent.setdefault(entry.filler.rid, [])
+            if not borrowers or borrowers[-1] is not req:  # once per filler and step
+                borrowers.append(req)
 
     def _reads_cache(self, req: SchedRequest) -> bool:
         """Whether ``req`` may be served from the prefix cache."""
@@ -218,8 +269,8 @@ class Planner:
                 and req.req.pooling is None)
 
     def _match_prefix(self, req: SchedRequest) -> int:
-        """Share the longest cached run of leading full blocks (never the whole prompt);
-        returns how many were found."""
+        """Share the longest run of leading full blocks that are cached or being filled
+        (never the whole prompt); returns how many were found."""
         if not self._reads_cache(req) or req.num_computed or req.block_table:
             return 0
         bs = self.block_size
@@ -234,14 +285,21 @@ class Planner:
             alloc.acquire(block)
             req.block_table.append(block)
             parent = block
+        req.num_registered = len(req.block_table)  # borrowed ones: it may register them too
+        if self.filling:
+            self._borrow_filling(req, limit)
         req.reset_computed(len(req.block_table) * bs)
-        req.num_registered = len(req.block_table)
         return len(req.block_table)
 
     def _unmatch(self, req: SchedRequest) -> None:
-        """Admission failed after matching: give the shared blocks back."""
+        """Admission failed after matching: give the shared blocks back (and the lent
+        ones: a later admission borrows them again)."""
         self.free(req)
         req.reset_computed()
+        for entry in self.filling.values():
+            borrowers = entry.step.lent.get(entry.filler.rid)
+            if borrowers and borrowers[-1] is req:  # its borrowings were its filler's last
+                borrowers.pop()
 
     def _preempt(self, victim: SchedRequest, step: PlannedStep) -> None:
         self.running.remove(victim)
@@ -324,9 +382,6 @@ class Planner:
                     at += 1
                     continue
             matched = self._match_prefix(req)
-            if self._waits_for_prefix(req):
-                self._unmatch(req)
-                break
             n = min(req.num_pending, budget)
             if not self._grow(req, n):
                 self._unmatch(req)

@@ -69,6 +69,27 @@ async def test_prefix_cache_hit_reports_cached_tokens_and_matches_hf(server, hf_
         until=lambda s: s["prefix_hit_blocks"] - hits_before >= cached // 16)
 
 
+async def test_burst_sharing_a_prefix_being_computed_keeps_hf_tokens(server, hf_model):
+    """Eight requests with one long new head arrive together: those admitted while the
+    head's blocks are still being filled share them (in the same step or from the step in
+    flight) instead of computing them, and every greedy continuation still equals HF's."""
+    model, tok = hf_model
+    server.wait_all_blocks_free()
+    head = "A burst shares this freshly written head. " + _TEXT * 3
+    prompts = [head + f"Tail number {i}." for i in range(8)]
+    async with aiohttp.ClientSession() as session:
+        results = await asyncio.gather(*[
+            _complete(session, server, {"prompt": p, "max_tokens": 8, "ignore_eos": True,
+                                        "return_token_ids": True}) for p in prompts])
+    cached = []
+    for prompt, (status, _, body) in zip(prompts, results):
+        assert status == 200, body
+        assert body["choices"][0]["token_ids"] == _hf_greedy(model, tok(prompt)["input_ids"], 8)
+        cached.append(body["usage"]["prompt_tokens_details"]["cached_tokens"])
+    assert sorted(cached)[1] > 0, cached  # all but the one that computed the head
+    server.wait_all_blocks_free()
+
+
 async def test_preempted_requests_keep_greedy_tokens_identical_to_hf(tight_server, hf_model):
     model, tok = hf_model
     preempted_before = tight_server.wait_all_blocks_free()["preemptions"]

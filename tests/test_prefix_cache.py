@@ -3,9 +3,9 @@
 import pytest
 
 import scheduler.request as request_mod
-from protocol.ipc import DetokParams, SamplingParams, TokenizedReq
+from protocol.ipc import DetokParams, RequestFailure, SamplingParams, TokenizedReq
 from scheduler.block_manager import BlockAllocator
-from scheduler.planner import Planner
+from scheduler.planner import BORROWED_FROM_FAILED, Planner
 from scheduler.request import SchedRequest
 
 
@@ -152,12 +152,9 @@ def test_hash_collisions_are_checked_not_assumed(monkeypatch):
     _wait(planner, b, c)
     _step(planner)
     assert b.cached_tokens == 0
-    # c waited a step: b's blocks hash alike, so c's block 1 looked like one being written
-    # (a collision can delay a request, never share a wrong block)
-    assert c.cached_tokens is None
-    _step(planner)
+    # b's block 1 (being filled in the same step) hashes like c's, but its tokens differ
     assert c.cached_tokens == 4 and c.block_table[0] == a.block_table[0]
-    assert c.block_table[1] != a.block_table[1]
+    assert c.block_table[1] not in (a.block_table[1], b.block_table[1])
 
 
 def test_freed_cached_blocks_are_reused_after_preemption():
@@ -187,29 +184,128 @@ def test_priority_orders_waiting_fcfs_within_a_priority():
     assert [c.rid for c in chunks] == ["hi0", "hi1"]
 
 
-def test_request_waits_a_step_for_a_prefix_block_being_written():
-    """Two requests with one long shared prefix arriving together: the second does not
-    recompute the blocks the first is filling; it waits one step and hits them."""
-    planner = _planner(blocks=32, bs=4, budget=64)
-    prefix = list(range(100, 116))  # 4 full blocks
+def _run_like_the_engine(planner, reqs):
+    """Plan and return steps as the engine loop does (two in flight, the second planned
+    around the first); (tokens computed, step number of each request's first token)."""
+    _wait(planner, *reqs)
+    in_flight, steps, computed, first = [], 0, 0, {}
+    while planner.running or planner.waiting or in_flight:
+        step = planner.plan(lookahead=bool(in_flight))
+        if step.chunks:
+            steps += 1
+            computed += sum(n for _, n in step.members)
+            in_flight.append((steps, step))
+        if len(in_flight) == 2 or not step.chunks:
+            number, done = in_flight.pop(0)
+            for s in planner.postprocess(done, [7] * sum(c.sample for c in done.chunks)):
+                first.setdefault(s.req.rid, number)
+    return computed, first
+
+
+def test_burst_with_one_prefix_computes_it_once_and_all_start_in_the_first_step():
+    """32 requests with a 256-token shared prefix arrive together. The first one fills
+    the prefix blocks and the other 31 share them in the same step (the worker writes a
+    step's K/V before attending), so every first token comes from step 1. Before, the
+    others waited for the filling step to return: their first tokens came from step 3
+    (the prefix was computed once then too; 1376 tokens either way)."""
+    bs, prefix, own = 16, list(range(1000, 1256)), 16
+    planner = Planner(BlockAllocator(1024), block_size=bs, max_num_seqs=64,
+                      max_num_batched_tokens=1024)
+    reqs = [_req(f"r{i}", prefix + [10 + i] * own, seq=i) for i in range(32)]
+    computed, first = _run_like_the_engine(planner, reqs)
+    assert set(first.values()) == {1}
+    # the prefix once, each request's own 16 tokens, 3 more decodes each (max_tokens 4)
+    assert computed == len(prefix) + 32 * own + 32 * 3
+    assert reqs[5].cached_tokens == len(prefix)
+    assert planner.allocator.num_free == planner.allocator.total and not planner.filling
+    # the shared blocks were cached when their steps returned: a latecomer hits them
+    late = _req("late", prefix + [3] * own, seq=99)
+    planner.waiting.push(late)
+    _step(planner)
+    assert late.cached_tokens == len(prefix)
+
+
+def test_a_prefix_longer_than_the_budget_is_shared_from_the_step_in_flight():
+    """The filler's first chunk takes the whole budget; the step planned while it runs
+    gives the others the blocks it is filling (the worker runs steps in order)."""
+    planner = _planner(blocks=32, bs=4, budget=16)
+    prefix = list(range(100, 116))  # 4 full blocks = the whole budget
     a, b = _req("a", prefix + [1, 2], seq=0), _req("b", prefix + [3, 4], seq=1)
     _wait(planner, a, b)
     first = planner.plan()
     assert [c.rid for c in first.chunks] == ["a"] and len(first.writing) == 4
-    ahead = planner.plan(lookahead=True)  # a's blocks still being written: b keeps waiting
-    assert [c.rid for c in ahead.chunks] == ["a"] and b in planner.waiting
-    for step in (first, ahead):
-        planner.step_returned(step)
-        for (req, n), chunk in zip(step.members, step.chunks):
-            req.step_returned(n, chunk.sample)
-            planner.commit(req)
-            if chunk.sample:
-                req.token_ids.append(7)
-                req.num_generated += 1
-    third = planner.plan()
-    assert [c.rid for c in third.chunks] == ["a", "b"]
-    assert b.cached_tokens == 16 and b.block_table[:4] == a.block_table[:4]
-    assert sum(planner.blocks_being_written.values()) == len(third.writing)
+    ahead = planner.plan(lookahead=True)
+    got = {c.rid: c for c in ahead.chunks}
+    assert got["b"].start_pos == 16 and got["b"].token_ids == [3, 4]
+    assert got["b"].new_blocks[:4] == a.block_table[:4] and b.cached_tokens == 16
+    assert first.lent == {"a": [b]}
+    planner.postprocess(first, [])
+    assert set(planner.filling) == set(ahead.writing)  # first's blocks are cached now
+    planner.postprocess(ahead, [7, 7])
+    assert not planner.filling
+    assert planner.allocator.lookup(a.block_key(3, 4), a.block_table[2]) == a.block_table[3]
+
+
+def test_a_finished_filler_lends_nothing_more():
+    """Aborted while its step is in flight, a request's blocks go back to the pool (a later
+    plan may hand them to anyone), so nobody may borrow them as 'being filled' any more;
+    those already borrowed keep their references and stay allocated."""
+    planner = _planner(blocks=64, bs=4, budget=16)
+    prefix = list(range(100, 116))
+    a, b = _req("a", prefix + [1], seq=0), _req("b", prefix + [2], seq=1)
+    _wait(planner, a, b)
+    first = planner.plan()
+    ahead = planner.plan(lookahead=True)
+    assert b.cached_tokens == 16
+    planner.finish(a)
+    assert not any(entry.filler is a for entry in planner.filling.values())
+    assert planner.allocator.num_free == 64 - len(b.block_table)  # b holds the prefix
+    d = _req("d", prefix + [3], seq=2)
+    planner.waiting.push(d)
+    planner.postprocess(first, [])
+    planner.postprocess(ahead, [7, 7])
+    planner.plan()
+    # a's blocks never entered the cache (a finished before its step returned); b's did
+    assert d.cached_tokens == 16 and d.block_table[:4] == b.block_table[:4]
+
+
+def test_borrowers_fail_with_a_filler_that_failed():
+    """The worker skips a request that failed on its own, so the blocks it was to fill
+    may hold nothing: requests sharing them fail too, with a reason of their own; a
+    request with a grammar (which can fail to compile on the worker) lends nothing."""
+    planner = _planner(blocks=64, bs=4, budget=16)
+    prefix = list(range(100, 116))
+    a, b, c = (_req(r, prefix + [i], seq=i) for i, r in enumerate("abc"))
+    _wait(planner, a, b, c)
+    first = planner.plan()
+    ahead = planner.plan(lookahead=True)
+    assert {ch.rid for ch in ahead.chunks} == {"a", "b", "c"}
+    failure = RequestFailure("grammar_error", "bad")
+    out = planner.postprocess(first, [], failed={"a": failure})
+    assert [(s.req.rid, s.finish_reason) for s in out] == [("a", "error"), ("b", "error"),
+                                                             ("c", "error")]
+    assert out[1].failure is BORROWED_FROM_FAILED and b.finished and c.finished
+    assert planner.postprocess(ahead, [7, 7, 7]) == []
+    assert planner.allocator.num_free == planner.allocator.total and not planner.filling
+
+    # a whole step that failed takes its borrowers in later steps with it
+    d, e = _req("d", prefix + [5], seq=5), _req("e", prefix + [6], seq=6)
+    _wait(planner, d, e)
+    first = planner.plan()
+    ahead = planner.plan(lookahead=True)
+    assert [r.rid for r in planner.step_failed(first)] == ["d", "e"]
+    planner.step_failed(ahead)
+    assert planner.allocator.num_free == planner.allocator.total
+
+    import msgspec
+    g = _req("g", prefix + [8], seq=8)
+    g.req = msgspec.structs.replace(g.req, sampling=SamplingParams(temperature=0.0, grammar="x"))
+    h = _req("h", prefix + [9], seq=9)
+    planner = _planner(blocks=64, bs=4, budget=64)
+    _wait(planner, g, h)
+    step = planner.plan()
+    assert [ch.rid for ch in step.chunks] == ["g", "h"] and h.cached_tokens == 0
+    assert {f.filler.rid for f in planner.filling.values()} == {"h"} and not step.lent
 
 
 def test_prompt_logprobs_request_computes_its_whole_prompt_but_shares_its_blocks():

@@ -21,6 +21,7 @@ from torch import nn
 
 from gpu_worker.attention.base import AttentionMetadata
 from gpu_worker.model_config import LayerSpec, ModelConfig, architecture
+from gpu_worker.models import fused_moe
 from gpu_worker.models.blocks import RMSNorm, RotaryEmbedding, make_norm
 from gpu_worker.models.parallel import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
                                         ReplicatedLinear, RowParallelLinear, ShardedRMSNorm, TPGroup,
@@ -122,10 +123,11 @@ class Experts(nn.Module):
 
 class SparseMoE(nn.Module):
     """Router softmax (fp32) -> top-k -> optional renormalisation, as Mixtral and
-    Qwen3-MoE do; then one batched matmul pair per expert over the rows routed to it (a
-    loop over experts, never over tokens), summed back with ``index_add_`` in expert
-    order as HF does. Under tensor parallelism each rank holds whole experts: it sums
-    its experts' share and one all-reduce adds the ranks'."""
+    Qwen3-MoE do; then, on CPU in float32, the fused kernel (``fused_moe``); elsewhere one
+    batched matmul pair per expert over the rows routed to it (a loop over experts, never
+    over tokens). Both sum a token's experts in expert order, as HF's ``index_add_``.
+    Under tensor parallelism each rank holds whole experts: it sums its experts' share
+    and one all-reduce adds the ranks'."""
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
@@ -133,7 +135,7 @@ class SparseMoE(nn.Module):
         self.tp = tp
         self.num_experts = moe.num_experts
         self.top_k, self.renormalize = moe.top_k, moe.renormalize
-        self.act = tp.numerics.activation(cfg.act)
+        self.act_name, self.act = cfg.act, tp.numerics.activation(cfg.act)
         self.gate = ReplicatedLinear(cfg.hidden_size, moe.num_experts, False, tp)
         self.experts = Experts(tp.shard.expert_start, tp.shard.experts, cfg.hidden_size, moe.intermediate_size)
 
@@ -142,6 +144,15 @@ class SparseMoE(nn.Module):
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        kernel = fused_moe.load() if fused_moe.applies(x, self.act_name) else None
+        if kernel is not None:
+            out = kernel(x, weights, chosen, self.experts.w13, self.experts.w2, self.experts.first)
+        else:
+            out = self.per_expert(x, weights, chosen)
+        return self.tp.all_reduce(out)
+
+    def per_expert(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """This rank's experts' share, one matmul pair per expert (any device or dtype)."""
         # (row, slot) pairs grouped by expert: one sort instead of a mask per expert.
         flat = chosen.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -162,7 +173,7 @@ class SparseMoE(nn.Module):
             h = linear(self.act(gate) * up, self.experts.w2[e - first])
             out.index_add_(0, idx, (h * slot_weights[start:start + count, None]).to(x.dtype))
             start += count
-        return self.tp.all_reduce(out)
+        return out
 
 
 class DecoderLayer(nn.Module):
