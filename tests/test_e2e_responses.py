@@ -391,8 +391,9 @@ def test_continuation_finds_its_response_on_either_of_two_frontends(pair):
     for _ in range(40):  # fresh connections until some landed on the other frontend
         fresh = openai.OpenAI(base_url=pair.base_url + "/v1", api_key="unused",
                               max_retries=0)
+        # not stored: three stored continuations on first's frontend would evict it
         nxt = fresh.responses.create(model=MODEL, input="Two", previous_response_id=first.id,
-                                     max_output_tokens=3, temperature=0)
+                                     max_output_tokens=3, temperature=0, store=False)
         owners.add(nxt.id[-2])
         assert fresh.responses.retrieve(first.id).id == first.id
         if peer_lookups() - before >= 2 and len(owners) == 2:
