@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import msgspec
 
-from cluster.topology import (LOCAL_NODE, ApiSpec, EngineSpec, HttpSpec, ResolvedAddresses,
-                              RouterSpec, SecuritySpec, SupervisionSpec, Topology, resolve)
+from cluster.topology import (LOCAL_NODE, ApiSpec, DisaggregationSpec, EngineSpec, HttpSpec,
+                              ReplicaRole, ResolvedAddresses, RouterSpec, SecuritySpec,
+                              SupervisionSpec, Topology, resolve)
 
 
 class ProcessConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
@@ -48,6 +49,7 @@ class FrontendConfig(ProcessConfig, kw_only=True, tag="api_frontend"):
     nodes: list[str] = []  # every node's name, in the order of addresses.node_status
     replicas: int = 1
     router: RouterSpec = msgspec.field(default_factory=RouterSpec)
+    prefill_replicas: int = 0  # disaggregation: replicas 0..this-1 prefill, the rest decode
 
 
 class TokenizerConfig(ProcessConfig, kw_only=True, tag="tokenizer_worker"):
@@ -70,6 +72,15 @@ class ReplicaConfig(ProcessConfig, kw_only=True):
     engine: EngineSpec = msgspec.field(default_factory=EngineSpec)
     tensor_parallel: int = 1  # ranks in the replica's gpu_worker group
     replica: int = 0
+    disaggregation: DisaggregationSpec | None = None
+
+    @property
+    def replica_role(self) -> ReplicaRole:
+        """colocated, or this replica's half of a prefill/decode split."""
+        split = self.disaggregation
+        if split is None:
+            return "colocated"
+        return "prefill" if self.replica < split.prefill_replicas else "decode"
 
 
 class SchedulerConfig(ReplicaConfig, kw_only=True, tag="scheduler"):
@@ -103,14 +114,16 @@ def _role_config(role: str, topology: Topology, replica: int, **envelope) -> Pro
             served_model_aliases=model.names()[1:], max_model_len=model.max_model_len,
             http=topology.http, api=topology.api, supervision=topology.supervision,
             nodes=[n.name for n in topology.effective_nodes()],
-            replicas=topology.replicas, router=topology.router)
+            replicas=topology.replicas, router=topology.router,
+            prefill_replicas=topology.disaggregation.prefill_replicas
+            if topology.disaggregation is not None else 0)
     if role == "tokenizer_worker":
         return TokenizerConfig(**envelope, model_path=path, max_model_len=model.max_model_len,
                                api=topology.api)
     if role == "detokenizer":
         return DetokenizerConfig(**envelope, model_path=path)
     engine = dict(engine=topology.engine, tensor_parallel=topology.tensor_parallel,
-                  replica=replica)
+                  replica=replica, disaggregation=topology.disaggregation)
     if role == "scheduler":
         return SchedulerConfig(**envelope, **engine)
     return WorkerConfig(**envelope, **engine, model_path=path,

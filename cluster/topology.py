@@ -280,6 +280,9 @@ class Addresses(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # that span nodes need tcp://{host}:PORT ({host}: rank 0's node; {port}: a free port
     # one launcher picks, so one node only)
     tp_rendezvous: str = "file://{run_dir}/tp-rendezvous-{r}"
+    # where a decode replica's gpu_worker rank {k} receives prompt KV from prefill
+    # replicas (disaggregation only; {host}: the node of that rank)
+    kv_in: str = "ipc://{run_dir}/kv-in-{r}-{k}"
 
 
 class NodeSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -327,6 +330,24 @@ class RouterSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     balance_rel: Annotated[float, Meta(ge=1.0)] = 1.5
     prefix_chunk_chars: Annotated[int, Meta(ge=1)] = 64
     max_prefix_entries: Annotated[int, Meta(ge=1)] = 200_000
+
+
+class DisaggregationSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Prefill and decode on separate replicas. Replicas ``0..prefill_replicas-1`` prefill
+    (prompt KV and the first token), the next ``decode_replicas`` decode; the prompt's KV
+    blocks move worker to worker over ZeroMQ. ``transfer_timeout_s`` bounds one transfer:
+    past it the decode replica recomputes the prompt itself."""
+
+    prefill_replicas: Count
+    decode_replicas: Count
+    transfer_timeout_s: Annotated[float, Meta(gt=0.0, le=600.0)] = 10.0
+
+    @property
+    def replicas(self) -> int:
+        return self.prefill_replicas + self.decode_replicas
+
+
+ReplicaRole = Literal["colocated", "prefill", "decode"]
 
 
 class Topology(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -385,6 +406,15 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         traffic = self.security.tensor_parallel
         return traffic.interface if traffic is not None else None
     api: ApiSpec = msgspec.field(default_factory=ApiSpec)
+    # prefill/decode split of ``replicas`` (None: every replica does both)
+    disaggregation: DisaggregationSpec | None = None
+
+    def replica_role(self, replica: int) -> ReplicaRole:
+        """Prefill replicas are numbered first, then decode ones."""
+        d = self.disaggregation
+        if d is None:
+            return "colocated"
+        return "prefill" if replica < d.prefill_replicas else "decode"
 
 
 class ResolvedAddresses(msgspec.Struct, kw_only=True):
@@ -401,6 +431,8 @@ class ResolvedAddresses(msgspec.Struct, kw_only=True):
     # process's replica); roles shared by the replicas route over these
     replica_scheduler_in: list[str] = []
     replica_scheduler_pub: list[str] = []
+    # disaggregation: [replica][tp rank] -> that decode rank's KV inbound ([] elsewhere)
+    replica_kv_in: list[list[str]] = []
 
     def schedulers_in(self) -> list[str]:
         """Every replica's scheduler inbound address, in replica order."""
@@ -429,7 +461,9 @@ BINDERS = {"scheduler_in": "scheduler", "scheduler_pub": "scheduler",
            "tokenizer_in": "tokenizer_worker", "detokenizer_in": "detokenizer",
            "frontend_results": "api_frontend"}
 # ... and which roles connect to it (an ipc:// address must not cross nodes).
-CONNECTORS = {"scheduler_in": ("tokenizer_worker", "detokenizer", "api_frontend"),
+# (a prefill replica's scheduler hands requests to decode replicas' schedulers)
+CONNECTORS = {"scheduler_in": ("tokenizer_worker", "detokenizer", "api_frontend",
+                               "scheduler"),
               "scheduler_pub": ("api_frontend",), "worker_in": ("gpu_worker",),
               "worker_out": ("gpu_worker",), "tokenizer_in": ("api_frontend",),
               "detokenizer_in": ("scheduler",),
@@ -471,13 +505,20 @@ def resolve(topology: Topology, run_dir: str) -> list[ResolvedAddresses]:
                          run_dir=run_dir, n=n, i=n, r=0, node=node.name, host=node.host)
                      for n, node in enumerate(topology.effective_nodes())],
         replica_scheduler_in=[one("scheduler_in", r) for r in replicas],
-        replica_scheduler_pub=[one("scheduler_pub", r) for r in replicas])
+        replica_scheduler_pub=[one("scheduler_pub", r) for r in replicas],
+        replica_kv_in=[[a.kv_in.format(
+            run_dir=run_dir, r=r, k=k, i=0,
+            host=topology.node_of("gpu_worker", r * topology.tensor_parallel + k).host)
+            for k in range(topology.tensor_parallel)]
+            if topology.replica_role(r) == "decode" else [] for r in replicas]
+        if topology.disaggregation is not None else [])
     resolved = [ResolvedAddresses(
         scheduler_in=one("scheduler_in", r), scheduler_pub=one("scheduler_pub", r),
         worker_in=one("worker_in", r), worker_out=one("worker_out", r),
         tp_rendezvous=rendezvous(r), **shared) for r in replicas]
     every = [x for ra in resolved for x in (ra.scheduler_in, ra.scheduler_pub, ra.worker_in,
                                             ra.worker_out)]
+    every += [x for ranks in shared["replica_kv_in"] for x in ranks]
     every += [*shared["tokenizer_in"], *shared["detokenizer_in"],
               *shared["frontend_results"], *shared["node_status"]]
     duplicates = sorted({x for x in every if every.count(x) > 1})

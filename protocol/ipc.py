@@ -121,6 +121,8 @@ class GenerateReq(_Message, tag="generate", omit_defaults=True):
     echo_prompt: bool = False        # return the prompt text in RequestInfo (completions echo)
     guided: GuidedSpec | None = None  # constrained decoding, compiled by the tokenizer worker
     replica: int = 0  # the engine replica the frontend's router chose
+    # disaggregation: the decode replica the prefill replica hands it to (-1: none)
+    decode_replica: int = -1
 
 
 class TemplateInfo(msgspec.Struct, frozen=True):
@@ -215,6 +217,18 @@ class TokenizedReq(_Message, tag="tokenized", omit_defaults=True):
     priority: int = 0
     cache_salt: str | None = None
     probe: bool = False  # /health/generate: joins the head of the waiting queue
+    decode_replica: int = -1  # disaggregation: hand it there after its first token
+
+
+class KvHandoff(_Message, tag="kv_handoff"):
+    """Prefill scheduler -> decode scheduler: ``req`` has its prompt's KV computed (being
+    sent worker to worker) and its first token sampled (already sent to the detokenizer).
+    The decode replica imports the KV or, past ``transfer_timeout_s``, recomputes it."""
+
+    req: TokenizedReq
+    first_token: int
+    cached_tokens: int = 0  # the prefill replica's prefix-cache hit, already reported
+    prefill_replica: int = 0
 
 
 class Abort(_Message, tag="abort"):
@@ -257,6 +271,22 @@ class SeqChunk(msgspec.Struct, array_like=True):
     context: list[int] = []
 
 
+class KvExport(msgspec.Struct, array_like=True):
+    """After this step: send the KV of ``rid``'s first ``num_tokens`` positions to decode
+    ``replica`` (disaggregation; the chunk that completes the prompt is in the step)."""
+
+    rid: str
+    replica: int
+    num_tokens: int
+
+
+class KvImport(msgspec.Struct, array_like=True):
+    """Before this step: write the KV received for ``rid`` into ``blocks``."""
+
+    rid: str
+    blocks: list[int]
+
+
 class StepPlan(_Message, tag="step"):
     """One forward pass over a batch. ``step_id`` numbers the plans from 1 without gaps
     (every rank checks it: gpu_worker/plan_order.py). ``new_sampling`` carries params for
@@ -267,6 +297,8 @@ class StepPlan(_Message, tag="step"):
     seqs: list[SeqChunk]
     new_sampling: dict[str, SamplingParams] = {}
     released: list[str] = []
+    kv_exports: list[KvExport] = []  # disaggregation only (a prefill replica)
+    kv_imports: list[KvImport] = []  # disaggregation only (a decode replica)
 
 
 class PlanMark(_Message, tag="plan_mark"):
@@ -347,6 +379,17 @@ class StepResult(_Message, tag="result"):
     failed: dict[str, RequestFailure] = {}
 
 
+class KvReceived(_Message, tag="kv_received"):
+    """A decode rank received (``ok``) or refused a request's prompt KV; ``reason`` says
+    why it refused (checksum, frames, layout, ...). Every rank reports its own shard."""
+
+    rid: str
+    rank: int
+    ok: bool
+    reason: str = ""
+    nbytes: int = 0
+
+
 class WorkerError(_Message, tag="worker_error"):
     """A step failed; the scheduler fails the step's requests instead of hanging."""
 
@@ -367,6 +410,7 @@ class DetokStart(_Message, tag="detok_start"):
     prompt_tail: list[int] = []  # last prompt ids, so the first token decodes in context
     prompt_token_ids: list[int] | None = None  # all of them, only if return_token_ids
     replica: int = 0  # the replica serving it (stop-string aborts go back there)
+    decode_replica: int = -1  # disaggregation: the replica it is handed to (aborts too)
 
 
 class TokenOutput(msgspec.Struct, array_like=True):
@@ -496,9 +540,9 @@ class StoreAnswer(_Message, tag="store_answer"):
 
 # One tagged union per receiving socket.
 TokenizerInbound = Union[GenerateReq, RenderReq]
-SchedulerInbound = Union[TokenizedReq, Abort]
+SchedulerInbound = Union[TokenizedReq, Abort, KvHandoff]
 WorkerInbound = Union[StepPlan, PlanMark, Shutdown]
-WorkerOutbound = Union[WorkerReady, StepResult, WorkerError]
+WorkerOutbound = Union[WorkerReady, StepResult, WorkerError, KvReceived]
 DetokenizerInbound = Union[DetokStart, TokenBatch]
 FrontendInbound = Union[TextDeltas, RequestError, RequestInfo, RenderResult, StoreQuery,
                         StoreAnswer]
