@@ -59,6 +59,9 @@ class KvHeader(msgspec.Struct, array_like=True):
     num_blocks: int
     checksums: list[int]  # CRC32 of each frame after the header, in order
     sent_at: float  # wall time the prefill rank started the export
+    # a seeded request's generator after its first token: the decode rank goes on from
+    # there, so a seed gives the same tokens as on a colocated replica
+    generator_state: bytes | None = None
 
 
 def model_fingerprint(model_path: str) -> str:
@@ -117,8 +120,10 @@ class KvSender:
             tensors = [half.index_select(0, idx).cpu() for layer in runner.kv_caches
                        for half in layer]
             frames = [_as_bytes(t) for t in tensors]
+            gen = runner.generators.get(exp.rid)
             header = KvHeader(exp.rid, self.layout, exp.num_tokens, n,
-                              [zlib.crc32(f) for f in frames], started)
+                              [zlib.crc32(f) for f in frames], started,
+                              gen.get_state().numpy().tobytes() if gen is not None else None)
             if self.send(self.socks[exp.replica], [msgspec.msgpack.encode(header), *frames]):
                 self.metrics.bytes.labels("sent").inc(sum(f.nbytes for f in frames))
             else:
@@ -224,6 +229,10 @@ class KvReceiver:
                 for half, frame in zip(halves, held.frames):
                     src = torch.frombuffer(frame.buffer, dtype=torch.uint8).view(half.dtype)
                     half.index_copy_(0, idx, src.view(shape).to(half.device))
+            gen = runner.generators.get(imp.rid)
+            if gen is not None and held.header.generator_state is not None:
+                gen.set_state(torch.frombuffer(bytearray(held.header.generator_state),
+                                               dtype=torch.uint8))
 
 
 class KvTransfer:
