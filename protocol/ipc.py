@@ -287,7 +287,7 @@ class KvImport(msgspec.Struct, array_like=True):
     blocks: list[int]
 
 
-class StepPlan(_Message, tag="step"):
+class StepPlan(_Message, tag="step", omit_defaults=True):
     """One forward pass over a batch. ``step_id`` numbers the plans from 1 without gaps
     (every rank checks it: gpu_worker/plan_order.py). ``new_sampling`` carries params for
     sequences the worker has not seen (or sees again after preemption); ``released``
