@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -75,14 +74,7 @@ def test_serve_flags_make_the_split():
 
 def _post(srv: CandorServer, body: dict, path: str = "/v1/completions",
           timeout: float = 120) -> tuple[int, dict]:
-    req = urllib.request.Request(srv.base_url + path,
-                                 data=json.dumps({"model": MODEL, **body}).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read() or b"{}")
+    return srv.post_json(path, {"model": MODEL, **body}, timeout)
 
 
 def _stream(srv: CandorServer, body: dict) -> list[dict]:
