@@ -4,7 +4,8 @@ KV moves worker to worker over ZeroMQ.
 - The configuration alone: ``disaggregation:`` in a topology (typed, a bad key named),
   the serve flags, replicas that do not add up.
 - Through every process: greedy output equals HF token for token (concurrent prompts up
-  to several hundred tokens, n > 1, logprobs, streaming, a grammar); /health lists each
+  to ~240 tokens, n > 1, logprobs, streaming, a grammar; one and two TP ranks per
+  replica); /health lists each
   replica's role; the transfer metrics count what moved; every block comes back.
 - Faults: garbled and truncated transfers are refused and the decode replica recomputes
   (same tokens); a transfer that never comes is recomputed after the deadline; a prefill
@@ -177,6 +178,20 @@ def test_pd_greedy_parity_roles_metrics_and_blocks(tiny_model_dir, tmp_path, hf_
         assert status == 200 and body["choices"][0]["finish_reason"] == "length"
         srv.wait_all_blocks_free()
         assert _kv_moved(srv) == before
+    finally:
+        assert srv.stop() == 0
+
+
+def test_pd_with_two_ranks_per_replica_matches_hf(tiny_model_dir, tmp_path, hf_model):
+    """-tp 2 on both sides: rank k sends its KV heads to decode rank k, and the decode
+    replica imports only once every rank holds its shard."""
+    srv = _pd_server(tiny_model_dir, tmp_path, "--tensor-parallel-size", "2")
+    try:
+        _greedy_matches_hf(srv, hf_model)
+        s = scrape(srv)
+        assert s.total("candor_kv_transfer_seconds_count") == 2 * len(PROMPTS)
+        assert s.total("candor_kv_transfer_failures_total") == 0
+        srv.wait_all_blocks_free()
     finally:
         assert srv.stop() == 0
 
