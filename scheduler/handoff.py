@@ -140,7 +140,8 @@ class DecodeIntake:
                     sreq = self.request(wait.handoff, 0)
                     sreq.block_table = blocks
                     sreq.num_computed = sreq.num_scheduled = len(wait.handoff.req.prompt_token_ids)
-                    self.imports.append((sreq, ipc.KvImport(rid, blocks)))
+                    # a copy: the table grows (the first decode token) before the plan goes
+                    self.imports.append((sreq, ipc.KvImport(rid, list(blocks))))
                     out.append((wait.handoff, sreq))
                     continue
                 self.metrics.failures.labels("no_free_blocks").inc()
