@@ -16,6 +16,12 @@ lost exactly its requests fail. ``stats`` is then the sum over the replicas in r
 A topology that serves several models gives each its own replicas, tokenizer workers and
 detokenizers (``FrontendConfig.engines``, numbered across models); ``view(i)`` is this
 client as model i's routes use it: its requests reach only model i's processes.
+
+Disaggregated (``prefill_replicas`` > 0): a request goes to a prefill replica (by the
+same rule, among prefill replicas) and names the decode replica it is handed to (the
+least loaded); it belongs to both, so losing either fails it and aborts go to both.
+With no prefill replica in rotation a decode replica serves it whole (and the other way
+round), so a lost half degrades the deployment instead of stopping it.
 """
 
 from __future__ import annotations
@@ -111,6 +117,8 @@ class EngineClient:
         # a replica whose last heartbeat is older than this is out of rotation (/health 503)
         self.heartbeat_stale_s = cfg.supervision.heartbeat_stale_s
         self._replica_of: dict[str, int] = {}  # rid -> replica, while in flight
+        self._decode_of: dict[str, int] = {}  # rid -> decode replica (disaggregation)
+        self.prefill_replicas = cfg.prefill_replicas
         self._replica_load = [0] * self.replicas  # this frontend's requests in flight
         self._reports: dict[int, tuple[ipc.SchedulerStats, float]] = {}
         self.lost: dict[int, str] = {}  # replica -> why it left rotation for good
@@ -231,7 +239,8 @@ class EngineClient:
         if replica in self.lost:
             return 0
         self.lost[replica] = why
-        mine = [rid for rid, r in self._replica_of.items() if r == replica]
+        mine = [rid for rid, r in self._replica_of.items()
+                if r == replica or self._decode_of.get(rid) == replica]
         for rid in mine:
             queue = self._queues.get(rid)
             self._forget_replica(rid)
@@ -247,16 +256,26 @@ class EngineClient:
         self._update_replica_gauges()
         return len(mine)
 
-    def _send_abort(self, rid: str, reason: str):
-        replica = self._forget_replica(rid)
-        return self._to_scheduler[replica].send(ipc.Abort(rid, reason))
+    def _send_abort(self, rid: str, reason: str) -> None:
+        for replica in self._forget_replica(rid):
+            self._to_scheduler[replica].send(ipc.Abort(rid, reason))
 
-    def _forget_replica(self, rid: str) -> int:
+    def _forget_replica(self, rid: str) -> list[int]:
+        """The replicas ``rid`` was sent to (prefill and decode with disaggregation)."""
         replica = self._replica_of.pop(rid, None)
         if replica is None:
-            return 0
+            return [0]
         self._replica_load[replica] -= 1
-        return replica
+        decode = self._decode_of.pop(rid, None)
+        if decode is None:
+            return [replica]
+        self._replica_load[decode] -= 1
+        return [replica, decode]
+
+    def replica_role(self, replica: int) -> str:
+        if not self.prefill_replicas:
+            return "colocated"
+        return "prefill" if replica < self.prefill_replicas else "decode"
 
     def in_rotation(self) -> list[int]:
         """Replicas that can take a request now."""
@@ -275,6 +294,13 @@ class EngineClient:
         # a pooling input never reads the prefix cache: no affinity, the least loaded
         keys = [] if isinstance(req, ipc.PoolReq) else self.router.keys(affinity_text(req),
                                                                          req.cache_salt)
+        if self.prefill_replicas and isinstance(req, ipc.GenerateReq):
+            prefill = [r for r in alive if r < self.prefill_replicas]
+            decode = [r for r in alive if r >= self.prefill_replicas]
+            if prefill and decode:  # else the half that is left serves whole
+                least = min(loads[r] for r in decode)
+                req.decode_replica = next(r for r in decode if loads[r] == least)
+            alive = prefill or decode
         req.replica, why = self.router.pick(keys, loads, alive)
         if self.metrics is not None:
             self.metrics.routed.labels(str(req.replica), why).inc()
@@ -325,7 +351,8 @@ class EngineClient:
             state = ("lost" if r in self.lost else "serving" if r in rotation
                      else "loading" if stats is not None and not stats.worker_ready
                      else "silent")
-            out.append({"replica": r, "state": state, "why": self.lost.get(r),
+            out.append({"replica": r, "role": self.replica_role(r), "state": state,
+                        "why": self.lost.get(r),
                         "running": stats.running if stats else None,
                         "waiting": stats.waiting if stats else None,
                         "heartbeat_age_s": round(now - at, 3) if at is not None else None})
@@ -450,6 +477,9 @@ class EngineClient:
             self._unanswered[req.rid] = time.monotonic()
             self._replica_of[req.rid] = req.replica
             self._replica_load[req.replica] += 1
+            if isinstance(req, ipc.GenerateReq) and req.decode_replica >= 0:
+                self._decode_of[req.rid] = req.decode_replica
+                self._replica_load[req.decode_replica] += 1
         if self.metrics is not None and isinstance(req, ipc.GenerateReq) and not req.probe:
             self._timers[req.rid] = RequestTimer(self.metrics, time.monotonic())
         try:
@@ -474,9 +504,10 @@ class EngineClient:
         self._track()
 
     async def abort(self, rid: str, reason: str = "disconnect") -> None:
-        replica = self._replica_of.get(rid, 0)
+        replicas = self._forget_replica(rid)
         self.release(rid)
-        await self._to_scheduler[replica].send(ipc.Abort(rid, reason))
+        for replica in replicas:
+            await self._to_scheduler[replica].send(ipc.Abort(rid, reason))
 
 
 class EngineView:

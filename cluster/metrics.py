@@ -58,6 +58,27 @@ def dropped_messages(role: str):
                    "process logs which socket", ["role"], registry=None).labels(role).inc
 
 
+class KvTransferMetrics:
+    """Prompt KV moved between replicas (disaggregation); each side counts its own:
+    bytes sent (prefill) and received (decode), the transfer time on arrival, and every
+    transfer that failed, by reason (the decode side then recomputes the prompt). One
+    instance per process: two would write over each other's multiprocess values."""
+
+    def __init__(self) -> None:
+        from prometheus_client import Counter, Histogram
+
+        self.bytes = Counter("candor_kv_transfer_bytes", "Prompt KV bytes moved between "
+                             "replicas, by direction (sent | received)", ["direction"],
+                             registry=None)
+        self.seconds = Histogram("candor_kv_transfer_seconds", "From a prefill rank "
+                                 "starting a KV export to the decode rank holding it, checked",
+                                 buckets=LATENCY_BUCKETS, registry=None)
+        self.failures = Counter("candor_kv_transfer_failures", "KV transfers that failed "
+                                "(the decode replica recomputed the prompt), by reason",
+                                ["reason"], registry=None)
+
+
+
 def render(path: str) -> tuple[bytes, str]:
     """The exposition text of every process that wrote into ``path``, labelled with the
     model, plus vLLM's names and per-role process metrics (cluster/metrics_view.py)."""

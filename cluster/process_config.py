@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import msgspec
 
-from cluster.topology import (LOCAL_NODE, ApiSpec, EngineGroup, EngineSpec, HttpSpec,
-                              LoraSpec,
-                              ResolvedAddresses, RouterSpec, SecuritySpec, SupervisionSpec,
-                              Topology, resolve)
+from cluster.topology import (LOCAL_NODE, ApiSpec, DisaggregationSpec, EngineGroup,
+                              EngineSpec, HttpSpec, LoraSpec, ReplicaRole, ResolvedAddresses,
+                              RouterSpec, SecuritySpec, SupervisionSpec, Topology, resolve)
 
 
 class ProcessConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,
@@ -66,6 +65,8 @@ class FrontendConfig(ProcessConfig, kw_only=True, tag="api_frontend"):
     router: RouterSpec = msgspec.field(default_factory=RouterSpec)
     runner: str = "generate"
     engines: list[ServedEngine] = []
+    lora: LoraSpec = msgspec.field(default_factory=LoraSpec)  # adapters, runtime loading
+    prefill_replicas: int = 0  # disaggregation: replicas 0..this-1 prefill, the rest decode
 
     def served(self) -> list[ServedEngine]:
         if self.engines:
@@ -75,7 +76,6 @@ class FrontendConfig(ProcessConfig, kw_only=True, tag="api_frontend"):
                              runner=self.runner, replicas=list(range(self.replicas)),
                              tokenizers=list(range(len(self.addresses.tokenizer_in))),
                              detokenizers=list(range(len(self.addresses.detokenizer_in))))]
-    lora: LoraSpec = msgspec.field(default_factory=LoraSpec)  # adapters, runtime loading
 
 
 class TokenizerConfig(ProcessConfig, kw_only=True, tag="tokenizer_worker"):
@@ -99,6 +99,15 @@ class ReplicaConfig(ProcessConfig, kw_only=True):
     tensor_parallel: int = 1  # ranks in the replica's gpu_worker group
     replica: int = 0
     lora: LoraSpec = msgspec.field(default_factory=LoraSpec)  # the adapters both halves number alike
+    disaggregation: DisaggregationSpec | None = None
+
+    @property
+    def replica_role(self) -> ReplicaRole:
+        """colocated, or this replica's half of a prefill/decode split."""
+        split = self.disaggregation
+        if split is None:
+            return "colocated"
+        return "prefill" if self.replica < split.prefill_replicas else "decode"
 
 
 class SchedulerConfig(ReplicaConfig, kw_only=True, tag="scheduler"):
@@ -147,14 +156,16 @@ def _role_config(role: str, topology: Topology, group: EngineGroup, replica: int
             nodes=[n.name for n in topology.effective_nodes()],
             replicas=topology.total_replicas, router=topology.router, runner=group.runner,
             engines=_engines(topology, groups),
-            lora=next((g.model.lora for g in groups if g.runner == "generate"), LoraSpec()))
+            lora=next((g.model.lora for g in groups if g.runner == "generate"), LoraSpec()),
+            prefill_replicas=topology.disaggregation.prefill_replicas
+            if topology.disaggregation is not None else 0)
     if role == "tokenizer_worker":
         return TokenizerConfig(**envelope, model_path=path, max_model_len=model.max_model_len,
                                api=topology.api)
     if role == "detokenizer":
         return DetokenizerConfig(**envelope, model_path=path)
     engine = dict(engine=group.engine, tensor_parallel=group.tensor_parallel,
-                  replica=replica, lora=model.lora)
+                  replica=replica, lora=model.lora, disaggregation=topology.disaggregation)
     if role == "scheduler":
         return SchedulerConfig(**envelope, **engine)
     return WorkerConfig(**envelope, **engine, model_path=path,

@@ -171,6 +171,16 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                    choices=["cache_aware", "round_robin"],
                    help="cache_aware: same prompt prefix or cache_salt -> same replica "
                         "unless overloaded, else least loaded")
+    g.add_argument("--prefill-replicas", type=int, default=None, metavar="P",
+                   help="disaggregated serving: P replicas compute prompts (KV and the "
+                        "first token) and hand each request to a decode replica; with "
+                        "--decode-replicas, instead of --data-parallel-size")
+    g.add_argument("--decode-replicas", type=int, default=None, metavar="D",
+                   help="disaggregated serving: D replicas receive the prompt KV worker to "
+                        "worker and decode")
+    g.add_argument("--kv-transfer-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="disaggregated serving: a decode replica that has not received a "
+                        "prompt's KV after this long recomputes the prompt itself")
     g.add_argument("--generation-config", default="auto", metavar="auto|vllm|none|DIR",
                    help="auto: requests that omit temperature/top_p/top_k/min_p/"
                         "repetition_penalty get the checkpoint's generation_config.json "
@@ -368,6 +378,21 @@ def kv_cache_mb(args: argparse.Namespace, environ: dict[str, str]) -> int | None
     return None
 
 
+def _replicas(args: argparse.Namespace) -> dict:
+    """``replicas`` and, with --prefill-replicas/--decode-replicas, ``disaggregation``."""
+    p, d = args.prefill_replicas, args.decode_replicas
+    if p is None and d is None:
+        return {"replicas": args.data_parallel_size}
+    if p is None or d is None:
+        raise ServeArgsError("--prefill-replicas and --decode-replicas go together")
+    if args.data_parallel_size not in (1, p + d):
+        raise ServeArgsError(f"--data-parallel-size {args.data_parallel_size} does not match "
+                         f"--prefill-replicas {p} + --decode-replicas {d}")
+    return {"replicas": p + d, "disaggregation": {
+        "prefill_replicas": p, "decode_replicas": d,
+        "transfer_timeout_s": args.kv_transfer_timeout}}
+
+
 def serve_topology(args: argparse.Namespace, model_path: str, default_name: str,
                    environ: dict[str, str] | None = None) -> Topology:
     """The flags as a topology, validated by the same constraints as a YAML file.
@@ -384,7 +409,7 @@ def serve_topology(args: argparse.Namespace, model_path: str, default_name: str,
             raise ServeArgsError(f"{given[0]} needs --enable-lora")
     return msgspec.convert({
         "tensor_parallel": args.tensor_parallel_size,
-        "replicas": args.data_parallel_size,
+        **_replicas(args),
         "router": {"policy": args.data_parallel_routing},
         "model": {"path": model_path,
                   "served_model_name": names if len(names) > 1 else names[0],

@@ -146,17 +146,24 @@ def _check_healthy(http: HttpSpec) -> bool:
         return False
 
 
-def stop(children: list[Child]) -> None:
+def stop(children: list[Child], tick=lambda: None) -> None:
+    """SIGTERM, then SIGKILL past ``GRACE_S``; ``tick`` runs while waiting (a launcher
+    that serves on keeps publishing its NodeStatus: a process can take seconds to exit)."""
     for child in children:
         if child.proc.poll() is None:
             child.proc.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + GRACE_S
     for child in children:
-        try:
-            child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            child.proc.kill()
-            child.proc.wait()
+        while True:
+            try:
+                child.proc.wait(timeout=max(0.01, min(0.05, deadline - time.monotonic())))
+                break
+            except subprocess.TimeoutExpired:
+                if time.monotonic() >= deadline:
+                    child.proc.kill()
+                    child.proc.wait()
+                    break
+                tick()
 
 
 class NodeSupervisor:
@@ -294,7 +301,7 @@ class NodeSupervisor:
             self.lost_replicas[r] = why
             self.publish(force=True)
             members = [c for c in self.children if c.replica == r]
-            stop(members)
+            stop(members, tick=self.publish)  # the frontends must not hear silence
             for c in members:
                 process_exited(self.metrics_dir, c.proc.pid)
         self.publish(force=True)

@@ -347,6 +347,9 @@ class Addresses(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # that span nodes need tcp://{host}:PORT ({host}: rank 0's node; {port}: a free port
     # one launcher picks, so one node only)
     tp_rendezvous: str = "file://{run_dir}/tp-rendezvous-{r}"
+    # where a decode replica's gpu_worker rank {k} receives prompt KV from prefill
+    # replicas (disaggregation only; {host}: the node of that rank)
+    kv_in: str = "ipc://{run_dir}/kv-in-{r}-{k}"
 
 
 class NodeSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -445,6 +448,24 @@ class EngineGroup:
         return range(first, first + self.tensor_parallel)
 
 
+class DisaggregationSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Prefill and decode on separate replicas. Replicas ``0..prefill_replicas-1`` prefill
+    (prompt KV and the first token), the next ``decode_replicas`` decode; the prompt's KV
+    blocks move worker to worker over ZeroMQ. ``transfer_timeout_s`` bounds one transfer:
+    past it the decode replica recomputes the prompt itself."""
+
+    prefill_replicas: Count
+    decode_replicas: Count
+    transfer_timeout_s: Annotated[float, Meta(gt=0.0, le=600.0)] = 10.0
+
+    @property
+    def replicas(self) -> int:
+        return self.prefill_replicas + self.decode_replicas
+
+
+ReplicaRole = Literal["colocated", "prefill", "decode"]
+
+
 class Topology(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """``tensor_parallel``: gpu_worker ranks per engine replica, one torch.distributed
     group (vLLM's --tensor-parallel-size). ``replicas``: engine replicas (a scheduler and
@@ -535,6 +556,15 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         traffic = self.security.tensor_parallel
         return traffic.interface if traffic is not None else None
     api: ApiSpec = msgspec.field(default_factory=ApiSpec)
+    # prefill/decode split of ``replicas`` (None: every replica does both)
+    disaggregation: DisaggregationSpec | None = None
+
+    def replica_role(self, replica: int) -> ReplicaRole:
+        """Prefill replicas are numbered first, then decode ones."""
+        d = self.disaggregation
+        if d is None:
+            return "colocated"
+        return "prefill" if replica < d.prefill_replicas else "decode"
 
 
 class ResolvedAddresses(msgspec.Struct, kw_only=True):
@@ -559,6 +589,8 @@ class ResolvedAddresses(msgspec.Struct, kw_only=True):
         """The detokenizers this replica's requests are decoded by."""
         return self.detokenizer_in if self.group_detokenizer_in is None \
             else self.group_detokenizer_in
+    # disaggregation: [replica][tp rank] -> that decode rank's KV inbound ([] elsewhere)
+    replica_kv_in: list[list[str]] = []
 
     def schedulers_in(self) -> list[str]:
         """Every replica's scheduler inbound address, in replica order."""
@@ -587,7 +619,9 @@ BINDERS = {"scheduler_in": "scheduler", "scheduler_pub": "scheduler",
            "tokenizer_in": "tokenizer_worker", "detokenizer_in": "detokenizer",
            "frontend_results": "api_frontend"}
 # ... and which roles connect to it (an ipc:// address must not cross nodes).
-CONNECTORS = {"scheduler_in": ("tokenizer_worker", "detokenizer", "api_frontend"),
+# (a prefill replica's scheduler hands requests to decode replicas' schedulers)
+CONNECTORS = {"scheduler_in": ("tokenizer_worker", "detokenizer", "api_frontend",
+                               "scheduler"),
               "scheduler_pub": ("api_frontend",), "worker_in": ("gpu_worker",),
               "worker_out": ("gpu_worker",), "tokenizer_in": ("api_frontend",),
               "detokenizer_in": ("scheduler",),
@@ -631,7 +665,14 @@ def resolve(topology: Topology, run_dir: str) -> list[ResolvedAddresses]:
                          run_dir=run_dir, n=n, i=n, r=0, node=node.name, host=node.host)
                      for n, node in enumerate(topology.effective_nodes())],
         replica_scheduler_in=[one("scheduler_in", r) for r in replicas],
-        replica_scheduler_pub=[one("scheduler_pub", r) for r in replicas])
+        replica_scheduler_pub=[one("scheduler_pub", r) for r in replicas],
+        # disaggregation serves one model (topology_check): its replicas are the first
+        replica_kv_in=[[a.kv_in.format(
+            run_dir=run_dir, r=r, k=k, i=0,
+            host=topology.node_of("gpu_worker", r * topology.tensor_parallel + k).host)
+            for k in range(topology.tensor_parallel)]
+            if topology.replica_role(r) == "decode" else [] for r in replicas]
+        if topology.disaggregation is not None else [])
     resolved = []
     for group in groups:
         own = [detokenizers[i] for i in group.detokenizer_ids()] if len(groups) > 1 else None
@@ -642,6 +683,7 @@ def resolve(topology: Topology, run_dir: str) -> list[ResolvedAddresses]:
             for r in group.replica_ids()]
     every = [x for ra in resolved for x in (ra.scheduler_in, ra.scheduler_pub, ra.worker_in,
                                             ra.worker_out)]
+    every += [x for ranks in shared["replica_kv_in"] for x in ranks]
     every += [*shared["tokenizer_in"], *shared["detokenizer_in"],
               *shared["frontend_results"], *shared["node_status"]]
     duplicates = sorted({x for x in every if every.count(x) > 1})

@@ -156,6 +156,11 @@ def _bound_addresses(topology: Topology, replicas: list[ResolvedAddresses]):
         for i, addr in enumerate(values):
             label = f"{key}[{i}]" if isinstance(value, list) else key
             out.append((label, addr, bind_node, connect_nodes))
+    senders = {n.name for n in topology.nodes_of("gpu_worker")}
+    for r, ranks in enumerate(resolved.replica_kv_in):
+        for k, addr in enumerate(ranks):
+            node = topology.node_of("gpu_worker", r * topology.tensor_parallel + k).name
+            out.append((f"kv_in[{r}][{k}]", addr, node, senders))
     listeners = {n.name for role in CONNECTORS["node_status"] for n in topology.nodes_of(role)}
     for node, addr in zip(topology.effective_nodes(), resolved.node_status):
         out.append((f"node_status[{node.name}]", addr, node.name, listeners))
@@ -270,10 +275,28 @@ def _security(topology: Topology, problems: list[str]) -> None:
                         "not exist")
 
 
+def _disaggregation(topology: Topology, problems: list[str]) -> None:
+    split = topology.disaggregation
+    if split is not None and split.replicas != topology.replicas:
+        problems.append(f"replicas is {topology.replicas} but disaggregation names "
+                        f"{split.prefill_replicas} prefill + {split.decode_replicas} decode "
+                        f"replicas; set replicas: {split.replicas}")
+    if split is not None and topology.model.lora.enabled:
+        problems.append("disaggregation does not serve LoRA adapters yet (a decode replica "
+                        "would not know the adapter): turn one of them off")
+    if split is not None and topology.model.runner == "pooling":
+        problems.append("disaggregation splits generation: a pooling model (runner: "
+                        "pooling) has no decode to hand over")
+    if split is not None and topology.models:
+        problems.append("disaggregation serves one model: a topology with `models` cannot "
+                        "split prefill and decode yet")
+
+
 def check_topology(topology: Topology, node: str | None = None,
                    check_model: bool = True) -> None:
     """Raise ``TopologyError`` naming every problem found, or return quietly."""
     problems: list[str] = []
+    _disaggregation(topology, problems)
     _placement(topology, problems)
     _served_names(topology, problems)
     names = [n.name for n in topology.effective_nodes()]

@@ -24,11 +24,12 @@ from detokenizer.logprobs import TokenTexts
 
 
 class _Live:
-    __slots__ = ("detok", "reply_to", "prompt_tokens", "prompt_ids", "cached_tokens", "replica")
+    __slots__ = ("detok", "reply_to", "prompt_tokens", "prompt_ids", "cached_tokens",
+                 "replicas")
 
     def __init__(self, detok: RequestDetokenizer, reply_to: str, prompt_tokens: int,
-                 prompt_ids: list[int] | None, replica: int = 0) -> None:
-        self.replica = replica
+                 prompt_ids: list[int] | None, replicas: tuple[int, ...] = (0,)) -> None:
+        self.replicas = replicas  # serving it: one, or prefill and decode
         self.detok = detok
         self.reply_to = reply_to
         self.prompt_tokens = prompt_tokens
@@ -72,11 +73,13 @@ class Detokenizer:
             self.tracked.set(self._tracked)
 
     def start(self, msg: ipc.DetokStart) -> None:
-        if msg.replica in self.lost_replicas:
+        replicas = (msg.replica,) if msg.decode_replica < 0 else (msg.replica,
+                                                                  msg.decode_replica)
+        if self.lost_replicas.intersection(replicas):
             return  # sent before its replica died: it never gets a token
         self.live[msg.rid] = _Live(RequestDetokenizer(self.tokenizer, msg.detok, msg.prompt_tail),
                                    msg.reply_to, msg.prompt_tokens, msg.prompt_token_ids,
-                                   replica=msg.replica)
+                                   replicas=replicas)
         self._track()
 
     def tokens(self, msg: ipc.TokenBatch) -> None:
@@ -97,7 +100,8 @@ class Detokenizer:
             consumed = out.token_ids[:detok.num_tokens - before]
             if detok.stopped and finish in (None, "length"):  # the text was cut by a stop string
                 if finish is None:
-                    self.to_schedulers[state.replica].send(ipc.Abort(out.rid, "stop_string"))
+                    for replica in state.replicas:
+                        self.to_schedulers[replica].send(ipc.Abort(out.rid, "stop_string"))
                 finish = "stop"
             if finish == "error":
                 errors.append((state.reply_to, _request_error(out)))
@@ -124,7 +128,7 @@ class Detokenizer:
             if replica in self.lost_replicas:
                 continue
             self.lost_replicas.add(replica)
-            gone = [rid for rid, state in self.live.items() if state.replica == replica]
+            gone = [rid for rid, state in self.live.items() if replica in state.replicas]
             for rid in gone:
                 del self.live[rid]
             self._track()

@@ -113,6 +113,12 @@ def main() -> None:
         if results is not None:
             results.send(msg)
 
+    from gpu_worker.kv_transfer import KvTransfer
+    transfer = KvTransfer.for_worker(ctx, cfg, runner)
+    if transfer is not None:
+        transfer.attach(runner)
+        log.info("disaggregation: this is a %s replica", cfg.replica_role)
+
     answer(ipc.WorkerReady(runner.num_blocks, runner.block_size, runner.max_model_len,
                            device=str(runner.device),
                            dtype=str(runner.dtype).removeprefix("torch."),
@@ -122,7 +128,8 @@ def main() -> None:
     last_sent = time.perf_counter()
     order = PlanOrder()
     while not stop.is_set():
-        msg = plans.recv(timeout_ms=200)
+        msg = plans.recv(timeout_ms=200) if transfer is None \
+            else transfer.recv_plan(plans, 200)
         if msg is None:
             continue
         if isinstance(msg, ipc.Shutdown):
@@ -146,6 +153,8 @@ def main() -> None:
             result.idle_s = idle
             sending = time.perf_counter()
             answer(result)
+            if msg.kv_exports:  # before the next plan can reuse the blocks
+                transfer.after_step(runner, msg, result.failed)
             last_sent = time.perf_counter()
             runner.timings.send += last_sent - sending  # reported with the next result
         except Exception:  # a failed step fails its requests, not the process

@@ -130,6 +130,8 @@ class GenerateReq(_Message, tag="generate", omit_defaults=True):
     guided: GuidedSpec | None = None  # constrained decoding, compiled by the tokenizer worker
     replica: int = 0  # the engine replica the frontend's router chose
     lora: str | None = None  # the LoRA adapter the client named in `model` (None: the base)
+    # disaggregation: the decode replica the prefill replica hands it to (-1: none)
+    decode_replica: int = -1
 
 
 class PoolReq(_Message, tag="pool", omit_defaults=True):
@@ -244,6 +246,18 @@ class TokenizedReq(_Message, tag="tokenized", omit_defaults=True):
     # sent to ``reply_to`` as ``Pooled``; max_tokens is 1, that output)
     pooling: PoolingParams | None = None
     lora: str | None = None  # LoRA adapter name (the scheduler resolves it; None: the base)
+    decode_replica: int = -1  # disaggregation: hand it there after its first token
+
+
+class KvHandoff(_Message, tag="kv_handoff"):
+    """Prefill scheduler -> decode scheduler: ``req`` has its prompt's KV computed (being
+    sent worker to worker) and its first token sampled (already sent to the detokenizer).
+    The decode replica imports the KV or, past ``transfer_timeout_s``, recomputes it."""
+
+    req: TokenizedReq
+    first_token: int
+    cached_tokens: int = 0  # the prefill replica's prefix-cache hit, already reported
+    prefill_replica: int = 0
 
 
 class Abort(_Message, tag="abort"):
@@ -286,6 +300,22 @@ class SeqChunk(msgspec.Struct, array_like=True):
     context: list[int] = []
 
 
+class KvExport(msgspec.Struct, array_like=True):
+    """After this step: send the KV of ``rid``'s first ``num_tokens`` positions to decode
+    ``replica`` (disaggregation; the chunk that completes the prompt is in the step)."""
+
+    rid: str
+    replica: int
+    num_tokens: int
+
+
+class KvImport(msgspec.Struct, array_like=True):
+    """Before this step: write the KV received for ``rid`` into ``blocks``."""
+
+    rid: str
+    blocks: list[int]
+
+
 class StepPlan(_Message, tag="step", omit_defaults=True):
     """One forward pass over a batch. ``step_id`` numbers the plans from 1 without gaps
     (every rank checks it: gpu_worker/plan_order.py; the adapter messages below take
@@ -299,6 +329,8 @@ class StepPlan(_Message, tag="step", omit_defaults=True):
     seqs: list[SeqChunk]
     new_sampling: dict[str, SamplingParams] = {}
     released: list[str] = []
+    kv_exports: list[KvExport] = []  # disaggregation only (a prefill replica)
+    kv_imports: list[KvImport] = []  # disaggregation only (a decode replica)
     new_pooling: dict[str, PoolingParams] = {}  # pooling rids among new_sampling's
     new_adapters: dict[str, int] = {}
 
@@ -421,6 +453,17 @@ class StepResult(_Message, tag="result"):
     pooled: list[bytes] = []
 
 
+class KvReceived(_Message, tag="kv_received"):
+    """A decode rank received (``ok``) or refused a request's prompt KV; ``reason`` says
+    why it refused (checksum, frames, layout, ...). Every rank reports its own shard."""
+
+    rid: str
+    rank: int
+    ok: bool
+    reason: str = ""
+    nbytes: int = 0
+
+
 class WorkerError(_Message, tag="worker_error"):
     """A step failed; the scheduler fails the step's requests instead of hanging."""
 
@@ -441,6 +484,7 @@ class DetokStart(_Message, tag="detok_start"):
     prompt_tail: list[int] = []  # last prompt ids, so the first token decodes in context
     prompt_token_ids: list[int] | None = None  # all of them, only if return_token_ids
     replica: int = 0  # the replica serving it (stop-string aborts go back there)
+    decode_replica: int = -1  # disaggregation: the replica it is handed to (aborts too)
 
 
 class TokenOutput(msgspec.Struct, array_like=True):
@@ -634,9 +678,9 @@ class StoreAnswer(_Message, tag="store_answer"):
 
 # One tagged union per receiving socket.
 TokenizerInbound = Union[GenerateReq, RenderReq, PoolReq]
-SchedulerInbound = Union[TokenizedReq, Abort, AdapterLoad, AdapterUnload]
+SchedulerInbound = Union[TokenizedReq, Abort, KvHandoff, AdapterLoad, AdapterUnload]
 WorkerInbound = Union[StepPlan, PlanMark, Shutdown, LoadAdapter, DropAdapter]
-WorkerOutbound = Union[WorkerReady, StepResult, WorkerError, AdapterLoaded]
+WorkerOutbound = Union[WorkerReady, StepResult, WorkerError, KvReceived, AdapterLoaded]
 DetokenizerInbound = Union[DetokStart, TokenBatch]
 FrontendInbound = Union[TextDeltas, RequestError, RequestInfo, RenderResult, StoreQuery,
                         StoreAnswer, Pooled, AdapterReply]

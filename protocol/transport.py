@@ -115,10 +115,14 @@ def _start_authenticator(ctx: zmq.Context, keys: CurveKeys) -> None:
 
 
 def open_socket(ctx: zmq.Context, kind: int, addresses: str | list[str],
-                bind: bool) -> zmq.Socket:
-    """One socket bound to (or connected to) every address given."""
+                bind: bool, send_hwm: int | None = None) -> zmq.Socket:
+    """One socket bound to (or connected to) every address given. ``send_hwm``: at most
+    this many messages queue, and only toward a connected peer (a bounded send)."""
     sock = ctx.socket(kind)
     _configure(sock)
+    if send_hwm is not None:
+        sock.setsockopt(zmq.SNDHWM, send_hwm)
+        sock.setsockopt(zmq.IMMEDIATE, 1)
     if kind == zmq.SUB:
         sock.setsockopt(zmq.SUBSCRIBE, b"")
     addrs = [addresses] if isinstance(addresses, str) else addresses

@@ -45,6 +45,7 @@ from protocol.routing import detokenizer_index
 from protocol.transport import Receiver, Sender, SenderPool
 from scheduler.adapters import AdapterRegistry
 from scheduler.block_manager import BlockAllocator
+from scheduler.handoff import DecodeIntake, PrefillHandoffs
 from scheduler.metrics import SchedulerOps
 from scheduler.planner import PlannedStep, Planner
 from scheduler.request import SchedRequest
@@ -112,6 +113,10 @@ class EngineLoop:
         self.work_after_last_result = False  # did the worker's last idle gap have work?
         self.ops = SchedulerOps(cfg.replica)
         self.adapters = AdapterRegistry(cfg.lora, cfg.replica)
+        # disaggregation: one of these on a prefill / decode replica, neither otherwise
+        role = cfg.replica_role
+        self.handoffs = PrefillHandoffs(ctx, cfg) if role == "prefill" else None
+        self.intake = DecodeIntake(cfg) if role == "decode" else None
 
     # ------------------------------------------------------------------ helpers
     def _detok_for(self, rid: str) -> Sender:
@@ -135,6 +140,8 @@ class EngineLoop:
             self._drop_adapter(self.adapters.release(sreq.adapter))
         self.planner.finish(sreq)
         self.ops.forget(sreq.rid)
+        if self.handoffs is not None:
+            self.handoffs.forget(sreq.rid)
         if sreq.req.pooling is None:
             self._emit(sreq, new_ids, reason, logprobs, cached_tokens, batches, failure)
         elif reason == "error":  # (an abort came from the frontend: nobody waits)
@@ -262,17 +269,42 @@ class EngineLoop:
                              f"deployment (a LoRA adapter unloaded meanwhile?). Served "
                              f"adapters: [{served}]", "model", "model_not_found")
                 return
-        sreq = SchedRequest(req, self.arrivals, adapter=adapter)
-        self.arrivals += 1
-        self.requests[req.rid] = sreq
         if req.pooling is None:
             self._detok_for(req.rid).send(ipc.DetokStart(
                 req.rid, req.reply_to, len(req.prompt_token_ids), req.detok,
                 req.prompt_token_ids[-8:],
                 req.prompt_token_ids if req.detok.return_token_ids else None,
-                replica=self.cfg.replica))
+                replica=self.cfg.replica, decode_replica=req.decode_replica))
+        if self.handoffs is not None:
+            req = self.handoffs.admit(req)
+        self._enqueue(SchedRequest(req, self.arrivals, adapter=adapter))
+
+    def _enqueue(self, sreq: SchedRequest) -> None:
+        assert self.planner is not None
+        sreq.arrival_seq = self.arrivals
+        self.arrivals += 1
+        self.requests[sreq.rid] = sreq
         self.planner.waiting.push(sreq)  # a /health/generate probe goes to the head
-        self.ops.enqueued(req.rid)
+        self.ops.enqueued(sreq.rid)
+
+    def _on_handoff(self, msg: ipc.KvHandoff) -> None:
+        """A prefill replica handed a request here (decode replicas only)."""
+        rid = msg.req.rid
+        if self.early_aborts.pop(rid, None) is not None:
+            return
+        if self.intake is None or rid in self.requests:
+            self.log.error("dropped a handoff of %s: %s", rid, "this replica does not decode"
+                           if self.intake is None else "that request is already here")
+            return
+        self.intake.on_handoff(msg)
+        self._settle_handoffs()
+
+    def _settle_handoffs(self) -> None:
+        """Queue the handed requests whose KV is in (or that recompute): see handoff.py."""
+        if self.planner is None or not (self.intake.awaiting or self.intake.shards):
+            return
+        for handoff, sreq in self.intake.settle(self.planner.allocator, self.block_size):
+            self._enqueue(sreq or self.intake.request(handoff, 0))
 
     def _apply_aborts(self, batches: dict[int, list[ipc.TokenOutput]] | None = None) -> None:
         """Finish aborted requests; their outputs go into ``batches`` (flushed here when
@@ -290,6 +322,8 @@ class EngineLoop:
                 self.log.debug("aborted %s (%s)", rid, reason)
             else:  # it overtook its request (still being tokenized): drop that on arrival
                 self.early_aborts[rid] = now
+                if self.intake is not None:  # or it is handed here, waiting for its KV
+                    self.intake.discard(rid)
         self.pending_aborts.clear()
         for rid in [r for r, t in self.early_aborts.items() if now - t > EARLY_ABORT_TTL_S]:
             del self.early_aborts[rid]
@@ -303,6 +337,8 @@ class EngineLoop:
                 self.pending_aborts[msg.rid] = msg.reason
             elif isinstance(msg, (ipc.AdapterLoad, ipc.AdapterUnload)):
                 self._on_adapter_request(msg)
+            elif isinstance(msg, ipc.KvHandoff):
+                self._on_handoff(msg)
             elif self.planner is None:
                 self._reject(msg, 503, "the engine is still loading", None, "not_ready")
             else:
@@ -327,6 +363,10 @@ class EngineLoop:
         plan = ipc.StepPlan(self.step_id, planned.chunks, planned.new_sampling,
                             planned.released, new_pooling=planned.new_pooling,
                             new_adapters=planned.new_adapters)
+        if self.handoffs is not None:
+            plan.kv_exports = self.handoffs.exports(planned.chunks, self.requests)
+        elif self.intake is not None:
+            plan.kv_imports = self.intake.take_imports()
         t1 = time.perf_counter()
         self.to_worker.send(plan)
         phases.plan += t1 - t0
@@ -376,7 +416,12 @@ class EngineLoop:
             lp = msg.logprobs[s.row] if msg.logprobs else None
             # the hit is reported once, with the request's first token
             cached = sreq.cached_tokens if sreq.num_generated == 1 else None
-            if s.finish_reason is not None:
+            if self.handoffs is not None and self.handoffs.hand_off(sreq, s.token,
+                                                                   s.finish_reason):
+                self.requests.pop(sreq.rid, None)  # it goes on on a decode replica
+                self.ops.forget(sreq.rid)
+                self._emit(sreq, [s.token], None, lp, cached, batches)
+            elif s.finish_reason is not None:
                 self._finish(sreq, s.finish_reason, [s.token], batches, cached, lp)
             else:
                 self._emit(sreq, [s.token], None, lp, cached, batches)
@@ -401,6 +446,10 @@ class EngineLoop:
                 self._on_worker_ready(msg)
             elif isinstance(msg, ipc.AdapterLoaded):
                 self._on_adapter_loaded(msg)
+            elif isinstance(msg, ipc.KvReceived):
+                if self.intake is not None:
+                    self.intake.on_received(msg)
+                    self._settle_handoffs()
             else:
                 self._on_result(msg)
 
@@ -438,6 +487,8 @@ class EngineLoop:
             **self._lora_stats())
         self.stats_pub.send(stats)
         self.ops.metrics.export(stats)
+        if self.intake is not None:  # transfer deadlines
+            self._settle_handoffs()
         if self.in_flight or self.adapters.loading:  # a rank that lost the newest plan
             # (or adapter load, which the ranks answer together) notices (plan_order.py)
             self.to_worker.send(ipc.PlanMark(self.step_id))

@@ -10,7 +10,9 @@ in-process:
 - ``dropping_plan`` / ``drop_plan_env``: one gpu_worker rank never sees one step plan, as
   when its subscription reconnects while the plan is published.
 - ``slow_execute`` / ``slow_env``: every step takes longer, so a request stays running
-  while a test looks at it."""
+  while a test looks at it.
+- ``faulty_kv_send`` / ``kv_fault_env``: a prefill rank's KV transfers are garbled (one
+  byte flipped), lose their last frame, are never sent, or stall before being sent."""
 
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ FAULT_TOKEN_ENV = "CANDOR_TEST_FAULT_TOKEN"
 SCRIPTS_ENV = "CANDOR_TEST_SCRIPTS"
 STEP_DELAY_ENV = "CANDOR_TEST_STEP_DELAY_S"
 DROP_PLAN_ENV = "CANDOR_TEST_DROP_PLAN"
+KV_FAULT_ENV = "CANDOR_TEST_KV_FAULT"
+KV_FAULTS = ("garble", "drop_frame", "withhold", "stall")
 SITE_DIR = Path(__file__).parent / "fault_site"
 
 
@@ -95,6 +99,31 @@ def dropping_plan(recv: Callable, index: int, step_id: int) -> Callable:
     return wrapper
 
 
+def faulty_kv_send(send: Callable, fault: str) -> Callable:
+    """``KvSender.send`` with ``fault`` (one of ``KV_FAULTS``; ``stall:SECONDS`` sleeps
+    that long first, so a test can kill the process mid-transfer)."""
+    kind, _, arg = fault.partition(":")
+    if kind not in KV_FAULTS:
+        raise ValueError(f"unknown KV fault {fault!r}")
+
+    @functools.wraps(send)
+    def wrapper(sock, frames):
+        if kind == "garble":
+            victim = bytearray(frames[1])
+            victim[len(victim) // 2] ^= 0xFF
+            frames = [frames[0], bytes(victim), *frames[2:]]
+        elif kind == "drop_frame":
+            frames = frames[:-1]
+        elif kind == "withhold":
+            return True  # "sent": the decode side never hears of it
+        elif kind == "stall":
+            import time
+            time.sleep(float(arg or 60))
+        return send(sock, frames)
+
+    return wrapper
+
+
 def _site_path() -> str:
     """PYTHONPATH with the site directory first (the launcher keeps an inherited
     PYTHONPATH after its own directory)."""
@@ -123,3 +152,9 @@ def drop_plan_env(index: int, step_id: int) -> dict[str, str]:
 def slow_env(delay: float) -> dict[str, str]:
     """Environment for a ``CandorServer`` whose gpu_worker steps take ``delay`` s longer."""
     return {STEP_DELAY_ENV: str(delay), "PYTHONPATH": _site_path()}
+
+
+def kv_fault_env(fault: str) -> dict[str, str]:
+    """Environment for a ``CandorServer`` whose prefill ranks' KV transfers meet
+    ``fault`` (see ``faulty_kv_send``)."""
+    return {KV_FAULT_ENV: fault, "PYTHONPATH": _site_path()}

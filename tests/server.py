@@ -72,6 +72,16 @@ class CandorServer:
             srv.cmd += ["--node", node]
         return srv
 
+    def post_json(self, path: str, body: dict, timeout: float = 120) -> tuple[int, dict]:
+        """(status, decoded body) of a JSON POST; an error status is returned, not raised."""
+        req = urllib.request.Request(self.base_url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as err:
+            return err.code, json.loads(err.read() or b"{}")
+
     def spawn(self, log_path: str | Path | None = None) -> "CandorServer":
         """Start without waiting (a node that serves no HTTP)."""
         log = open(log_path, "w") if log_path else None  # noqa: SIM115 - lives with proc

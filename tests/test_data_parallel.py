@@ -15,7 +15,6 @@ import json
 import os
 import random
 import signal
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 
@@ -70,14 +69,7 @@ def test_a_lost_replica_is_never_picked_and_round_robin_takes_turns():
 
 
 def _post(srv: CandorServer, body: dict, timeout: float = 120) -> tuple[int, dict]:
-    req = urllib.request.Request(srv.base_url + "/v1/completions",
-                                 data=json.dumps({"model": MODEL, **body}).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read() or b"{}")
+    return srv.post_json("/v1/completions", {"model": MODEL, **body}, timeout)
 
 
 def _routed(srv: CandorServer) -> dict[str, float]:

@@ -48,6 +48,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.metrics_text import scrape
 from tests.pairwise import complete, covering_array, every_pair
 from tests.server import CandorServer
 
@@ -73,6 +74,8 @@ SERVERS: dict[str, tuple[str, ...]] = {
     "sync": (),
     "tp2": ("--tensor-parallel-size", "2"),
     "dp2": ("--data-parallel-size", "2"),
+    # disaggregated: replica 0 prefills, the KV moves to replica 1, which decodes
+    "pd": ("--prefill-replicas", "1", "--decode-replicas", "1"),
     # last: the combination fuzz reuses it (preemption, prefix hits and run-ahead at once;
     # priority scheduling on, so the fuzz's non-zero `priority` is served, not refused)
     "preempt": ("--num-kv-blocks", "40", "--scheduling-policy", "priority"),
@@ -913,6 +916,7 @@ async def run_cell(cell: Cell, pool: ServerPool, target: CandorServer,
         others = bystanders.bodies(cell, prompt_tokens)
         other_refs = await bystanders.references(http, others)
         before = await asyncio.to_thread(target.engine_stats)
+        moved = await asyncio.to_thread(kv_moved, target) if cell.server == "pd" else 0.0
         # bystanders first: the cell arrives last, so it is the one preempted
         tasks = [asyncio.create_task(send(http, target, b)) for b in others]
         tasks.append(asyncio.create_task(send(http, target, body, salt)))
@@ -943,7 +947,14 @@ async def run_cell(cell: Cell, pool: ServerPool, target: CandorServer,
                         f"{own_failures}")
     if cell.server == "preempt" and after["preemptions"] == before["preemptions"]:
         problems.append("engine feature not in play: nothing was preempted")
+    if cell.server == "pd" and await asyncio.to_thread(kv_moved, target) == moved:
+        problems.append("engine feature not in play: no prompt KV moved to the decode replica")
     return Outcome(problems, body)
+
+
+def kv_moved(srv: CandorServer) -> float:
+    """Prompt KV bytes decode replicas received so far (disaggregation)."""
+    return scrape(srv).total("candor_kv_transfer_bytes_total", direction="received")
 
 
 # ------------------------------------------------------------------ the tests
@@ -1013,7 +1024,8 @@ def topology_problem(name: str, srv: CandorServer, log: str) -> str | None:
     roles = [r.split("[")[0] for roles in health.get("nodes", {}).values() for r in roles]
     counts = {role: roles.count(role) for role in ("gpu_worker", "scheduler")}
     want = {"tp2": {"gpu_worker": 2, "scheduler": 1},
-            "dp2": {"gpu_worker": 2, "scheduler": 2}}.get(name, {"gpu_worker": 1,
+            "dp2": {"gpu_worker": 2, "scheduler": 2},
+            "pd": {"gpu_worker": 2, "scheduler": 2}}.get(name, {"gpu_worker": 1,
                                                                 "scheduler": 1})
     if status != 200 or counts != want:
         return f"{name}: /health {status}, processes {counts}, want {want}"

@@ -328,7 +328,8 @@ class RequestPreparer:
             sampling=sampling, detok=req.detok, eos_token_ids=eos,
             stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
             arrival_time=req.arrival_time, priority=req.priority,
-            cache_salt=req.cache_salt, probe=req.probe, lora=req.lora)
+            cache_salt=req.cache_salt, probe=req.probe, lora=req.lora,
+            decode_replica=req.decode_replica)
         prompt_text = offsets = None
         if req.echo_prompt:
             prompt_text = (prompt.text if prompt.text is not None

@@ -6,7 +6,9 @@ after its first import; every other process and module is left as it is:
   gpu_worker.model_runner gets a ModelRunner whose steps fail when they feed that token,
   that writes the scripted tokens, or whose every step takes that much longer;
 - CANDOR_TEST_DROP_PLAN (``INDEX:STEP``): the gpu_worker process ``INDEX`` never sees
-  step plan STEP (protocol.transport's Receiver swallows it)."""
+  step plan STEP (protocol.transport's Receiver swallows it);
+- CANDOR_TEST_KV_FAULT: gpu_worker.kv_transfer's KvSender garbles, truncates, withholds
+  or stalls every KV transfer (tests/faults.py: faulty_kv_send)."""
 
 from __future__ import annotations
 
@@ -71,3 +73,9 @@ if _dropped:
     _index, _step = _dropped.split(":")
     sys.meta_path.insert(0, _PatchAfterImport("protocol.transport",
                                               _patch_receiver(int(_index), int(_step))))
+_kv_fault = os.environ.get("CANDOR_TEST_KV_FAULT")
+if _kv_fault:
+    def _patch_kv(module) -> None:
+        from tests.faults import faulty_kv_send
+        module.KvSender.send = staticmethod(faulty_kv_send(module.KvSender.send, _kv_fault))
+    sys.meta_path.insert(0, _PatchAfterImport("gpu_worker.kv_transfer", _patch_kv))

@@ -1,0 +1,166 @@
+"""The scheduler's half of disaggregated prefill/decode (absent on a colocated replica).
+
+Prefill replica (``PrefillHandoffs``): a request stamped with a decode replica runs here
+with one token to generate. The plan whose chunk samples that token asks the worker to
+export the prompt's KV after the step (``KvExport``). When the token comes back the
+request leaves this replica (its blocks are freed as for any finished request, once the
+worker has copied them out) and the decode scheduler is told (``KvHandoff``); a first
+token that ends the request (eos, a stop id, max_tokens 1) finishes here instead.
+
+Decode replica (``DecodeIntake``): a handed request waits for its KV, which arrives on
+the worker side; every rank reports its shard (``KvReceived``), in either order with the
+handoff. All shards in: blocks are allocated and the next plan imports the KV into them
+(``KvImport``) ahead of the request's first chunk, which feeds the first token at
+position len(prompt). A refused shard, no free blocks, or no KV within the deadline: the
+request recomputes its prompt here, like a preempted one (partial KV is never used).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+import zmq
+
+from cluster.metrics import KvTransferMetrics
+from cluster.process_config import SchedulerConfig
+from protocol import ipc
+from protocol.transport import Sender
+from scheduler.block_manager import BlockAllocator
+from scheduler.request import SchedRequest
+
+log = logging.getLogger("scheduler")
+
+
+class PrefillHandoffs:
+    def __init__(self, ctx: zmq.Context, cfg: SchedulerConfig) -> None:
+        self.to_schedulers = [Sender(ctx, a) for a in cfg.addresses.schedulers_in()]
+        self.replica = cfg.replica
+        self.originals: dict[str, ipc.TokenizedReq] = {}  # rid -> as it arrived
+
+    def admit(self, req: ipc.TokenizedReq) -> ipc.TokenizedReq:
+        """The request this replica runs: its first token only, when it is handed on."""
+        if req.decode_replica < 0 or req.max_tokens <= 1:
+            return req
+        self.originals[req.rid] = req
+        return msgspec.structs.replace(req, max_tokens=1)
+
+    def exports(self, chunks: list[ipc.SeqChunk],
+                requests: dict[str, SchedRequest]) -> list[ipc.KvExport]:
+        out = []
+        for c in chunks:
+            if c.sample and c.rid in self.originals:
+                req = self.originals[c.rid]
+                if requests[c.rid].num_generated == 0:
+                    out.append(ipc.KvExport(c.rid, req.decode_replica,
+                                            len(req.prompt_token_ids)))
+        return out
+
+    def hand_off(self, sreq: SchedRequest, token: int, reason: str | None) -> bool:
+        """After the first token: hand ``sreq`` on unless that token ended it."""
+        req = self.originals.pop(sreq.rid, None)
+        if req is None or reason != "length":
+            return False
+        self.to_schedulers[req.decode_replica].send(ipc.KvHandoff(
+            req, token, sreq.cached_tokens or 0, self.replica))
+        return True
+
+    def forget(self, rid: str) -> None:
+        self.originals.pop(rid, None)
+
+
+@dataclass
+class _Awaiting:
+    handoff: ipc.KvHandoff
+    deadline: float  # monotonic
+
+
+@dataclass
+class _Shards:
+    at: float  # monotonic time of the first report
+    ok: set[int] = field(default_factory=set)
+    refused: str | None = None
+
+
+class DecodeIntake:
+    def __init__(self, cfg: SchedulerConfig) -> None:
+        assert cfg.disaggregation is not None
+        self.timeout_s = cfg.disaggregation.transfer_timeout_s
+        self.ranks = cfg.tensor_parallel
+        self.awaiting: dict[str, _Awaiting] = {}
+        self.shards: dict[str, _Shards] = {}  # reports, possibly ahead of the handoff
+        self.imports: list[tuple[SchedRequest, ipc.KvImport]] = []  # for the next plan
+        self.metrics = KvTransferMetrics()
+
+    @staticmethod
+    def request(msg: ipc.KvHandoff, arrival: int) -> SchedRequest:
+        """The handed request as this replica runs it: prompt + first token, one token
+        generated; the prompt logprobs were the prefill replica's to send."""
+        sampling = msgspec.structs.replace(msg.req.sampling, prompt_logprobs=-1)
+        req = msgspec.structs.replace(msg.req, sampling=sampling, decode_replica=-1)
+        sreq = SchedRequest(req, arrival)
+        sreq.token_ids.append(msg.first_token)
+        sreq.num_generated = 1
+        sreq.cached_tokens = msg.cached_tokens
+        return sreq
+
+    def on_handoff(self, msg: ipc.KvHandoff) -> None:
+        self.awaiting[msg.req.rid] = _Awaiting(msg, time.monotonic() + self.timeout_s)
+
+    def on_received(self, msg: ipc.KvReceived) -> None:
+        shards = self.shards.setdefault(msg.rid, _Shards(time.monotonic()))
+        if msg.ok:
+            shards.ok.add(msg.rank)
+        elif shards.refused is None:
+            shards.refused = msg.reason
+
+    def discard(self, rid: str) -> None:
+        """Aborted before it ran here."""
+        self.awaiting.pop(rid, None)
+        self.shards.pop(rid, None)
+
+    def settle(self, allocator: BlockAllocator, block_size: int
+               ) -> list[tuple[ipc.KvHandoff, SchedRequest | None]]:
+        """Handoffs decided now: (handoff, None) recomputes; (handoff, request) has its
+        blocks and a queued import. Shard reports nobody claims expire."""
+        now = time.monotonic()
+        out: list[tuple[ipc.KvHandoff, SchedRequest | None]] = []
+        for rid, wait in list(self.awaiting.items()):
+            shards = self.shards.get(rid)
+            if shards is not None and shards.refused is not None:  # (the rank counted it)
+                log.warning("%s: KV transfer refused (%s); recomputing the prompt", rid,
+                            shards.refused)
+            elif shards is not None and len(shards.ok) >= self.ranks:
+                n = -(-len(wait.handoff.req.prompt_token_ids) // block_size)
+                blocks = allocator.allocate(n)
+                if blocks is not None:
+                    del self.awaiting[rid], self.shards[rid]
+                    sreq = self.request(wait.handoff, 0)
+                    sreq.block_table = blocks
+                    sreq.num_computed = sreq.num_scheduled = len(wait.handoff.req.prompt_token_ids)
+                    # a copy: the table grows (the first decode token) before the plan goes
+                    self.imports.append((sreq, ipc.KvImport(rid, list(blocks))))
+                    out.append((wait.handoff, sreq))
+                    continue
+                self.metrics.failures.labels("no_free_blocks").inc()
+            elif now < wait.deadline:
+                continue
+            else:
+                self.metrics.failures.labels("timeout").inc()
+                log.warning("%s: no KV within %.1fs; recomputing the prompt", rid,
+                            self.timeout_s)
+            del self.awaiting[rid]
+            self.shards.pop(rid, None)
+            out.append((wait.handoff, None))
+        for rid in [r for r, s in self.shards.items()
+                    if r not in self.awaiting and now - s.at > 2 * self.timeout_s]:
+            del self.shards[rid]
+        return out
+
+    def take_imports(self) -> list[ipc.KvImport]:
+        """The imports of requests still live, for the plan about to go out."""
+        out = [imp for sreq, imp in self.imports if not sreq.finished]
+        self.imports.clear()
+        return out

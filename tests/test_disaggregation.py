@@ -1,0 +1,284 @@
+"""Disaggregated prefill/decode on CPU: replica 0 prefills, replica 1 decodes, the prompt
+KV moves worker to worker over ZeroMQ.
+
+- The configuration alone: ``disaggregation:`` in a topology (typed, a bad key named),
+  the serve flags, replicas that do not add up.
+- Through every process: greedy output equals HF token for token (concurrent prompts up
+  to ~240 tokens, n > 1, logprobs, streaming, a grammar; one and two TP ranks per
+  replica); /health lists each
+  replica's role; the transfer metrics count what moved; every block comes back.
+- Faults: garbled and truncated transfers are refused and the decode replica recomputes
+  (same tokens); a transfer that never comes is recomputed after the deadline; a prefill
+  worker killed mid-transfer leaves its requests answered or failed in the error shape
+  and the decode replica serving new ones alone (/health 200 degraded); a lost decode
+  replica fails its requests 503 replica_lost while the prefill replica serves on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import msgspec
+import pytest
+import torch
+
+from cluster.serve_cli import serve_parser
+from cluster.topology import Topology
+from cluster.topology_check import TopologyError, check_topology
+from tests.faults import kv_fault_env
+from tests.metrics_text import scrape
+from tests.polling import wait_until
+from tests.server import CandorServer, role_of
+
+MODEL = "tiny-llama"
+MAX_NEW = 16
+_SENTENCE = "Candor serves language models and reports what it did with every field. "
+# the last: token ids filling exactly two KV blocks (the first decode token opens a third)
+PROMPTS = ["Hi", "The quick brown fox", "Once upon a time, " * 12, _SENTENCE * 10,
+           list(range(300, 332))]
+
+
+# ---------------------------------------------------------------- configuration
+
+
+def _topology(extra: str) -> Topology:
+    return msgspec.yaml.decode(f"model: {{path: /m}}\nreplicas: 3\n{extra}".encode(),
+                               type=Topology)
+
+
+def test_topology_names_a_bad_disaggregation_key_and_counts_replicas():
+    with pytest.raises(msgspec.ValidationError, match=r"prefil_replicas.*disaggregation"):
+        _topology("disaggregation: {prefil_replicas: 1, decode_replicas: 2}")
+    topo = _topology("disaggregation: {prefill_replicas: 1, decode_replicas: 2}")
+    assert [topo.replica_role(r) for r in range(3)] == ["prefill", "decode", "decode"]
+    wrong = _topology("disaggregation: {prefill_replicas: 2, decode_replicas: 2}")
+    with pytest.raises(TopologyError, match="replicas is 3 but disaggregation names 2 "
+                                            "prefill \\+ 2 decode"):
+        check_topology(wrong, check_model=False)
+
+
+def test_serve_flags_make_the_split():
+    from cluster.serve_cli import ServeArgsError, serve_topology
+    args = serve_parser().parse_args(["--model", "/m", "--prefill-replicas", "1",
+                                      "--decode-replicas", "2", "--kv-transfer-timeout", "3"])
+    topo = serve_topology(args, "/m", "m")
+    assert topo.replicas == 3 and topo.disaggregation.transfer_timeout_s == 3
+    half = serve_parser().parse_args(["--model", "/m", "--prefill-replicas", "1"])
+    with pytest.raises(ServeArgsError, match="go together"):
+        serve_topology(half, "/m", "m")
+
+
+# ---------------------------------------------------------------- through every process
+
+
+def _post(srv: CandorServer, body: dict, path: str = "/v1/completions",
+          timeout: float = 120) -> tuple[int, dict]:
+    return srv.post_json(path, {"model": MODEL, **body}, timeout)
+
+
+def _stream(srv: CandorServer, body: dict) -> list[dict]:
+    req = urllib.request.Request(srv.base_url + "/v1/completions",
+                                 data=json.dumps({"model": MODEL, "stream": True,
+                                                  **body}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    events = []
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        for line in resp:
+            line = line.strip()
+            if line.startswith(b"data: ") and line != b"data: [DONE]":
+                events.append(json.loads(line[6:]))
+    return events
+
+
+def _pd_server(model_dir, tmp_path, *flags: str, env: dict | None = None) -> CandorServer:
+    return CandorServer(model_dir, "--served-model-name", MODEL, "--prefill-replicas", "1",
+                        "--decode-replicas", "1", "--max-model-len", "1024", *flags,
+                        env=env).start(log_path=tmp_path / "log")
+
+
+def _hf_greedy(model, ids: list[int], n: int = MAX_NEW) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids),
+                                                                            dtype=torch.long),
+                             max_new_tokens=n, do_sample=False)
+    return out[0, len(ids):].tolist()
+
+
+def _greedy_matches_hf(srv: CandorServer, hf_model) -> None:
+    model, tok = hf_model
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda p: _post(srv, {
+            "prompt": p, "max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}), PROMPTS))
+    for prompt, (status, body) in zip(PROMPTS, results):
+        assert status == 200, body
+        ids = prompt if isinstance(prompt, list) else tok(prompt)["input_ids"]
+        assert body["choices"][0]["token_ids"] == _hf_greedy(model, ids), prompt
+
+
+def _kv_moved(srv: CandorServer) -> float:
+    return scrape(srv).total("candor_kv_transfer_bytes_total", direction="received")
+
+
+def test_pd_greedy_parity_roles_metrics_and_blocks(tiny_model_dir, tmp_path, hf_model):
+    srv = _pd_server(tiny_model_dir, tmp_path)
+    try:
+        status, health = srv.health()
+        assert status == 200 and health["status"] == "ok"
+        assert [(r["replica"], r["role"], r["state"]) for r in health["replicas"]] == [
+            (0, "prefill", "serving"), (1, "decode", "serving")]
+        _greedy_matches_hf(srv, hf_model)
+        s = scrape(srv)
+        sent = s.total("candor_kv_transfer_bytes_total", direction="sent")
+        assert sent > 0 and sent == s.total("candor_kv_transfer_bytes_total",
+                                            direction="received")
+        assert s.total("candor_kv_transfer_seconds_count") == len(PROMPTS)
+        assert s.total("candor_kv_transfer_failures_total") == 0
+        print(f"KV moved for {len(PROMPTS)} prompts: {sent / 1024:.0f} KiB")
+
+        model, tok = hf_model
+        prompt = PROMPTS[2]
+        expected = _hf_greedy(model, tok(prompt)["input_ids"])
+        # n > 1 (each choice handed over on its own), logprobs, prompt logprobs
+        status, body = _post(srv, {"prompt": prompt, "max_tokens": MAX_NEW, "n": 2,
+                                   "temperature": 0, "ignore_eos": True, "logprobs": 2,
+                                   "echo": True, "return_token_ids": True})
+        assert status == 200, body
+        assert [c["token_ids"] for c in body["choices"]] == [expected, expected]
+        lp = body["choices"][0]["logprobs"]
+        n_prompt = body["usage"]["prompt_tokens"]
+        assert len(lp["token_logprobs"]) == n_prompt + MAX_NEW  # echo: prompt + generated
+        assert lp["token_logprobs"][0] is None and None not in lp["token_logprobs"][1:]
+        assert all(len(top) == 2 for top in lp["top_logprobs"][n_prompt:])
+        # the same request colocated would score the same: compare with HF's logprobs
+        with torch.no_grad():
+            ids = tok(prompt)["input_ids"] + expected
+            ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+        want = [ref[i - 1, ids[i]].item() for i in range(1, len(ids))]
+        assert max(abs(a - b) for a, b in zip(lp["token_logprobs"][1:], want)) < 1e-4
+
+        # streaming: the deltas add up to the same text and tokens
+        events = _stream(srv, {"prompt": prompt, "max_tokens": MAX_NEW, "temperature": 0,
+                               "ignore_eos": True})
+        text = "".join(e["choices"][0]["text"] for e in events if e.get("choices"))
+        assert text == tok.decode(expected)
+
+        # a grammar: the decode replica's matcher takes over after the first token
+        status, body = _post(srv, {"prompt": "Pick one:", "max_tokens": 20, "temperature": 0,
+                                   "guided_regex": r"(cat|dog)-[0-9]{3}"})
+        assert status == 200, body
+        import re
+        assert re.fullmatch(r"(cat|dog)-[0-9]{3}", body["choices"][0]["text"]), body
+
+        # max_tokens 1 finishes on the prefill replica: nothing to hand over
+        before = _kv_moved(srv)
+        status, body = _post(srv, {"prompt": prompt, "max_tokens": 1, "temperature": 0})
+        assert status == 200 and body["choices"][0]["finish_reason"] == "length"
+        srv.wait_all_blocks_free()
+        assert _kv_moved(srv) == before
+    finally:
+        assert srv.stop() == 0
+
+
+def test_pd_with_two_ranks_per_replica_matches_hf(tiny_model_dir, tmp_path, hf_model):
+    """-tp 2 on both sides: rank k sends its KV heads to decode rank k, and the decode
+    replica imports only once every rank holds its shard."""
+    srv = _pd_server(tiny_model_dir, tmp_path, "--tensor-parallel-size", "2")
+    try:
+        _greedy_matches_hf(srv, hf_model)
+        s = scrape(srv)
+        assert s.total("candor_kv_transfer_seconds_count") == 2 * len(PROMPTS)
+        assert s.total("candor_kv_transfer_failures_total") == 0
+        srv.wait_all_blocks_free()
+    finally:
+        assert srv.stop() == 0
+
+
+@pytest.mark.parametrize("fault,reason", [("garble", "checksum"),
+                                          ("drop_frame", "missing_frames"),
+                                          ("withhold", "timeout")])
+def test_a_failed_transfer_is_recomputed_with_the_same_tokens(tiny_model_dir, tmp_path,
+                                                             hf_model, fault, reason):
+    srv = _pd_server(tiny_model_dir, tmp_path, "--kv-transfer-timeout", "1",
+                     env=kv_fault_env(fault))
+    try:
+        _greedy_matches_hf(srv, hf_model)
+        s = wait_until(lambda: scrape(srv), f"{len(PROMPTS)} failures counted",
+                       until=lambda s: s.total("candor_kv_transfer_failures_total")
+                       >= len(PROMPTS))
+        assert s.total("candor_kv_transfer_failures_total", reason=reason) == len(PROMPTS)
+        assert s.total("candor_kv_transfer_bytes_total", direction="received") == 0
+        srv.wait_all_blocks_free()
+    finally:
+        assert srv.stop() == 0
+    if fault != "withhold":
+        assert "refused the KV of" in (tmp_path / "log").read_text()
+
+
+def test_prefill_worker_killed_mid_transfer(tiny_model_dir, tmp_path, hf_model):
+    """The prefill rank stalls in its first export and is killed there: the requests it
+    held end (answered, or 503 replica_lost in the error shape), /health says degraded,
+    the decode replica answers new requests alone, and every block comes back."""
+    srv = _pd_server(tiny_model_dir, tmp_path, "--kv-transfer-timeout", "2",
+                     env=kv_fault_env("stall:60"))
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(_post, srv, {"prompt": f"{i} {PROMPTS[3]}",
+                                                "max_tokens": 8, "temperature": 0})
+                       for i in range(4)]
+            stats = wait_until(srv.engine_stats, "a prefill step done",
+                               until=lambda s: s["steps"] >= 1, timeout=60)
+            assert stats is not None
+            prefill = next(p for p in srv.children() if role_of(p) == "gpu_worker[0]")
+            os.kill(prefill, signal.SIGKILL)
+            health = wait_until(srv.health, "/health degraded",
+                                until=lambda h: h[1].get("status") == "degraded", timeout=10)
+            assert health[0] == 200
+            assert health[1]["replicas"][0]["state"] == "lost"
+            results = [f.result(timeout=60) for f in futures]
+        for status, body in results:
+            assert status == 200 or (status == 503
+                                     and body["error"]["code"] == "replica_lost"), body
+        model, tok = hf_model
+        for prompt in PROMPTS[:2]:  # served whole by the decode replica now
+            status, body = _post(srv, {"prompt": prompt, "max_tokens": MAX_NEW,
+                                       "temperature": 0, "ignore_eos": True,
+                                       "return_token_ids": True})
+            assert status == 200, body
+            assert body["choices"][0]["token_ids"] == _hf_greedy(model,
+                                                                 tok(prompt)["input_ids"])
+        srv.wait_all_blocks_free(timeout=20)
+        assert srv.proc.poll() is None
+    finally:
+        assert srv.stop() == 0
+
+
+def test_lost_decode_replica_fails_its_requests_and_prefill_serves_on(tiny_model_dir,
+                                                                     tmp_path):
+    srv = _pd_server(tiny_model_dir, tmp_path)
+    try:
+        long = {"max_tokens": 900, "ignore_eos": True, "temperature": 0}
+        with ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(_post, srv, {**long, "prompt": f"{i} tell me more"})
+                       for i in range(4)]
+            wait_until(lambda: srv.health()[1].get("replicas", []), "decoding on replica 1",
+                       until=lambda rs: rs and (rs[1]["running"] or 0) > 0, timeout=60)
+            decode = next(p for p in srv.children() if role_of(p) == "gpu_worker[1]")
+            os.kill(decode, signal.SIGKILL)
+            health = wait_until(srv.health, "/health degraded",
+                                until=lambda h: h[1].get("status") == "degraded", timeout=10)
+            assert health[0] == 200 and health[1]["replicas"][1]["state"] == "lost"
+            results = [f.result(timeout=120) for f in futures]
+        failed = [body for status, body in results if status != 200]
+        assert failed
+        for body in failed:
+            assert body["error"]["code"] == "replica_lost", body
+        status, body = _post(srv, {"prompt": "after", "max_tokens": 4})
+        assert status == 200, body
+        srv.wait_all_blocks_free(timeout=20)
+    finally:
+        assert srv.stop() == 0
