@@ -203,14 +203,21 @@ def test_pd_with_two_ranks_per_replica_matches_hf(tiny_model_dir, tmp_path, hf_m
                                           ("withhold", "timeout")])
 def test_a_failed_transfer_is_recomputed_with_the_same_tokens(tiny_model_dir, tmp_path,
                                                              hf_model, fault, reason):
-    srv = _pd_server(tiny_model_dir, tmp_path, "--kv-transfer-timeout", "1",
+    # a garbled or cut transfer is refused when it arrives; only a withheld one waits for
+    # the deadline (short there; long elsewhere, so a slow box's late transfer is not
+    # counted as a timeout instead of the fault under test)
+    timeout = "1" if fault == "withhold" else "30"
+    srv = _pd_server(tiny_model_dir, tmp_path, "--kv-transfer-timeout", timeout,
                      env=kv_fault_env(fault))
     try:
         _greedy_matches_hf(srv, hf_model)
         s = wait_until(lambda: scrape(srv), f"{len(PROMPTS)} failures counted",
                        until=lambda s: s.total("candor_kv_transfer_failures_total")
                        >= len(PROMPTS))
-        assert s.total("candor_kv_transfer_failures_total", reason=reason) == len(PROMPTS)
+        counted = {r: s.total("candor_kv_transfer_failures_total", reason=r) for r in
+                   ("checksum", "missing_frames", "timeout", "bad_header", "no_free_blocks",
+                    "send_queue_full")}
+        assert counted[reason] == len(PROMPTS), counted
         assert s.total("candor_kv_transfer_bytes_total", direction="received") == 0
         srv.wait_all_blocks_free()
     finally:
