@@ -284,7 +284,7 @@ def _disaggregation(topology: Topology, problems: list[str]) -> None:
     if split is not None and topology.model.lora.enabled:
         problems.append("disaggregation does not serve LoRA adapters yet (a decode replica "
                         "would not know the adapter): turn one of them off")
-    if split is not None and topology.model.runner == "pooling":
+    if split is not None and topology.model.runner_kind() == "pooling":
         problems.append("disaggregation splits generation: a pooling model (runner: "
                         "pooling) has no decode to hand over")
     if split is not None and topology.models:

@@ -61,6 +61,26 @@ def test_topology_names_a_bad_disaggregation_key_and_counts_replicas():
         check_topology(wrong, check_model=False)
 
 
+def test_what_disaggregation_does_not_serve_is_refused_naming_why(tmp_path):
+    """One generation model without LoRA: an adapter, a pooling model (named, or settled
+    by --runner auto from a head-less checkpoint) or a second model would be served
+    wrongly by a decode replica, so --check refuses each."""
+    split = "disaggregation: {prefill_replicas: 1, decode_replicas: 2}\n"
+    headless = tmp_path / "embedder"
+    headless.mkdir()
+    (headless / "config.json").write_text(json.dumps(
+        {"architectures": ["LlamaModel"], "max_position_embeddings": 64}))
+    for model, more, says in [
+            ("{path: /m, lora: {enabled: true}}", "", "LoRA adapters"),
+            ("{path: /m, runner: pooling}", "", "pooling model"),
+            (f"{{path: {headless}}}", "", "pooling model"),
+            ("{path: /m}", "models: [{model: {path: /e}}]\n", "serves one model")]:
+        topo = msgspec.yaml.decode(f"model: {model}\nreplicas: 3\n{split}{more}".encode(),
+                                   type=Topology)
+        with pytest.raises(TopologyError, match=says):
+            check_topology(topo, check_model=False)
+
+
 def test_serve_flags_make_the_split():
     from cluster.serve_cli import ServeArgsError, serve_topology
     args = serve_parser().parse_args(["--model", "/m", "--prefill-replicas", "1",
