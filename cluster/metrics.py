@@ -78,6 +78,35 @@ class KvTransferMetrics:
                                 ["reason"], registry=None)
 
 
+class KvStoreMetrics:
+    """The shared KV store's resident bytes per tier (its own process)."""
+
+    def __init__(self) -> None:
+        from prometheus_client import Gauge
+
+        self.bytes = Gauge("candor_kv_store_bytes", "Bytes of KV blocks the shared KV store "
+                           "holds, by tier (memory | disk)", ["tier"], registry=None,
+                           multiprocess_mode="livesum")
+        self.blocks = Gauge("candor_kv_store_blocks", "KV blocks (one TP rank's shard each) "
+                            "the shared KV store holds, by tier", ["tier"], registry=None,
+                            multiprocess_mode="livesum")
+
+
+class KvStoreReadMetrics:
+    """What a scheduler's lookups in the shared KV store found, in blocks (of the engine's
+    block size): a hit is a block imported instead of computed; a miss is a block looked
+    up and not served (not held, the store dead or slow, the import refused)."""
+
+    def __init__(self) -> None:
+        from prometheus_client import Counter
+
+        self.hits = Counter("candor_kv_store_hits", "Prompt KV blocks served from the "
+                            "shared KV store (blocks, not tokens)", registry=None)
+        self.misses = Counter("candor_kv_store_misses", "Prompt KV blocks looked up in the "
+                              "shared KV store and computed instead (blocks, not tokens)",
+                              registry=None)
+
+
 
 def render(path: str) -> tuple[bytes, str]:
     """The exposition text of every process that wrote into ``path``, labelled with the

@@ -12,7 +12,8 @@ from __future__ import annotations
 import msgspec
 
 from cluster.topology import (LOCAL_NODE, ApiSpec, DisaggregationSpec, EngineGroup,
-                              EngineSpec, HttpSpec, LoraSpec, ReplicaRole, ResolvedAddresses,
+                              EngineSpec, HttpSpec, KvStoreSpec, LoraSpec, ReplicaRole,
+                              ResolvedAddresses,
                               RouterSpec, SecuritySpec, SupervisionSpec, Topology, resolve)
 
 
@@ -100,6 +101,7 @@ class ReplicaConfig(ProcessConfig, kw_only=True):
     replica: int = 0
     lora: LoraSpec = msgspec.field(default_factory=LoraSpec)  # the adapters both halves number alike
     disaggregation: DisaggregationSpec | None = None
+    kv_store: KvStoreSpec | None = None  # the replicas share a KV store (see kv_store/)
 
     @property
     def replica_role(self) -> ReplicaRole:
@@ -108,6 +110,12 @@ class ReplicaConfig(ProcessConfig, kw_only=True):
         if split is None:
             return "colocated"
         return "prefill" if self.replica < split.prefill_replicas else "decode"
+
+
+class KvStoreConfig(ProcessConfig, kw_only=True, tag="kv_store"):
+    """The store's bounds (memory, the disk tier)."""
+
+    kv_store: KvStoreSpec
 
 
 class SchedulerConfig(ReplicaConfig, kw_only=True, tag="scheduler"):
@@ -164,8 +172,12 @@ def _role_config(role: str, topology: Topology, group: EngineGroup, replica: int
                                api=topology.api)
     if role == "detokenizer":
         return DetokenizerConfig(**envelope, model_path=path)
+    if role == "kv_store":
+        assert topology.kv_store is not None
+        return KvStoreConfig(**envelope, kv_store=topology.kv_store)
     engine = dict(engine=group.engine, tensor_parallel=group.tensor_parallel,
-                  replica=replica, lora=model.lora, disaggregation=topology.disaggregation)
+                  replica=replica, lora=model.lora, disaggregation=topology.disaggregation,
+                  kv_store=topology.kv_store)
     if role == "scheduler":
         return SchedulerConfig(**envelope, **engine)
     return WorkerConfig(**envelope, **engine, model_path=path,
@@ -198,7 +210,8 @@ def process_configs(topology: Topology, run_dir: str, node: str | None = None,
     counts = {"gpu_worker": topology.total_gpu_workers, "scheduler": topology.total_replicas,
               "detokenizer": sum(g.detokenizers for g in groups),
               "tokenizer_worker": sum(g.tokenizer_workers for g in groups),
-              "api_frontend": topology.roles.api_frontend}
+              "api_frontend": topology.roles.api_frontend,
+              "kv_store": int(topology.kv_store is not None)}
     configs = []
     for role, count in counts.items():
         for index in range(count):

@@ -181,6 +181,18 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-transfer-timeout", type=float, default=10.0, metavar="SECONDS",
                    help="disaggregated serving: a decode replica that has not received a "
                         "prompt's KV after this long recomputes the prompt itself")
+    g.add_argument("--kv-store-size", type=float, default=None, metavar="GiB",
+                   help="a KV store shared by the replicas, holding this many GiB of full "
+                        "prompt blocks in memory (LRU): a prefix any replica computed is a "
+                        "prefix-cache hit on every replica")
+    g.add_argument("--kv-store-dir", default=None, metavar="DIR",
+                   help="the KV store's disk tier: blocks evicted from memory go to files "
+                        "here (emptied at start), up to --kv-store-disk-size")
+    g.add_argument("--kv-store-disk-size", type=float, default=16.0, metavar="GiB",
+                   help="the disk tier's bound (LRU)")
+    g.add_argument("--kv-store-timeout", type=float, default=0.5, metavar="SECONDS",
+                   help="how long a replica waits for the KV store's answer before it "
+                        "computes the prompt itself")
     g.add_argument("--generation-config", default="auto", metavar="auto|vllm|none|DIR",
                    help="auto: requests that omit temperature/top_p/top_k/min_p/"
                         "repetition_penalty get the checkpoint's generation_config.json "
@@ -393,6 +405,17 @@ def _replicas(args: argparse.Namespace) -> dict:
         "transfer_timeout_s": args.kv_transfer_timeout}}
 
 
+def _kv_store(args: argparse.Namespace) -> dict:
+    """``kv_store`` with --kv-store-size (its other flags need it)."""
+    if args.kv_store_size is None:
+        if args.kv_store_dir is not None:
+            raise ServeArgsError("--kv-store-dir needs --kv-store-size")
+        return {}
+    return {"kv_store": {"size_gib": args.kv_store_size, "dir": args.kv_store_dir,
+                         "disk_size_gib": args.kv_store_disk_size,
+                         "lookup_timeout_s": args.kv_store_timeout}}
+
+
 def serve_topology(args: argparse.Namespace, model_path: str, default_name: str,
                    environ: dict[str, str] | None = None) -> Topology:
     """The flags as a topology, validated by the same constraints as a YAML file.
@@ -410,6 +433,7 @@ def serve_topology(args: argparse.Namespace, model_path: str, default_name: str,
     return msgspec.convert({
         "tensor_parallel": args.tensor_parallel_size,
         **_replicas(args),
+        **_kv_store(args),
         "router": {"policy": args.data_parallel_routing},
         "model": {"path": model_path,
                   "served_model_name": names if len(names) > 1 else names[0],

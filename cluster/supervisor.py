@@ -192,6 +192,7 @@ class NodeSupervisor:
         self.state = "starting"
         self.problem: str | None = None
         self.lost_replicas: dict[int, str] = {}  # replica -> why, while others serve on
+        self.store_lost = False  # the shared KV store died: the replicas serve on (misses)
         self.last_publish = 0.0
         from prometheus_client import Counter, Gauge  # after METRICS_ENV is set
         self.up = Gauge("candor_process_up", "1 while a Candor process runs, 0 after it "
@@ -225,7 +226,8 @@ class NodeSupervisor:
     def local_problems(self) -> list[str]:
         out = [f"{c.name} is not running (exit code {c.proc.returncode})"
                for c in self.children if c.proc.poll() is not None
-               and c.replica not in self.lost_replicas]
+               and c.replica not in self.lost_replicas
+               and c.config.role != "kv_store"]  # serving goes on without it
         if self.state in ("failed", "draining"):
             out.append(f"node {self.node.name} is {self.state}")
         return out
@@ -307,6 +309,16 @@ class NodeSupervisor:
         self.publish(force=True)
         return [c for c in fatal if c.replica is None]
 
+    def _lose_store(self, dead: list[Child]) -> list[Child]:
+        """A dead KV store is never fatal: replicas treat it as misses (said once)."""
+        store = [c for c in dead if c.config.role == "kv_store"]
+        if store and not self.store_lost:
+            self.store_lost = True
+            say(f"kv_store exited with code {store[0].proc.returncode}; the replicas serve "
+                "on without it (every lookup a miss)")
+            process_exited(self.metrics_dir, store[0].proc.pid)
+        return [c for c in dead if c.config.role != "kv_store"]
+
     def _tend(self) -> list[Child]:
         """One look at the children: restart those whose backoff is over, plan restarts
         for restartable deaths, take lost replicas out. Returns the fatal deaths. While
@@ -315,6 +327,7 @@ class NodeSupervisor:
         dead = [c for c in self.children if c.proc.poll() is not None
                 and c.replica not in self.lost_replicas
                 and not (self.state == "draining" and c.config.role == "api_frontend")]
+        dead = self._lose_store(dead)
         fatal = self._lose_replicas(
             [c for c in dead if c.restart_at is None and not self._schedule_restart(c, now)])
         if not fatal:

@@ -15,7 +15,10 @@ import msgspec
 from msgspec import Meta
 
 ROLES = ("api_frontend", "tokenizer_worker", "scheduler", "gpu_worker", "detokenizer")
-RoleName = Literal["api_frontend", "tokenizer_worker", "scheduler", "gpu_worker", "detokenizer"]
+# roles a topology may leave out (placed with the scheduler when nodes do not name them)
+OPTIONAL_ROLES = ("kv_store",)
+RoleName = Literal["api_frontend", "tokenizer_worker", "scheduler", "gpu_worker", "detokenizer",
+                   "kv_store"]
 NodeName = Annotated[str, Meta(pattern=r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")]
 LOCAL_NODE = "local"
 
@@ -350,6 +353,10 @@ class Addresses(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # where a decode replica's gpu_worker rank {k} receives prompt KV from prefill
     # replicas (disaggregation only; {host}: the node of that rank)
     kv_in: str = "ipc://{run_dir}/kv-in-{r}-{k}"
+    # the shared KV store's inbound (puts and lookups), and where rank {k} of replica {r}
+    # receives the blocks a lookup found (kv_store only)
+    kv_store: str = "ipc://{run_dir}/kv-store"
+    kv_store_rank_in: str = "ipc://{run_dir}/kv-store-in-{r}-{k}"
 
 
 class NodeSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -466,6 +473,19 @@ class DisaggregationSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=Tru
 ReplicaRole = Literal["colocated", "prefill", "decode"]
 
 
+class KvStoreSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A KV store shared by the replicas: full prompt blocks any replica computed, found
+    by chain hash (with cache_salt, the checkpoint, dtype, layout and TP shard in the key)
+    by any other. ``size_gib`` bounds its memory (LRU); with ``dir``, what memory evicts
+    goes to files there, at most ``disk_size_gib`` (LRU). A replica's lookup waits at
+    most ``lookup_timeout_s``; a store that is dead or slower than that means misses."""
+
+    size_gib: Annotated[float, Meta(gt=0.0)]
+    dir: str | None = None
+    disk_size_gib: Annotated[float, Meta(ge=0.0)] = 16.0
+    lookup_timeout_s: Annotated[float, Meta(gt=0.0, le=10.0)] = 0.5
+
+
 class Topology(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """``tensor_parallel``: gpu_worker ranks per engine replica, one torch.distributed
     group (vLLM's --tensor-parallel-size). ``replicas``: engine replicas (a scheduler and
@@ -522,7 +542,7 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     def effective_nodes(self) -> list[NodeSpec]:
         if self.nodes:
             return self.nodes
-        return [NodeSpec(name=LOCAL_NODE, roles=list(ROLES))]
+        return [NodeSpec(name=LOCAL_NODE, roles=[*ROLES, *OPTIONAL_ROLES])]
 
     def node_of(self, role: str, index: int | None = None) -> NodeSpec:
         """The node running ``role`` (gpu_worker ``index`` when its ranks span nodes)."""
@@ -530,6 +550,8 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             if role in node.roles and (index is None or role != "gpu_worker"
                                        or node.gpu_workers is None or index in node.gpu_workers):
                 return node
+        if role in OPTIONAL_ROLES:  # not named by the nodes: it runs beside the scheduler
+            return self.node_of("scheduler")
         raise ValueError(f"role {role} is not placed on any node")
 
     def nodes_of(self, role: str) -> list[NodeSpec]:
@@ -558,6 +580,7 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     api: ApiSpec = msgspec.field(default_factory=ApiSpec)
     # prefill/decode split of ``replicas`` (None: every replica does both)
     disaggregation: DisaggregationSpec | None = None
+    kv_store: KvStoreSpec | None = None  # a KV store shared by the replicas (None: none)
 
     def replica_role(self, replica: int) -> ReplicaRole:
         """Prefill replicas are numbered first, then decode ones."""
@@ -591,6 +614,9 @@ class ResolvedAddresses(msgspec.Struct, kw_only=True):
             else self.group_detokenizer_in
     # disaggregation: [replica][tp rank] -> that decode rank's KV inbound ([] elsewhere)
     replica_kv_in: list[list[str]] = []
+    # the shared KV store ("" without one) and where this replica's ranks take its blocks
+    kv_store: str = ""
+    kv_store_rank_in: list[str] = []
 
     def schedulers_in(self) -> list[str]:
         """Every replica's scheduler inbound address, in replica order."""
@@ -629,6 +655,18 @@ CONNECTORS = {"scheduler_in": ("tokenizer_worker", "detokenizer", "api_frontend"
               "frontend_results": ("scheduler", "tokenizer_worker", "detokenizer",
                                    "api_frontend"),
               "node_status": ("api_frontend", "detokenizer")}
+
+
+def _store_addresses(topology: Topology, group: EngineGroup, r: int, run_dir: str) -> dict:
+    """The KV store's address and replica ``r``'s rank inbounds for it (none without one)."""
+    if topology.kv_store is None:
+        return {}
+    a = topology.addresses
+    store_host = topology.node_of("kv_store").host
+    return {"kv_store": a.kv_store.format(run_dir=run_dir, i=0, r=0, host=store_host),
+            "kv_store_rank_in": [a.kv_store_rank_in.format(
+                run_dir=run_dir, r=r, k=k, i=0, host=topology.node_of("gpu_worker", w).host)
+                for k, w in enumerate(group.ranks_of(r))]}
 
 
 def resolve(topology: Topology, run_dir: str) -> list[ResolvedAddresses]:
@@ -679,11 +717,13 @@ def resolve(topology: Topology, run_dir: str) -> list[ResolvedAddresses]:
         resolved += [ResolvedAddresses(
             scheduler_in=one("scheduler_in", r), scheduler_pub=one("scheduler_pub", r),
             worker_in=one("worker_in", r), worker_out=one("worker_out", r),
-            tp_rendezvous=rendezvous(group, r), group_detokenizer_in=own, **shared)
+            tp_rendezvous=rendezvous(group, r), group_detokenizer_in=own,
+            **_store_addresses(topology, group, r, run_dir), **shared)
             for r in group.replica_ids()]
     every = [x for ra in resolved for x in (ra.scheduler_in, ra.scheduler_pub, ra.worker_in,
                                             ra.worker_out)]
     every += [x for ranks in shared["replica_kv_in"] for x in ranks]
+    every += [x for ra in resolved for x in ra.kv_store_rank_in]
     every += [*shared["tokenizer_in"], *shared["detokenizer_in"],
               *shared["frontend_results"], *shared["node_status"]]
     duplicates = sorted({x for x in every if every.count(x) > 1})

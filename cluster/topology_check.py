@@ -292,11 +292,24 @@ def _disaggregation(topology: Topology, problems: list[str]) -> None:
                         "split prefill and decode yet")
 
 
+def _kv_store(topology: Topology, problems: list[str]) -> None:
+    if topology.kv_store is None:
+        return
+    if topology.disaggregation is not None:
+        problems.append("kv_store: a shared KV store does not serve a prefill/decode split "
+                        "yet (decode replicas take their prompt KV from the prefill replica); "
+                        "drop one of kv_store and disaggregation")
+    on = [n.name for n in topology.nodes_of("kv_store")]
+    if len(on) > 1:
+        problems.append(f"role kv_store is placed on several nodes {on}; there is one store")
+
+
 def check_topology(topology: Topology, node: str | None = None,
                    check_model: bool = True) -> None:
     """Raise ``TopologyError`` naming every problem found, or return quietly."""
     problems: list[str] = []
     _disaggregation(topology, problems)
+    _kv_store(topology, problems)
     _placement(topology, problems)
     _served_names(topology, problems)
     names = [n.name for n in topology.effective_nodes()]

@@ -118,12 +118,17 @@ def main() -> None:
     if transfer is not None:
         transfer.attach(runner)
         log.info("disaggregation: this is a %s replica", cfg.replica_role)
+    from gpu_worker.kv_store_client import StoreClient
+    store = StoreClient.for_worker(ctx, cfg, runner)
+    if store is not None:
+        store.attach(runner)
 
     answer(ipc.WorkerReady(runner.num_blocks, runner.block_size, runner.max_model_len,
                            device=str(runner.device),
                            dtype=str(runner.dtype).removeprefix("torch."),
                            deterministic=runner.deterministic,
-                           deterministic_note=runner.deterministic_note))
+                           deterministic_note=runner.deterministic_note,
+                           kv_namespace=store.namespace if store is not None else b""))
 
     last_sent = time.perf_counter()
     order = PlanOrder()
@@ -155,6 +160,8 @@ def main() -> None:
             answer(result)
             if msg.kv_exports:  # before the next plan can reuse the blocks
                 transfer.after_step(runner, msg, result.failed)
+            if msg.kv_store_puts:  # likewise: copied out before a later plan reuses them
+                store.after_step(runner, msg, result.failed)
             last_sent = time.perf_counter()
             runner.timings.send += last_sent - sending  # reported with the next result
         except Exception:  # a failed step fails its requests, not the process

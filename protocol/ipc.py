@@ -11,6 +11,8 @@ from typing import Any, ClassVar, Literal, Union
 
 import msgspec
 
+from protocol.kv_store import StoreHeld
+
 
 class _Message(msgspec.Struct, tag_field="msg"):
     """Base of every tagged IPC message; the tag lives in the ``msg`` key."""
@@ -316,6 +318,15 @@ class KvImport(msgspec.Struct, array_like=True):
     blocks: list[int]
 
 
+class KvStorePut(msgspec.Struct, array_like=True):
+    """After this step: copy ``blocks`` (full, written by this step for ``rid``) to the
+    shared KV store under ``hashes`` (``protocol.kv_store``), off the step's path."""
+
+    rid: str
+    blocks: list[int]
+    hashes: list[bytes]
+
+
 class StepPlan(_Message, tag="step", omit_defaults=True):
     """One forward pass over a batch. ``step_id`` numbers the plans from 1 without gaps
     (every rank checks it: gpu_worker/plan_order.py; the adapter messages below take
@@ -330,7 +341,8 @@ class StepPlan(_Message, tag="step", omit_defaults=True):
     new_sampling: dict[str, SamplingParams] = {}
     released: list[str] = []
     kv_exports: list[KvExport] = []  # disaggregation only (a prefill replica)
-    kv_imports: list[KvImport] = []  # disaggregation only (a decode replica)
+    kv_imports: list[KvImport] = []  # a decode replica's, or blocks the KV store found
+    kv_store_puts: list[KvStorePut] = []  # a shared KV store only
     new_pooling: dict[str, PoolingParams] = {}  # pooling rids among new_sampling's
     new_adapters: dict[str, int] = {}
 
@@ -385,6 +397,7 @@ class WorkerReady(_Message, tag="ready"):
     dtype: str = ""
     deterministic: bool = False  # batch-invariant kernels in use (see gpu_worker.batch_invariant)
     deterministic_note: str = ""  # what was decided and why
+    kv_namespace: bytes = b""  # the shared KV store's key prefix of this replica's KV
 
 
 class TokenLogprob(msgspec.Struct, array_like=True):
@@ -678,7 +691,8 @@ class StoreAnswer(_Message, tag="store_answer"):
 
 # One tagged union per receiving socket.
 TokenizerInbound = Union[GenerateReq, RenderReq, PoolReq]
-SchedulerInbound = Union[TokenizedReq, Abort, KvHandoff, AdapterLoad, AdapterUnload]
+SchedulerInbound = Union[TokenizedReq, Abort, KvHandoff, AdapterLoad, AdapterUnload,
+                         StoreHeld]
 WorkerInbound = Union[StepPlan, PlanMark, Shutdown, LoadAdapter, DropAdapter]
 WorkerOutbound = Union[WorkerReady, StepResult, WorkerError, KvReceived, AdapterLoaded]
 DetokenizerInbound = Union[DetokStart, TokenBatch]

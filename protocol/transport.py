@@ -115,14 +115,16 @@ def _start_authenticator(ctx: zmq.Context, keys: CurveKeys) -> None:
 
 
 def open_socket(ctx: zmq.Context, kind: int, addresses: str | list[str],
-                bind: bool, send_hwm: int | None = None) -> zmq.Socket:
+                bind: bool, send_hwm: int | None = None, immediate: bool = True) -> zmq.Socket:
     """One socket bound to (or connected to) every address given. ``send_hwm``: at most
-    this many messages queue, and only toward a connected peer (a bounded send)."""
+    this many messages queue, and (``immediate``) only toward a connected peer (a bounded
+    send); ``immediate=False`` queues them from the connect on, for a socket opened just
+    before its first send."""
     sock = ctx.socket(kind)
     _configure(sock)
     if send_hwm is not None:
         sock.setsockopt(zmq.SNDHWM, send_hwm)
-        sock.setsockopt(zmq.IMMEDIATE, 1)
+        sock.setsockopt(zmq.IMMEDIATE, int(immediate))
     if kind == zmq.SUB:
         sock.setsockopt(zmq.SUBSCRIBE, b"")
     addrs = [addresses] if isinstance(addresses, str) else addresses

@@ -41,6 +41,7 @@ import zmq
 
 from cluster.process_config import SchedulerConfig
 from protocol import ipc
+from protocol.kv_store import StoreHeld
 from protocol.routing import detokenizer_index
 from protocol.transport import Receiver, Sender, SenderPool
 from scheduler.adapters import AdapterRegistry
@@ -49,6 +50,7 @@ from scheduler.handoff import DecodeIntake, PrefillHandoffs
 from scheduler.metrics import SchedulerOps
 from scheduler.planner import PlannedStep, Planner
 from scheduler.request import SchedRequest
+from scheduler.store_reads import StoreReads
 
 HEARTBEAT_S = 0.25
 # An abort can overtake its request (the client left, or the frontend failed it, while
@@ -117,6 +119,8 @@ class EngineLoop:
         role = cfg.replica_role
         self.handoffs = PrefillHandoffs(ctx, cfg) if role == "prefill" else None
         self.intake = DecodeIntake(cfg) if role == "decode" else None
+        # a KV store shared by the replicas (None: none, and no work for it anywhere)
+        self.store = StoreReads(ctx, cfg) if cfg.kv_store is not None else None
 
     # ------------------------------------------------------------------ helpers
     def _detok_for(self, rid: str) -> Sender:
@@ -228,6 +232,8 @@ class EngineLoop:
                                eng.max_num_seqs, eng.max_num_batched_tokens,
                                enable_prefix_caching=eng.enable_prefix_caching,
                                max_loras=self.cfg.lora.max_loras if self.adapters.enabled else 0)
+        if self.store is not None:
+            self.store.namespace = msg.kv_namespace
         self.log.info("worker ready: %d KV blocks of %d tokens, %d rank(s)", msg.num_blocks,
                       msg.block_size, self.ranks)
 
@@ -277,7 +283,11 @@ class EngineLoop:
                 replica=self.cfg.replica, decode_replica=req.decode_replica))
         if self.handoffs is not None:
             req = self.handoffs.admit(req)
-        self._enqueue(SchedRequest(req, self.arrivals, adapter=adapter))
+        sreq = SchedRequest(req, self.arrivals, adapter=adapter)
+        if self.store is not None and self.store.park(sreq, self.planner):
+            self.requests[sreq.rid] = sreq  # (an abort finds it) queued once answered
+            return
+        self._enqueue(sreq)
 
     def _enqueue(self, sreq: SchedRequest) -> None:
         assert self.planner is not None
@@ -305,6 +315,13 @@ class EngineLoop:
             return
         for handoff, sreq in self.intake.settle(self.planner.allocator, self.block_size):
             self._enqueue(sreq or self.intake.request(handoff, 0))
+
+    def _settle_store(self) -> None:
+        """Queue the parked requests whose KV store lookup is decided (store_reads.py)."""
+        if self.planner is None or not self.store.lookups:
+            return
+        for sreq in self.store.settle(self.planner):
+            self._enqueue(sreq)
 
     def _apply_aborts(self, batches: dict[int, list[ipc.TokenOutput]] | None = None) -> None:
         """Finish aborted requests; their outputs go into ``batches`` (flushed here when
@@ -339,6 +356,10 @@ class EngineLoop:
                 self._on_adapter_request(msg)
             elif isinstance(msg, ipc.KvHandoff):
                 self._on_handoff(msg)
+            elif isinstance(msg, StoreHeld):
+                if self.store is not None:
+                    self.store.on_held(msg)
+                    self._settle_store()
             elif self.planner is None:
                 self._reject(msg, 503, "the engine is still loading", None, "not_ready")
             else:
@@ -367,6 +388,9 @@ class EngineLoop:
             plan.kv_exports = self.handoffs.exports(planned.chunks, self.requests)
         elif self.intake is not None:
             plan.kv_imports = self.intake.take_imports()
+        elif self.store is not None:
+            plan.kv_imports = self.store.take_imports()
+            plan.kv_store_puts = self.store.puts(planned, self.block_size)
         t1 = time.perf_counter()
         self.to_worker.send(plan)
         phases.plan += t1 - t0
@@ -450,6 +474,9 @@ class EngineLoop:
                 if self.intake is not None:
                     self.intake.on_received(msg)
                     self._settle_handoffs()
+                elif self.store is not None:
+                    self.store.on_received(msg)
+                    self._settle_store()
             else:
                 self._on_result(msg)
 
@@ -527,6 +554,8 @@ class EngineLoop:
                 self._drain_results()
             if self.inbound.sock in events or busy:
                 self._drain_inbound()
+            if self.store is not None:  # lookup deadlines
+                self._settle_store()
             launched = self._launch_step()
             stalled = busy and not launched
             self._heartbeat(time.monotonic())

@@ -1,0 +1,169 @@
+"""The shared KV store (``kv_store`` role) on CPU: DP replicas reuse each other's prompts.
+
+- The configuration alone: ``kv_store:`` in a topology (typed, a bad key named), the serve
+  flags, the refusal beside disaggregation; the store's tiers bounded (LRU).
+- Through every process (DP=2, round-robin routing, so consecutive requests land on
+  different replicas): a prompt computed on one replica is a hit on the other
+  (``cached_tokens`` > 0, the hit counted) with HF's greedy tokens; a different
+  ``cache_salt`` is a miss; store bytes stay within the size, evicted blocks are misses;
+  the store killed mid-run: every request answered with the same tokens, none waits past
+  the lookup deadline, every block free.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import msgspec
+import pytest
+import torch
+
+from cluster.serve_cli import ServeArgsError, serve_parser, serve_topology
+from cluster.topology import Topology
+from cluster.topology_check import TopologyError, check_topology
+from kv_store.tiers import Tiers
+from tests.metrics_text import scrape
+from tests.polling import wait_until
+from tests.server import CandorServer, role_of
+
+MODEL = "tiny-llama"
+MAX_NEW = 12
+BLOCK = 16  # the engine's default block size
+_SENTENCE = "Candor serves language models and reports what it did with every field. "
+
+
+# ---------------------------------------------------------------- configuration
+
+
+def test_topology_names_a_bad_kv_store_key_and_refuses_it_beside_disaggregation():
+    with pytest.raises(msgspec.ValidationError, match=r"size_gb.*kv_store"):
+        msgspec.yaml.decode(b"model: {path: /m}\nkv_store: {size_gb: 1}", type=Topology)
+    topo = msgspec.yaml.decode(b"model: {path: /m}\nreplicas: 2\n"
+                               b"kv_store: {size_gib: 1, dir: /tmp/x}", type=Topology)
+    check_topology(topo, check_model=False)
+    assert topo.kv_store.disk_size_gib > 0 and topo.kv_store.lookup_timeout_s == 0.5
+    split = msgspec.yaml.decode(b"model: {path: /m}\nreplicas: 2\nkv_store: {size_gib: 1}\n"
+                                b"disaggregation: {prefill_replicas: 1, decode_replicas: 1}",
+                                type=Topology)
+    with pytest.raises(TopologyError, match="kv_store: a shared KV store does not serve a "
+                                            "prefill/decode split yet"):
+        check_topology(split, check_model=False)
+
+
+def test_serve_flags_make_the_store():
+    args = serve_parser().parse_args(["--model", "/m", "-dp", "2", "--kv-store-size", "0.5",
+                                      "--kv-store-dir", "/tmp/s", "--kv-store-disk-size", "2",
+                                      "--kv-store-timeout", "0.2"])
+    store = serve_topology(args, "/m", "m").kv_store
+    assert (store.size_gib, store.dir, store.disk_size_gib, store.lookup_timeout_s) == (
+        0.5, "/tmp/s", 2, 0.2)
+    assert serve_topology(serve_parser().parse_args(["--model", "/m"]), "/m", "m"
+                          ).kv_store is None
+    with pytest.raises(ServeArgsError, match="--kv-store-dir needs --kv-store-size"):
+        serve_topology(serve_parser().parse_args(["--model", "/m", "--kv-store-dir", "/s"]),
+                       "/m", "m")
+
+
+def test_tiers_stay_within_their_bounds_least_recently_used_out(tmp_path):
+    tiers = Tiers(memory_bytes=300, disk_dir=str(tmp_path / "d"), disk_bytes=200)
+    for i in range(6):
+        tiers.put(bytes([i]), bytes([i]) * 100)
+        assert tiers.resident["memory"] <= 300 and tiers.resident["disk"] <= 200
+    # 3 newest in memory, the 2 before on disk, the oldest gone
+    assert list(tiers.memory) == [b"\x03", b"\x04", b"\x05"]
+    assert list(tiers.disk) == [b"\x01", b"\x02"]
+    assert tiers.get(b"\x00") is None and tiers.evicted == 1
+    assert sorted(os.listdir(tmp_path / "d")) == ["01", "02"]
+    assert tiers.get(b"\x01") == b"\x01" * 100  # back in memory; memory's oldest goes down
+    assert list(tiers.memory) == [b"\x04", b"\x05", b"\x01"]
+    assert list(tiers.disk) == [b"\x02", b"\x03"]
+    memory_only = Tiers(memory_bytes=250)
+    for i in range(4):
+        memory_only.put(bytes([i]), b"x" * 100)
+    assert list(memory_only.memory) == [b"\x02", b"\x03"] and memory_only.evicted == 2
+
+
+# ---------------------------------------------------------------- through every process
+
+
+def _store_server(model_dir, tmp_path, *flags: str) -> CandorServer:
+    return CandorServer(model_dir, "--served-model-name", MODEL, "-dp", "2",
+                        "--data-parallel-routing", "round_robin", "--max-model-len", "1024",
+                        *flags).start(log_path=tmp_path / "log")
+
+
+def _complete(srv: CandorServer, prompt, **more) -> dict:
+    status, body = srv.post_json("/v1/completions", {
+        "model": MODEL, "prompt": prompt, "max_tokens": MAX_NEW, "temperature": 0,
+        "ignore_eos": True, "return_token_ids": True, **more})
+    assert status == 200, body
+    return body
+
+
+def _hf_greedy(model, ids: list[int], n: int = MAX_NEW) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids),
+                                                                            dtype=torch.long),
+                             max_new_tokens=n, do_sample=False)
+    return out[0, len(ids):].tolist()
+
+
+def _store_blocks(srv: CandorServer) -> float:
+    return scrape(srv).total("candor_kv_store_blocks", tier="memory")
+
+
+def _stored(srv: CandorServer, at_least: int) -> None:
+    """The store holds ``at_least`` blocks (the puts are write-behind)."""
+    wait_until(lambda: _store_blocks(srv), f"{at_least} blocks in the KV store",
+               until=lambda n: n >= at_least, timeout=30)
+
+
+def _cached(body: dict) -> int:
+    return body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_a_prompt_computed_on_one_replica_is_a_hit_on_the_other(tiny_model_dir, tmp_path,
+                                                                hf_model):
+    model, tok = hf_model
+    srv = _store_server(tiny_model_dir, tmp_path, "--kv-store-size", "0.05")
+    try:
+        prompt = _SENTENCE * 5
+        ids = tok(prompt)["input_ids"]
+        full = (len(ids) - 1) // BLOCK
+        expected = _hf_greedy(model, ids)
+        first = _complete(srv, prompt)  # replica 0 computes it and writes its blocks
+        assert first["choices"][0]["token_ids"] == expected and _cached(first) == 0
+        _stored(srv, full)
+        second = _complete(srv, prompt)  # round robin: replica 1, whose own cache is empty
+        assert second["choices"][0]["token_ids"] == expected
+        assert _cached(second) == full * BLOCK
+        s = scrape(srv)
+        assert s.total("candor_kv_store_hits_total") == full
+        assert s.total("candor_kv_store_misses_total") == full  # the first request's
+        assert 0 < s.total("candor_kv_store_bytes", tier="memory") <= 0.05 * 2 ** 30
+        # a different cache_salt is a different key: a miss (replica 0, whose own cache
+        # and the store hold the prompt unsalted); then a hit under that salt (replica 1)
+        salted = _complete(srv, prompt, cache_salt="tenant-b")
+        assert salted["choices"][0]["token_ids"] == expected and _cached(salted) == 0
+        _stored(srv, 2 * full)
+        salted = _complete(srv, prompt, cache_salt="tenant-b")
+        assert salted["choices"][0]["token_ids"] == expected
+        assert _cached(salted) == full * BLOCK
+        # n > 1 and logprobs through a hit: the same tokens, logprobs as computed
+        # (the same tokens as the miss: HF stops at eos, which this request ignores)
+        miss = _complete(srv, _SENTENCE * 6, logprobs=2)  # replica 0
+        _stored(srv, 2 * full + 1)
+        both = _complete(srv, _SENTENCE * 6, n=2, logprobs=2)
+        want = miss["choices"][0]["token_ids"]
+        assert [c["token_ids"] for c in both["choices"]] == [want, want]
+        assert _cached(both) > 0
+        hit_lp = both["choices"][0]["logprobs"]["token_logprobs"]
+        miss_lp = miss["choices"][0]["logprobs"]["token_logprobs"]
+        assert max(abs(a - b) for a, b in zip(hit_lp, miss_lp)) < 1e-4
+        assert all(len(top) == 2 for top in both["choices"][0]["logprobs"]["top_logprobs"])
+        srv.wait_all_blocks_free()
+    finally:
+        assert srv.stop() == 0
