@@ -90,7 +90,9 @@ class TopologyWatch:
                 out.append(f"node {node!r} is {status.state}"
                            + (f": {status.problem}" if status.problem else ""))
             for child in status.children:
-                if not child.alive and child.replica not in status.lost_replicas:
+                # a dead KV store costs prompt-cache misses only: the replicas serve on
+                if not child.alive and child.replica not in status.lost_replicas \
+                        and child.role != "kv_store":
                     out.append(f"{child.role}[{child.index}] on node {node!r} is not "
                                f"running (last exit code {child.exit_code}, "
                                f"{child.restarts} restarts)")

@@ -82,11 +82,13 @@ class KvStoreMetrics:
     """The shared KV store's resident bytes per tier (its own process)."""
 
     def __init__(self) -> None:
-        from prometheus_client import Gauge
+        from prometheus_client import Counter, Gauge
 
         self.bytes = Gauge("candor_kv_store_bytes", "Bytes of KV blocks the shared KV store "
                            "holds, by tier (memory | disk)", ["tier"], registry=None,
                            multiprocess_mode="livesum")
+        self.written = Counter("candor_kv_store_written_blocks", "KV blocks written into "
+                               "the shared KV store (ones it did not hold)", registry=None)
         self.blocks = Gauge("candor_kv_store_blocks", "KV blocks (one TP rank's shard each) "
                             "the shared KV store holds, by tier", ["tier"], registry=None,
                             multiprocess_mode="livesum")

@@ -31,6 +31,7 @@ class StoreServer:
         self.decoder = msgspec.msgpack.Decoder(msg.StoreInbound)
         self.encoder = msgspec.msgpack.Encoder()
         self.metrics = KvStoreMetrics()
+        self.exported_written = 0
         self.log = log
 
     def _peer(self, address: str) -> zmq.Socket:
@@ -99,6 +100,8 @@ class StoreServer:
         self._send(look.reply_to, [self.encoder.encode(msg.StoreHeld(look.rid, held))])
 
     def _export(self) -> None:
+        self.metrics.written.inc(self.tiers.written - self.exported_written)
+        self.exported_written = self.tiers.written
         for tier, nbytes in self.tiers.resident.items():
             self.metrics.bytes.labels(tier).set(nbytes)
         self.metrics.blocks.labels("memory").set(len(self.tiers.memory))

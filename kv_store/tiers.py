@@ -22,6 +22,7 @@ class Tiers:
         self.disk: OrderedDict[bytes, int] = OrderedDict()  # key -> size, LRU first
         self.resident = {"memory": 0, "disk": 0}
         self.evicted = 0  # blocks dropped from the last tier
+        self.written = 0  # blocks put that were not held
         self.dir = disk_dir
         if disk_dir:  # a fresh tier: files of an earlier run have no index
             shutil.rmtree(disk_dir, ignore_errors=True)
@@ -36,6 +37,8 @@ class Tiers:
             return
         if key in self.disk:
             self._drop_disk(key)
+        else:
+            self.written += 1
         if len(data) > self.memory_bytes:
             return
         self.memory[key] = data

@@ -167,3 +167,99 @@ def test_a_prompt_computed_on_one_replica_is_a_hit_on_the_other(tiny_model_dir, 
         srv.wait_all_blocks_free()
     finally:
         assert srv.stop() == 0
+
+
+def _block_bytes(model_dir) -> int:
+    """One rank's block: every layer's K and V for BLOCK positions (float32 on CPU)."""
+    import json
+    with open(os.path.join(model_dir, "config.json")) as fh:
+        c = json.load(fh)
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * BLOCK * 4
+
+
+def _ids(k: int) -> list[int]:
+    """A prompt of token ids, 4 full blocks + 1; with max_tokens 4 it fills no fifth."""
+    return list(range(300 + 100 * k, 365 + 100 * k))
+
+
+def test_store_bounds_hold_lru_evicts_to_disk_then_out_and_evicted_blocks_miss(
+        tiny_model_dir, tmp_path):
+    block = _block_bytes(tiny_model_dir)
+    six = f"{6 * block / 2 ** 30!r}"  # each tier holds six blocks
+    srv = _store_server(tiny_model_dir, tmp_path, "--kv-store-size", six, "--kv-store-dir",
+                        str(tmp_path / "tier"), "--kv-store-disk-size", six)
+    written = 0
+
+    def run(prompt, blocks_new: int) -> dict:
+        nonlocal written
+        body = _complete(srv, prompt, max_tokens=4)
+        written += blocks_new
+        wait_until(lambda: scrape(srv).total("candor_kv_store_written_blocks_total"),
+                   f"{written} blocks written", until=lambda n: n >= written, timeout=30)
+        return body
+
+    try:
+        first = run(_ids(0), 4)  # replica 0
+        run(_ids(1), 4)  # replica 1: memory's oldest two (prompt 0's head) go to disk
+        run("Hi", 0)  # replica 0 (no full block)
+        again = run(_ids(0), 0)  # replica 1: every block found, two of them on disk
+        assert _cached(again) == 4 * BLOCK
+        assert again["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
+        evicted = run(_ids(2), 4)  # replica 0
+        for k in (3, 4, 5):  # replicas 1, 0, 1: twelve newer blocks push prompt 2 out
+            run(_ids(k), 4)
+        run("Hi", 0)  # replica 0
+        late = run(_ids(2), 0)  # replica 1: never computed it, the store no longer has it
+        assert _cached(late) == 0
+        assert late["choices"][0]["token_ids"] == evicted["choices"][0]["token_ids"]
+        s = scrape(srv)
+        for tier in ("memory", "disk"):
+            assert 0 < s.total("candor_kv_store_bytes", tier=tier) <= 6 * block, tier
+            assert s.total("candor_kv_store_blocks", tier=tier) <= 6, tier
+        assert len(os.listdir(tmp_path / "tier")) == s.total("candor_kv_store_blocks",
+                                                             tier="disk")
+        assert s.total("candor_kv_store_hits_total") == 4
+        srv.wait_all_blocks_free()
+    finally:
+        assert srv.stop() == 0
+
+
+def test_a_stalled_then_killed_store_costs_misses_only(tiny_model_dir, tmp_path, hf_model):
+    """The store stopped (SIGSTOP): a lookup waits out its deadline once, then the
+    replicas stop asking; killed: lookups fail at once. Every request is answered with
+    the tokens it had with the store, none waits long, every block comes back, and the
+    launcher serves on (/health 200)."""
+    model, tok = hf_model
+    srv = _store_server(tiny_model_dir, tmp_path, "--kv-store-size", "0.05",
+                        "--kv-store-timeout", "1")
+    try:
+        prompts = [_SENTENCE * 4, _ids(0), "Once upon a time, " * 10, _ids(1)]
+        want = [_complete(srv, p)["choices"][0]["token_ids"] for p in prompts]
+        model_ids = tok(prompts[0])["input_ids"]
+        assert want[0] == _hf_greedy(model, model_ids)
+        store = next(p for p in srv.children() if role_of(p) == "kv_store[0]")
+        os.kill(store, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            body = _complete(srv, _ids(2))  # asks, waits out the 1 s deadline, computes
+            assert time.monotonic() - started < 20
+            assert _cached(body) == 0
+        finally:
+            os.kill(store, signal.SIGKILL)
+        wait_until(srv.health, "the launcher to see the store gone",
+                   until=lambda h: h[0] == 200 and "kv_store" in (tmp_path / "log")
+                   .read_text() and "exited" in (tmp_path / "log").read_text(), timeout=20)
+        with ThreadPoolExecutor(4) as pool:
+            started = time.monotonic()
+            bodies = list(pool.map(lambda p: _complete(srv, p), prompts * 2))
+            assert time.monotonic() - started < 60
+        for prompt, body in zip(prompts * 2, bodies):
+            assert body["choices"][0]["token_ids"] == want[prompts.index(prompt)], prompt
+        assert srv.health()[0] == 200
+        srv.wait_all_blocks_free(timeout=20)
+        assert srv.proc.poll() is None
+    finally:
+        assert srv.stop() == 0
+    log = (tmp_path / "log").read_text()
+    assert "kv_store exited" in log and "the KV store did not answer within 1.00s" in log
