@@ -1,6 +1,7 @@
 """Decode latency while long prompts keep arriving: colocated DP=2 vs prefill/decode split.
 
     python -m bench.disagg [--model tiny|llama-100m] [--rounds 1]
+    python -m bench.disagg --store [--rounds 4]  (the shared KV store: bench/store_hits.py)
 
 The interference disaggregation removes: on a colocated replica a long prompt's prefill
 chunks share steps with running decodes, so their inter-token latency (ITL) spikes; with
@@ -63,11 +64,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=float, default=1.0, help="long prompts per second")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--threads", type=int, default=1, help="threads per gpu_worker rank")
+    p.add_argument("--store", action="store_true",
+                   help="instead: the shared KV store's hit rate (bench/store_hits.py)")
+    p.add_argument("--prompts", type=int, default=7, help="--store: distinct prompts")
+    p.add_argument("--prompt-len", type=int, default=512, help="--store: their length")
     a = p.parse_args(argv)
     scratch = Path(tempfile.mkdtemp(prefix="candor-disagg-"))
     try:
         tiny = build_tiny(scratch)
         model = tiny if a.model == "tiny" else build_llama_100m(scratch, tiny)
+        if a.store:
+            from bench.store_hits import store_bench
+            store_bench(model, a.model, a, metric_sum)
+            return 0
         rows = []
         for name, flags in TOPOLOGIES.items():
             server = candor_server(model, a.model, a.threads, None, flags)
