@@ -50,6 +50,7 @@ from hypothesis import strategies as st
 
 from tests.metrics_text import scrape
 from tests.pairwise import complete, covering_array, every_pair
+from tests.polling import wait_until
 from tests.server import CandorServer
 
 MODEL = "tiny-llama"
@@ -76,6 +77,10 @@ SERVERS: dict[str, tuple[str, ...]] = {
     "dp2": ("--data-parallel-size", "2"),
     # disaggregated: replica 0 prefills, the KV moves to replica 1, which decodes
     "pd": ("--prefill-replicas", "1", "--decode-replicas", "1"),
+    # a KV store shared by two replicas taking turns: a hit cell lands on the replica
+    # that did not compute its warm-up, so its prefix hit comes through the store
+    "store": ("--data-parallel-size", "2", "--data-parallel-routing", "round_robin",
+              "--kv-store-size", "0.05"),
     # last: the combination fuzz reuses it (preemption, prefix hits and run-ahead at once;
     # priority scheduling on, so the fuzz's non-zero `priority` is served, not refused)
     "preempt": ("--num-kv-blocks", "40", "--scheduling-policy", "priority"),
@@ -905,6 +910,8 @@ async def run_cell(cell: Cell, pool: ServerPool, target: CandorServer,
         offsets = "text_offsets" not in cell.checks_off or not (
             cell.logprobs == "echo" or cell.stream)
         salt = uuid.uuid4().hex
+        written = await asyncio.to_thread(store_written, target) \
+            if cell.server == "store" else 0.0
         if cell.cache == "hit":  # the same request first, alone: its blocks get cached
             warm = await send(http, target, body, salt)
             if not warm.ok:
@@ -912,6 +919,10 @@ async def run_cell(cell: Cell, pool: ServerPool, target: CandorServer,
             elif refs_ok:
                 problems += [f"cache warm-up: {d}"
                              for d in reply_diffs(warm, refs, offsets, logprob_atol(cell.server))]
+            # its blocks reach the store write-behind (prompt logprobs: never cached)
+            if cell.server == "store" and warm.ok and cell.logprobs not in (
+                    "echo", "prompt_logprobs"):
+                await asyncio.to_thread(store_written, target, written)
         prompt_tokens = refs[0].usage["prompt_tokens"] if refs[0].ok else 256
         others = bystanders.bodies(cell, prompt_tokens)
         other_refs = await bystanders.references(http, others)
@@ -950,6 +961,16 @@ async def run_cell(cell: Cell, pool: ServerPool, target: CandorServer,
     if cell.server == "pd" and await asyncio.to_thread(kv_moved, target) == moved:
         problems.append("engine feature not in play: no prompt KV moved to the decode replica")
     return Outcome(problems, body)
+
+
+def store_written(srv: CandorServer, past: float | None = None) -> float:
+    """Blocks written into the KV store so far; with ``past``, once more than that."""
+    def written() -> float:
+        return scrape(srv).total("candor_kv_store_written_blocks_total")
+    if past is None:
+        return written()
+    return wait_until(written, "the warm-up's blocks in the KV store",
+                      until=lambda n: n > past, timeout=30)
 
 
 def kv_moved(srv: CandorServer) -> float:
@@ -1025,7 +1046,8 @@ def topology_problem(name: str, srv: CandorServer, log: str) -> str | None:
     counts = {role: roles.count(role) for role in ("gpu_worker", "scheduler")}
     want = {"tp2": {"gpu_worker": 2, "scheduler": 1},
             "dp2": {"gpu_worker": 2, "scheduler": 2},
-            "pd": {"gpu_worker": 2, "scheduler": 2}}.get(name, {"gpu_worker": 1,
+            "pd": {"gpu_worker": 2, "scheduler": 2},
+            "store": {"gpu_worker": 2, "scheduler": 2}}.get(name, {"gpu_worker": 1,
                                                                 "scheduler": 1})
     if status != 200 or counts != want:
         return f"{name}: /health {status}, processes {counts}, want {want}"
