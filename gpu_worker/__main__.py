@@ -168,6 +168,8 @@ def main() -> None:
             log.exception("step %d failed", msg.step_id)
             answer(ipc.WorkerError(msg.step_id, traceback.format_exc(limit=3)))
             last_sent = time.perf_counter()
+    if store is not None:
+        store.close()
     ctx.destroy(linger=0)
 
 

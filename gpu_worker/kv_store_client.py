@@ -77,6 +77,11 @@ class StoreClient:
     def attach(self, runner) -> None:
         runner.kv_import = self.import_into
 
+    def close(self) -> None:
+        """Stop the thread (its sockets close there) before the context goes."""
+        self.stop.set()
+        self.thread.join(timeout=2)
+
     # ------------------------------------------------------------------ step thread
     def after_step(self, runner, plan: ipc.StepPlan, failed: dict) -> None:
         """Copy the plan's finished blocks out (before a later plan reuses them)."""
