@@ -19,13 +19,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 import pytest
-import torch
 
 from cluster.serve_cli import ServeArgsError, serve_parser, serve_topology
 from cluster.topology import Topology
 from cluster.topology_check import TopologyError, check_topology
 from kv_store.tiers import Tiers
 from tests.metrics_text import scrape
+from tests.model_zoo import hf_greedy
 from tests.polling import wait_until
 from tests.server import CandorServer, role_of
 
@@ -103,14 +103,6 @@ def _complete(srv: CandorServer, prompt, **more) -> dict:
     return body
 
 
-def _hf_greedy(model, ids: list[int], n: int = MAX_NEW) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids),
-                                                                            dtype=torch.long),
-                             max_new_tokens=n, do_sample=False)
-    return out[0, len(ids):].tolist()
-
-
 def _store_blocks(srv: CandorServer) -> float:
     return scrape(srv).total("candor_kv_store_blocks", tier="memory")
 
@@ -133,7 +125,7 @@ def test_a_prompt_computed_on_one_replica_is_a_hit_on_the_other(tiny_model_dir, 
         prompt = _SENTENCE * 5
         ids = tok(prompt)["input_ids"]
         full = (len(ids) - 1) // BLOCK
-        expected = _hf_greedy(model, ids)
+        expected = hf_greedy(model, ids, MAX_NEW)
         first = _complete(srv, prompt)  # replica 0 computes it and writes its blocks
         assert first["choices"][0]["token_ids"] == expected and _cached(first) == 0
         _stored(srv, full)
@@ -237,7 +229,7 @@ def test_a_stalled_then_killed_store_costs_misses_only(tiny_model_dir, tmp_path,
         prompts = [_SENTENCE * 4, _ids(0), "Once upon a time, " * 10, _ids(1)]
         want = [_complete(srv, p)["choices"][0]["token_ids"] for p in prompts]
         model_ids = tok(prompts[0])["input_ids"]
-        assert want[0] == _hf_greedy(model, model_ids)
+        assert want[0] == hf_greedy(model, model_ids, MAX_NEW)
         store = next(p for p in srv.children() if role_of(p) == "kv_store[0]")
         os.kill(store, signal.SIGSTOP)
         try:
