@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -218,8 +219,8 @@ def test_store_bounds_hold_lru_evicts_to_disk_then_out_and_evicted_blocks_miss(
 
 
 def test_a_stalled_then_killed_store_costs_misses_only(tiny_model_dir, tmp_path, hf_model):
-    """The store stopped (SIGSTOP): a lookup waits out its deadline once, then the
-    replicas stop asking; killed: lookups fail at once. Every request is answered with
+    """The store stopped (SIGSTOP) and killed while requests wait on its lookups: they
+    wait out the deadline and compute; killed: lookups fail at once. Every request is answered with
     the tokens it had with the store, none waits long, every block comes back, and the
     launcher serves on (/health 200)."""
     model, tok = hf_model
@@ -233,12 +234,19 @@ def test_a_stalled_then_killed_store_costs_misses_only(tiny_model_dir, tmp_path,
         store = next(p for p in srv.children() if role_of(p) == "kv_store[0]")
         os.kill(store, signal.SIGSTOP)
         try:
-            started = time.monotonic()
-            body = _complete(srv, _ids(2))  # asks, waits out the 1 s deadline, computes
-            assert time.monotonic() - started < 20
-            assert _cached(body) == 0
+            with ThreadPoolExecutor(4) as pool:  # parked on lookups the store never answers
+                started = time.monotonic()
+                stalled = [pool.submit(_complete, srv, p) for p in [_ids(2), *prompts[1:]]]
+                time.sleep(0.3)  # (the lookups are out: the store dies under them)
+                os.kill(store, signal.SIGKILL)
+                bodies = [f.result(timeout=60) for f in stalled]
+            assert time.monotonic() - started < 30
+            assert _cached(bodies[0]) == 0
+            for prompt, body in zip(prompts[1:], bodies[1:]):
+                assert body["choices"][0]["token_ids"] == want[prompts.index(prompt)]
         finally:
-            os.kill(store, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # (killed above unless it failed)
+                os.kill(store, signal.SIGKILL)
         wait_until(srv.health, "the launcher to see the store gone",
                    until=lambda h: h[0] == 200 and "kv_store" in (tmp_path / "log")
                    .read_text() and "exited" in (tmp_path / "log").read_text(), timeout=20)
@@ -255,3 +263,24 @@ def test_a_stalled_then_killed_store_costs_misses_only(tiny_model_dir, tmp_path,
         assert srv.stop() == 0
     log = (tmp_path / "log").read_text()
     assert "kv_store exited" in log and "the KV store did not answer within 1.00s" in log
+
+
+def test_two_ranks_per_replica_each_store_and_import_their_own_shard(tiny_model_dir,
+                                                                    tmp_path, hf_model):
+    """-tp 2 -dp 2: every rank writes its KV heads under its own rank; a hit needs every
+    rank's shard and each rank imports its own."""
+    model, tok = hf_model
+    srv = _store_server(tiny_model_dir, tmp_path, "--kv-store-size", "0.05",
+                        "--tensor-parallel-size", "2")
+    try:
+        ids = tok(_SENTENCE * 4)["input_ids"]
+        full = (len(ids) - 1) // BLOCK
+        expected = hf_greedy(model, ids, MAX_NEW)
+        assert _complete(srv, ids)["choices"][0]["token_ids"] == expected  # replica 0
+        _stored(srv, 2 * full)  # a shard per rank
+        hit = _complete(srv, ids)  # replica 1
+        assert hit["choices"][0]["token_ids"] == expected
+        assert _cached(hit) == full * BLOCK
+        srv.wait_all_blocks_free()
+    finally:
+        assert srv.stop() == 0
