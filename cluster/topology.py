@@ -646,8 +646,9 @@ BINDERS = {"scheduler_in": "scheduler", "scheduler_pub": "scheduler",
            "frontend_results": "api_frontend"}
 # ... and which roles connect to it (an ipc:// address must not cross nodes).
 # (a prefill replica's scheduler hands requests to decode replicas' schedulers)
+# (the kv_store answers lookups on scheduler_in)
 CONNECTORS = {"scheduler_in": ("tokenizer_worker", "detokenizer", "api_frontend",
-                               "scheduler"),
+                               "scheduler", "kv_store"),
               "scheduler_pub": ("api_frontend",), "worker_in": ("gpu_worker",),
               "worker_out": ("gpu_worker",), "tokenizer_in": ("api_frontend",),
               "detokenizer_in": ("scheduler",),

@@ -161,6 +161,14 @@ def _bound_addresses(topology: Topology, replicas: list[ResolvedAddresses]):
         for k, addr in enumerate(ranks):
             node = topology.node_of("gpu_worker", r * topology.tensor_parallel + k).name
             out.append((f"kv_in[{r}][{k}]", addr, node, senders))
+    if topology.kv_store is not None:  # ranks and schedulers <-> the store, both ways
+        store = topology.node_of("kv_store").name
+        engine = {n.name for r in ("scheduler", "gpu_worker") for n in topology.nodes_of(r)}
+        out.append(("kv_store", resolved.kv_store, store, engine))
+        for r, ra in enumerate(replicas):
+            for k, addr in enumerate(ra.kv_store_rank_in):
+                node = topology.node_of("gpu_worker", r * topology.tensor_parallel + k).name
+                out.append((f"kv_store_rank_in[{r}][{k}]", addr, node, {store}))
     listeners = {n.name for role in CONNECTORS["node_status"] for n in topology.nodes_of(role)}
     for node, addr in zip(topology.effective_nodes(), resolved.node_status):
         out.append((f"node_status[{node.name}]", addr, node.name, listeners))

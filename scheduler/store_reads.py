@@ -11,7 +11,8 @@ that changed meanwhile: the request runs as a miss. A store that missed its dead
 not asked again for ``DOWN_S``, so a dead store costs one deadline, not one per request.
 
 Writes: each plan names the full blocks its chunks complete (``KvStorePut``) that this
-scheduler has not sent before; the ranks copy them out after the step (write-behind).
+scheduler has not sent before (or that a lookup found missing since: evicted); the ranks
+copy them out after the step (write-behind).
 
 Keys: ``store_chain`` hashes a block's tokens onto its parent's chain hash and the
 request's ``cache_salt`` (blake2b: the same in every process); ``namespace`` (from the
@@ -170,6 +171,10 @@ class StoreReads:
                 log.warning("the KV store did not answer within %.2fs; computing prompts "
                             "without it for %.0fs", self.timeout_s, DOWN_S)
             hits = self._adopt(lookup, planner) if all_in and lookup.held else 0
+            if lookup.held is not None:  # what the store lacks (evicted?) is sent again
+                for chain in sreq.store_chains[lookup.first + lookup.held:
+                                               lookup.first + lookup.asked]:
+                    self.sent.pop(chain, None)
             self.metrics.hits.inc(hits)
             self.metrics.misses.inc(lookup.asked - hits)
             out.append(sreq)

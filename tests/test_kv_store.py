@@ -54,6 +54,23 @@ def test_topology_names_a_bad_kv_store_key_and_refuses_it_beside_disaggregation(
         check_topology(split, check_model=False)
 
 
+def test_a_store_on_another_node_needs_tcp_both_ways():
+    topo = msgspec.yaml.decode(b"""
+model: {path: /m}
+replicas: 2
+kv_store: {size_gib: 1}
+addresses: {node_status: "tcp://{host}:7100"}
+nodes:
+  - {name: a, roles: [api_frontend, tokenizer_worker, scheduler, gpu_worker, detokenizer]}
+  - {name: b, host: 10.0.0.2, roles: [kv_store]}
+""", type=Topology)
+    with pytest.raises(TopologyError) as err:
+        check_topology(topo, check_model=False)
+    assert sorted(p.split(" ")[0] for p in err.value.problems) == [
+        "kv_store", "kv_store_rank_in[0][0]", "kv_store_rank_in[1][0]", "scheduler_in[0]",
+        "scheduler_in[1]"]
+
+
 def test_serve_flags_make_the_store():
     args = serve_parser().parse_args(["--model", "/m", "-dp", "2", "--kv-store-size", "0.5",
                                       "--kv-store-dir", "/tmp/s", "--kv-store-disk-size", "2",
