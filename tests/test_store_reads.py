@@ -1,0 +1,95 @@
+"""The scheduler's half of the shared KV store (scheduler/store_reads.py), against a fake
+store socket: what a parked request becomes for each answer (or none)."""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+import zmq
+
+from cluster.process_config import process_configs
+from cluster.topology import Topology
+from protocol import ipc
+from protocol import kv_store as msg
+from scheduler.block_manager import BlockAllocator
+from scheduler.planner import Planner
+from scheduler.request import SchedRequest
+from scheduler.store_reads import StoreReads, store_chain
+
+BS = 16
+
+
+def _req(rid: str, prompt_len: int = 50, salt: str | None = None, **sampling) -> SchedRequest:
+    tok = ipc.TokenizedReq(rid=rid, reply_to="ipc://x",
+                           prompt_token_ids=list(range(1, prompt_len + 1)), max_tokens=4,
+                           sampling=ipc.SamplingParams(temperature=0.0, **sampling),
+                           detok=ipc.DetokParams(), eos_token_ids=[0], cache_salt=salt)
+    return SchedRequest(tok, 0)
+
+
+def _setup(tmp_path, timeout: float = 0.3):
+    topo = msgspec.convert({"model": {"path": "/m"}, "kv_store": {
+        "size_gib": 1, "lookup_timeout_s": timeout}}, Topology)
+    cfg = next(c for c in process_configs(topo, str(tmp_path)) if c.role == "scheduler")
+    ctx = zmq.Context()
+    fake_store = ctx.socket(zmq.PULL)
+    fake_store.bind(cfg.addresses.kv_store)
+    reads = StoreReads(ctx, cfg)
+    reads.namespace = b"ns"
+    time.sleep(0.05)  # the PUSH connects
+    return ctx, fake_store, reads, Planner(BlockAllocator(32), BS, 8, 256)
+
+
+def _lookup(sock) -> msg.StoreLookup:
+    assert sock.poll(2000)
+    return msgspec.msgpack.decode(sock.recv(), type=msg.StoreInbound)
+
+
+def test_chain_hashes_differ_by_salt_and_prefix_and_agree_across_requests():
+    a, b = _req("a"), _req("b")
+    from scheduler.store_reads import store_chains
+    assert store_chains(a, 3, BS) == store_chains(b, 3, BS)
+    assert store_chains(_req("c", salt="t"), 1, BS) != store_chains(a, 1, BS)
+    assert store_chain(b"x", None, [1, 2]) != store_chain(b"y", None, [1, 2])
+
+
+def test_a_parked_request_settles_as_hit_miss_or_is_dropped(tmp_path):
+    ctx, store, reads, planner = _setup(tmp_path)
+    try:
+        hit, miss, gone = _req("hit"), _req("miss"), _req("gone")
+        for r in (hit, miss, gone):
+            assert reads.park(r, planner)
+        looks = [_lookup(store) for _ in range(3)]
+        assert [len(x.hashes) for x in looks] == [3, 3, 3]  # (50 - 1) // 16 full blocks
+        reads.on_held(msg.StoreHeld("hit", 2))
+        reads.on_received(ipc.KvReceived("hit", 0, True))
+        reads.on_held(msg.StoreHeld("miss", 0))
+        gone.finished = True  # aborted while parked
+        out = reads.settle(planner)
+        assert [r.rid for r in out] == ["hit", "miss"] and not reads.lookups
+        assert hit.num_computed == 2 * BS and len(hit.block_table) == 2
+        assert miss.num_computed == 0 and not miss.block_table
+        imports = reads.take_imports()
+        assert imports == [ipc.KvImport("hit", hit.block_table)]
+        assert reads.metrics.hits._value.get() == 2
+        planner.finish(hit)
+        assert planner.allocator.num_free == planner.allocator.total
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_a_silent_store_costs_one_deadline_then_is_not_asked(tmp_path):
+    ctx, store, reads, planner = _setup(tmp_path, timeout=0.2)
+    try:
+        first = _req("first")
+        assert reads.park(first, planner)
+        assert reads.settle(planner) == []  # still within the deadline
+        time.sleep(0.25)
+        assert reads.settle(planner) == [first] and first.num_computed == 0
+        assert not reads.park(_req("second"), planner)  # down: a miss without asking
+        # prompt logprobs need every position: never parked
+        reads.down_until = 0.0
+        assert not reads.park(_req("lp", prompt_logprobs=1), planner)
+    finally:
+        ctx.destroy(linger=0)
