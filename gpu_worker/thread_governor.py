@@ -1,0 +1,168 @@
+"""The worker's torch threads, following the cores the other processes leave idle.
+
+Why: a fixed count is wrong both ways. On a 2-core box the start-up split (cores less one
+per other role) gives the worker 1 thread even while the frontend, scheduler and
+detokenizer sit idle and a 100M-model step could use both cores; yet threads beyond the
+cores that are really free cost far more than they give (measured on a busy 2-core box:
+a 256-token prefill of the 100M model 0.73 s at 1 thread, 4.3 s at 2; a tiny model's
+32-row decode 7.6 ms -> 24 ms), because a parallel region waits for its slowest thread
+and a preempted thread stalls all of them.
+
+So the governor decides twice, before each step:
+
+- **How many cores are free** (``allowed``): every ``period_s`` it reads the box's busy
+  CPU time (``/proc/stat``) less this process's own (``time.process_time``): what the
+  other processes used, in cores. ``allowed`` = the free cores (rounded up past
+  ``1 - headroom``), between 1 and ``ceiling``. It drops at the first sample that shows
+  the cores taken (a thread too many collapses a step), and rises only after
+  ``up_after`` samples in a row agree.
+- **Whether more threads pay for this step**: a small model's op is too short to split
+  (the threads' fork and join cost more than the op), a large prefill's is not. Steps
+  are bucketed by token count; for each bucket it keeps a moving average of the step's
+  wall time at 1 thread and at ``allowed`` threads and uses the faster, re-measuring
+  the slower one every ``explore_every`` steps of the bucket (the box changes).
+
+The deterministic mode is unaffected: every kernel gives a row the same bits at any
+thread count (``MKL_CBWR=AUTO,STRICT`` for the matmuls; the attention and MoE kernels
+split rows, never a row's sum), pinned by ``tests/test_thread_governor.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+CHANGE_LOG_INTERVAL_S = 60.0  # thread changes are logged at INFO at most this often
+
+
+def usable_cpus() -> frozenset[int]:
+    """The CPUs this process may run on."""
+    try:
+        return frozenset(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return frozenset(range(os.cpu_count() or 1))
+
+
+def busy_seconds(cpus: frozenset[int], path: str = "/proc/stat") -> float | None:
+    """CPU seconds the CPUs ``cpus`` have spent busy since boot (None: no /proc)."""
+    try:
+        with open(path, "rb") as f:
+            lines = f.read().split(b"\n")
+    except OSError:
+        return None
+    ticks = 0
+    for line in lines[1:]:
+        if not line.startswith(b"cpu"):
+            break
+        fields = line.split()
+        if int(fields[0][3:]) in cpus:
+            # user nice system idle iowait irq softirq steal (guest time is inside user)
+            t = [int(x) for x in fields[1:9]]
+            ticks += sum(t) - t[3] - t[4]
+    return ticks / CLOCK_TICKS
+
+
+class ThreadGovernor:
+    """Sets the worker's thread count before each step (see the module docstring), between
+    1 and ``cores`` (the CPUs it may run on). ``set_threads`` is ``torch.set_num_threads``;
+    ``read_box`` gives those CPUs' busy seconds; the readers and the clock are injectable
+    so the policy can be tested without a busy box."""
+
+    def __init__(self, cores: int, set_threads: Callable[[int], None], *,
+                 read_box: Callable[[], float | None],
+                 read_own: Callable[[], float] = time.process_time,
+                 clock: Callable[[], float] = time.monotonic,
+                 period_s: float = 0.25, headroom: float = 0.25, up_after: int = 2,
+                 explore_every: int = 32, smoothing: float = 0.25) -> None:
+        self.ceiling = max(1, cores)
+        self._set = set_threads
+        self._read_box, self._read_own, self._clock = read_box, read_own, clock
+        self.period_s, self.headroom, self.up_after = period_s, headroom, up_after
+        self.explore_every, self.smoothing = explore_every, smoothing
+        self.threads = 1
+        self.allowed = 1
+        self.others = 0.0  # cores the other processes used in the last sample
+        self._rises = 0  # samples in a row that would allow more than now
+        self._last = (clock(), read_box(), read_own())
+        self._avg: dict[tuple[int, int], float] = {}  # (bucket, threads) -> step seconds
+        self._seen: dict[int, int] = {}  # bucket -> steps run
+        self._bucket = 0
+        self._logged = float("-inf")
+        set_threads(1)
+
+    def describe(self) -> str:
+        """The start-up log's account of what was chosen and why."""
+        if self.ceiling == 1:
+            return "1 (1 usable core; --worker-threads or OMP_NUM_THREADS to choose)"
+        return (f"adaptive, 1 to {self.ceiling} ({self.ceiling} usable cores; more than 1 only "
+                f"while the other processes leave cores idle, sampled every {self.period_s:g} s, "
+                "and only for steps that measured faster with them; --worker-threads or "
+                "OMP_NUM_THREADS fixes it)")
+
+    def before_step(self, tokens: int) -> int:
+        """Choose and set the thread count for a step of ``tokens`` tokens; returns it."""
+        now = self._clock()
+        if now - self._last[0] >= self.period_s:
+            self._sample(now)
+        self._bucket = max(1, tokens).bit_length()
+        want = self._choose(self._bucket) if self.allowed > 1 else 1
+        if want != self.threads:
+            self._set(want)
+            self.threads = want
+        return want
+
+    def after_step(self, seconds: float) -> None:
+        """Record the wall time of the step ``before_step`` set up."""
+        key = (self._bucket, self.threads)
+        old = self._avg.get(key)
+        self._avg[key] = seconds if old is None else old + self.smoothing * (seconds - old)
+        self._seen[self._bucket] = self._seen.get(self._bucket, 0) + 1
+
+    def _choose(self, bucket: int) -> int:
+        one, many = self._avg.get((bucket, 1)), self._avg.get((bucket, self.allowed))
+        if one is None:
+            return 1
+        if many is None:
+            return self.allowed
+        best, other = (1, self.allowed) if one <= many else (self.allowed, 1)
+        return other if self._seen.get(bucket, 0) % self.explore_every == 0 else best
+
+    def _sample(self, now: float) -> None:
+        box, own = self._read_box(), self._read_own()
+        then, box0, own0 = self._last
+        self._last = (now, box, own)
+        if box is None or box0 is None:
+            return  # no /proc: stay at 1
+        self.others = max(0.0, (box - box0) - (own - own0)) / (now - then)
+        free = self.ceiling - self.others
+        fits = max(1, min(self.ceiling, int(free + self.headroom)))
+        if fits < self.allowed:  # back off at once
+            self._rises = 0
+            self._change(fits)
+        elif fits > self.allowed:
+            self._rises += 1
+            if self._rises >= self.up_after:
+                self._rises = 0
+                self._change(fits)
+        else:
+            self._rises = 0
+
+    def _change(self, allowed: int) -> None:
+        self.allowed = allowed
+        now = self._clock()
+        level = logging.INFO if now - self._logged >= CHANGE_LOG_INTERVAL_S else logging.DEBUG
+        if level == logging.INFO:
+            self._logged = now
+        log.log(level, "worker threads: up to %d (the other processes used %.2f of %d cores)",
+                allowed, self.others, self.ceiling)
+
+
+def for_this_process(set_threads: Callable[[int], None]) -> ThreadGovernor:
+    """A governor over the CPUs this process may run on, reading ``/proc/stat``."""
+    cpus = usable_cpus()
+    return ThreadGovernor(len(cpus), set_threads, read_box=lambda: busy_seconds(cpus))
