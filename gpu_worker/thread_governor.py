@@ -20,7 +20,9 @@ So the governor decides twice, before each step:
   (the threads' fork and join cost more than the op), a large prefill's is not. Steps
   are bucketed by token count; for each bucket it keeps a moving average of the step's
   wall time at 1 thread and at ``allowed`` threads and uses the faster, re-measuring
-  the slower one every ``explore_every`` steps of the bucket (the box changes).
+  the slower one after ``explore_every`` steps of the bucket (the box changes), then
+  twice as late each time it loses again (up to ``MAX_EXPLORE_BACKOFF`` times), so a
+  count that never pays costs next to nothing.
 
 The deterministic mode is unaffected: every kernel gives a row the same bits at any
 thread count (``MKL_CBWR=AUTO,STRICT`` for the matmuls; the attention and MoE kernels
@@ -37,6 +39,7 @@ from collections.abc import Callable
 log = logging.getLogger(__name__)
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+MAX_EXPLORE_BACKOFF = 64
 CHANGE_LOG_INTERVAL_S = 60.0  # thread changes are logged at INFO at most this often
 
 
@@ -91,7 +94,10 @@ class ThreadGovernor:
         self._last = (clock(), read_box(), read_own())
         self._avg: dict[tuple[int, int], float] = {}  # (bucket, threads) -> step seconds
         self._seen: dict[int, int] = {}  # bucket -> steps run
+        self._check_at: dict[int, int] = {}  # bucket -> the step count of its next re-check
+        self._interval: dict[int, int] = {}  # bucket -> steps between its re-checks
         self._bucket = 0
+        self._checking = False  # this step re-measures the slower count
         self._logged = float("-inf")
         set_threads(1)
 
@@ -118,19 +124,36 @@ class ThreadGovernor:
 
     def after_step(self, seconds: float) -> None:
         """Record the wall time of the step ``before_step`` set up."""
-        key = (self._bucket, self.threads)
+        bucket, key = self._bucket, (self._bucket, self.threads)
         old = self._avg.get(key)
-        self._avg[key] = seconds if old is None else old + self.smoothing * (seconds - old)
-        self._seen[self._bucket] = self._seen.get(self._bucket, 0) + 1
+        seen = self._seen[bucket] = self._seen.get(bucket, 0) + 1
+        if self._checking or old is None:  # an old average is stale: the box changed
+            self._avg[key] = seconds
+            lost = self._checking and self._best(bucket) != self.threads
+            step = min(self._interval.get(bucket, self.explore_every) * 2,
+                       self.explore_every * MAX_EXPLORE_BACKOFF) if lost else self.explore_every
+            self._interval[bucket] = step
+            self._check_at[bucket] = seen + step
+            self._checking = False
+        else:
+            self._avg[key] = old + self.smoothing * (seconds - old)
 
-    def _choose(self, bucket: int) -> int:
+    def _best(self, bucket: int) -> int:
         one, many = self._avg.get((bucket, 1)), self._avg.get((bucket, self.allowed))
         if one is None:
             return 1
         if many is None:
             return self.allowed
-        best, other = (1, self.allowed) if one <= many else (self.allowed, 1)
-        return other if self._seen.get(bucket, 0) % self.explore_every == 0 else best
+        return 1 if one <= many else self.allowed
+
+    def _choose(self, bucket: int) -> int:
+        best = self._best(bucket)
+        if (bucket, 1) not in self._avg or (bucket, self.allowed) not in self._avg:
+            return best  # the unmeasured count
+        if self._seen.get(bucket, 0) >= self._check_at.get(bucket, 0):
+            self._checking = True
+            return self.allowed if best == 1 else 1
+        return best
 
     def _sample(self, now: float) -> None:
         box, own = self._read_box(), self._read_own()
@@ -154,6 +177,8 @@ class ThreadGovernor:
 
     def _change(self, allowed: int) -> None:
         self.allowed = allowed
+        self._check_at.clear()  # measure the new count soon in every bucket
+        self._interval.clear()
         now = self._clock()
         level = logging.INFO if now - self._logged >= CHANGE_LOG_INTERVAL_S else logging.DEBUG
         if level == logging.INFO:

@@ -118,6 +118,20 @@ def test_more_threads_only_where_they_measured_faster():
     assert small[-3:] == [1, 1, 1] and large[-3:] == [2, 2, 2]
 
 
+def test_rechecks_back_off_while_more_threads_keep_losing_and_a_change_is_found():
+    box = Box()
+    gov, _ = governor(box, explore_every=8)
+    for _ in range(3):
+        box.tick(others=0.0)
+        step(gov, at_one=0.004, at_more=0.009)
+    # the box stays idle (no sample is due: the fake clock stands still)
+    losing = [step(gov, at_one=0.004, at_more=0.009) for _ in range(2000)]
+    assert losing.count(2) <= 10  # re-checks after 8, 16, 32, ... steps, not every 8
+    assert losing[-1] == 1
+    winning = [step(gov, at_one=0.004, at_more=0.002) for _ in range(8 * 64 + 2)]
+    assert winning[-1] == 2  # found within the longest re-check interval
+
+
 def test_describe_says_the_choice_and_how_to_fix_it():
     box = Box()
     assert governor(box, cores=1)[0].describe().startswith("1 (1 usable core")
