@@ -151,6 +151,37 @@ def test_busy_seconds_reads_only_the_given_cpus(tmp_path):
     assert busy_seconds(frozenset({0}), str(tmp_path / "missing")) is None
 
 
+# ---------------------------------------------------------------- through the launcher
+
+
+def test_the_start_up_log_says_what_was_chosen(tiny_model_dir, tmp_path):
+    """By default the launcher and the worker say the count is adaptive and up to how
+    many cores; ``--worker-threads`` fixes it and the worker says so. Both serve."""
+    from tests.server import CandorServer
+
+    cores = len(os.sched_getaffinity(0))
+    env = {"OMP_NUM_THREADS": ""}  # an operator's value would fix the count
+    for flags, launcher_says, worker_says in (
+            ((), f"gpu_worker threads: adaptive, 1 to {cores} (",
+             f"threads: {'adaptive, 1 to %d (%d usable cores' % (cores, cores) if cores > 1 else '1 (1 usable core'}"),
+            (("--worker-threads", "1"), None, "threads: --worker-threads 1")):
+        log = tmp_path / f"log{len(flags)}"
+        srv = CandorServer(tiny_model_dir, "--served-model-name", "tiny", "--max-model-len", "256",
+                           *flags, env=env).start(log_path=log)
+        try:
+            status, body = srv.post_json("/v1/completions", {"model": "tiny", "prompt": "hello",
+                                                              "max_tokens": 4, "temperature": 0})
+        finally:
+            assert srv.stop() == 0
+        text = log.read_text()
+        assert status == 200, body
+        assert worker_says in text, text[-3000:]
+        if launcher_says:
+            assert launcher_says in text, text[-3000:]
+        else:
+            assert "gpu_worker threads:" not in text
+
+
 # ---------------------------------------------------------------- determinism
 
 
