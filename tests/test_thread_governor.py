@@ -17,6 +17,8 @@ import pytest
 from gpu_worker.thread_governor import ThreadGovernor, busy_seconds
 
 REPO = Path(__file__).resolve().parents[1]
+WIDE = dict(hidden_size=512, intermediate_size=1536, num_attention_heads=8, num_key_value_heads=4,
+            head_dim=64, num_hidden_layers=2)
 
 
 class Box:
@@ -185,7 +187,9 @@ def test_the_start_up_log_says_what_was_chosen(tiny_model_dir, tmp_path):
 # ---------------------------------------------------------------- determinism
 
 
-@pytest.mark.parametrize("arch", ["tiny", "qwen3_moe"])
+# "wide": matmuls (512 x 1536) and elementwise ops large enough that MKL and torch really
+# split them over the threads (the zoo's 64-wide models run every op on one thread).
+@pytest.mark.parametrize("arch", ["wide", "qwen3_moe"])
 def test_changing_threads_between_steps_keeps_every_bit(arch, tmp_path):
     """The deterministic scenarios (alone, busy batches, prefix hits, preemption, greedy
     and seeded) at 1 thread, at 2 throughout, and switching 1/2 at every step: the same
@@ -202,11 +206,10 @@ def _child(arch: str, where: Path) -> None:
     import torch
 
     from gpu_worker.model_runner import ModelRunner
-    from gpu_worker.tiny_model import build_tiny_model
     from tests import model_zoo
     from tests.test_deterministic_runner import GREEDY, SEEDED, _scenarios, serve
 
-    path = build_tiny_model(where / "m") if arch == "tiny" else model_zoo.build(arch, where / arch)
+    path = model_zoo.build("qwen2", where / arch, **WIDE) if arch == "wide" else model_zoo.build(arch, where / arch)
     runner = ModelRunner(str(path), num_blocks=400)
     assert runner.deterministic, runner.deterministic_note
     execute = runner.execute
