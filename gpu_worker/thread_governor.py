@@ -12,10 +12,13 @@ So the governor decides twice, before each step:
 
 - **How many cores are free** (``allowed``): every ``period_s`` it reads the box's busy
   CPU time (``/proc/stat``) less this process's own (``time.process_time``): what the
-  other processes used, in cores. ``allowed`` = the free cores (rounded up past
-  ``1 - headroom``), between 1 and ``ceiling``. It drops at the first sample that shows
-  the cores taken (a thread too many collapses a step), and rises only after
-  ``up_after`` samples in a row agree.
+  other processes used, in cores; and how long this process's threads waited on the run
+  queue (``/proc/self/task/*/schedstat``). ``allowed`` = the free cores (rounded up past
+  ``1 - headroom``), between 1 and the usable cores, and 1 while its threads wait (over
+  ``WAIT_LIMIT``): its own spinning threads would otherwise hide the processes they
+  starve. It drops at the first sample that shows the cores taken (a thread too many
+  collapses a step), and rises only after ``up_after`` samples in a row agree, twice as
+  many after each back-off that found it crowding the box (up to ``MAX_HOLD_BACKOFF``).
 - **Whether more threads pay for this step**: a small model's op is too short to split
   (the threads' fork and join cost more than the op), a large prefill's is not. Steps
   are bucketed by token count; for each bucket it keeps a moving average of the step's
@@ -40,6 +43,8 @@ log = logging.getLogger(__name__)
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 MAX_EXPLORE_BACKOFF = 64
+MAX_HOLD_BACKOFF = 64  # a rise after contended back-offs waits up to this many times longer
+WAIT_LIMIT = 0.1  # thread-seconds per second this process's threads may wait for a CPU
 CHANGE_LOG_INTERVAL_S = 60.0  # thread changes are logged at INFO at most this often
 
 
@@ -79,19 +84,23 @@ class ThreadGovernor:
     def __init__(self, cores: int, set_threads: Callable[[int], None], *,
                  read_box: Callable[[], float | None],
                  read_own: Callable[[], float] = time.process_time,
+                 read_wait: Callable[[], float | None] = lambda: None,
                  clock: Callable[[], float] = time.monotonic,
                  period_s: float = 0.25, headroom: float = 0.25, up_after: int = 2,
                  explore_every: int = 32, smoothing: float = 0.25) -> None:
         self.ceiling = max(1, cores)
         self._set = set_threads
         self._read_box, self._read_own, self._clock = read_box, read_own, clock
+        self._read_wait = read_wait
         self.period_s, self.headroom, self.up_after = period_s, headroom, up_after
         self.explore_every, self.smoothing = explore_every, smoothing
         self.threads = 1
         self.allowed = 1
         self.others = 0.0  # cores the other processes used in the last sample
+        self.waiting = 0.0  # this process's threads waiting for a CPU, per second
         self._rises = 0  # samples in a row that would allow more than now
-        self._last = (clock(), read_box(), read_own())
+        self._hold = up_after  # idle samples a rise needs; grows after each contended back-off
+        self._last = (clock(), read_box(), read_own(), read_wait())
         self._avg: dict[tuple[int, int], float] = {}  # (bucket, threads) -> step seconds
         self._seen: dict[int, int] = {}  # bucket -> steps run
         self._check_at: dict[int, int] = {}  # bucket -> the step count of its next re-check
@@ -156,24 +165,33 @@ class ThreadGovernor:
         return best
 
     def _sample(self, now: float) -> None:
-        box, own = self._read_box(), self._read_own()
-        then, box0, own0 = self._last
-        self._last = (now, box, own)
+        box, own, wait = self._read_box(), self._read_own(), self._read_wait()
+        then, box0, own0, wait0 = self._last
+        self._last = (now, box, own, wait)
         if box is None or box0 is None:
             return  # no /proc: stay at 1
         self.others = max(0.0, (box - box0) - (own - own0)) / (now - then)
-        free = self.ceiling - self.others
-        fits = max(1, min(self.ceiling, int(free + self.headroom)))
+        # Busy cores alone cannot tell a box shared fairly from one this process crowds:
+        # its own spinning threads count as its own and starve the others, who then look
+        # idle. Its threads waiting on the run queue can: someone else wanted the cores.
+        self.waiting = 0.0 if wait is None or wait0 is None else (wait - wait0) / (now - then)
+        contended = self.waiting > WAIT_LIMIT
+        fits = 1 if contended else max(1, min(self.ceiling, int(self.ceiling - self.others
+                                                                + self.headroom)))
         if fits < self.allowed:  # back off at once
             self._rises = 0
+            if contended and self.allowed > 1:  # it crowded the box: rise later next time
+                self._hold = min(self._hold * 2, self.up_after * MAX_HOLD_BACKOFF)
             self._change(fits)
         elif fits > self.allowed:
             self._rises += 1
-            if self._rises >= self.up_after:
+            if self._rises >= self._hold:
                 self._rises = 0
                 self._change(fits)
         else:
             self._rises = 0
+            if self.allowed > 1 and not contended:  # more threads and nobody waits: trust again
+                self._hold = max(self.up_after, self._hold - 1)
 
     def _change(self, allowed: int) -> None:
         self.allowed = allowed
@@ -183,11 +201,30 @@ class ThreadGovernor:
         level = logging.INFO if now - self._logged >= CHANGE_LOG_INTERVAL_S else logging.DEBUG
         if level == logging.INFO:
             self._logged = now
-        log.log(level, "worker threads: up to %d (the other processes used %.2f of %d cores)",
-                allowed, self.others, self.ceiling)
+        log.log(level, "worker threads: up to %d (the other processes used %.2f of %d cores; "
+                "this one's threads waited %.2f s/s for a CPU)", allowed, self.others,
+                self.ceiling, self.waiting)
+
+
+def run_queue_wait_seconds(task_dir: str = "/proc/self/task") -> float | None:
+    """Seconds this process's threads have spent runnable but waiting for a CPU (the
+    second field of each thread's ``schedstat``); None where the kernel has none."""
+    total = 0
+    try:
+        tids = os.listdir(task_dir)
+    except OSError:
+        return None
+    for tid in tids:
+        try:
+            with open(f"{task_dir}/{tid}/schedstat", "rb") as f:
+                total += int(f.read().split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # a thread that ended meanwhile
+    return total / 1e9
 
 
 def for_this_process(set_threads: Callable[[int], None]) -> ThreadGovernor:
-    """A governor over the CPUs this process may run on, reading ``/proc/stat``."""
+    """A governor over the CPUs this process may run on, reading ``/proc``."""
     cpus = usable_cpus()
-    return ThreadGovernor(len(cpus), set_threads, read_box=lambda: busy_seconds(cpus))
+    return ThreadGovernor(len(cpus), set_threads, read_box=lambda: busy_seconds(cpus),
+                          read_wait=run_queue_wait_seconds)

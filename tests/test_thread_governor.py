@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from gpu_worker.thread_governor import ThreadGovernor, busy_seconds
+from gpu_worker.thread_governor import WAIT_LIMIT, ThreadGovernor, busy_seconds, run_queue_wait_seconds
 
 REPO = Path(__file__).resolve().parents[1]
 WIDE = dict(hidden_size=512, intermediate_size=1536, num_attention_heads=8, num_key_value_heads=4,
@@ -27,18 +27,19 @@ class Box:
     ``own`` cores for ``dt`` seconds."""
 
     def __init__(self) -> None:
-        self.now, self.busy, self.own = 0.0, 0.0, 0.0
+        self.now, self.busy, self.own, self.wait = 0.0, 0.0, 0.0, 0.0
 
-    def tick(self, others: float, own: float = 1.0, dt: float = 0.3) -> None:
+    def tick(self, others: float, own: float = 1.0, dt: float = 0.3, waiting: float = 0.0) -> None:
         self.now += dt
         self.busy += (others + own) * dt
         self.own += own * dt
+        self.wait += waiting * dt
 
 
 def governor(box: Box, cores: int = 2, **kw) -> tuple[ThreadGovernor, list[int]]:
     calls: list[int] = []
     gov = ThreadGovernor(cores, calls.append, read_box=lambda: box.busy, read_own=lambda: box.own,
-                         clock=lambda: box.now, **kw)
+                         read_wait=lambda: box.wait, clock=lambda: box.now, **kw)
     return gov, calls
 
 
@@ -70,6 +71,33 @@ def test_backs_off_at_the_first_busy_sample():
     box.tick(others=0.9, own=1.1)  # another process took most of a core
     assert gov.before_step(32) == 1 and calls[-1] == 1
     assert gov.others == pytest.approx(0.9)
+
+
+def test_backs_off_when_its_own_threads_crowd_the_box_and_rises_later_next_time():
+    """Its spinning threads fill both cores, so the others look idle, but its threads wait
+    on the run queue: back to 1 at once, and the next rise needs twice the idle samples."""
+    box = Box()
+    gov, _ = governor(box)
+    for _ in range(2):
+        box.tick(others=0.0)
+        step(gov)
+    assert gov.allowed == 2
+    box.tick(others=0.0, own=2.0, waiting=WAIT_LIMIT * 3)
+    assert step(gov) == 1 and gov.allowed == 1 and gov.waiting == pytest.approx(WAIT_LIMIT * 3)
+    rises = []
+    for _ in range(6):
+        box.tick(others=0.0)
+        rises.append(gov.allowed if step(gov) else 0)
+    assert rises.index(2) == 3  # four idle samples now, not two
+
+
+def test_waiting_threads_keep_it_at_one_whatever_the_busy_counts_say():
+    box = Box()
+    gov, _ = governor(box, cores=8)
+    for _ in range(6):
+        box.tick(others=0.0, own=1.0, waiting=0.5)
+        step(gov, 512)
+    assert gov.allowed == 1 and gov.threads == 1
 
 
 def test_busy_samples_in_between_restart_the_rise():
@@ -151,6 +179,16 @@ def test_busy_seconds_reads_only_the_given_cpus(tmp_path):
     assert busy_seconds(frozenset({1}), str(stat)) == pytest.approx(250 / tick)
     assert busy_seconds(frozenset({0, 1}), str(stat)) == pytest.approx(400 / tick)
     assert busy_seconds(frozenset({0}), str(tmp_path / "missing")) is None
+
+
+def test_run_queue_wait_sums_every_thread(tmp_path):
+    for tid, stat in (("10", "500 2000000000 7\n"), ("11", "9 500000000 1\n")):
+        (tmp_path / tid).mkdir()
+        (tmp_path / tid / "schedstat").write_text(stat)
+    (tmp_path / "12").mkdir()  # a thread that ended between the listing and the read
+    assert run_queue_wait_seconds(str(tmp_path)) == pytest.approx(2.5)
+    assert run_queue_wait_seconds(str(tmp_path / "none")) is None
+    assert run_queue_wait_seconds() is not None  # this kernel has schedstat
 
 
 # ---------------------------------------------------------------- through the launcher
