@@ -61,12 +61,18 @@ def test_starts_at_one_thread_and_rises_only_after_agreeing_samples():
     assert gov.before_step(32) == 2 and gov.allowed == 2 and calls[-1] == 2
 
 
+def idle_until_two(box: Box, gov: ThreadGovernor, samples: int = 2) -> None:
+    """Idle samples enough for the governor to allow 2 threads."""
+    for _ in range(samples):
+        box.tick(others=0.0)
+        step(gov)
+    assert gov.allowed == 2
+
+
 def test_backs_off_at_the_first_busy_sample():
     box = Box()
     gov, calls = governor(box)
-    for _ in range(3):
-        box.tick(others=0.0)
-        step(gov)
+    idle_until_two(box, gov, 3)
     assert gov.threads == 2
     box.tick(others=0.9, own=1.1)  # another process took most of a core
     assert gov.before_step(32) == 1 and calls[-1] == 1
@@ -78,10 +84,7 @@ def test_backs_off_when_its_own_threads_crowd_the_box_and_rises_later_next_time(
     on the run queue: back to 1 at once, and the next rise needs twice the idle samples."""
     box = Box()
     gov, _ = governor(box)
-    for _ in range(2):
-        box.tick(others=0.0)
-        step(gov)
-    assert gov.allowed == 2
+    idle_until_two(box, gov)
     box.tick(others=0.0, own=2.0, waiting=WAIT_LIMIT * 3)
     assert step(gov) == 1 and gov.allowed == 1 and gov.waiting == pytest.approx(WAIT_LIMIT * 3)
     rises = []
