@@ -13,7 +13,6 @@ import socket
 import msgspec
 
 from cluster.generation_config import GenerationConfigError, sampling_defaults
-from cluster.process_config import process_configs
 from cluster.supervisor import say
 from cluster.topology import EngineGroup, HttpSpec, NodeSpec, Topology
 
@@ -129,30 +128,18 @@ def _usable_cores() -> int:
 
 def settle_defaults(topology: Topology, node: NodeSpec) -> Topology:
     """Fill what the operator left to the machine, saying what was chosen and why:
-    the gpu_worker's threads (the cores left after this node's other processes; an
-    operator's OMP_NUM_THREADS wins) and the sampling defaults of
+    the gpu_worker's threads (left unset: the worker's governor follows the cores the
+    other processes leave idle; an operator's OMP_NUM_THREADS wins) and the sampling defaults of
     ``model.generation_config``. The device and the KV cache size are the gpu_worker's
     to settle (it sees the device and the memory left after loading); it logs them."""
     engine, api = topology.engine, topology.api
     if "gpu_worker" in node.roles and engine.worker_threads is None:
-        cores = _usable_cores()
         if os.environ.get("OMP_NUM_THREADS", "").isdigit():
-            threads = int(os.environ["OMP_NUM_THREADS"])
-            why = "OMP_NUM_THREADS"
-        else:
-            others = sum(1 for c in process_configs(topology, "run-dir", node.name)
-                         if c.role != "gpu_worker")
-            models = len(topology.groups())  # each served model's engine gets a share
-            threads = max(1, (cores - others) // models)
-            why = (f"{cores} usable cores less {others} for this node's other processes"
-                   + (f", shared by {models} models" if models > 1 else "")
-                   + "; --worker-threads to choose")
-        engine = msgspec.structs.replace(engine, worker_threads=threads)
-        topology = msgspec.structs.replace(topology, models=[
-            m if m.engine.worker_threads is not None else msgspec.structs.replace(
-                m, engine=msgspec.structs.replace(m.engine, worker_threads=threads))
-            for m in topology.models])
-        say(f"gpu_worker threads: {threads} ({why})")
+            say(f"gpu_worker threads: {os.environ['OMP_NUM_THREADS']} (OMP_NUM_THREADS)")
+        else:  # gpu_worker.thread_governor: what the other processes leave idle
+            say(f"gpu_worker threads: adaptive, 1 to {_usable_cores()} (the cores the other "
+                "processes leave idle, for steps that run faster with them; "
+                "--worker-threads to fix)")
     model_dir = topology.model.resolved_path()
     if not api.sampling_defaults.items() and os.path.isdir(model_dir):
         try:

@@ -215,7 +215,8 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=1024)
     g.add_argument("--worker-threads", type=int, default=None,
-                   help="gpu_worker threads (default: the cores left after the other roles)")
+                   help="gpu_worker threads (default: adaptive, following the cores the "
+                        "other processes leave idle)")
     g.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="waiting-queue bound; past it requests get 503 (0: unbounded)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,

@@ -117,8 +117,8 @@ class ModelSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class EngineSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """``device`` auto: CUDA when torch sees it, else CPU. KV cache size, first set wins:
     ``num_kv_blocks``, ``kv_cache_memory_mb``, else sized from free memory (on CUDA,
-    ``gpu_memory_utilization`` of the device). ``worker_threads`` unset: the cores left
-    after this node's other processes (the launcher logs the figure)."""
+    ``gpu_memory_utilization`` of the device). ``worker_threads`` unset: adaptive, the
+    cores the other processes leave idle (``gpu_worker.thread_governor``; logged)."""
 
     device: str = "auto"
     block_size: Annotated[int, Meta(ge=1, le=256)] = 16

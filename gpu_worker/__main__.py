@@ -27,14 +27,14 @@ from protocol import ipc
 from protocol.transport import Receiver, Sender, sync_context
 
 
-def _default_threads(ranks: int) -> int:
-    """Leave a core to the other roles when there is more than one, and split the rest
-    between this host's tensor-parallel ranks. Measured on a 2-core box under load: 2
-    worker threads made a 100M-model decode step ~6x slower than 1 (the threads fight
-    the frontend, detokenizer and neighbours for the cores)."""
-    if os.environ.get("OMP_NUM_THREADS"):
-        return int(os.environ["OMP_NUM_THREADS"])
-    return max(1, ((os.cpu_count() or 1) - 1) // ranks)
+def fixed_threads(asked: int | None) -> tuple[int | None, str]:
+    """The operator's thread count (``--worker-threads``, else ``OMP_NUM_THREADS``) and
+    where it came from; (None, "") leaves it to the ``ThreadGovernor``."""
+    if asked:
+        return asked, f"--worker-threads {asked}"
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
+        return int(os.environ["OMP_NUM_THREADS"]), "OMP_NUM_THREADS"
+    return None, ""
 
 
 def answer_adapter(runner, msg: ipc.LoadAdapter | ipc.DropAdapter, answer) -> None:
@@ -72,18 +72,20 @@ def main() -> None:
         os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
     import torch  # only this role pays for torch
 
-    torch.set_num_threads(cfg.engine.worker_threads or _default_threads(size))
     from gpu_worker.distributed import init_ranks
     from gpu_worker.kv_budget import resolve_device
     from gpu_worker.model_runner import ModelRunner
+    from gpu_worker.thread_governor import for_this_process, usable_cpus
 
     eng = cfg.engine
     device, device_why = resolve_device(eng.device)
     if size > 1 and device == "cuda" and torch.cuda.device_count() > 1:
         device = f"cuda:{rank % torch.cuda.device_count()}"  # no per-rank device list given
-    log.info("device %s (%s); %d threads (%s)", device, device_why, torch.get_num_threads(),
-             f"--worker-threads {eng.worker_threads}" if eng.worker_threads
-             else "cores left after the other roles")
+    threads, threads_why = fixed_threads(eng.worker_threads)
+    # Loading (and the start-up measurements) runs while the other roles wait: a core
+    # left to them, the rest split between this host's ranks; then the governor decides.
+    torch.set_num_threads(threads or max(1, (len(usable_cpus()) - 1) // size))
+    log.info("device %s (%s)", device, device_why)
     ranks = init_ranks(rank, size, cfg.tp_address, torch.device(device), cfg.tp_interface)
     started = time.perf_counter()
     runner = ModelRunner(
@@ -97,12 +99,14 @@ def main() -> None:
         pooling=read_pooling_config(cfg.model_path) if cfg.runner == "pooling" else None,
         lora=cfg.lora)
     kv_mib = runner.num_blocks * runner.block_bytes / 2**20
-    log.info("rank %d/%d: model loaded in %.2fs, %d threads, dtype %s (%s); KV cache %d blocks "
+    log.info("rank %d/%d: model loaded in %.2fs (%d threads), dtype %s (%s); KV cache %d blocks "
              "= %.0f MiB = %d tokens (%s)", rank, size, time.perf_counter() - started,
              torch.get_num_threads(), str(runner.dtype).removeprefix("torch."),
              runner.dtype_reason, runner.num_blocks, kv_mib,
              runner.num_blocks * runner.block_size, runner.kv_reason)
     log.info("deterministic mode %s", runner.deterministic_note)
+    governor = None if threads else for_this_process(torch.set_num_threads)
+    log.info("threads: %s", threads_why or governor.describe())
 
     ctx = sync_context(cfg.security, dropped_messages(cfg.role))
     plans: Receiver = Receiver(ctx, cfg.addresses.worker_in, ipc.WorkerInbound, bind=False,
@@ -154,7 +158,11 @@ def main() -> None:
             continue
         idle = time.perf_counter() - last_sent
         try:
+            if governor is not None:
+                governor.before_step(sum(len(s.token_ids) for s in msg.seqs))
             result = runner.execute(msg)
+            if governor is not None:
+                governor.after_step(result.forward_s)
             result.idle_s = idle
             sending = time.perf_counter()
             answer(result)

@@ -178,14 +178,20 @@ def test_lora_flags_map_onto_the_topology(tiny_model_dir, tmp_path, capsys):
         assert says in capsys.readouterr().err, bad
 
 
-def test_worker_threads_from_cores_left(tiny_model_dir, monkeypatch):
+def test_worker_threads_adaptive_unless_chosen(tiny_model_dir, monkeypatch, capsys):
+    """Unset, the worker's governor follows the idle cores (the launcher says so and
+    fixes nothing); --worker-threads or OMP_NUM_THREADS fix the count."""
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
     topo, _ = serve_args_to_topology([str(tiny_model_dir), "--tokenizer-workers", "3"],
                                      environ={})
     node = topo.effective_nodes()[0]
-    # 16 cores less frontend, 3 tokenizer workers, detokenizer and scheduler
-    assert settle_defaults(topo, node).engine.worker_threads == 10
+    assert settle_defaults(topo, node).engine.worker_threads is None
+    assert "gpu_worker threads: adaptive, 1 to 16 (the cores the other processes leave idle" \
+        in capsys.readouterr().err
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert settle_defaults(topo, node).engine.worker_threads is None  # the worker reads it
+    assert "gpu_worker threads: 2 (OMP_NUM_THREADS)" in capsys.readouterr().err
     topo, _ = serve_args_to_topology([str(tiny_model_dir), "--worker-threads", "3"],
                                      environ={})
     assert settle_defaults(topo, node).engine.worker_threads == 3
