@@ -2,8 +2,11 @@
 
 A prefill rank, right after the step that sampled a request's first token, gathers the
 prompt's blocks out of its paged cache (one copy: blocks are not contiguous) and pushes
-them, one frame per layer and K/V, to the same rank of the decode replica, with a header
-that names the layout and a CRC32 per frame. Frames travel zero-copy both ways: the
+them, one frame per layer and K/V, to the decode ranks that read them, with a header
+that names the layout and a CRC32 per frame. Prefill and decode may differ in TP size:
+each rank sends the runs of KV heads ``tp_shard.kv_routes`` assigns it (equal sizes:
+all of rank k's heads to rank k), and a decode rank assembles its heads from every
+part it expects before it counts the transfer as received. Frames travel zero-copy both ways: the
 gathered tensors' memory is handed to ZeroMQ, and the decode rank reads the received
 frames in place (``torch.frombuffer``) when it writes them into its own cache blocks.
 
@@ -32,6 +35,7 @@ import zmq
 from cluster.metrics import KvTransferMetrics
 from cluster.process_config import WorkerConfig
 from protocol import ipc
+from gpu_worker.tp_shard import KvRoute, kv_routes
 from protocol.transport import Sender, open_socket
 
 log = logging.getLogger(__name__)
@@ -40,21 +44,31 @@ SEND_HWM = 64  # transfers queued toward one decode rank before new ones are dro
 
 
 class KvLayout(msgspec.Struct, frozen=True, array_like=True):
-    """What both sides must agree on for a block to mean the same thing."""
+    """What both sides must agree on for a block to mean the same thing (TP sizes may
+    differ: the heads are re-sliced)."""
 
     model: str  # sha256 prefix of the checkpoint's config.json
     dtype: str
     block_size: int
     num_layers: int
-    kv_heads: int  # this rank's
+    num_kv_heads: int  # the model's
     head_dim: int
-    tp_rank: int
-    tp_size: int
+
+
+class KvPart(msgspec.Struct, frozen=True, array_like=True):
+    """Which heads one transfer carries: a run of the model's KV heads from prefill rank
+    ``src`` of ``src_tp`` (a route of ``tp_shard.kv_routes``)."""
+
+    src_tp: int
+    src: int
+    head: int
+    heads: int
 
 
 class KvHeader(msgspec.Struct, array_like=True):
     rid: str
     layout: KvLayout
+    part: KvPart
     num_tokens: int
     num_blocks: int
     checksums: list[int]  # CRC32 of each frame after the header, in order
@@ -71,8 +85,15 @@ def model_fingerprint(model_path: str) -> str:
 
 def layout_of(runner, model_path: str) -> KvLayout:
     return KvLayout(model_fingerprint(model_path), str(runner.dtype).removeprefix("torch."),
-                    runner.block_size, runner.config.num_layers, runner.shard.kv_heads,
-                    runner.config.head_dim, runner.ranks.rank, runner.ranks.size)
+                    runner.block_size, runner.config.num_layers, runner.config.num_kv_heads,
+                    runner.config.head_dim)
+
+
+def routes_of(cfg: WorkerConfig, runner) -> list[KvRoute]:
+    split = cfg.disaggregation
+    assert split is not None and split.prefill_tensor_parallel and split.decode_tensor_parallel
+    return kv_routes(runner.config.num_kv_heads, split.prefill_tensor_parallel,
+                     split.decode_tensor_parallel)
 
 
 def _as_bytes(t: torch.Tensor) -> memoryview:
@@ -89,24 +110,33 @@ def _mismatch(theirs: KvLayout, mine: KvLayout) -> str | None:
 
 
 @dataclass
-class _Held:
+class _Part:
     header: KvHeader
     frames: list[zmq.Frame]
-    at: float  # monotonic arrival
+
+
+@dataclass
+class _Held:
+    parts: dict[int, _Part]  # prefill rank -> what it sent
+    at: float  # monotonic arrival of the first part
 
 
 class KvSender:
-    """The prefill side: one PUSH per decode replica (this rank's peer), connected at start:
-    a send only queues toward a connected peer, and connecting takes a moment."""
+    """The prefill side: one PUSH per (decode replica, decode rank this rank sends to),
+    connected at start: a send only queues toward a connected peer, and connecting takes
+    a moment."""
 
     def __init__(self, ctx: zmq.Context, cfg: WorkerConfig, layout: KvLayout,
-                 metrics: KvTransferMetrics) -> None:
-        self.peers = cfg.addresses.replica_kv_in
+                 routes: list[KvRoute], kv_start: int, metrics: KvTransferMetrics) -> None:
         self.rank = cfg.tp_rank
+        self.tp = cfg.tensor_parallel
         self.layout = layout
-        self.socks = {r: open_socket(ctx, zmq.PUSH, ranks[self.rank], bind=False,
-                                     send_hwm=SEND_HWM)
-                      for r, ranks in enumerate(self.peers) if ranks}
+        self.kv_start = kv_start  # the model's first KV head held by this rank
+        self.routes = [r for r in routes if r.src == self.rank]
+        self.socks = {(replica, r.dst): open_socket(ctx, zmq.PUSH, ranks[r.dst], bind=False,
+                                                    send_hwm=SEND_HWM)
+                      for replica, ranks in enumerate(cfg.addresses.replica_kv_in) if ranks
+                      for r in self.routes}
         self.metrics = metrics
 
     def export(self, runner, exports: list[ipc.KvExport], failed: dict) -> None:
@@ -117,19 +147,24 @@ class KvSender:
             n = -(-exp.num_tokens // runner.block_size)
             table = runner.block_tables[exp.rid][:n]
             idx = torch.tensor(table, dtype=torch.long, device=runner.device)
-            tensors = [half.index_select(0, idx).cpu() for layer in runner.kv_caches
-                       for half in layer]
-            frames = [_as_bytes(t) for t in tensors]
             gen = runner.generators.get(exp.rid)
-            header = KvHeader(exp.rid, self.layout, exp.num_tokens, n,
-                              [zlib.crc32(f) for f in frames], started,
-                              gen.get_state().numpy().tobytes() if gen is not None else None)
-            if self.send(self.socks[exp.replica], [msgspec.msgpack.encode(header), *frames]):
-                self.metrics.bytes.labels("sent").inc(sum(f.nbytes for f in frames))
-            else:
-                self.metrics.failures.labels("send_queue_full").inc()
-                log.warning("KV of %s not sent: decode replica %d is not taking transfers",
-                            exp.rid, exp.replica)
+            state = gen.get_state().numpy().tobytes() if gen is not None else None
+            for route in self.routes:
+                lo = route.head - self.kv_start
+                # one copy: the blocks (and, re-sliced, the heads) gathered contiguous
+                frames = [_as_bytes(half[:, :, lo:lo + route.heads].index_select(0, idx).cpu())
+                          for layer in runner.kv_caches for half in layer]
+                header = KvHeader(exp.rid, self.layout,
+                                  KvPart(self.tp, self.rank, route.head, route.heads),
+                                  exp.num_tokens, n, [zlib.crc32(f) for f in frames], started,
+                                  state)
+                if self.send(self.socks[exp.replica, route.dst],
+                             [msgspec.msgpack.encode(header), *frames]):
+                    self.metrics.bytes.labels("sent").inc(sum(f.nbytes for f in frames))
+                else:
+                    self.metrics.failures.labels("send_queue_full").inc()
+                    log.warning("KV of %s not sent: decode replica %d rank %d is not taking "
+                                "transfers", exp.rid, exp.replica, route.dst)
 
     @staticmethod
     def send(sock: zmq.Socket, frames: list) -> bool:
@@ -142,10 +177,12 @@ class KvSender:
 
 
 class KvReceiver:
-    """The decode side: checks whole transfers, holds them until imported or expired."""
+    """The decode side: checks whole transfers, holds them until imported or expired; a
+    request's KV counts as received once every part this rank expects is in."""
 
     def __init__(self, ctx: zmq.Context, cfg: WorkerConfig, layout: KvLayout,
-                 metrics: KvTransferMetrics, hold_s: float) -> None:
+                 routes: list[KvRoute], kv_start: int, metrics: KvTransferMetrics,
+                 hold_s: float) -> None:
         self.sock = open_socket(ctx, zmq.PULL, cfg.addresses.replica_kv_in[cfg.replica][
             cfg.tp_rank], bind=True)
         self.layout = layout
@@ -155,8 +192,15 @@ class KvReceiver:
         self.to_scheduler = Sender(ctx, cfg.addresses.worker_out)
         self.held: dict[str, _Held] = {}
         self.metrics = metrics
+        split = cfg.disaggregation
+        assert split is not None
+        self.prefill_tp = split.prefill_tensor_parallel
+        self.kv_start = kv_start  # the model's first KV head read by this rank
+        # prefill rank -> the part it sends this rank
+        self.expected = {r.src: KvPart(self.prefill_tp, r.src, r.head, r.heads)
+                         for r in routes if r.dst == self.rank}
         elem = torch.empty((), dtype=getattr(torch, layout.dtype)).element_size()
-        self.block_bytes = layout.block_size * layout.kv_heads * layout.head_dim * elem
+        self.head_bytes = layout.block_size * layout.head_dim * elem  # per block and head
 
     def drain(self) -> None:
         """Take every transfer waiting on the socket; answer each."""
@@ -185,17 +229,23 @@ class KvReceiver:
             return
         self.metrics.bytes.labels("received").inc(nbytes)
         self.metrics.seconds.observe(max(0.0, time.time() - header.sent_at))
-        self.held[header.rid] = _Held(header, frames[1:], time.monotonic())
-        self.to_scheduler.send(ipc.KvReceived(header.rid, self.rank, True, nbytes=nbytes))
+        held = self.held.setdefault(header.rid, _Held({}, time.monotonic()))
+        held.parts[header.part.src] = _Part(header, frames[1:])
+        if len(held.parts) == len(self.expected):
+            total = sum(len(f.buffer) for p in held.parts.values() for f in p.frames)
+            self.to_scheduler.send(ipc.KvReceived(header.rid, self.rank, True, nbytes=total))
 
     def _refusal(self, header: KvHeader, frames: list[zmq.Frame]) -> tuple[str, str] | None:
         mismatch = _mismatch(header.layout, self.layout)
         if mismatch is not None:
             return "layout_mismatch", mismatch
+        if self.expected.get(header.part.src) != header.part:
+            return "layout_mismatch", (f"part {header.part} (prefill) is not one this rank "
+                                       f"expects: {list(self.expected.values())}")
         expected = 2 * self.layout.num_layers
         if len(frames) != expected or len(header.checksums) != expected:
             return "missing_frames", f"{len(frames)} frames, {expected} expected"
-        size = header.num_blocks * self.block_bytes
+        size = header.num_blocks * header.part.heads * self.head_bytes
         if header.num_blocks != -(-header.num_tokens // self.layout.block_size):
             return "bad_header", f"{header.num_blocks} blocks for {header.num_tokens} tokens"
         for i, (frame, crc) in enumerate(zip(frames, header.checksums)):
@@ -215,23 +265,27 @@ class KvReceiver:
         transfer that is no longer held fails its request alone (it cannot be fed)."""
         for imp in imports:
             held = self.held.pop(imp.rid, None)
-            if held is None or len(imp.blocks) != held.header.num_blocks:
+            if held is None or len(held.parts) != len(self.expected) or any(
+                    len(imp.blocks) != p.header.num_blocks for p in held.parts.values()):
                 runner.failed[imp.rid] = ipc.RequestFailure(
                     "kv_transfer_lost", "the prompt KV handed over from the prefill replica "
                     "was no longer held by the decode replica; retry", 503)
                 continue
             idx = torch.tensor(imp.blocks, dtype=torch.long, device=runner.device)
-            shape = (len(imp.blocks), runner.block_size, runner.shard.kv_heads,
-                     runner.config.head_dim)
             halves = [half for layer in runner.kv_caches for half in layer]
-            with warnings.catch_warnings():  # read-only frames: read, never written
-                warnings.simplefilter("ignore", UserWarning)
-                for half, frame in zip(halves, held.frames):
-                    src = torch.frombuffer(frame.buffer, dtype=torch.uint8).view(half.dtype)
-                    half.index_copy_(0, idx, src.view(shape).to(half.device))
+            for part in held.parts.values():
+                lo, heads = part.header.part.head - self.kv_start, part.header.part.heads
+                shape = (len(imp.blocks), runner.block_size, heads, runner.config.head_dim)
+                with warnings.catch_warnings():  # read-only frames: read, never written
+                    warnings.simplefilter("ignore", UserWarning)
+                    for half, frame in zip(halves, part.frames):
+                        src = torch.frombuffer(frame.buffer, dtype=torch.uint8).view(half.dtype)
+                        half[:, :, lo:lo + heads].index_copy_(0, idx,
+                                                              src.view(shape).to(half.device))
+            header = next(iter(held.parts.values())).header
             gen = runner.generators.get(imp.rid)
-            if gen is not None and held.header.generator_state is not None:
-                gen.set_state(torch.frombuffer(bytearray(held.header.generator_state),
+            if gen is not None and header.generator_state is not None:
+                gen.set_state(torch.frombuffer(bytearray(header.generator_state),
                                                dtype=torch.uint8))
 
 
@@ -243,9 +297,11 @@ class KvTransfer:
         split = cfg.disaggregation
         assert split is not None
         metrics = KvTransferMetrics()
-        self.sender = KvSender(ctx, cfg, layout, metrics) \
+        routes = routes_of(cfg, runner)
+        kv_start = runner.shard.kv_start
+        self.sender = KvSender(ctx, cfg, layout, routes, kv_start, metrics) \
             if cfg.replica_role == "prefill" else None
-        self.receiver = KvReceiver(ctx, cfg, layout, metrics,
+        self.receiver = KvReceiver(ctx, cfg, layout, routes, kv_start, metrics,
                                    hold_s=2 * split.transfer_timeout_s + 30) \
             if cfg.replica_role == "decode" else None
 

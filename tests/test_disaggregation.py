@@ -90,6 +90,76 @@ def test_serve_flags_make_the_split():
     half = serve_parser().parse_args(["--model", "/m", "--prefill-replicas", "1"])
     with pytest.raises(ServeArgsError, match="go together"):
         serve_topology(half, "/m", "m")
+    sizes = serve_parser().parse_args(["--model", "/m", "--prefill-replicas", "1",
+                                       "--decode-replicas", "2", "--prefill-tp", "2",
+                                       "--decode-tensor-parallel-size", "4"])
+    topo = serve_topology(sizes, "/m", "m")
+    assert (topo.disaggregation.prefill_tensor_parallel,
+            topo.disaggregation.decode_tensor_parallel) == (2, 4)
+    alone = serve_parser().parse_args(["--model", "/m", "--decode-tp", "2"])
+    with pytest.raises(ServeArgsError, match="need --prefill-replicas"):
+        serve_topology(alone, "/m", "m")
+
+
+def test_per_role_tp_sizes_place_ranks_and_kv_addresses(tmp_path):
+    """Prefill TP 1 and decode TP 2: workers are numbered replica by replica with each
+    replica's own size; every process is told its replica's size and both roles' sizes;
+    each decode rank has its KV inbound."""
+    from cluster.process_config import process_configs
+    from cluster.topology import resolve
+    topo = _topology("disaggregation: {prefill_replicas: 1, decode_replicas: 2, "
+                     "decode_tensor_parallel: 2}")
+    check_topology(topo, check_model=False)
+    assert topo.total_gpu_workers == 5
+    workers = [c for c in process_configs(topo, str(tmp_path)) if c.role == "gpu_worker"]
+    assert [(c.index, c.replica, c.tp_rank, c.tensor_parallel) for c in workers] == [
+        (0, 0, 0, 1), (1, 1, 0, 2), (2, 1, 1, 2), (3, 2, 0, 2), (4, 2, 1, 2)]
+    assert {(c.disaggregation.prefill_tensor_parallel, c.disaggregation.decode_tensor_parallel)
+            for c in workers} == {(1, 2)}
+    assert [len(r) for r in resolve(topo, str(tmp_path))[0].replica_kv_in] == [0, 2, 2]
+    with pytest.raises(msgspec.ValidationError, match=r"decode_tensor_parallel"):
+        _topology("disaggregation: {prefill_replicas: 1, decode_replicas: 2, "
+                  "decode_tensor_parallel: 0}")
+
+
+def test_a_tp_size_that_does_not_split_the_model_is_refused_naming_the_key(tiny_model_dir):
+    """tiny-llama has 4 query heads: a decode TP of 3 is refused before any process
+    starts, in one line naming the topology key."""
+    from cluster.preflight import check_model_config
+    topo = msgspec.yaml.decode(
+        f"model: {{path: {tiny_model_dir}}}\nreplicas: 2\ndisaggregation: "
+        "{prefill_replicas: 1, decode_replicas: 1, decode_tensor_parallel: 3}".encode(),
+        type=Topology)
+    with pytest.raises(SystemExit, match=r"over 3 ranks: num_attention_heads=4 is not "
+                                         r"divisible by disaggregation.decode_tensor_parallel=3"):
+        check_model_config(topo)
+
+
+def test_kv_routes_give_each_decode_rank_exactly_its_heads():
+    """The re-slicing plan, for GQA with fewer KV heads than ranks on either side: every
+    decode rank receives exactly the heads its shard reads, each head from one prefill
+    rank that holds it, and equal sizes keep today's rank k -> rank k."""
+    from gpu_worker.tp_shard import KvRoute, kv_routes, kv_slice
+    for kv in (1, 2, 4, 8):
+        for p in (1, 2, 4, 8):
+            for d in (1, 2, 4, 8):
+                if (kv >= p and kv % p) or (kv < p and p % kv) or \
+                        (kv >= d and kv % d) or (kv < d and d % kv):
+                    continue
+                routes = kv_routes(kv, p, d)
+                for dst in range(d):
+                    first, count = kv_slice(kv, dst, d)
+                    got = sorted(h for r in routes if r.dst == dst
+                                 for h in range(r.head, r.head + r.heads))
+                    assert got == list(range(first, first + count)), (kv, p, d, dst)
+                for r in routes:
+                    first, count = kv_slice(kv, r.src, p)
+                    assert first <= r.head and r.head + r.heads <= first + count
+                if p == d:
+                    assert all(r.src == r.dst for r in routes)
+    assert kv_routes(2, 1, 2) == [KvRoute(0, 0, 0, 1), KvRoute(0, 1, 1, 1)]
+    assert kv_routes(2, 4, 1) == [KvRoute(0, 0, 0, 1), KvRoute(2, 0, 1, 1)]
+    assert kv_routes(2, 4, 4) == [KvRoute(k, k, k // 2, 1) for k in range(4)]
 
 
 # ---------------------------------------------------------------- through every process
@@ -213,6 +283,47 @@ def test_pd_with_two_ranks_per_replica_matches_hf(tiny_model_dir, tmp_path, hf_m
         s = scrape(srv)
         assert s.total("candor_kv_transfer_seconds_count") == 2 * len(PROMPTS)
         assert s.total("candor_kv_transfer_failures_total") == 0
+        srv.wait_all_blocks_free()
+    finally:
+        assert srv.stop() == 0
+
+
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(1, 2), (2, 1)])
+def test_pd_with_different_tp_sizes_matches_hf(tiny_model_dir, tmp_path, hf_model,
+                                               prefill_tp, decode_tp):
+    """Prefill and decode replicas of different TP sizes: the KV heads are re-sliced on
+    the way (tiny-llama has 2 KV heads: TP 1 holds both, TP 2 one per rank), each decode
+    rank gets exactly its own; greedy, logprobs and streaming as colocated, blocks free."""
+    srv = _pd_server(tiny_model_dir, tmp_path, "--prefill-tp", str(prefill_tp),
+                     "--decode-tp", str(decode_tp))
+    try:
+        _greedy_matches_hf(srv, hf_model)
+        s = scrape(srv)
+        # one part per (prefill rank, decode rank) route: 2 either way here
+        assert s.total("candor_kv_transfer_seconds_count") == 2 * len(PROMPTS)
+        assert s.total("candor_kv_transfer_failures_total") == 0
+        sent = s.total("candor_kv_transfer_bytes_total", direction="sent")
+        assert sent > 0 and sent == s.total("candor_kv_transfer_bytes_total",
+                                            direction="received")
+        model, tok = hf_model
+        prompt = PROMPTS[3]
+        expected = _hf_greedy(model, tok(prompt)["input_ids"])
+        status, body = _post(srv, {"prompt": prompt, "max_tokens": MAX_NEW, "temperature": 0,
+                                   "ignore_eos": True, "logprobs": 1,
+                                   "return_token_ids": True})
+        assert status == 200, body
+        assert body["choices"][0]["token_ids"] == expected
+        with torch.no_grad():
+            ids = tok(prompt)["input_ids"] + expected
+            ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+        n_prompt = len(ids) - MAX_NEW
+        want = [ref[i - 1, ids[i]].item() for i in range(n_prompt, len(ids))]
+        got = body["choices"][0]["logprobs"]["token_logprobs"]
+        assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4
+        events = _stream(srv, {"prompt": prompt, "max_tokens": MAX_NEW, "temperature": 0,
+                               "ignore_eos": True})
+        assert "".join(e["choices"][0]["text"] for e in events
+                       if e.get("choices")) == body["choices"][0]["text"]
         srv.wait_all_blocks_free()
     finally:
         assert srv.stop() == 0
