@@ -66,11 +66,17 @@ class KvPart(msgspec.Struct, frozen=True, array_like=True):
 
 
 class KvHeader(msgspec.Struct, array_like=True):
+    """One piece of one part: blocks ``first_block..first_block+num_blocks`` of the KV
+    of the first ``num_tokens`` positions; ``final``: the prompt's last piece (earlier
+    ones went ahead while later chunks of the prompt computed)."""
+
     rid: str
     layout: KvLayout
     part: KvPart
     num_tokens: int
+    first_block: int
     num_blocks: int
+    final: bool
     checksums: list[int]  # CRC32 of each frame after the header, in order
     sent_at: float  # wall time the prefill rank started the export
     # a seeded request's generator after its first token: the decode rank goes on from
@@ -110,15 +116,25 @@ def _mismatch(theirs: KvLayout, mine: KvLayout) -> str | None:
 
 
 @dataclass
-class _Part:
+class _Piece:
     header: KvHeader
     frames: list[zmq.Frame]
 
 
 @dataclass
 class _Held:
-    parts: dict[int, _Part]  # prefill rank -> what it sent
-    at: float  # monotonic arrival of the first part
+    parts: dict[int, dict[int, _Piece]]  # prefill rank -> first block -> piece
+    at: float  # monotonic arrival of the first piece
+
+    def blocks(self, src: int) -> int | None:
+        """The prompt's blocks when ``src``'s pieces cover all of them, else None."""
+        end, final = 0, False
+        for first in sorted(self.parts.get(src, {})):
+            piece = self.parts[src][first]
+            if first != end:
+                return None
+            end, final = first + piece.header.num_blocks, piece.header.final
+        return end if final else None
 
 
 class KvSender:
@@ -145,7 +161,7 @@ class KvSender:
                 continue  # it has no first token: nothing to hand off
             started = time.time()
             n = -(-exp.num_tokens // runner.block_size)
-            table = runner.block_tables[exp.rid][:n]
+            table = runner.block_tables[exp.rid][exp.first_block:n]
             idx = torch.tensor(table, dtype=torch.long, device=runner.device)
             gen = runner.generators.get(exp.rid)
             state = gen.get_state().numpy().tobytes() if gen is not None else None
@@ -156,8 +172,8 @@ class KvSender:
                           for layer in runner.kv_caches for half in layer]
                 header = KvHeader(exp.rid, self.layout,
                                   KvPart(self.tp, self.rank, route.head, route.heads),
-                                  exp.num_tokens, n, [zlib.crc32(f) for f in frames], started,
-                                  state)
+                                  exp.num_tokens, exp.first_block, len(table), exp.final,
+                                  [zlib.crc32(f) for f in frames], started, state)
                 if self.send(self.socks[exp.replica, route.dst],
                              [msgspec.msgpack.encode(header), *frames]):
                     self.metrics.bytes.labels("sent").inc(sum(f.nbytes for f in frames))
@@ -230,10 +246,17 @@ class KvReceiver:
         self.metrics.bytes.labels("received").inc(nbytes)
         self.metrics.seconds.observe(max(0.0, time.time() - header.sent_at))
         held = self.held.setdefault(header.rid, _Held({}, time.monotonic()))
-        held.parts[header.part.src] = _Part(header, frames[1:])
-        if len(held.parts) == len(self.expected):
-            total = sum(len(f.buffer) for p in held.parts.values() for f in p.frames)
+        held.parts.setdefault(header.part.src, {})[header.first_block] = _Piece(header,
+                                                                               frames[1:])
+        if header.final and self._complete(held) is not None:
+            total = sum(len(f.buffer) for pieces in held.parts.values()
+                        for p in pieces.values() for f in p.frames)
             self.to_scheduler.send(ipc.KvReceived(header.rid, self.rank, True, nbytes=total))
+
+    def _complete(self, held: _Held) -> int | None:
+        """The prompt's blocks when every expected part covers them all, else None."""
+        ends = {held.blocks(src) for src in self.expected}
+        return ends.pop() if len(ends) == 1 and None not in ends else None
 
     def _refusal(self, header: KvHeader, frames: list[zmq.Frame]) -> tuple[str, str] | None:
         mismatch = _mismatch(header.layout, self.layout)
@@ -246,8 +269,10 @@ class KvReceiver:
         if len(frames) != expected or len(header.checksums) != expected:
             return "missing_frames", f"{len(frames)} frames, {expected} expected"
         size = header.num_blocks * header.part.heads * self.head_bytes
-        if header.num_blocks != -(-header.num_tokens // self.layout.block_size):
-            return "bad_header", f"{header.num_blocks} blocks for {header.num_tokens} tokens"
+        if header.first_block + header.num_blocks != -(-header.num_tokens //
+                                                       self.layout.block_size):
+            return "bad_header", (f"blocks {header.first_block}+{header.num_blocks} for "
+                                  f"{header.num_tokens} tokens")
         for i, (frame, crc) in enumerate(zip(frames, header.checksums)):
             if len(frame.buffer) != size:
                 return "bad_size", f"frame {i} has {len(frame.buffer)} bytes, {size} expected"
@@ -265,24 +290,26 @@ class KvReceiver:
         transfer that is no longer held fails its request alone (it cannot be fed)."""
         for imp in imports:
             held = self.held.pop(imp.rid, None)
-            if held is None or len(held.parts) != len(self.expected) or any(
-                    len(imp.blocks) != p.header.num_blocks for p in held.parts.values()):
+            if held is None or self._complete(held) != len(imp.blocks):
                 runner.failed[imp.rid] = ipc.RequestFailure(
                     "kv_transfer_lost", "the prompt KV handed over from the prefill replica "
                     "was no longer held by the decode replica; retry", 503)
                 continue
-            idx = torch.tensor(imp.blocks, dtype=torch.long, device=runner.device)
             halves = [half for layer in runner.kv_caches for half in layer]
-            for part in held.parts.values():
-                lo, heads = part.header.part.head - self.kv_start, part.header.part.heads
-                shape = (len(imp.blocks), runner.block_size, heads, runner.config.head_dim)
+            pieces = [p for by_first in held.parts.values() for p in by_first.values()]
+            for piece in pieces:
+                h = piece.header
+                lo, heads = h.part.head - self.kv_start, h.part.heads
+                idx = torch.tensor(imp.blocks[h.first_block:h.first_block + h.num_blocks],
+                                   dtype=torch.long, device=runner.device)
+                shape = (h.num_blocks, runner.block_size, heads, runner.config.head_dim)
                 with warnings.catch_warnings():  # read-only frames: read, never written
                     warnings.simplefilter("ignore", UserWarning)
-                    for half, frame in zip(halves, part.frames):
+                    for half, frame in zip(halves, piece.frames):
                         src = torch.frombuffer(frame.buffer, dtype=torch.uint8).view(half.dtype)
                         half[:, :, lo:lo + heads].index_copy_(0, idx,
                                                               src.view(shape).to(half.device))
-            header = next(iter(held.parts.values())).header
+            header = next(p.header for p in pieces if p.header.final)
             gen = runner.generators.get(imp.rid)
             if gen is not None and header.generator_state is not None:
                 gen.set_state(torch.frombuffer(bytearray(header.generator_state),

@@ -228,6 +228,12 @@ def test_pd_greedy_parity_roles_metrics_and_blocks(tiny_model_dir, tmp_path, hf_
                                             direction="received")
         assert s.total("candor_kv_transfer_seconds_count") == len(PROMPTS)
         assert s.total("candor_kv_transfer_failures_total") == 0
+        # vLLM's NIXL connector names for the same facts (its dashboards read these)
+        assert s.total("vllm:nixl_xfer_time_seconds_count") == len(PROMPTS)
+        assert s.total("vllm:nixl_xfer_time_seconds_sum") == \
+            s.total("candor_kv_transfer_seconds_sum")
+        assert s.families["vllm:nixl_num_failed_transfers"].type == "counter"
+        assert s.total("vllm:nixl_num_failed_transfers_total") == 0
         print(f"KV moved for {len(PROMPTS)} prompts: {sent / 1024:.0f} KiB")
 
         model, tok = hf_model
@@ -329,6 +335,24 @@ def test_pd_with_different_tp_sizes_matches_hf(tiny_model_dir, tmp_path, hf_mode
         assert srv.stop() == 0
 
 
+def test_pd_sends_earlier_chunks_ahead_of_the_first_token(tiny_model_dir, tmp_path,
+                                                          hf_model):
+    """Chunked prefill (64-token chunks): each chunk's full blocks leave while the next
+    computes, the last piece with the first token; the decode rank imports only when a
+    part covers every block (re-sliced too: prefill TP 2 -> decode TP 1)."""
+    srv = _pd_server(tiny_model_dir, tmp_path, "--max-num-batched-tokens", "64",
+                     "--prefill-tp", "2", "--decode-tp", "1")
+    try:
+        _greedy_matches_hf(srv, hf_model)
+        s = scrape(srv)
+        # two parts per prompt (one per prefill rank), more pieces for the long prompts
+        assert s.total("candor_kv_transfer_seconds_count") > 2 * len(PROMPTS)
+        assert s.total("candor_kv_transfer_failures_total") == 0
+        srv.wait_all_blocks_free()
+    finally:
+        assert srv.stop() == 0
+
+
 @pytest.mark.parametrize("fault,reason", [("garble", "checksum"),
                                           ("drop_frame", "missing_frames"),
                                           ("withhold", "timeout")])
@@ -349,6 +373,8 @@ def test_a_failed_transfer_is_recomputed_with_the_same_tokens(tiny_model_dir, tm
                    ("checksum", "missing_frames", "timeout", "bad_header", "no_free_blocks",
                     "send_queue_full")}
         assert counted[reason] == len(PROMPTS), counted
+        assert s.total("vllm:nixl_num_failed_transfers_total") == \
+            s.total("candor_kv_transfer_failures_total")
         assert s.total("candor_kv_transfer_bytes_total", direction="received") == 0
         srv.wait_all_blocks_free()
     finally:
