@@ -1,19 +1,21 @@
 """Prompt KV moving between replicas' gpu_workers (disaggregated prefill/decode).
 
-A prefill rank, right after the step that sampled a request's first token, gathers the
-prompt's blocks out of its paged cache (one copy: blocks are not contiguous) and pushes
-them, one frame per layer and K/V, to the decode ranks that read them, with a header
-that names the layout and a CRC32 per frame. Prefill and decode may differ in TP size:
-each rank sends the runs of KV heads ``tp_shard.kv_routes`` assigns it (equal sizes:
-all of rank k's heads to rank k), and a decode rank assembles its heads from every
-part it expects before it counts the transfer as received. Frames travel zero-copy both ways: the
-gathered tensors' memory is handed to ZeroMQ, and the decode rank reads the received
-frames in place (``torch.frombuffer``) when it writes them into its own cache blocks.
+A prefill rank, right after a step that computed part of a handed-off prompt, gathers
+the blocks that step completed out of its paged cache (one copy: blocks are not
+contiguous) and pushes them, one frame per layer and K/V, to the decode ranks that read
+them, with a header that names the layout and a CRC32 per frame: a prompt prefilled in
+chunks streams while its later chunks compute, and the step that samples the first
+token sends the rest. Prefill and decode may differ in TP size: each rank sends the
+runs of KV heads ``tp_shard.kv_routes`` assigns it (equal sizes: all of rank k's heads
+to rank k). Frames travel zero-copy both ways: the gathered tensors' memory is handed
+to ZeroMQ, and the decode rank reads the received frames in place
+(``torch.frombuffer``) when it writes them into its own cache blocks.
 
-A decode rank checks a transfer as a whole before anything touches its cache (layout,
-frame count and sizes, checksums) and tells its scheduler ``KvReceived`` (ok or why
-not); it holds the frames until a plan imports them (``KvImport``: the blocks its
-scheduler chose) or until they expire. A refused or lost transfer is never written: the
+A decode rank checks each piece as a whole before anything touches its cache (layout,
+frame count and sizes, checksums) and tells its scheduler ``KvReceived`` (ok once every
+part it expects covers every block of the prompt, or why not); it holds the frames
+until a plan imports them (``KvImport``: the blocks its scheduler chose) or until they
+expire. A refused or lost transfer is never written: the
 scheduler recomputes the prompt instead. Sends never block the step loop: a decode peer
 that is gone or not keeping up loses the transfer (the deadline on its side covers it).
 """
@@ -34,8 +36,8 @@ import zmq
 
 from cluster.metrics import KvTransferMetrics
 from cluster.process_config import WorkerConfig
-from protocol import ipc
 from gpu_worker.tp_shard import KvRoute, kv_routes
+from protocol import ipc
 from protocol.transport import Sender, open_socket
 
 log = logging.getLogger(__name__)
