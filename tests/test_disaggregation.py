@@ -446,3 +446,78 @@ def test_lost_decode_replica_fails_its_requests_and_prefill_serves_on(tiny_model
         srv.wait_all_blocks_free(timeout=20)
     finally:
         assert srv.stop() == 0
+
+
+# ---------------------------------------------------------------- the receiver alone
+
+
+class _Runner:
+    """What ``KvReceiver.import_into`` reads of a ModelRunner: a paged cache, 2 layers."""
+
+    def __init__(self, blocks: int, block_size: int, kv_heads: int, head_dim: int) -> None:
+        self.block_size, self.device, self.failed, self.generators = (block_size, "cpu",
+                                                                      {}, {})
+        self.config = type("Cfg", (), {"head_dim": head_dim})()
+        self.kv_caches = [(torch.zeros(blocks, block_size, kv_heads, head_dim),
+                           torch.zeros(blocks, block_size, kv_heads, head_dim))
+                          for _ in range(2)]
+
+
+def test_a_decode_rank_assembles_pieces_and_parts_and_refuses_a_mismatch(tmp_path):
+    """Decode TP 1 fed by prefill TP 2 (2 KV heads, one per prefill rank), a 3-block
+    prompt in two pieces per part: nothing is reported until every part covers every
+    block; the import writes each head slice where it belongs. A part from a prefill of
+    another TP size, or of another model, is refused as layout_mismatch naming why."""
+    import zlib
+
+    import zmq
+
+    from cluster.metrics import KvTransferMetrics
+    from cluster.process_config import process_configs
+    from gpu_worker.kv_transfer import KvHeader, KvLayout, KvPart, KvReceiver
+    from gpu_worker.tp_shard import kv_routes
+    from protocol import ipc
+    from protocol.transport import Receiver
+
+    topo = _topology("disaggregation: {prefill_replicas: 1, decode_replicas: 2, "
+                     "prefill_tensor_parallel: 2, decode_tensor_parallel: 1}")
+    cfg = next(c for c in process_configs(topo, str(tmp_path))
+               if c.role == "gpu_worker" and c.replica == 1)
+    layout = KvLayout("m0", "float32", 4, 2, 2, 8)
+    ctx = zmq.Context()
+    scheduler = Receiver(ctx, cfg.addresses.worker_out, ipc.WorkerOutbound)
+    rx = KvReceiver(ctx, cfg, layout, kv_routes(2, 2, 1), 0, KvTransferMetrics(), 60)
+    heads = {0: torch.arange(3 * 4 * 8, dtype=torch.float32).view(3, 4, 1, 8),
+             1: -torch.arange(3 * 4 * 8, dtype=torch.float32).view(3, 4, 1, 8)}
+
+    def piece(src: int, first: int, n: int, final: bool, lay=layout, src_tp: int = 2):
+        frames = [heads[src][first:first + n].numpy().tobytes() for _ in range(4)]
+        header = KvHeader("r", lay, KvPart(src_tp, src, src, 1), 10 if final else 4 * (first + n),
+                          first, n, final, [zlib.crc32(f) for f in frames], 0.0)
+        return [zmq.Frame(msgspec.msgpack.encode(header)), *map(zmq.Frame, frames)]
+
+    try:
+        rx._take(piece(0, 0, 2, False))
+        rx._take(piece(1, 0, 2, False))
+        rx._take(piece(0, 2, 1, True))
+        assert scheduler.recv(timeout_ms=200) is None  # prefill rank 1's last piece missing
+        rx._take(piece(1, 2, 1, True))
+        msg = scheduler.recv(timeout_ms=2000)
+        assert isinstance(msg, ipc.KvReceived) and msg.ok and msg.nbytes == 2 * 4 * 3 * 4 * 8 * 4
+        runner = _Runner(8, 4, 2, 8)
+        rx.import_into(runner, [ipc.KvImport("r", [5, 1, 6])])
+        assert not runner.failed
+        for k, v in runner.kv_caches:
+            for half in (k, v):
+                assert torch.equal(half[[5, 1, 6], :, 0:1], heads[0])
+                assert torch.equal(half[[5, 1, 6], :, 1:2], heads[1])
+                assert half[[0, 2, 3, 4, 7]].abs().sum() == 0
+
+        rx._take(piece(0, 0, 3, True, src_tp=4))
+        msg = scheduler.recv(timeout_ms=2000)
+        assert (msg.ok, msg.reason) == (False, "layout_mismatch")
+        rx._take(piece(0, 0, 3, True, lay=KvLayout("m1", "float32", 4, 2, 2, 8)))
+        msg = scheduler.recv(timeout_ms=2000)
+        assert (msg.ok, msg.reason) == (False, "layout_mismatch")
+    finally:
+        ctx.destroy(linger=0)
