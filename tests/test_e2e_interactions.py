@@ -74,8 +74,10 @@ SERVERS: dict[str, tuple[str, ...]] = {
     "sync": (),
     "tp2": ("--tensor-parallel-size", "2"),
     "dp2": ("--data-parallel-size", "2"),
-    # disaggregated: replica 0 prefills, the KV moves to replica 1, which decodes
-    "pd": ("--prefill-replicas", "1", "--decode-replicas", "1"),
+    # disaggregated: replica 0 prefills, the KV moves to replica 1, which decodes; long
+    # prompts in 64-token chunks, whose KV streams ahead of the first token
+    "pd": ("--prefill-replicas", "1", "--decode-replicas", "1", "--max-num-batched-tokens",
+           "64"),
     # last: the combination fuzz reuses it (preemption, prefix hits and run-ahead at once;
     # priority scheduling on, so the fuzz's non-zero `priority` is served, not refused)
     "preempt": ("--num-kv-blocks", "40", "--scheduling-policy", "priority"),
