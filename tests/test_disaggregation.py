@@ -383,6 +383,26 @@ def test_a_failed_transfer_is_recomputed_with_the_same_tokens(tiny_model_dir, tm
         assert "refused the KV of" in (tmp_path / "log").read_text()
 
 
+def test_a_garbled_part_of_a_resliced_transfer_is_recomputed(tiny_model_dir, tmp_path,
+                                                              hf_model):
+    """Prefill TP 2 -> decode TP 1: the decode rank takes a part from each prefill rank;
+    every part garbled is refused on arrival, nothing is imported, the prompt is
+    recomputed with the same tokens, blocks free (a part missing while the other is in:
+    the receiver test below)."""
+    srv = _pd_server(tiny_model_dir, tmp_path, "--prefill-tp", "2", "--decode-tp", "1",
+                     "--kv-transfer-timeout", "30", env=kv_fault_env("garble"))
+    try:
+        _greedy_matches_hf(srv, hf_model)
+        s = wait_until(lambda: scrape(srv), "every part refused",
+                       until=lambda s: s.total("candor_kv_transfer_failures_total",
+                                               reason="checksum") >= 2 * len(PROMPTS))
+        assert s.total("candor_kv_transfer_failures_total") == 2 * len(PROMPTS)
+        assert s.total("candor_kv_transfer_bytes_total", direction="received") == 0
+        srv.wait_all_blocks_free()
+    finally:
+        assert srv.stop() == 0
+
+
 def test_prefill_worker_killed_mid_transfer(tiny_model_dir, tmp_path, hf_model):
     """The prefill rank stalls in its first export and is killed there: the requests it
     held end (answered, or 503 replica_lost in the error shape), /health says degraded,
