@@ -16,7 +16,9 @@ frame count and sizes, checksums) and tells its scheduler ``KvReceived`` (ok onc
 part it expects covers every block of the prompt, or why not); it holds the frames
 until a plan imports them (``KvImport``: the blocks its scheduler chose) or until they
 expire. A refused or lost transfer is never written: the
-scheduler recomputes the prompt instead. Sends never block the step loop: a decode peer
+scheduler recomputes the prompt instead. Each prefill rank greets its decode peers once
+connected (its layout, no KV): a decode rank that cannot use it stops the topology at
+start (``LAYOUT_MISMATCH_EXIT``). Sends never block the step loop: a decode peer
 that is gone or not keeping up loses the transfer (the deadline on its side covers it).
 """
 
@@ -43,6 +45,8 @@ from protocol.transport import Sender, open_socket
 log = logging.getLogger(__name__)
 
 SEND_HWM = 64  # transfers queued toward one decode rank before new ones are dropped
+# prefill and decode cannot share KV as configured: the launcher stops the topology
+LAYOUT_MISMATCH_EXIT = os.EX_CONFIG
 
 
 class KvLayout(msgspec.Struct, frozen=True, array_like=True):
@@ -156,6 +160,22 @@ class KvSender:
                       for replica, ranks in enumerate(cfg.addresses.replica_kv_in) if ranks
                       for r in self.routes}
         self.metrics = metrics
+        self.ungreeted = dict(self.socks)  # peers not yet told this rank's layout
+
+    def greet(self) -> None:
+        """Tell each decode peer, once, as soon as it is connected, what this rank will
+        send (a header with no rid and no frames): a peer that cannot use it stops the
+        topology at start rather than refusing every request. Never blocks."""
+        for (replica, dst), sock in list(self.ungreeted.items()):
+            route = next(r for r in self.routes if r.dst == dst)
+            hello = KvHeader("", self.layout, KvPart(self.tp, self.rank, route.head,
+                                                     route.heads), 0, 0, 0, True, [],
+                             time.time())
+            try:
+                sock.send(msgspec.msgpack.encode(hello), zmq.NOBLOCK)
+                del self.ungreeted[replica, dst]
+            except zmq.Again:
+                pass  # not connected yet: the next loop turn tries again
 
     def export(self, runner, exports: list[ipc.KvExport], failed: dict) -> None:
         for exp in exports:
@@ -237,6 +257,9 @@ class KvReceiver:
             self.metrics.failures.labels("bad_header").inc()
             log.warning("dropped a KV transfer whose header does not decode: %s", err)
             return  # no rid to answer for: the scheduler's deadline covers it
+        if not header.rid:
+            self._greeted(header)
+            return
         why = self._refusal(header, frames[1:])
         nbytes = sum(len(f.buffer) for f in frames[1:])
         if why is not None:
@@ -260,13 +283,30 @@ class KvReceiver:
         ends = {held.blocks(src) for src in self.expected}
         return ends.pop() if len(ends) == 1 and None not in ends else None
 
-    def _refusal(self, header: KvHeader, frames: list[zmq.Frame]) -> tuple[str, str] | None:
+    def _greeted(self, hello: KvHeader) -> None:
+        """A prefill rank's greeting at start: a layout this rank cannot take stops it
+        (the launcher then stops the topology), in one line naming what differs."""
+        why = self._layout_refusal(hello)
+        if why is not None:
+            log.critical("prefill and decode replicas do not match: %s; they must serve the "
+                         "same model, KV dtype, block size, layer count and head dim",
+                         why[1])
+            logging.shutdown()
+            os._exit(LAYOUT_MISMATCH_EXIT)
+
+    def _layout_refusal(self, header: KvHeader) -> tuple[str, str] | None:
         mismatch = _mismatch(header.layout, self.layout)
         if mismatch is not None:
             return "layout_mismatch", mismatch
         if self.expected.get(header.part.src) != header.part:
             return "layout_mismatch", (f"part {header.part} (prefill) is not one this rank "
                                        f"expects: {list(self.expected.values())}")
+        return None
+
+    def _refusal(self, header: KvHeader, frames: list[zmq.Frame]) -> tuple[str, str] | None:
+        why = self._layout_refusal(header)
+        if why is not None:
+            return why
         expected = 2 * self.layout.num_layers
         if len(frames) != expected or len(header.checksums) != expected:
             return "missing_frames", f"{len(frames)} frames, {expected} expected"
@@ -341,6 +381,8 @@ class KvTransfer:
     def recv_plan(self, plans, timeout_ms: int):
         """The next plan (or None after ``timeout_ms``), taking KV transfers meanwhile."""
         if self.receiver is None:
+            if self.sender.ungreeted:
+                self.sender.greet()
             return plans.recv(timeout_ms=timeout_ms)
         poller = zmq.Poller()
         poller.register(plans.sock, zmq.POLLIN)

@@ -29,7 +29,7 @@ import torch
 from cluster.serve_cli import serve_parser
 from cluster.topology import Topology
 from cluster.topology_check import TopologyError, check_topology
-from tests.faults import kv_fault_env
+from tests.faults import kv_fault_env, kv_layout_env
 from tests.metrics_text import scrape
 from tests.polling import wait_until
 from tests.server import CandorServer, role_of
@@ -401,6 +401,30 @@ def test_a_garbled_part_of_a_resliced_transfer_is_recomputed(tiny_model_dir, tmp
         srv.wait_all_blocks_free()
     finally:
         assert srv.stop() == 0
+
+
+@pytest.mark.parametrize("field,value,says", [
+    ("dtype", "bfloat16", "dtype 'bfloat16' (prefill) != 'float32' (decode)"),
+    ("block_size", "32", "block_size 32 (prefill) != 16 (decode)")])
+def test_a_layout_mismatch_is_refused_at_start_in_one_line(tiny_model_dir, tmp_path, field,
+                                                          value, says):
+    """A prefill rank that would send KV of another dtype or block size (as a node
+    started with another configuration would) greets its decode peers at start; the
+    decode rank refuses in one line naming the field, and the topology does not serve."""
+    from gpu_worker.kv_transfer import LAYOUT_MISMATCH_EXIT
+    srv = CandorServer(tiny_model_dir, "--served-model-name", MODEL, "--prefill-replicas",
+                       "1", "--decode-replicas", "1", env=kv_layout_env(field, value))
+    try:
+        try:  # the greeting may land before or after every process reports ready
+            srv.start(log_path=tmp_path / "log")
+        except RuntimeError:
+            pass
+        assert srv.proc.wait(timeout=60) != 0
+    finally:
+        srv.stop()
+    text = (tmp_path / "log").read_text()
+    assert f"prefill and decode replicas do not match: {says}; they must serve" in text
+    assert f"gpu_worker[1] exited with code {LAYOUT_MISMATCH_EXIT}" in text
 
 
 def test_prefill_worker_killed_mid_transfer(tiny_model_dir, tmp_path, hf_model):
