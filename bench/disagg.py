@@ -1,6 +1,7 @@
 """Decode latency while long prompts keep arriving: colocated DP=2 vs prefill/decode split.
 
-    python -m bench.disagg [--model tiny|llama-100m] [--rounds 1]
+    python -m bench.disagg [--model tiny|llama-100m] [--rounds 1] [--chunk 256]
+                           [--only P=1/D=1] [--repo /path/to/another/checkout]
     python -m bench.disagg --store [--rounds 4]  (the shared KV store: bench/store_hits.py)
 
 The interference disaggregation removes: on a colocated replica a long prompt's prefill
@@ -10,6 +11,10 @@ topology serves the same two workloads at once: ``--streams`` decode streams (sh
 prompt, long output) and ``--long`` long prompts arriving at ``--rate`` per second (a
 few tokens each). Reported: the decode streams' ITL p50/p99, the long prompts' TTFT, and
 for the split the KV bytes moved and transfer seconds per prompt token (from /metrics).
+The long prompts' ITL includes their first decode gap, where the split waits for the
+KV: with ``--chunk`` below the prompt length the prompt is prefilled in chunks and each
+chunk's blocks leave while the next computes. ``--repo`` runs the servers from another
+checkout (the same bench before and after a change).
 Both topologies run two engine replicas on the same cores; on a 2-core box the
 processes fight for them, so the overhead may dominate: the numbers say what it costs.
 """
@@ -26,7 +31,7 @@ from pathlib import Path
 
 from bench.loadgen import Workload, run
 from bench.models import build_llama_100m, build_tiny
-from bench.servers import candor_server
+from bench.servers import REPO, candor_server
 
 TOPOLOGIES = {"colocated DP=2": ["--data-parallel-size", "2"],
               "P=1/D=1": ["--prefill-replicas", "1", "--decode-replicas", "1"]}
@@ -68,7 +73,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="instead: the shared KV store's hit rate (bench/store_hits.py)")
     p.add_argument("--prompts", type=int, default=7, help="--store: distinct prompts")
     p.add_argument("--prompt-len", type=int, default=512, help="--store: their length")
+    p.add_argument("--chunk", type=int, default=None,
+                   help="--max-num-batched-tokens of both topologies (prefill chunk size)")
+    p.add_argument("--only", choices=list(TOPOLOGIES), default=None)
+    p.add_argument("--repo", type=Path, default=REPO, help="the checkout serving")
     a = p.parse_args(argv)
+    chunk = ["--max-num-batched-tokens", str(a.chunk)] if a.chunk else []
     scratch = Path(tempfile.mkdtemp(prefix="candor-disagg-"))
     try:
         tiny = build_tiny(scratch)
@@ -79,7 +89,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         rows = []
         for name, flags in TOPOLOGIES.items():
-            server = candor_server(model, a.model, a.threads, None, flags)
+            if a.only not in (None, name):
+                continue
+            server = candor_server(model, a.model, a.threads, None, [*flags, *chunk],
+                                   repo=a.repo)
             server.start()
             try:
                 server.wait_ready(600)
@@ -101,18 +114,21 @@ def main(argv: list[str] | None = None) -> int:
                          statistics.median(s["itl_s_p50"] for s, _ in runs),
                          statistics.median(s["itl_s_p99"] for s, _ in runs),
                          statistics.median(lg["ttft_s_p50"] for _, lg in runs),
+                         statistics.median(lg["itl_s_p99"] for _, lg in runs),
                          sum(s["errors"] + lg["errors"] for s, lg in runs),
                          moved / prompt_tokens, secs / prompt_tokens))
             print(f"[{name}] done", flush=True)
         print(f"\n{a.model}: {a.streams} decode streams (32 -> {a.stream_tokens} tokens) while "
               f"{a.long} prompts of {a.long_len} tokens arrive at {a.rate}/s; "
-              f"{a.threads} thread(s) per rank, median of {a.rounds}")
+              f"{a.threads} thread(s) per rank, chunk {a.chunk or 'default'}, median of "
+              f"{a.rounds}; served from {a.repo}")
         print("| topology | decode ITL p50 (ms) | decode ITL p99 (ms) | long-prompt TTFT p50 "
-              "(ms) | errors | KV bytes / prompt token | transfer µs / prompt token |")
-        print("|---|---|---|---|---|---|---|")
-        for name, p50, p99, ttft, errors, bpt, spt in rows:
+              "(ms) | long-prompt ITL p99 (ms) | errors | KV bytes / prompt token | "
+              "transfer µs / prompt token |")
+        print("|---|---|---|---|---|---|---|---|")
+        for name, p50, p99, ttft, long_itl, errors, bpt, spt in rows:
             print(f"| {name} | {1000 * p50:.1f} | {1000 * p99:.1f} | {1000 * ttft:.0f} | "
-                  f"{errors} | {bpt:.0f} | {1e6 * spt:.1f} |")
+                  f"{1000 * long_itl:.0f} | {errors} | {bpt:.0f} | {1e6 * spt:.1f} |")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return 0

@@ -80,6 +80,10 @@ RENAMED = {
     "candor_preemptions": ("vllm:num_preemptions",),
     "candor_prefix_cache_queried_tokens": ("vllm:prefix_cache_queries",),
     "candor_prefix_cache_hit_tokens": ("vllm:prefix_cache_hits",),
+    # disaggregation: vLLM's NixlConnector times each KV transfer the same way (start of
+    # the transfer to the KV usable on the decode side); its vllm:nixl_bytes_transferred
+    # is a histogram of bytes per transfer, which Candor does not keep, so it has no alias
+    "candor_kv_transfer_seconds": ("vllm:nixl_xfer_time_seconds",),
 }
 # vLLM's finished_reason values; each is exported from the start (0), so a panel or an
 # alert on abort shows 0 rather than "no data" before the first one
@@ -157,6 +161,13 @@ def vllm_families(families: dict, labels: dict[str, str]) -> Iterable:
     for reason, value in finished.items():
         success.add_metric([*labels.values(), reason], value)
     yield success
+    if "candor_kv_transfer_seconds" in families:  # disaggregation: every reason summed
+        failed = CounterMetricFamily("vllm:nixl_num_failed_transfers", "Failed KV "
+                                     "transfers, every reason (see "
+                                     "candor_kv_transfer_failures_total)", labels=list(labels))
+        failed.add_metric(list(labels.values()), _total(
+            families, "candor_kv_transfer_failures", "candor_kv_transfer_failures_total"))
+        yield failed
     lora = lora_info(families, labels)
     if lora is not None:
         yield lora

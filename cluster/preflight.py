@@ -66,10 +66,23 @@ def check_model_config(topology: Topology) -> None:
     field and value, before any process starts (the parsers are torch-free); say how a
     pooling model pools."""
     for group in topology.groups():
-        _check_model(group)
+        _check_model(group, _tp_keys(topology, group))
 
 
-def _check_model(group: EngineGroup) -> None:
+def _tp_keys(topology: Topology, group: EngineGroup) -> dict[int, str]:
+    """Each TP size the group's replicas run -> the topology key that set it."""
+    split = topology.disaggregation if group.index == 0 else None
+    if split is None:
+        return {group.tensor_parallel: "tensor_parallel"}
+    keys: dict[int, str] = {}
+    for role in ("prefill", "decode"):
+        own = getattr(split, f"{role}_tensor_parallel")
+        keys.setdefault(own or group.tensor_parallel,
+                        f"disaggregation.{role}_tensor_parallel" if own else "tensor_parallel")
+    return keys
+
+
+def _check_model(group: EngineGroup, tp_keys: dict[int, str]) -> None:
     from cluster.pooling import UnsupportedPooling, auto_runner, read_pooling_config
     from gpu_worker.model_config import UnsupportedConfig, load_config
 
@@ -81,10 +94,11 @@ def _check_model(group: EngineGroup) -> None:
         cfg = load_config(path)
     except UnsupportedConfig as err:
         raise SystemExit(f"candor: cannot serve {path}: {err}") from None
-    problems = shard_problems(cfg, group.tensor_parallel)
-    if problems:
-        raise SystemExit(f"candor: cannot split {path} over {group.tensor_parallel} "
-                         f"ranks: {'; '.join(problems)}")
+    for size, key in tp_keys.items():
+        problems = shard_problems(cfg, size, key)
+        if problems:
+            raise SystemExit(f"candor: cannot split {path} over {size} ranks: "
+                             f"{'; '.join(problems)}")
     if group.runner == "generate" and auto_runner(path) == "pooling":
         raise SystemExit(f"candor: {path} has no language-model head (a base model "
                          "architecture): serve it with --runner pooling (runner: pooling)")

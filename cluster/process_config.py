@@ -130,7 +130,7 @@ class WorkerConfig(ReplicaConfig, kw_only=True, tag="gpu_worker"):
     dtype: str = "auto"
     load_format: str = "auto"
     runner: str = "generate"
-    first_worker: int = 0  # the index of its model's first gpu_worker (several models)
+    first_worker: int = 0  # the index of its replica's first gpu_worker
     tp_interface: str | None = None  # the interface the collectives bind to (Topology)
 
     @property
@@ -175,23 +175,25 @@ def _role_config(role: str, topology: Topology, group: EngineGroup, replica: int
     if role == "kv_store":
         assert topology.kv_store is not None
         return KvStoreConfig(**envelope, kv_store=topology.kv_store)
-    engine = dict(engine=group.engine, tensor_parallel=group.tensor_parallel,
-                  replica=replica, lora=model.lora, disaggregation=topology.disaggregation,
+    split = topology.disaggregation
+    engine = dict(engine=group.engine, tensor_parallel=group.tp_of(replica),
+                  replica=replica, lora=model.lora,
+                  disaggregation=split.resolved(topology.tensor_parallel) if split else None,
                   kv_store=topology.kv_store)
     if role == "scheduler":
         return SchedulerConfig(**envelope, **engine)
     return WorkerConfig(**envelope, **engine, model_path=path,
                         max_model_len=model.max_model_len, dtype=model.dtype,
                         load_format=model.load_format, runner=group.runner,
-                        first_worker=group.first_worker,
+                        first_worker=group.ranks_of(replica)[0],
                         tp_interface=topology.tp_interface(replica))
 
 
 def _owner(role: str, index: int, groups: list[EngineGroup]) -> tuple[EngineGroup, int]:
     """(the served model a process belongs to, its engine replica: 0 for shared roles)."""
     for g in groups:
-        if role == "gpu_worker" and index < g.first_worker + g.replicas * g.tensor_parallel:
-            return g, g.first_replica + (index - g.first_worker) // g.tensor_parallel
+        if role == "gpu_worker" and index < g.first_worker + g.workers:
+            return g, next(r for r in g.replica_ids() if index in g.ranks_of(r))
         if role == "scheduler" and index in g.replica_ids():
             return g, index
         if role == "tokenizer_worker" and index in g.tokenizer_ids():

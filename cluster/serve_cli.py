@@ -178,6 +178,13 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     g.add_argument("--decode-replicas", type=int, default=None, metavar="D",
                    help="disaggregated serving: D replicas receive the prompt KV worker to "
                         "worker and decode")
+    g.add_argument("--prefill-tensor-parallel-size", "--prefill-tp", type=int, default=None,
+                   metavar="N", help="disaggregated serving: ranks per prefill replica "
+                   "(default: --tensor-parallel-size); KV heads are re-sliced on the way "
+                   "to a decode replica of another size")
+    g.add_argument("--decode-tensor-parallel-size", "--decode-tp", type=int, default=None,
+                   metavar="N", help="disaggregated serving: ranks per decode replica "
+                   "(default: --tensor-parallel-size)")
     g.add_argument("--kv-transfer-timeout", type=float, default=10.0, metavar="SECONDS",
                    help="disaggregated serving: a decode replica that has not received a "
                         "prompt's KV after this long recomputes the prompt itself")
@@ -394,7 +401,13 @@ def kv_cache_mb(args: argparse.Namespace, environ: dict[str, str]) -> int | None
 def _replicas(args: argparse.Namespace) -> dict:
     """``replicas`` and, with --prefill-replicas/--decode-replicas, ``disaggregation``."""
     p, d = args.prefill_replicas, args.decode_replicas
+    per_role = {"prefill_tensor_parallel": args.prefill_tensor_parallel_size,
+                "decode_tensor_parallel": args.decode_tensor_parallel_size}
     if p is None and d is None:
+        if any(v is not None for v in per_role.values()):
+            raise ServeArgsError("--prefill-tensor-parallel-size and "
+                                 "--decode-tensor-parallel-size need --prefill-replicas and "
+                                 "--decode-replicas")
         return {"replicas": args.data_parallel_size}
     if p is None or d is None:
         raise ServeArgsError("--prefill-replicas and --decode-replicas go together")
@@ -403,7 +416,8 @@ def _replicas(args: argparse.Namespace) -> dict:
                          f"--prefill-replicas {p} + --decode-replicas {d}")
     return {"replicas": p + d, "disaggregation": {
         "prefill_replicas": p, "decode_replicas": d,
-        "transfer_timeout_s": args.kv_transfer_timeout}}
+        "transfer_timeout_s": args.kv_transfer_timeout,
+        **{k: v for k, v in per_role.items() if v is not None}}}
 
 
 def _kv_store(args: argparse.Namespace) -> dict:

@@ -286,7 +286,12 @@ class NodeSupervisor:
         """With several engine replicas, a dead scheduler or rank takes only its replica
         out: the replica's other processes are stopped (their gauges leave the node's
         sums), the frontends told (NodeStatus), and the rest serve on. Returns the deaths
-        that still stop the topology (any shared role, or the last replica)."""
+        that still stop the topology (any shared role, the last replica, or a process
+        that exited with EX_CONFIG: it found the deployment misconfigured, e.g. prefill
+        and decode replicas that cannot share KV, which losing a replica would hide)."""
+        misconfigured = [c for c in fatal if c.proc.returncode == os.EX_CONFIG]
+        if misconfigured:
+            return fatal
         hit = sorted({c.replica for c in fatal if c.replica is not None})
         # a model left without any replica stops the topology (each model counts alone)
         groups = {self.topology.group_of_replica(r).index: self.topology.group_of_replica(r)

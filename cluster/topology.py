@@ -439,6 +439,18 @@ class EngineGroup:
     first_worker: int
     first_tokenizer: int
     first_detokenizer: int
+    # ranks of each replica where they differ (a prefill/decode split with a TP size per
+    # role); empty: ``tensor_parallel`` for every replica
+    replica_tp: tuple[int, ...] = ()
+
+    def tp_of(self, replica: int) -> int:
+        """gpu_worker ranks of replica ``replica`` (numbered across models)."""
+        return self.replica_tp[replica - self.first_replica] if self.replica_tp \
+            else self.tensor_parallel
+
+    @property
+    def workers(self) -> int:
+        return sum(self.tp_of(r) for r in self.replica_ids())
 
     def replica_ids(self) -> list[int]:
         return list(range(self.first_replica, self.first_replica + self.replicas))
@@ -451,23 +463,40 @@ class EngineGroup:
 
     def ranks_of(self, replica: int) -> range:
         """The gpu_worker indexes of replica ``replica`` (numbered across models)."""
-        first = self.first_worker + (replica - self.first_replica) * self.tensor_parallel
-        return range(first, first + self.tensor_parallel)
+        first = self.first_worker + sum(self.tp_of(r) for r in range(self.first_replica,
+                                                                      replica))
+        return range(first, first + self.tp_of(replica))
 
 
 class DisaggregationSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Prefill and decode on separate replicas. Replicas ``0..prefill_replicas-1`` prefill
     (prompt KV and the first token), the next ``decode_replicas`` decode; the prompt's KV
     blocks move worker to worker over ZeroMQ. ``transfer_timeout_s`` bounds one transfer:
-    past it the decode replica recomputes the prompt itself."""
+    past it the decode replica recomputes the prompt itself. ``prefill_tensor_parallel``
+    / ``decode_tensor_parallel``: ranks per replica of each role (None: the topology's
+    ``tensor_parallel``); KV heads are re-sliced on the way when they differ."""
 
     prefill_replicas: Count
     decode_replicas: Count
     transfer_timeout_s: Annotated[float, Meta(gt=0.0, le=600.0)] = 10.0
+    prefill_tensor_parallel: Count | None = None
+    decode_tensor_parallel: Count | None = None
 
     @property
     def replicas(self) -> int:
         return self.prefill_replicas + self.decode_replicas
+
+    def resolved(self, tensor_parallel: int) -> DisaggregationSpec:
+        """This split with both TP sizes filled in (``tensor_parallel``: the default)."""
+        return msgspec.structs.replace(
+            self, prefill_tensor_parallel=self.prefill_tensor_parallel or tensor_parallel,
+            decode_tensor_parallel=self.decode_tensor_parallel or tensor_parallel)
+
+    def replica_tp(self, tensor_parallel: int) -> tuple[int, ...]:
+        """Ranks of each replica, prefill ones first."""
+        full = self.resolved(tensor_parallel)
+        return (full.prefill_tensor_parallel,) * self.prefill_replicas + \
+            (full.decode_tensor_parallel,) * self.decode_replicas
 
 
 ReplicaRole = Literal["colocated", "prefill", "decode"]
@@ -519,11 +548,13 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             runner = spec.model.runner_kind()
             detoks = spec.detokenizers if spec.detokenizers is not None else (
                 0 if runner == "pooling" else 1)
+            split = self.disaggregation if i == 0 else None  # (one model: topology_check)
             out.append(EngineGroup(i, spec.model, runner, spec.tensor_parallel, spec.replicas,
                                    spec.engine, spec.tokenizer_workers, detoks, replica,
-                                   worker, tok, detok))
+                                   worker, tok, detok,
+                                   split.replica_tp(spec.tensor_parallel) if split else ()))
             replica += spec.replicas
-            worker += spec.replicas * spec.tensor_parallel
+            worker += out[-1].workers
             tok += spec.tokenizer_workers
             detok += detoks
         return out
@@ -537,7 +568,7 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     @property
     def total_gpu_workers(self) -> int:
-        return sum(g.replicas * g.tensor_parallel for g in self.groups())
+        return sum(g.workers for g in self.groups())
 
     def effective_nodes(self) -> list[NodeSpec]:
         if self.nodes:
@@ -571,7 +602,7 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         """The network interface replica ``replica``'s collectives bind to: loopback when
         its ranks share a node (nothing of theirs listens beyond the host), else
         ``security.tensor_parallel.interface`` (None: torch's own choice)."""
-        if self.group_of_replica(replica).tensor_parallel == 1:
+        if self.group_of_replica(replica).tp_of(replica) == 1:
             return None
         if len(self.rank_nodes(replica)) == 1:
             return "lo"
@@ -688,7 +719,7 @@ def resolve(topology: Topology, run_dir: str) -> list[ResolvedAddresses]:
                 for i in range(n)]
 
     def rendezvous(group: EngineGroup, r: int) -> str:
-        if group.tensor_parallel == 1:
+        if group.tp_of(r) == 1:
             return ""
         port = _free_port() if "{port}" in a.tp_rendezvous else 0
         rank0 = topology.node_of("gpu_worker", group.ranks_of(r)[0])
@@ -706,10 +737,9 @@ def resolve(topology: Topology, run_dir: str) -> list[ResolvedAddresses]:
         replica_scheduler_in=[one("scheduler_in", r) for r in replicas],
         replica_scheduler_pub=[one("scheduler_pub", r) for r in replicas],
         # disaggregation serves one model (topology_check): its replicas are the first
-        replica_kv_in=[[a.kv_in.format(
-            run_dir=run_dir, r=r, k=k, i=0,
-            host=topology.node_of("gpu_worker", r * topology.tensor_parallel + k).host)
-            for k in range(topology.tensor_parallel)]
+        replica_kv_in=[[a.kv_in.format(run_dir=run_dir, r=r, k=k, i=0,
+                                       host=topology.node_of("gpu_worker", index).host)
+                        for k, index in enumerate(groups[0].ranks_of(r))]
             if topology.replica_role(r) == "decode" else [] for r in replicas]
         if topology.disaggregation is not None else [])
     resolved = []

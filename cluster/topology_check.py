@@ -159,7 +159,7 @@ def _bound_addresses(topology: Topology, replicas: list[ResolvedAddresses]):
     senders = {n.name for n in topology.nodes_of("gpu_worker")}
     for r, ranks in enumerate(resolved.replica_kv_in):
         for k, addr in enumerate(ranks):
-            node = topology.node_of("gpu_worker", r * topology.tensor_parallel + k).name
+            node = topology.node_of("gpu_worker", topology.groups()[0].ranks_of(r)[k]).name
             out.append((f"kv_in[{r}][{k}]", addr, node, senders))
     if topology.kv_store is not None:  # ranks and schedulers <-> the store, both ways
         store = topology.node_of("kv_store").name

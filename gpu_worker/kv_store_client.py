@@ -39,10 +39,11 @@ SEND_HWM = 64
 HOLD_S = 30.0  # found blocks not imported by then are dropped
 
 
-def namespace_of(runner, model_path: str) -> bytes:
-    """What makes KV incompatible across replicas (not the TP rank: the key's own part)."""
-    layout = msgspec.structs.replace(layout_of(runner, model_path), tp_rank=-1)
-    return hashlib.blake2b(msgspec.msgpack.encode(layout), digest_size=16).digest()
+def namespace_of(runner, model_path: str, tp_size: int) -> bytes:
+    """What makes KV incompatible across replicas: the checkpoint, dtype and block layout,
+    and the TP size (a rank's shard holds heads by it; the rank is the key's own part)."""
+    layout = layout_of(runner, model_path)
+    return hashlib.blake2b(msgspec.msgpack.encode((layout, tp_size)), digest_size=16).digest()
 
 
 def _gather(runner, blocks: list[int]) -> torch.Tensor:
@@ -58,7 +59,7 @@ def _as_bytes(row: torch.Tensor) -> memoryview:
 
 class StoreClient:
     def __init__(self, ctx: zmq.Context, cfg: WorkerConfig, runner) -> None:
-        self.namespace = namespace_of(runner, cfg.model_path)
+        self.namespace = namespace_of(runner, cfg.model_path, cfg.tensor_parallel)
         self.rank = cfg.tp_rank
         self.ctx = ctx
         self.cfg = cfg

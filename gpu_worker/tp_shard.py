@@ -54,22 +54,67 @@ class TPShard:
         return self.rank * self.experts
 
 
-def shard_problems(cfg: ModelConfig, size: int) -> list[str]:
-    """Why ``cfg`` cannot be split over ``size`` ranks (empty: it can)."""
+def kv_slice(num_kv_heads: int, rank: int, size: int) -> tuple[int, int]:
+    """(first KV head, KV heads) of ``rank`` out of ``size``: an equal share, or the one
+    head its query heads read when there are fewer KV heads than ranks."""
+    if num_kv_heads >= size:
+        share = num_kv_heads // size
+        return rank * share, share
+    return rank * num_kv_heads // size, 1
+
+
+@dataclass(frozen=True)
+class KvRoute:
+    """A run of KV heads (the model's numbering) that prefill rank ``src`` sends to
+    decode rank ``dst`` when a prompt's KV moves between replicas."""
+
+    src: int
+    dst: int
+    head: int
+    heads: int
+
+
+def kv_routes(num_kv_heads: int, prefill_tp: int, decode_tp: int) -> list[KvRoute]:
+    """Every decode rank gets exactly the KV heads its attention shard reads, each head
+    from one prefill rank that holds it: of several (replicated heads), the one at the
+    same relative position, so equal sizes keep rank k -> rank k and the sends spread."""
+    held = [kv_slice(num_kv_heads, src, prefill_tp) for src in range(prefill_tp)]
+
+    def source(h: int, dst: int) -> int:
+        holders = [src for src, (first, count) in enumerate(held) if first <= h < first + count]
+        return min(holders, key=lambda src: (abs(src * decode_tp - dst * prefill_tp), src))
+
+    routes: list[KvRoute] = []
+    for dst in range(decode_tp):
+        first, count = kv_slice(num_kv_heads, dst, decode_tp)
+        for h in range(first, first + count):
+            last = routes[-1] if routes else None
+            src = source(h, dst)
+            if last is not None and (last.src, last.dst) == (src, dst) \
+                    and last.head + last.heads == h:
+                routes[-1] = KvRoute(src, dst, last.head, last.heads + 1)
+            else:
+                routes.append(KvRoute(src, dst, h, 1))
+    return routes
+
+
+def shard_problems(cfg: ModelConfig, size: int, key: str = "tensor_parallel") -> list[str]:
+    """Why ``cfg`` cannot be split over ``size`` ranks (empty: it can); ``key``: the
+    setting that asked for ``size``, as the messages name it."""
     out = []
     if cfg.num_heads % size:
         out.append(f"num_attention_heads={cfg.num_heads} is not divisible by "
-                   f"tensor_parallel={size}")
+                   f"{key}={size}")
     kv = cfg.num_kv_heads
     if (kv >= size and kv % size) or (kv < size and size % kv):
-        out.append(f"num_key_value_heads={kv} and tensor_parallel={size}: one must divide "
+        out.append(f"num_key_value_heads={kv} and {key}={size}: one must divide "
                    "the other")
     if cfg.intermediate_size % size and any(not layer.moe for layer in cfg.layers):
         out.append(f"intermediate_size={cfg.intermediate_size} is not divisible by "
-                   f"tensor_parallel={size}")
+                   f"{key}={size}")
     if cfg.moe is not None and cfg.moe.num_experts % size:
         out.append(f"num_experts={cfg.moe.num_experts} is not divisible by "
-                   f"tensor_parallel={size} (experts are placed whole)")
+                   f"{key}={size} (experts are placed whole)")
     return out
 
 
@@ -78,10 +123,7 @@ def tp_shard(cfg: ModelConfig, rank: int = 0, size: int = 1) -> TPShard:
     if problems:
         raise ShardError("; ".join(problems))
     heads = cfg.num_heads // size
-    if cfg.num_kv_heads >= size:
-        kv_heads, kv_start = cfg.num_kv_heads // size, rank * (cfg.num_kv_heads // size)
-    else:
-        kv_heads, kv_start = 1, rank * cfg.num_kv_heads // size
+    kv_start, kv_heads = kv_slice(cfg.num_kv_heads, rank, size)
     experts = cfg.moe.num_experts // size if cfg.moe is not None else 0
     return TPShard(rank=rank, size=size, heads=heads, q_start=rank * heads, kv_heads=kv_heads,
                    kv_start=kv_start, head_dim=cfg.head_dim,

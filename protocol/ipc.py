@@ -303,12 +303,16 @@ class SeqChunk(msgspec.Struct, array_like=True):
 
 
 class KvExport(msgspec.Struct, array_like=True):
-    """After this step: send the KV of ``rid``'s first ``num_tokens`` positions to decode
-    ``replica`` (disaggregation; the chunk that completes the prompt is in the step)."""
+    """After this step: send blocks ``first_block..`` of the KV of ``rid``'s first
+    ``num_tokens`` positions to decode ``replica`` (disaggregation). ``final``: the chunk
+    that completes the prompt is in the step; otherwise an earlier chunk's full blocks go
+    ahead while the rest of the prompt computes."""
 
     rid: str
     replica: int
     num_tokens: int
+    first_block: int = 0
+    final: bool = True
 
 
 class KvImport(msgspec.Struct, array_like=True):

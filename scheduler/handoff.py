@@ -1,8 +1,10 @@
 """The scheduler's half of disaggregated prefill/decode (absent on a colocated replica).
 
 Prefill replica (``PrefillHandoffs``): a request stamped with a decode replica runs here
-with one token to generate. The plan whose chunk samples that token asks the worker to
-export the prompt's KV after the step (``KvExport``). When the token comes back the
+with one token to generate. Each plan with a chunk of its prompt asks the worker to
+export, after the step, the blocks that chunk completed (``KvExport``): a prompt
+prefilled in several chunks streams its KV while later chunks compute, and the chunk
+that samples the first token sends the rest. When the token comes back the
 request leaves this replica (its blocks are freed as for any finished request, once the
 worker has copied them out) and the decode scheduler is told (``KvHandoff``); a first
 token that ends the request (eos, a stop id, max_tokens 1) finishes here instead.
@@ -38,7 +40,9 @@ class PrefillHandoffs:
     def __init__(self, ctx: zmq.Context, cfg: SchedulerConfig) -> None:
         self.to_schedulers = [Sender(ctx, a) for a in cfg.addresses.schedulers_in()]
         self.replica = cfg.replica
+        self.block_size = cfg.engine.block_size
         self.originals: dict[str, ipc.TokenizedReq] = {}  # rid -> as it arrived
+        self.exported: dict[str, int] = {}  # rid -> leading blocks already sent ahead
 
     def admit(self, req: ipc.TokenizedReq) -> ipc.TokenizedReq:
         """The request this replica runs: its first token only, when it is handed on."""
@@ -51,11 +55,20 @@ class PrefillHandoffs:
                 requests: dict[str, SchedRequest]) -> list[ipc.KvExport]:
         out = []
         for c in chunks:
-            if c.sample and c.rid in self.originals:
-                req = self.originals[c.rid]
-                if requests[c.rid].num_generated == 0:
-                    out.append(ipc.KvExport(c.rid, req.decode_replica,
-                                            len(req.prompt_token_ids)))
+            req = self.originals.get(c.rid)
+            if req is None or requests[c.rid].num_generated:
+                continue
+            sent = self.exported.get(c.rid, 0)
+            if c.sample:
+                self.exported.pop(c.rid, None)
+                out.append(ipc.KvExport(c.rid, req.decode_replica,
+                                        len(req.prompt_token_ids), sent))
+                continue
+            full = (c.start_pos + len(c.token_ids)) // self.block_size
+            if full > sent:  # (a recomputed chunk after preemption sends nothing twice)
+                self.exported[c.rid] = full
+                out.append(ipc.KvExport(c.rid, req.decode_replica, full * self.block_size,
+                                        sent, final=False))
         return out
 
     def hand_off(self, sreq: SchedRequest, token: int, reason: str | None) -> bool:
@@ -69,6 +82,7 @@ class PrefillHandoffs:
 
     def forget(self, rid: str) -> None:
         self.originals.pop(rid, None)
+        self.exported.pop(rid, None)
 
 
 @dataclass

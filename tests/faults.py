@@ -12,7 +12,9 @@ in-process:
 - ``slow_execute`` / ``slow_env``: every step takes longer, so a request stays running
   while a test looks at it.
 - ``faulty_kv_send`` / ``kv_fault_env``: a prefill rank's KV transfers are garbled (one
-  byte flipped), lose their last frame, are never sent, or stall before being sent."""
+  byte flipped), lose their last frame, are never sent, or stall before being sent.
+- ``misdeclared_kv_sender`` / ``kv_layout_env``: a prefill rank declares one field of its
+  KV layout otherwise (as a node started with another checkpoint or dtype would)."""
 
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ STEP_DELAY_ENV = "CANDOR_TEST_STEP_DELAY_S"
 DROP_PLAN_ENV = "CANDOR_TEST_DROP_PLAN"
 KV_FAULT_ENV = "CANDOR_TEST_KV_FAULT"
 KV_FAULTS = ("garble", "drop_frame", "withhold", "stall")
+KV_LAYOUT_ENV = "CANDOR_TEST_KV_LAYOUT"
 SITE_DIR = Path(__file__).parent / "fault_site"
 
 
@@ -124,6 +127,19 @@ def faulty_kv_send(send: Callable, fault: str) -> Callable:
     return wrapper
 
 
+def misdeclared_kv_sender(init: Callable, field: str, value: str) -> Callable:
+    """``KvSender.__init__`` whose layout has ``field`` set to ``value`` (as its type)."""
+    import msgspec
+
+    @functools.wraps(init)
+    def wrapper(self, ctx, cfg, layout, *args, **kwargs):
+        kind = type(getattr(layout, field))
+        init(self, ctx, cfg, msgspec.structs.replace(layout, **{field: kind(value)}), *args,
+             **kwargs)
+
+    return wrapper
+
+
 def _site_path() -> str:
     """PYTHONPATH with the site directory first (the launcher keeps an inherited
     PYTHONPATH after its own directory)."""
@@ -158,3 +174,9 @@ def kv_fault_env(fault: str) -> dict[str, str]:
     """Environment for a ``CandorServer`` whose prefill ranks' KV transfers meet
     ``fault`` (see ``faulty_kv_send``)."""
     return {KV_FAULT_ENV: fault, "PYTHONPATH": _site_path()}
+
+
+def kv_layout_env(field: str, value: str) -> dict[str, str]:
+    """Environment for a ``CandorServer`` whose prefill ranks declare ``field`` of their
+    KV layout as ``value`` (see ``misdeclared_kv_sender``)."""
+    return {KV_LAYOUT_ENV: f"{field}={value}", "PYTHONPATH": _site_path()}

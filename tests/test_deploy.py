@@ -173,8 +173,10 @@ def test_several_nodes_need_a_node_name(tiny_model_dir):
 
 
 # ------------------------------------------------------------------ kubernetes
-def test_kubernetes_manifests_agree_with_their_topology():
-    docs = _docs(DEPLOY / "kubernetes" / "candor.yaml")
+@pytest.mark.parametrize("manifest,front", [("candor.yaml", "candor"),
+                                            ("disaggregated.yaml", "candor-pd")])
+def test_kubernetes_manifests_agree_with_their_topology(manifest, front):
+    docs = _docs(DEPLOY / "kubernetes" / manifest)
     config = _by_kind(docs, "ConfigMap")[0]
     topology = msgspec.yaml.decode(config["data"]["topology.yaml"], type=Topology)
     check_topology(topology, check_model=False)
@@ -217,16 +219,31 @@ def test_kubernetes_manifests_agree_with_their_topology():
         # every tcp port this node binds is open in the pod and on its headless Service
         for cfg in process_configs(topology, "/run", node=node):
             addrs = [cfg.addresses.scheduler_in, cfg.addresses.scheduler_pub,
+                     cfg.addresses.worker_in, cfg.addresses.worker_out,
                      *cfg.addresses.detokenizer_in, *cfg.addresses.frontend_results,
-                     *cfg.addresses.node_status]
+                     *cfg.addresses.node_status,
+                     *(a for ranks in cfg.addresses.replica_kv_in for a in ranks)]
             for addr in addrs:
                 if addr.startswith(f"tcp://{nodes[node].host}:"):
                     port = int(addr.rsplit(":", 1)[1])
                     assert port in {p.containerPort for p in container.ports}, (node, addr)
                     assert port in {p.port for p in services[spec.serviceName].ports}, addr
     assert started == set(nodes)
+    # a prefill or decode pool's pods say which (llm-d's role label) and run only the
+    # gpu_worker ranks of that role's replicas
+    groups = topology.groups()
+    for name, spec in sets.items():
+        role = spec.template.metadata.labels.get("llm-d.ai/role")
+        node = nodes[spec.template.spec.containers[0].args[-1]]
+        if role is None:
+            assert topology.disaggregation is None or "gpu_worker" not in node.roles, name
+            continue
+        replicas = {r for i in node.gpu_workers for r in groups[0].replica_ids()
+                    if i in groups[0].ranks_of(r)}
+        assert {topology.replica_role(r) for r in replicas} == {role}, name
+        assert len(node.devices) == len(node.gpu_workers), name
     # the client-facing Service selects the pod that serves HTTP, on its http port
-    front = services["candor"]
+    front = services[front]
     gateway = next(s for s in sets.values() if front.selector.items()
                    <= s.template.metadata.labels.items())
     assert front.ports[0].targetPort in {p.name for p in

@@ -29,7 +29,7 @@ import torch
 from cluster.serve_cli import serve_parser
 from cluster.topology import Topology
 from cluster.topology_check import TopologyError, check_topology
-from tests.faults import kv_fault_env
+from tests.faults import kv_fault_env, kv_layout_env
 from tests.metrics_text import scrape
 from tests.polling import wait_until
 from tests.server import CandorServer, role_of
@@ -90,6 +90,76 @@ def test_serve_flags_make_the_split():
     half = serve_parser().parse_args(["--model", "/m", "--prefill-replicas", "1"])
     with pytest.raises(ServeArgsError, match="go together"):
         serve_topology(half, "/m", "m")
+    sizes = serve_parser().parse_args(["--model", "/m", "--prefill-replicas", "1",
+                                       "--decode-replicas", "2", "--prefill-tp", "2",
+                                       "--decode-tensor-parallel-size", "4"])
+    topo = serve_topology(sizes, "/m", "m")
+    assert (topo.disaggregation.prefill_tensor_parallel,
+            topo.disaggregation.decode_tensor_parallel) == (2, 4)
+    alone = serve_parser().parse_args(["--model", "/m", "--decode-tp", "2"])
+    with pytest.raises(ServeArgsError, match="need --prefill-replicas"):
+        serve_topology(alone, "/m", "m")
+
+
+def test_per_role_tp_sizes_place_ranks_and_kv_addresses(tmp_path):
+    """Prefill TP 1 and decode TP 2: workers are numbered replica by replica with each
+    replica's own size; every process is told its replica's size and both roles' sizes;
+    each decode rank has its KV inbound."""
+    from cluster.process_config import process_configs
+    from cluster.topology import resolve
+    topo = _topology("disaggregation: {prefill_replicas: 1, decode_replicas: 2, "
+                     "decode_tensor_parallel: 2}")
+    check_topology(topo, check_model=False)
+    assert topo.total_gpu_workers == 5
+    workers = [c for c in process_configs(topo, str(tmp_path)) if c.role == "gpu_worker"]
+    assert [(c.index, c.replica, c.tp_rank, c.tensor_parallel) for c in workers] == [
+        (0, 0, 0, 1), (1, 1, 0, 2), (2, 1, 1, 2), (3, 2, 0, 2), (4, 2, 1, 2)]
+    assert {(c.disaggregation.prefill_tensor_parallel, c.disaggregation.decode_tensor_parallel)
+            for c in workers} == {(1, 2)}
+    assert [len(r) for r in resolve(topo, str(tmp_path))[0].replica_kv_in] == [0, 2, 2]
+    with pytest.raises(msgspec.ValidationError, match=r"decode_tensor_parallel"):
+        _topology("disaggregation: {prefill_replicas: 1, decode_replicas: 2, "
+                  "decode_tensor_parallel: 0}")
+
+
+def test_a_tp_size_that_does_not_split_the_model_is_refused_naming_the_key(tiny_model_dir):
+    """tiny-llama has 4 query heads: a decode TP of 3 is refused before any process
+    starts, in one line naming the topology key."""
+    from cluster.preflight import check_model_config
+    topo = msgspec.yaml.decode(
+        f"model: {{path: {tiny_model_dir}}}\nreplicas: 2\ndisaggregation: "
+        "{prefill_replicas: 1, decode_replicas: 1, decode_tensor_parallel: 3}".encode(),
+        type=Topology)
+    with pytest.raises(SystemExit, match=r"over 3 ranks: num_attention_heads=4 is not "
+                                         r"divisible by disaggregation.decode_tensor_parallel=3"):
+        check_model_config(topo)
+
+
+def test_kv_routes_give_each_decode_rank_exactly_its_heads():
+    """The re-slicing plan, for GQA with fewer KV heads than ranks on either side: every
+    decode rank receives exactly the heads its shard reads, each head from one prefill
+    rank that holds it, and equal sizes keep today's rank k -> rank k."""
+    from gpu_worker.tp_shard import KvRoute, kv_routes, kv_slice
+    for kv in (1, 2, 4, 8):
+        for p in (1, 2, 4, 8):
+            for d in (1, 2, 4, 8):
+                if (kv >= p and kv % p) or (kv < p and p % kv) or \
+                        (kv >= d and kv % d) or (kv < d and d % kv):
+                    continue
+                routes = kv_routes(kv, p, d)
+                for dst in range(d):
+                    first, count = kv_slice(kv, dst, d)
+                    got = sorted(h for r in routes if r.dst == dst
+                                 for h in range(r.head, r.head + r.heads))
+                    assert got == list(range(first, first + count)), (kv, p, d, dst)
+                for r in routes:
+                    first, count = kv_slice(kv, r.src, p)
+                    assert first <= r.head and r.head + r.heads <= first + count
+                if p == d:
+                    assert all(r.src == r.dst for r in routes)
+    assert kv_routes(2, 1, 2) == [KvRoute(0, 0, 0, 1), KvRoute(0, 1, 1, 1)]
+    assert kv_routes(2, 4, 1) == [KvRoute(0, 0, 0, 1), KvRoute(2, 0, 1, 1)]
+    assert kv_routes(2, 4, 4) == [KvRoute(k, k, k // 2, 1) for k in range(4)]
 
 
 # ---------------------------------------------------------------- through every process
@@ -158,6 +228,12 @@ def test_pd_greedy_parity_roles_metrics_and_blocks(tiny_model_dir, tmp_path, hf_
                                             direction="received")
         assert s.total("candor_kv_transfer_seconds_count") == len(PROMPTS)
         assert s.total("candor_kv_transfer_failures_total") == 0
+        # vLLM's NIXL connector names for the same facts (its dashboards read these)
+        assert s.total("vllm:nixl_xfer_time_seconds_count") == len(PROMPTS)
+        assert s.total("vllm:nixl_xfer_time_seconds_sum") == \
+            s.total("candor_kv_transfer_seconds_sum")
+        assert s.families["vllm:nixl_num_failed_transfers"].type == "counter"
+        assert s.total("vllm:nixl_num_failed_transfers_total") == 0
         print(f"KV moved for {len(PROMPTS)} prompts: {sent / 1024:.0f} KiB")
 
         model, tok = hf_model
@@ -218,6 +294,65 @@ def test_pd_with_two_ranks_per_replica_matches_hf(tiny_model_dir, tmp_path, hf_m
         assert srv.stop() == 0
 
 
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(1, 2), (2, 1)])
+def test_pd_with_different_tp_sizes_matches_hf(tiny_model_dir, tmp_path, hf_model,
+                                               prefill_tp, decode_tp):
+    """Prefill and decode replicas of different TP sizes: the KV heads are re-sliced on
+    the way (tiny-llama has 2 KV heads: TP 1 holds both, TP 2 one per rank), each decode
+    rank gets exactly its own; greedy, logprobs and streaming as colocated, blocks free."""
+    srv = _pd_server(tiny_model_dir, tmp_path, "--prefill-tp", str(prefill_tp),
+                     "--decode-tp", str(decode_tp))
+    try:
+        _greedy_matches_hf(srv, hf_model)
+        s = scrape(srv)
+        # one part per (prefill rank, decode rank) route: 2 either way here
+        assert s.total("candor_kv_transfer_seconds_count") == 2 * len(PROMPTS)
+        assert s.total("candor_kv_transfer_failures_total") == 0
+        sent = s.total("candor_kv_transfer_bytes_total", direction="sent")
+        assert sent > 0 and sent == s.total("candor_kv_transfer_bytes_total",
+                                            direction="received")
+        model, tok = hf_model
+        prompt = PROMPTS[3]
+        expected = _hf_greedy(model, tok(prompt)["input_ids"])
+        status, body = _post(srv, {"prompt": prompt, "max_tokens": MAX_NEW, "temperature": 0,
+                                   "ignore_eos": True, "logprobs": 1,
+                                   "return_token_ids": True})
+        assert status == 200, body
+        assert body["choices"][0]["token_ids"] == expected
+        with torch.no_grad():
+            ids = tok(prompt)["input_ids"] + expected
+            ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+        n_prompt = len(ids) - MAX_NEW
+        want = [ref[i - 1, ids[i]].item() for i in range(n_prompt, len(ids))]
+        got = body["choices"][0]["logprobs"]["token_logprobs"]
+        assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4
+        events = _stream(srv, {"prompt": prompt, "max_tokens": MAX_NEW, "temperature": 0,
+                               "ignore_eos": True})
+        assert "".join(e["choices"][0]["text"] for e in events
+                       if e.get("choices")) == body["choices"][0]["text"]
+        srv.wait_all_blocks_free()
+    finally:
+        assert srv.stop() == 0
+
+
+def test_pd_sends_earlier_chunks_ahead_of_the_first_token(tiny_model_dir, tmp_path,
+                                                          hf_model):
+    """Chunked prefill (64-token chunks): each chunk's full blocks leave while the next
+    computes, the last piece with the first token; the decode rank imports only when a
+    part covers every block (re-sliced too: prefill TP 2 -> decode TP 1)."""
+    srv = _pd_server(tiny_model_dir, tmp_path, "--max-num-batched-tokens", "64",
+                     "--prefill-tp", "2", "--decode-tp", "1")
+    try:
+        _greedy_matches_hf(srv, hf_model)
+        s = scrape(srv)
+        # two parts per prompt (one per prefill rank), more pieces for the long prompts
+        assert s.total("candor_kv_transfer_seconds_count") > 2 * len(PROMPTS)
+        assert s.total("candor_kv_transfer_failures_total") == 0
+        srv.wait_all_blocks_free()
+    finally:
+        assert srv.stop() == 0
+
+
 @pytest.mark.parametrize("fault,reason", [("garble", "checksum"),
                                           ("drop_frame", "missing_frames"),
                                           ("withhold", "timeout")])
@@ -238,12 +373,58 @@ def test_a_failed_transfer_is_recomputed_with_the_same_tokens(tiny_model_dir, tm
                    ("checksum", "missing_frames", "timeout", "bad_header", "no_free_blocks",
                     "send_queue_full")}
         assert counted[reason] == len(PROMPTS), counted
+        assert s.total("vllm:nixl_num_failed_transfers_total") == \
+            s.total("candor_kv_transfer_failures_total")
         assert s.total("candor_kv_transfer_bytes_total", direction="received") == 0
         srv.wait_all_blocks_free()
     finally:
         assert srv.stop() == 0
     if fault != "withhold":
         assert "refused the KV of" in (tmp_path / "log").read_text()
+
+
+def test_a_garbled_part_of_a_resliced_transfer_is_recomputed(tiny_model_dir, tmp_path,
+                                                              hf_model):
+    """Prefill TP 2 -> decode TP 1: the decode rank takes a part from each prefill rank;
+    every part garbled is refused on arrival, nothing is imported, the prompt is
+    recomputed with the same tokens, blocks free (a part missing while the other is in:
+    the receiver test below)."""
+    srv = _pd_server(tiny_model_dir, tmp_path, "--prefill-tp", "2", "--decode-tp", "1",
+                     "--kv-transfer-timeout", "30", env=kv_fault_env("garble"))
+    try:
+        _greedy_matches_hf(srv, hf_model)
+        s = wait_until(lambda: scrape(srv), "every part refused",
+                       until=lambda s: s.total("candor_kv_transfer_failures_total",
+                                               reason="checksum") >= 2 * len(PROMPTS))
+        assert s.total("candor_kv_transfer_failures_total") == 2 * len(PROMPTS)
+        assert s.total("candor_kv_transfer_bytes_total", direction="received") == 0
+        srv.wait_all_blocks_free()
+    finally:
+        assert srv.stop() == 0
+
+
+@pytest.mark.parametrize("field,value,says", [
+    ("dtype", "bfloat16", "dtype 'bfloat16' (prefill) != 'float32' (decode)"),
+    ("block_size", "32", "block_size 32 (prefill) != 16 (decode)")])
+def test_a_layout_mismatch_is_refused_at_start_in_one_line(tiny_model_dir, tmp_path, field,
+                                                          value, says):
+    """A prefill rank that would send KV of another dtype or block size (as a node
+    started with another configuration would) greets its decode peers at start; the
+    decode rank refuses in one line naming the field, and the topology does not serve."""
+    from gpu_worker.kv_transfer import LAYOUT_MISMATCH_EXIT
+    srv = CandorServer(tiny_model_dir, "--served-model-name", MODEL, "--prefill-replicas",
+                       "1", "--decode-replicas", "1", env=kv_layout_env(field, value))
+    try:
+        try:  # the greeting may land before or after every process reports ready
+            srv.start(log_path=tmp_path / "log")
+        except RuntimeError:
+            pass
+        assert srv.proc.wait(timeout=60) != 0
+    finally:
+        srv.stop()
+    text = (tmp_path / "log").read_text()
+    assert f"prefill and decode replicas do not match: {says}; they must serve" in text
+    assert f"gpu_worker[1] exited with code {LAYOUT_MISMATCH_EXIT}" in text
 
 
 def test_prefill_worker_killed_mid_transfer(tiny_model_dir, tmp_path, hf_model):
@@ -309,3 +490,78 @@ def test_lost_decode_replica_fails_its_requests_and_prefill_serves_on(tiny_model
         srv.wait_all_blocks_free(timeout=20)
     finally:
         assert srv.stop() == 0
+
+
+# ---------------------------------------------------------------- the receiver alone
+
+
+class _Runner:
+    """What ``KvReceiver.import_into`` reads of a ModelRunner: a paged cache, 2 layers."""
+
+    def __init__(self, blocks: int, block_size: int, kv_heads: int, head_dim: int) -> None:
+        self.block_size, self.device, self.failed, self.generators = (block_size, "cpu",
+                                                                      {}, {})
+        self.config = type("Cfg", (), {"head_dim": head_dim})()
+        self.kv_caches = [(torch.zeros(blocks, block_size, kv_heads, head_dim),
+                           torch.zeros(blocks, block_size, kv_heads, head_dim))
+                          for _ in range(2)]
+
+
+def test_a_decode_rank_assembles_pieces_and_parts_and_refuses_a_mismatch(tmp_path):
+    """Decode TP 1 fed by prefill TP 2 (2 KV heads, one per prefill rank), a 3-block
+    prompt in two pieces per part: nothing is reported until every part covers every
+    block; the import writes each head slice where it belongs. A part from a prefill of
+    another TP size, or of another model, is refused as layout_mismatch naming why."""
+    import zlib
+
+    import zmq
+
+    from cluster.metrics import KvTransferMetrics
+    from cluster.process_config import process_configs
+    from gpu_worker.kv_transfer import KvHeader, KvLayout, KvPart, KvReceiver
+    from gpu_worker.tp_shard import kv_routes
+    from protocol import ipc
+    from protocol.transport import Receiver
+
+    topo = _topology("disaggregation: {prefill_replicas: 1, decode_replicas: 2, "
+                     "prefill_tensor_parallel: 2, decode_tensor_parallel: 1}")
+    cfg = next(c for c in process_configs(topo, str(tmp_path))
+               if c.role == "gpu_worker" and c.replica == 1)
+    layout = KvLayout("m0", "float32", 4, 2, 2, 8)
+    ctx = zmq.Context()
+    scheduler = Receiver(ctx, cfg.addresses.worker_out, ipc.WorkerOutbound)
+    rx = KvReceiver(ctx, cfg, layout, kv_routes(2, 2, 1), 0, KvTransferMetrics(), 60)
+    heads = {0: torch.arange(3 * 4 * 8, dtype=torch.float32).view(3, 4, 1, 8),
+             1: -torch.arange(3 * 4 * 8, dtype=torch.float32).view(3, 4, 1, 8)}
+
+    def piece(src: int, first: int, n: int, final: bool, lay=layout, src_tp: int = 2):
+        frames = [heads[src][first:first + n].numpy().tobytes() for _ in range(4)]
+        header = KvHeader("r", lay, KvPart(src_tp, src, src, 1), 10 if final else 4 * (first + n),
+                          first, n, final, [zlib.crc32(f) for f in frames], 0.0)
+        return [zmq.Frame(msgspec.msgpack.encode(header)), *map(zmq.Frame, frames)]
+
+    try:
+        rx._take(piece(0, 0, 2, False))
+        rx._take(piece(1, 0, 2, False))
+        rx._take(piece(0, 2, 1, True))
+        assert scheduler.recv(timeout_ms=200) is None  # prefill rank 1's last piece missing
+        rx._take(piece(1, 2, 1, True))
+        msg = scheduler.recv(timeout_ms=2000)
+        assert isinstance(msg, ipc.KvReceived) and msg.ok and msg.nbytes == 2 * 4 * 3 * 4 * 8 * 4
+        runner = _Runner(8, 4, 2, 8)
+        rx.import_into(runner, [ipc.KvImport("r", [5, 1, 6])])
+        assert not runner.failed
+        for k, v in runner.kv_caches:
+            for half in (k, v):
+                assert torch.equal(half[[5, 1, 6], :, 0:1], heads[0])
+                assert torch.equal(half[[5, 1, 6], :, 1:2], heads[1])
+                assert half[[0, 2, 3, 4, 7]].abs().sum() == 0
+
+        rx._take(piece(0, 0, 3, True, src_tp=4))
+        msg = scheduler.recv(timeout_ms=2000)
+        assert (msg.ok, msg.reason) == (False, "layout_mismatch")
+        rx._take(piece(0, 0, 3, True, lay=KvLayout("m1", "float32", 4, 2, 2, 8)))
+        msg = scheduler.recv(timeout_ms=2000)
+        assert (msg.ok, msg.reason) == (False, "layout_mismatch")
+    finally:
+        ctx.destroy(linger=0)

@@ -79,8 +79,10 @@ SERVERS: dict[str, tuple[str, ...]] = {
     "sync": (),
     "tp2": ("--tensor-parallel-size", "2"),
     "dp2": ("--data-parallel-size", "2"),
-    # disaggregated: replica 0 prefills, the KV moves to replica 1, which decodes
-    "pd": ("--prefill-replicas", "1", "--decode-replicas", "1"),
+    # disaggregated: replica 0 prefills, the KV moves to replica 1, which decodes; long
+    # prompts in 64-token chunks, whose KV streams ahead of the first token
+    "pd": ("--prefill-replicas", "1", "--decode-replicas", "1", "--max-num-batched-tokens",
+           "64"),
     # a KV store shared by two replicas taking turns: a hit cell lands on the replica
     # that did not compute its warm-up, so its prefix hit comes through the store
     "store": ("--data-parallel-size", "2", "--data-parallel-routing", "round_robin",

@@ -8,7 +8,9 @@ after its first import; every other process and module is left as it is:
 - CANDOR_TEST_DROP_PLAN (``INDEX:STEP``): the gpu_worker process ``INDEX`` never sees
   step plan STEP (protocol.transport's Receiver swallows it);
 - CANDOR_TEST_KV_FAULT: gpu_worker.kv_transfer's KvSender garbles, truncates, withholds
-  or stalls every KV transfer (tests/faults.py: faulty_kv_send)."""
+  or stalls every KV transfer (tests/faults.py: faulty_kv_send);
+- CANDOR_TEST_KV_LAYOUT (``FIELD=VALUE``): its KvSender declares that layout field
+  otherwise (tests/faults.py: misdeclared_kv_sender)."""
 
 from __future__ import annotations
 
@@ -74,8 +76,15 @@ if _dropped:
     sys.meta_path.insert(0, _PatchAfterImport("protocol.transport",
                                               _patch_receiver(int(_index), int(_step))))
 _kv_fault = os.environ.get("CANDOR_TEST_KV_FAULT")
-if _kv_fault:
+_kv_layout = os.environ.get("CANDOR_TEST_KV_LAYOUT")
+if _kv_fault or _kv_layout:
     def _patch_kv(module) -> None:
-        from tests.faults import faulty_kv_send
-        module.KvSender.send = staticmethod(faulty_kv_send(module.KvSender.send, _kv_fault))
+        from tests.faults import faulty_kv_send, misdeclared_kv_sender
+        if _kv_fault:
+            module.KvSender.send = staticmethod(faulty_kv_send(module.KvSender.send,
+                                                               _kv_fault))
+        if _kv_layout:
+            field, _, value = _kv_layout.partition("=")
+            module.KvSender.__init__ = misdeclared_kv_sender(module.KvSender.__init__,
+                                                             field, value)
     sys.meta_path.insert(0, _PatchAfterImport("gpu_worker.kv_transfer", _patch_kv))
