@@ -165,9 +165,10 @@ def _bound_addresses(topology: Topology, replicas: list[ResolvedAddresses]):
         store = topology.node_of("kv_store").name
         engine = {n.name for r in ("scheduler", "gpu_worker") for n in topology.nodes_of(r)}
         out.append(("kv_store", resolved.kv_store, store, engine))
+        group_of = {r: g for g in topology.groups() for r in g.replica_ids()}
         for r, ra in enumerate(replicas):
             for k, addr in enumerate(ra.kv_store_rank_in):
-                node = topology.node_of("gpu_worker", r * topology.tensor_parallel + k).name
+                node = topology.node_of("gpu_worker", group_of[r].ranks_of(r)[k]).name
                 out.append((f"kv_store_rank_in[{r}][{k}]", addr, node, {store}))
     listeners = {n.name for role in CONNECTORS["node_status"] for n in topology.nodes_of(role)}
     for node, addr in zip(topology.effective_nodes(), resolved.node_status):
