@@ -89,7 +89,7 @@ def launch(topology: Topology, node: str | None = None,
         say(f"removed {path}: its launcher is gone")
     keys = resolve_api_keys(topology, api_keys or [])
     if "api_frontend" in spec.roles:
-        check_port_free(topology.http)
+        check_port_free(topology.http_of(spec))
     run_dir = _make_run_dir()
     stop_requested = False
 

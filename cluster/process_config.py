@@ -160,7 +160,8 @@ def _role_config(role: str, topology: Topology, group: EngineGroup, replica: int
         return FrontendConfig(
             **envelope, model_path=path, served_model_name=model.name(),
             served_model_aliases=model.names()[1:], max_model_len=model.max_model_len,
-            http=topology.http, api=topology.api, supervision=topology.supervision,
+            http=topology.http_of(topology.node_of(role, envelope["index"])),
+            api=topology.api, supervision=topology.supervision,
             nodes=[n.name for n in topology.effective_nodes()],
             replicas=topology.total_replicas, router=topology.router, runner=group.runner,
             engines=_engines(topology, groups),

@@ -378,10 +378,10 @@ class NodeSupervisor:
                 next_ready_check = time.monotonic() + 0.5
                 if not serves_http:
                     self.state = "running"
-                elif _check_healthy(self.topology.http):
+                elif _check_healthy(http := self.topology.http_of(self.node)):
                     self.state = "running"
-                    say(f"ready on http://{self.topology.http.host}:"
-                        f"{self.topology.http.port} serving {self.topology.model.name()!r}")
+                    say(f"ready on http://{http.host}:{http.port} serving "
+                        f"{self.topology.model.name()!r}")
             self.publish()
             time.sleep(0.05)
         else:

@@ -370,8 +370,22 @@ class NodeSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Which gpu_worker processes run here (index = replica * tensor_parallel + rank) when
     # the ranks span several nodes; None: every one (gpu_worker on this node alone).
     gpu_workers: list[Annotated[int, Meta(ge=0)]] | None = None
+    # Which api_frontend processes run here when frontends run on several nodes (each
+    # pool pod serving the API itself); None: every one (api_frontend on this node alone).
+    api_frontends: list[Annotated[int, Meta(ge=0)]] | None = None
+    http_port: Port | None = None  # this node's frontends listen here (None: http.port)
     metrics_port: Port | None = None  # the launcher serves /metrics and /health here
     status_address: str | None = None  # overrides the addresses.node_status template
+
+    def instances(self, role: str) -> list[int] | None:
+        """The instances of ``role`` this node names (None: it names none, so every one;
+        only roles in ``PLACED_BY_INDEX`` may be split across nodes)."""
+        key = PLACED_BY_INDEX.get(role)
+        return getattr(self, key) if key is not None else None
+
+
+# roles whose instances may run on several nodes, and the NodeSpec key naming them
+PLACED_BY_INDEX = {"gpu_worker": "gpu_workers", "api_frontend": "api_frontends"}
 
 
 class SupervisionSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -576,10 +590,11 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         return [NodeSpec(name=LOCAL_NODE, roles=[*ROLES, *OPTIONAL_ROLES])]
 
     def node_of(self, role: str, index: int | None = None) -> NodeSpec:
-        """The node running ``role`` (gpu_worker ``index`` when its ranks span nodes)."""
+        """The node running ``role`` (instance ``index`` when its instances span nodes:
+        gpu_worker ranks, api_frontends)."""
         for node in self.effective_nodes():
-            if role in node.roles and (index is None or role != "gpu_worker"
-                                       or node.gpu_workers is None or index in node.gpu_workers):
+            named = node.instances(role)
+            if role in node.roles and (index is None or named is None or index in named):
                 return node
         if role in OPTIONAL_ROLES:  # not named by the nodes: it runs beside the scheduler
             return self.node_of("scheduler")
@@ -587,6 +602,12 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     def nodes_of(self, role: str) -> list[NodeSpec]:
         return [n for n in self.effective_nodes() if role in n.roles]
+
+    def http_of(self, node: NodeSpec) -> HttpSpec:
+        """The HTTP listener of ``node``'s frontends (its own port when it names one)."""
+        if node.http_port is None:
+            return self.http
+        return msgspec.structs.replace(self.http, port=node.http_port)
 
     def rank_nodes(self, replica: int) -> list[NodeSpec]:
         """The nodes running replica ``replica``'s gpu_worker ranks (one, unless its
@@ -708,14 +729,14 @@ def resolve(topology: Topology, run_dir: str) -> list[ResolvedAddresses]:
     a = topology.addresses
     groups = topology.groups()
 
-    def host(key: str) -> str:
-        return topology.node_of(BINDERS[key]).host
+    def host(key: str, i: int | None = None) -> str:
+        return topology.node_of(BINDERS[key], i).host
 
     def one(key: str, r: int) -> str:
         return getattr(a, key).format(run_dir=run_dir, i=0, r=r, host=host(key))
 
-    def many(key: str, n: int) -> list[str]:
-        return [getattr(a, key).format(run_dir=run_dir, i=i, r=0, host=host(key))
+    def many(key: str, n: int) -> list[str]:  # instance i binds on its own node
+        return [getattr(a, key).format(run_dir=run_dir, i=i, r=0, host=host(key, i))
                 for i in range(n)]
 
     def rendezvous(group: EngineGroup, r: int) -> str:

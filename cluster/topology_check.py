@@ -13,8 +13,8 @@ import os
 import socket
 from urllib.parse import urlsplit
 
-from cluster.topology import (BINDERS, CONNECTORS, ROLES, ResolvedAddresses, Topology,
-                              resolve)
+from cluster.topology import (BINDERS, CONNECTORS, PLACED_BY_INDEX, ROLES, ResolvedAddresses,
+                              Topology, resolve)
 
 RESTARTABLE = ("tokenizer_worker", "detokenizer")  # stateless: a restart loses nothing
 
@@ -34,39 +34,54 @@ def _placement(topology: Topology, problems: list[str]) -> None:
         on = [n.name for n in nodes if role in n.roles]
         if not on:
             problems.append(f"role {role} is not placed on any node")
-        elif len(on) > 1 and role == "gpu_worker":
-            _rank_placement(topology, problems)
+        elif role in PLACED_BY_INDEX and (len(on) > 1 or any(
+                n.instances(role) is not None for n in topology.nodes_of(role))):
+            _instance_placement(topology, role, problems)
         elif len(on) > 1:
             problems.append(f"role {role} is placed on several nodes {on}; all instances "
-                            "of a role run on one node")
+                            "of a role run on one node (except gpu_worker and api_frontend, "
+                            "whose nodes name theirs)")
     for node in nodes:
         for role in sorted({r for r in node.roles if node.roles.count(r) > 1}):
             problems.append(f"node {node.name!r} lists role {role} twice")
         if node.devices and "gpu_worker" not in node.roles:
             problems.append(f"node {node.name!r} lists devices but runs no gpu_worker")
+        for role, key in PLACED_BY_INDEX.items():
+            if node.instances(role) is not None and role not in node.roles:
+                problems.append(f"node {node.name!r} lists {key} but runs no {role}")
+        if node.http_port is not None and "api_frontend" not in node.roles:
+            problems.append(f"node {node.name!r} sets http_port but runs no api_frontend")
     for role in topology.supervision.restart:
         if role not in RESTARTABLE:
             problems.append(f"supervision.restart: {role} holds state that a restart would "
                             f"lose; only {', '.join(RESTARTABLE)} can be restarted")
 
 
-def _rank_placement(topology: Topology, problems: list[str]) -> None:
-    """gpu_worker ranks may span nodes when each such node names its ``gpu_workers`` and
-    together they name every rank once; a replica whose ranks span nodes then needs a
-    fixed tcp rendezvous and a declared protection for its traffic."""
-    nodes = topology.nodes_of("gpu_worker")
-    total = topology.total_gpu_workers
-    if any(n.gpu_workers is None for n in nodes):
-        problems.append(f"gpu_worker is placed on several nodes {[n.name for n in nodes]}: "
-                        "each must list its gpu_workers (indices replica * tensor_parallel "
-                        "+ rank)")
+_INSTANCES = {"gpu_worker": "indices replica * tensor_parallel + rank",
+              "api_frontend": "indices 0..roles.api_frontend - 1"}
+_ALL = {"gpu_worker": "every model's replicas x ranks", "api_frontend": "roles.api_frontend"}
+
+
+def _instance_placement(topology: Topology, role: str, problems: list[str]) -> None:
+    """gpu_worker ranks and api_frontends may span nodes when each such node names its
+    instances (``gpu_workers`` / ``api_frontends``) and together they name every one
+    once; a replica whose ranks span nodes then needs a fixed tcp rendezvous and a
+    declared protection for its traffic."""
+    key = PLACED_BY_INDEX[role]
+    nodes = topology.nodes_of(role)
+    total = topology.total_gpu_workers if role == "gpu_worker" \
+        else topology.roles.api_frontend
+    if any(n.instances(role) is None for n in nodes):
+        problems.append(f"{role} is placed on several nodes {[n.name for n in nodes]}: "
+                        f"each must list its {key} ({_INSTANCES[role]})")
         return
-    named = sorted(i for n in nodes for i in n.gpu_workers)
+    named = sorted(i for n in nodes for i in n.instances(role))
     if named != list(range(total)):
-        problems.append(f"the nodes' gpu_workers name {named}; they must name each of "
-                        f"0..{total - 1} once (every model's replicas x ranks)")
+        problems.append(f"the nodes' {key} name {named}; they must name each of "
+                        f"0..{total - 1} once ({_ALL[role]})")
         return
-    _tensor_parallel_traffic(topology, problems)
+    if role == "gpu_worker":
+        _tensor_parallel_traffic(topology, problems)
 
 
 def _host_addresses(host: str) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
@@ -151,10 +166,10 @@ def _bound_addresses(topology: Topology, replicas: list[ResolvedAddresses]):
         else:
             value = getattr(resolved, key)
         values = value if isinstance(value, list) else [value]
-        bind_node = topology.node_of(binder).name
         connect_nodes = {n.name for r in CONNECTORS[key] for n in topology.nodes_of(r)}
         for i, addr in enumerate(values):
             label = f"{key}[{i}]" if isinstance(value, list) else key
+            bind_node = topology.node_of(binder, i if key not in PER_REPLICA else None).name
             out.append((label, addr, bind_node, connect_nodes))
     senders = {n.name for n in topology.nodes_of("gpu_worker")}
     for r, ranks in enumerate(resolved.replica_kv_in):
@@ -207,10 +222,12 @@ def _sockets(topology: Topology, resolved: list[ResolvedAddresses], problems: li
             claim(hosts[bind_node] if host in ("*", "0.0.0.0", "") else host, port, label)
         else:
             problems.append(f"{label} is {addr!r}: only ipc:// and tcp:// are supported")
-    frontend = topology.node_of("api_frontend")
-    http_host = topology.http.host
-    claim(frontend.host if http_host in ("0.0.0.0", "::", "") else http_host,
-          topology.http.port, "http.port")
+    fronts = topology.nodes_of("api_frontend")
+    for frontend in fronts:  # each node's frontends on its own port (and host)
+        http = topology.http_of(frontend)
+        wildcard = http.host in ("0.0.0.0", "::", "") or len(fronts) > 1
+        claim(frontend.host if wildcard else http.host, http.port, "http.port"
+              if frontend.http_port is None else f"nodes[{frontend.name}].http_port")
     for node in topology.effective_nodes():
         if node.metrics_port is not None:
             claim(node.host, node.metrics_port, f"nodes[{node.name}].metrics_port")
