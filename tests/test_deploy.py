@@ -207,7 +207,7 @@ def test_kubernetes_manifests_agree_with_their_topology(manifest, front):
             assert key in container.resources.requests, (name, key)
         assert "memory" in container.resources.limits, name
         if "api_frontend" in nodes[node].roles:
-            assert ports["http"] == topology.http.port
+            assert ports["http"] == topology.http_of(nodes[node]).port
             # liveness asks only the frontend (a loading or restarting engine must not
             # get healthy gateways restarted); readiness asks the whole topology
             assert container.livenessProbe.httpGet.path == "/live"
@@ -220,7 +220,8 @@ def test_kubernetes_manifests_agree_with_their_topology(manifest, front):
         for cfg in process_configs(topology, "/run", node=node):
             addrs = [cfg.addresses.scheduler_in, cfg.addresses.scheduler_pub,
                      cfg.addresses.worker_in, cfg.addresses.worker_out,
-                     *cfg.addresses.detokenizer_in, *cfg.addresses.frontend_results,
+                     *cfg.addresses.tokenizer_in, *cfg.addresses.detokenizer_in,
+                     *cfg.addresses.frontend_results,
                      *cfg.addresses.node_status,
                      *(a for ranks in cfg.addresses.replica_kv_in for a in ranks)]
             for addr in addrs:
@@ -242,12 +243,15 @@ def test_kubernetes_manifests_agree_with_their_topology(manifest, front):
                     if i in groups[0].ranks_of(r)}
         assert {topology.replica_role(r) for r in replicas} == {role}, name
         assert len(node.devices) == len(node.gpu_workers), name
-    # the client-facing Service selects the pod that serves HTTP, on its http port
+    # the client-facing Service selects exactly the pods that serve HTTP, on their port
     front = services[front]
-    gateway = next(s for s in sets.values() if front.selector.items()
-                   <= s.template.metadata.labels.items())
-    assert front.ports[0].targetPort in {p.name for p in
-                                         gateway.template.spec.containers[0].ports}
+    selected = {spec.template.spec.containers[0].args[-1] for spec in sets.values()
+                if front.selector.items() <= spec.template.metadata.labels.items()}
+    assert selected == {n.name for n in topology.nodes_of("api_frontend")}
+    for spec in sets.values():
+        if spec.template.spec.containers[0].args[-1] in selected:
+            assert front.ports[0].targetPort in {p.name for p in
+                                                 spec.template.spec.containers[0].ports}
     (monitor,) = _by_kind(docs, "PodMonitor")
     endpoint = monitor["spec"]["podMetricsEndpoints"][0]
     assert endpoint["path"] == "/metrics"
