@@ -484,3 +484,47 @@ def test_tensor_parallel_is_shown_on_one_host_and_across_machines():
     workers = [c for c in process_configs(one_host, "/tmp/r") if c.role == "gpu_worker"]
     assert [c.tp_interface for c in workers] == ["lo"] * one_host.tensor_parallel
     assert workers[0].tp_address.startswith("file:///tmp/r/")
+
+
+PD_POOLS = DEPLOY / "kubernetes" / "inference-pool" / "candor-pd-pools.yaml"
+
+
+def test_an_inference_pool_per_role_targets_pods_that_serve_the_api():
+    """Each InferencePool selects one role's pool pods of disaggregated.yaml, and each of
+    those pods runs frontends (its node names api_frontends) on the pool's target port;
+    each pool has its own picker, and the route reaches both pools."""
+    docs, pools_docs = _docs(DEPLOY / "kubernetes" / "disaggregated.yaml"), _docs(PD_POOLS)
+    topology = msgspec.yaml.decode(_by_kind(docs, "ConfigMap")[0]["data"]["topology.yaml"],
+                                   type=Topology)
+    nodes = {n.name: n for n in topology.effective_nodes()}
+    pods = [d["spec"]["template"] for d in _by_kind(docs, "StatefulSet")]
+    pools = {p["metadata"]["name"]: p for p in _by_kind(pools_docs, "InferencePool")}
+    assert set(pools) == {"candor-pd-prefill", "candor-pd-decode"}
+    epps = {d["metadata"]["name"]: d for d in _by_kind(pools_docs, "Deployment")}
+    services = {d["metadata"]["name"]: d for d in _by_kind(pools_docs, "Service")}
+    groups = topology.groups()
+    for name, pool in pools.items():
+        assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+        role = name.rsplit("-", 1)[1]
+        selector = pool["spec"]["selector"]["matchLabels"]
+        assert selector["llm-d.ai/role"] == role
+        chosen = [p for p in pods if selector.items() <= p["metadata"]["labels"].items()]
+        assert chosen, name
+        for pod in chosen:
+            container = msgspec.convert(pod["spec"]["containers"][0], Container)
+            node = nodes[container.args[-1]]
+            assert node.api_frontends, node.name  # it serves the API itself
+            replicas = {r for i in node.gpu_workers for r in groups[0].replica_ids()
+                        if i in groups[0].ranks_of(r)}
+            assert {topology.replica_role(r) for r in replicas} == {role}
+            http = next(p for p in container.ports if p.name == "http")
+            assert http.containerPort == topology.http_of(node).port
+            assert {p["number"] for p in pool["spec"]["targetPorts"]} == {http.containerPort}
+            assert container.readinessProbe.httpGet.path == "/health"
+        ref = pool["spec"]["endpointPickerRef"]
+        assert ref["port"]["number"] in {p["port"] for p in services[ref["name"]]["spec"]["ports"]}
+        args = epps[ref["name"]]["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert f"--pool-name={name}" in args and "--pool-namespace=candor-pd" in args
+    (route,) = _by_kind(pools_docs, "HTTPRoute")
+    assert {(b["kind"], b["name"]) for b in route["spec"]["rules"][0]["backendRefs"]} == {
+        ("InferencePool", name) for name in pools}
