@@ -14,11 +14,10 @@ import sys
 
 import msgspec
 import pytest
-import torch
-
 from cluster.process_config import process_configs
 from cluster.topology import Topology
 from cluster.topology_check import TopologyError, check_topology
+from tests import model_zoo
 from tests.metrics_text import scrape
 from tests.polling import wait_until
 from tests.server import REPO, CandorServer, free_port
@@ -139,14 +138,6 @@ def test_an_ipc_address_a_frontend_crosses_nodes_for_is_named(tiny_model_dir, tm
     assert problems.count(message) == 2, problems
 
 
-def _hf_greedy(model, ids: list[int]) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids),
-                                                                            dtype=torch.long),
-                             max_new_tokens=MAX_NEW, do_sample=False)
-    return out[0, len(ids):].tolist()
-
-
 def _sent(srv: CandorServer) -> float:
     return scrape(srv).total("candor_kv_transfer_bytes_total", direction="sent")
 
@@ -184,7 +175,8 @@ def test_either_pool_nodes_frontend_serves_through_prefill_then_decode(
                     "model": MODEL, "prompt": ids, "max_tokens": MAX_NEW, "temperature": 0,
                     "ignore_eos": True, "return_token_ids": True})
                 assert status == 200, body
-                assert body["choices"][0]["token_ids"] == _hf_greedy(model, ids)
+                assert body["choices"][0]["token_ids"] == model_zoo.hf_greedy(model, ids,
+                                                                              MAX_NEW)
                 assert _sent(prefill) > before  # the prompt's KV moved prefill -> decode
     finally:
         assert prefill.stop() == 0
