@@ -253,13 +253,19 @@ class TokenizedReq(_Message, tag="tokenized", omit_defaults=True):
 
 class KvHandoff(_Message, tag="kv_handoff"):
     """Prefill scheduler -> decode scheduler: ``req`` has its prompt's KV computed (being
-    sent worker to worker) and its first token sampled (already sent to the detokenizer).
-    The decode replica imports the KV or, past ``transfer_timeout_s``, recomputes it."""
+    sent worker to worker) and its first token sampled. The decode replica sends
+    ``first_output`` (the first token, its logprobs, the prompt logprobs and the cache
+    hit) to the detokenizer as soon as the handoff arrives, ahead of its own tokens: one
+    sender keeps a request's tokens in order (the detokenizer's socket takes its peers'
+    messages in turn, so the prefill replica sending the first token itself could land
+    behind the decode replica's second). It then imports the KV or, past
+    ``transfer_timeout_s``, recomputes it."""
 
     req: TokenizedReq
     first_token: int
-    cached_tokens: int = 0  # the prefill replica's prefix-cache hit, already reported
+    cached_tokens: int = 0  # the prefill replica's prefix-cache hit (in first_output)
     prefill_replica: int = 0
+    first_output: TokenOutput | None = None
 
 
 class Abort(_Message, tag="abort"):

@@ -71,13 +71,15 @@ class PrefillHandoffs:
                                         sent, final=False))
         return out
 
-    def hand_off(self, sreq: SchedRequest, token: int, reason: str | None) -> bool:
-        """After the first token: hand ``sreq`` on unless that token ended it."""
+    def hand_off(self, sreq: SchedRequest, token: int, reason: str | None,
+                 first_output: ipc.TokenOutput) -> bool:
+        """After the first token: hand ``sreq`` on unless that token ended it; the decode
+        replica emits ``first_output`` (see ``KvHandoff``)."""
         req = self.originals.pop(sreq.rid, None)
         if req is None or reason != "length":
             return False
         self.to_schedulers[req.decode_replica].send(ipc.KvHandoff(
-            req, token, sreq.cached_tokens or 0, self.replica))
+            req, token, sreq.cached_tokens or 0, self.replica, first_output))
         return True
 
     def forget(self, rid: str) -> None:

@@ -280,6 +280,42 @@ def test_pd_greedy_parity_roles_metrics_and_blocks(tiny_model_dir, tmp_path, hf_
         assert srv.stop() == 0
 
 
+def test_first_token_stays_first_when_the_detokenizer_lags(tiny_model_dir, tmp_path,
+                                                           hf_model):
+    """A handed-over request's tokens come from two replicas; with the detokenizer
+    stopped while both have sent (a busy CPU does the same), its socket takes its peers'
+    messages in turn, so a prefill replica sending the first token itself could land it
+    behind the decode replica's second (seen as swapped first tokens under load). The
+    decode replica emits the first token ahead of its own: one sender, in order."""
+    srv = _pd_server(tiny_model_dir, tmp_path)
+    model, tok = hf_model
+    try:
+        detok = next(p for p in srv.children() if role_of(p) == "detokenizer[0]")
+        for wave in range(3):
+            prompts = [f"{wave} {i} {PROMPTS[3]}" for i in range(3)]
+            before = srv.engine_stats()["steps"]
+            os.kill(detok, signal.SIGSTOP)
+            try:
+                with ThreadPoolExecutor(3) as pool:
+                    futures = [pool.submit(_post, srv, {
+                        "prompt": p, "max_tokens": MAX_NEW, "temperature": 0,
+                        "ignore_eos": True, "return_token_ids": True}) for p in prompts]
+                    wait_until(srv.engine_stats, "decode steps behind the stopped "
+                               "detokenizer", until=lambda s: s["steps"] >= before + 8,
+                               timeout=60)
+                    os.kill(detok, signal.SIGCONT)
+                    results = [f.result(timeout=60) for f in futures]
+            finally:
+                os.kill(detok, signal.SIGCONT)
+            for prompt, (status, body) in zip(prompts, results):
+                assert status == 200, body
+                assert body["choices"][0]["token_ids"] == _hf_greedy(
+                    model, tok(prompt)["input_ids"]), (wave, prompt)
+        srv.wait_all_blocks_free()
+    finally:
+        assert srv.stop() == 0
+
+
 def test_pd_with_two_ranks_per_replica_matches_hf(tiny_model_dir, tmp_path, hf_model):
     """-tp 2 on both sides: rank k sends its KV heads to decode rank k, and the decode
     replica imports only once every rank holds its shard."""
