@@ -27,7 +27,7 @@ import torch
 import zmq
 
 from cluster.process_config import WorkerConfig
-from gpu_worker.kv_transfer import layout_of
+from gpu_worker.kv_transfer import as_bytes, layout_of
 from protocol import ipc
 from protocol import kv_store as msg
 from protocol.transport import Sender, open_socket
@@ -51,10 +51,6 @@ def _gather(runner, blocks: list[int]) -> torch.Tensor:
     idx = torch.tensor(blocks, dtype=torch.long, device=runner.device)
     halves = [half.index_select(0, idx) for layer in runner.kv_caches for half in layer]
     return torch.stack(halves, dim=1).cpu().contiguous()
-
-
-def _as_bytes(row: torch.Tensor) -> memoryview:
-    return memoryview(row.view(torch.uint8).numpy()).cast("B")
 
 
 class StoreClient:
@@ -150,7 +146,7 @@ class StoreClient:
                 hashes, data = self.puts.get_nowait()
             except queue.Empty:
                 return
-            frames = [_as_bytes(row) for row in data]
+            frames = [as_bytes(row) for row in data]
             head = msg.StorePut(self.namespace, self.rank, hashes,
                                 [zlib.crc32(f) for f in frames])
             try:

@@ -108,7 +108,7 @@ def routes_of(cfg: WorkerConfig, runner) -> list[KvRoute]:
                      split.decode_tensor_parallel)
 
 
-def _as_bytes(t: torch.Tensor) -> memoryview:
+def as_bytes(t: torch.Tensor) -> memoryview:
     """A CPU tensor's memory as bytes, without a copy (any dtype, bfloat16 included)."""
     return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
 
@@ -190,7 +190,7 @@ class KvSender:
             for route in self.routes:
                 lo = route.head - self.kv_start
                 # one copy: the blocks (and, re-sliced, the heads) gathered contiguous
-                frames = [_as_bytes(half[:, :, lo:lo + route.heads].index_select(0, idx).cpu())
+                frames = [as_bytes(half[:, :, lo:lo + route.heads].index_select(0, idx).cpu())
                           for layer in runner.kv_caches for half in layer]
                 header = KvHeader(exp.rid, self.layout,
                                   KvPart(self.tp, self.rank, route.head, route.heads),

@@ -262,10 +262,8 @@ class KvHandoff(_Message, tag="kv_handoff"):
     ``transfer_timeout_s``, recomputes it."""
 
     req: TokenizedReq
-    first_token: int
-    cached_tokens: int = 0  # the prefill replica's prefix-cache hit (in first_output)
+    first_output: TokenOutput  # its one token; cached_tokens: the prefill replica's hit
     prefill_replica: int = 0
-    first_output: TokenOutput | None = None
 
 
 class Abort(_Message, tag="abort"):

@@ -306,8 +306,8 @@ class EngineLoop:
             self.log.error("dropped a handoff of %s: %s", rid, "this replica does not decode"
                            if self.intake is None else "that request is already here")
             return
-        if msg.first_output is not None:  # before any token of ours (KvHandoff says why)
-            self._detok_for(rid).send(ipc.TokenBatch([msg.first_output]))
+        # before any token of ours (KvHandoff says why)
+        self._detok_for(rid).send(ipc.TokenBatch([msg.first_output]))
         self.intake.on_handoff(msg)
         self._settle_handoffs()
 
@@ -442,11 +442,12 @@ class EngineLoop:
             lp = msg.logprobs[s.row] if msg.logprobs else None
             # the hit is reported once, with the request's first token
             cached = sreq.cached_tokens if sreq.num_generated == 1 else None
-            if self.handoffs is not None and self.handoffs.hand_off(
-                    sreq, s.token, s.finish_reason,
-                    _output(sreq.rid, [s.token], None, lp, cached, None)):
-                self.requests.pop(sreq.rid, None)  # it goes on on a decode replica,
-                self.ops.forget(sreq.rid)  # which emits its first token
+            if self.handoffs is not None and self.handoffs.hands_on(sreq.rid,
+                                                                   s.finish_reason):
+                # it goes on on a decode replica, which emits its first token
+                self.handoffs.hand_off(_output(sreq.rid, [s.token], None, lp, cached))
+                self.requests.pop(sreq.rid, None)
+                self.ops.forget(sreq.rid)
             elif s.finish_reason is not None:
                 self._finish(sreq, s.finish_reason, [s.token], batches, cached, lp)
             else:

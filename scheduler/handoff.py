@@ -71,16 +71,16 @@ class PrefillHandoffs:
                                         sent, final=False))
         return out
 
-    def hand_off(self, sreq: SchedRequest, token: int, reason: str | None,
-                 first_output: ipc.TokenOutput) -> bool:
-        """After the first token: hand ``sreq`` on unless that token ended it; the decode
-        replica emits ``first_output`` (see ``KvHandoff``)."""
-        req = self.originals.pop(sreq.rid, None)
-        if req is None or reason != "length":
-            return False
-        self.to_schedulers[req.decode_replica].send(ipc.KvHandoff(
-            req, token, sreq.cached_tokens or 0, self.replica, first_output))
-        return True
+    def hands_on(self, rid: str, reason: str | None) -> bool:
+        """After the first token: whether ``rid`` goes on to a decode replica (it does
+        unless that token ended it)."""
+        return reason == "length" and rid in self.originals
+
+    def hand_off(self, first_output: ipc.TokenOutput) -> None:
+        """Hand the request on; its decode replica emits ``first_output`` (``KvHandoff``)."""
+        req = self.originals.pop(first_output.rid)
+        self.to_schedulers[req.decode_replica].send(ipc.KvHandoff(req, first_output,
+                                                                  self.replica))
 
     def forget(self, rid: str) -> None:
         self.originals.pop(rid, None)
@@ -117,9 +117,9 @@ class DecodeIntake:
         sampling = msgspec.structs.replace(msg.req.sampling, prompt_logprobs=-1)
         req = msgspec.structs.replace(msg.req, sampling=sampling, decode_replica=-1)
         sreq = SchedRequest(req, arrival)
-        sreq.token_ids.append(msg.first_token)
+        sreq.token_ids.append(msg.first_output.token_ids[0])
         sreq.num_generated = 1
-        sreq.cached_tokens = msg.cached_tokens
+        sreq.cached_tokens = msg.first_output.cached_tokens or 0
         return sreq
 
     def on_handoff(self, msg: ipc.KvHandoff) -> None:

@@ -268,27 +268,34 @@ class Planner:
         return (self.enable_prefix_caching and req.req.sampling.prompt_logprobs < 0
                 and req.req.pooling is None)
 
+    def cached_run(self, req: SchedRequest, limit: int) -> list[int]:
+        """The prefix cache's blocks for ``req``'s leading full blocks (at most ``limit``),
+        in order, up to the first it lacks; nothing is taken."""
+        bs = self.block_size
+        req.full_block_hashes(limit, bs)
+        run: list[int] = []
+        parent = -1
+        for i in range(limit):
+            block = self.allocator.lookup(req.block_key(i, bs), parent)
+            if block is None:
+                break
+            run.append(block)
+            parent = block
+        return run
+
     def _match_prefix(self, req: SchedRequest) -> int:
         """Share the longest run of leading full blocks that are cached or being filled
         (never the whole prompt); returns how many were found."""
         if not self._reads_cache(req) or req.num_computed or req.block_table:
             return 0
-        bs = self.block_size
-        limit = (len(req.token_ids) - 1) // bs
-        req.full_block_hashes(limit, bs)
-        alloc = self.allocator
-        parent = -1
-        for i in range(limit):
-            block = alloc.lookup(req.block_key(i, bs), parent)
-            if block is None:
-                break
-            alloc.acquire(block)
+        limit = (len(req.token_ids) - 1) // self.block_size
+        for block in self.cached_run(req, limit):
+            self.allocator.acquire(block)
             req.block_table.append(block)
-            parent = block
         req.num_registered = len(req.block_table)  # borrowed ones: it may register them too
         if self.filling:
             self._borrow_filling(req, limit)
-        req.reset_computed(len(req.block_table) * bs)
+        req.reset_computed(len(req.block_table) * self.block_size)
         return len(req.block_table)
 
     def _unmatch(self, req: SchedRequest) -> None:

@@ -105,7 +105,7 @@ class StoreReads:
         limit = (len(sreq.token_ids) - 1) // bs  # a hit never covers the last token
         if limit == 0:
             return False
-        local = self._local_run(sreq, planner, limit)
+        local = len(planner.cached_run(sreq, limit))
         if local >= limit:
             return False
         if time.monotonic() < self.down_until:
@@ -122,19 +122,6 @@ class StoreReads:
         self.lookups[sreq.rid] = _Lookup(sreq, local, limit - local,
                                          time.monotonic() + self.timeout_s)
         return True
-
-    @staticmethod
-    def _local_run(sreq: SchedRequest, planner: Planner, limit: int) -> int:
-        """How many leading full blocks the local prefix cache holds (nothing taken)."""
-        bs = planner.block_size
-        sreq.full_block_hashes(limit, bs)
-        parent = -1
-        for i in range(limit):
-            block = planner.allocator.lookup(sreq.block_key(i, bs), parent)
-            if block is None:
-                return i
-            parent = block
-        return limit
 
     def on_held(self, held: msg.StoreHeld) -> None:
         lookup = self.lookups.get(held.rid)
