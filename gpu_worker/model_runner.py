@@ -135,6 +135,7 @@ class ModelRunner:
         # once the weights are in and the attention backend is chosen (_settle_determinism).
         self.numerics = Numerics(deterministic=deterministic is not False)
         self.model = self._build_model(model_path, load_format, seed)
+        log.info(self.numerics.pack(self.model.matmuls()))
         self.adapters = (AdapterStore(self.model, lora, cfg, self.dtype, self.device, ranks)
                          if lora is not None and lora.enabled else None)
         self._log_moe_path()
@@ -252,7 +253,7 @@ class ModelRunner:
             return *self._pick_attention(False), "off (--no-deterministic)"
         try:
             spec, backend = self._pick_attention(True)
-            rows, reason = batch_invariant.measure_min_rows(self.model.matmuls())
+            rows, reason = batch_invariant.measure_min_rows(self.model.matmuls(), matmul=self.numerics.matmul)
         except ValueError as err:  # no backend attends batch-invariantly here
             rows, reason = None, str(err)
         if self.ranks.min_int(int(not reason)) == 0:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from gpu_worker.attention import cpu_kernel_backend
-from gpu_worker.batch_invariant import INVARIANT_ACTIVATIONS, Numerics, measure_min_rows
+from gpu_worker.batch_invariant import INVARIANT_ACTIVATIONS, PACK_MIN_NUMEL, Numerics, measure_min_rows
 from gpu_worker.models.blocks import RMSNorm, activation
 from gpu_worker.sampler import top_logprobs
 from tests.test_decode_groups import _reference
@@ -118,13 +118,18 @@ def test_attention_prefill_rows_match_reference(heads, kvh, d):
 # ---------------------------------------------------------------- matmuls
 
 
-@pytest.mark.parametrize("k,n,bias", [(64, 192, False), (48, 2048, True), (128, 64, True)])
+@pytest.mark.parametrize("k,n,bias", [(64, 192, False), (48, 2048, True), (128, 64, True),
+                                      (256, 768, False), (512, 384, True)])
 def test_linear_row_is_independent_of_batch(threads, k, n, bias):
+    """Through the path that serves: the last two weights are big enough to be packed for
+    oneDNN (``Numerics.pack``), the others stay on F.linear."""
     torch.manual_seed(k + n)
-    w = torch.randn(n, k)
+    w = torch.nn.Parameter(torch.randn(n, k), requires_grad=False)
     b = torch.randn(n) if bias else None
     numerics = Numerics(deterministic=True)
-    rows, why = measure_min_rows([(w, b)])
+    numerics.pack([(w, b)])
+    assert (id(w) in numerics.packed) == (k * n >= PACK_MIN_NUMEL)
+    rows, why = measure_min_rows([(w, b)], matmul=numerics.matmul)
     assert rows is not None, why
     numerics.min_rows = rows
     x = torch.randn(200, k)
@@ -137,11 +142,12 @@ def test_linear_row_is_independent_of_batch(threads, k, n, bias):
             assert torch.equal(out[j], alone[i]), f"row {i} in a batch of {m} (padded to {rows})"
 
 
-def test_min_rows_refuses_a_matmul_that_never_agrees(monkeypatch):
+def test_min_rows_refuses_a_matmul_that_never_agrees():
     """A BLAS whose rows depend on the batch at every size is refused, naming the shape."""
-    real = F.linear
-    monkeypatch.setattr(F, "linear", lambda x, w, b=None: real(x, w, b) + x.shape[0] * 1e-3)
-    rows, why = measure_min_rows([(torch.randn(8, 4), None)])
+    def drifting(x, w, b=None):
+        return F.linear(x, w, b) + x.shape[0] * 1e-3
+
+    rows, why = measure_min_rows([(torch.randn(8, 4), None)], matmul=drifting)
     assert rows is None and "(8, 4)" in why
 
 
