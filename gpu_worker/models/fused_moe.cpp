@@ -31,6 +31,16 @@ constexpr int TC = 16;  // output columns per tile
 constexpr int64_t RB = 96;  // rows per work item: they stay in L2 while its tiles sweep them
 
 #ifdef __AVX2__
+// Row i of an R-row tile, one input element: its broadcast times the two weight vectors.
+template <int I, int R>
+inline void fma_row(const float* x, int64_t k, __m256 w0, __m256 w1, __m256& a, __m256& b) {
+  if constexpr (I < R) {
+    const __m256 v = _mm256_broadcast_ss(x + k);
+    a = _mm256_fmadd_ps(v, w0, a);
+    b = _mm256_fmadd_ps(v, w1, b);
+  }
+}
+
 // out[r][0 .. ncols) = sum over k of x[r][k] * panel[k][c], for R rows and a panel of
 // 16 columns ([n][16], contiguous; ncols < 16 only in the last panel of a matrix).
 template <int R>
@@ -39,44 +49,19 @@ inline void outer_tile(const float* const* x, const float* panel, int64_t n, int
   // named accumulators (an array of them GCC keeps in memory, storing every step)
   __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0,
          b3 = a0, a4 = a0, b4 = a0, a5 = a0, b5 = a0;
-  const float* x0 = x[0];
-  const float* x1 = R > 1 ? x[1] : x0;
-  const float* x2 = R > 2 ? x[2] : x0;
-  const float* x3 = R > 3 ? x[3] : x0;
-  const float* x4 = R > 4 ? x[4] : x0;
-  const float* x5 = R > 5 ? x[5] : x0;
+  const float* xs[TR];
+  for (int r = 0; r < TR; ++r) xs[r] = x[r < R ? r : 0];
+  const float *x0 = xs[0], *x1 = xs[1], *x2 = xs[2], *x3 = xs[3], *x4 = xs[4], *x5 = xs[5];
   for (int64_t k = 0; k < n; ++k) {
     const __m256 w0 = _mm256_load_ps(panel + k * TC), w1 = _mm256_load_ps(panel + k * TC + 8);
-    __m256 v = _mm256_broadcast_ss(x0 + k);
-    a0 = _mm256_fmadd_ps(v, w0, a0);
-    b0 = _mm256_fmadd_ps(v, w1, b0);
-    if constexpr (R > 1) {
-      v = _mm256_broadcast_ss(x1 + k);
-      a1 = _mm256_fmadd_ps(v, w0, a1);
-      b1 = _mm256_fmadd_ps(v, w1, b1);
-    }
-    if constexpr (R > 2) {
-      v = _mm256_broadcast_ss(x2 + k);
-      a2 = _mm256_fmadd_ps(v, w0, a2);
-      b2 = _mm256_fmadd_ps(v, w1, b2);
-    }
-    if constexpr (R > 3) {
-      v = _mm256_broadcast_ss(x3 + k);
-      a3 = _mm256_fmadd_ps(v, w0, a3);
-      b3 = _mm256_fmadd_ps(v, w1, b3);
-    }
-    if constexpr (R > 4) {
-      v = _mm256_broadcast_ss(x4 + k);
-      a4 = _mm256_fmadd_ps(v, w0, a4);
-      b4 = _mm256_fmadd_ps(v, w1, b4);
-    }
-    if constexpr (R > 5) {
-      v = _mm256_broadcast_ss(x5 + k);
-      a5 = _mm256_fmadd_ps(v, w0, a5);
-      b5 = _mm256_fmadd_ps(v, w1, b5);
-    }
+    fma_row<0, R>(x0, k, w0, w1, a0, b0);
+    fma_row<1, R>(x1, k, w0, w1, a1, b1);
+    fma_row<2, R>(x2, k, w0, w1, a2, b2);
+    fma_row<3, R>(x3, k, w0, w1, a3, b3);
+    fma_row<4, R>(x4, k, w0, w1, a4, b4);
+    fma_row<5, R>(x5, k, w0, w1, a5, b5);
   }
-  const __m256 acc[6][2] = {{a0, b0}, {a1, b1}, {a2, b2}, {a3, b3}, {a4, b4}, {a5, b5}};
+  const __m256 acc[TR][2] = {{a0, b0}, {a1, b1}, {a2, b2}, {a3, b3}, {a4, b4}, {a5, b5}};
   alignas(32) float buf[TC];
   for (int r = 0; r < R; ++r) {
     if (ncols == TC) {
