@@ -96,13 +96,16 @@ constexpr TileFn TILES[TR + 1] = {nullptr, outer_tile<1>, outer_tile<2>, outer_t
 // groups of a panel (row stride TC); pure data movement, 8 x 8 blocks in registers.
 // Each row's line 16 rows further on is prefetched as it goes: the next panel's weights
 // (the next 16 weight rows lie right after these), so they stream in while this panel's
-// tiles run.
+// tiles run. (Past the last expert that address is no weight; a prefetch never faults,
+// and it is computed as an integer, not as a pointer past the end.)
 inline void transpose_rows(const float* const* rows, int64_t n, float* dst) {
+  const uintptr_t ahead = static_cast<uintptr_t>(16 * n) * sizeof(float);
   int64_t k = 0;
   for (; k + 8 <= n; k += 8) {
     if (k % 16 == 0)
       for (int c = 0; c < 8; ++c)
-        _mm_prefetch(reinterpret_cast<const char*>(rows[c] + 16 * n + k), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(rows[c] + k) + ahead),
+                     _MM_HINT_T1);
     const __m256 r0 = _mm256_loadu_ps(rows[0] + k), r1 = _mm256_loadu_ps(rows[1] + k),
                  r2 = _mm256_loadu_ps(rows[2] + k), r3 = _mm256_loadu_ps(rows[3] + k),
                  r4 = _mm256_loadu_ps(rows[4] + k), r5 = _mm256_loadu_ps(rows[5] + k),
