@@ -5,8 +5,9 @@
 In process, no servers: a ``ModelRunner`` (deterministic mode, as the worker's CPU
 default) runs ``bench.arch_bench``'s shapes at Candor's default step budget: prefill steps
 of 8 x 128-token prompts (1024 rows) and decode steps of 32 rows (128 tokens into the
-context). Each step kind repeats ``--repeats`` times (fresh sequences for each prefill);
-the median ms per step is printed with the min and max. For the MoE model the MoE blocks'
+context). Each of ``--repeats`` rounds (after one dropped warm-up round) prefills 32 fresh
+sequences and decodes them ``DECODES`` steps; the median ms per step is printed with the
+min and max. For the MoE model the MoE blocks'
 share is split into the router (gate matmul, softmax, top-k, renormalisation) and the
 fused experts kernel; "rest" is everything else in the step (attention, norms, dense
 matmuls, sampling). The split wraps those calls with a timer, so it costs a few µs each.
@@ -21,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-SEQS, PROMPT, PER_PREFILL = 32, 128, 8
+SEQS, PROMPT, PER_PREFILL, DECODES = 32, 128, 8, 4  # DECODES: decode steps per round
 
 
 class _Clock:
@@ -55,12 +56,12 @@ def bench_model(path: Path, repeats: int) -> dict[str, dict[str, list[float]]]:
     from protocol.ipc import SamplingParams, SeqChunk, StepPlan
 
     moe_clock, kernel_clock = _Clock(), _Clock()
-    kernel = fused_moe.load()
-    forward = decoder.SparseMoE.forward
+    load, forward = fused_moe.load, decoder.SparseMoE.forward
+    kernel = load()
     decoder.SparseMoE.forward = moe_clock.wrap(forward)
     fused_moe.load = lambda: None if kernel is None else kernel_clock.wrap(kernel)
     try:
-        blocks = -(-(PROMPT + 2) // 16)
+        blocks = -(-(PROMPT + DECODES + 1) // 16)
         runner = ModelRunner(str(path), num_blocks=SEQS * blocks + 1)
         greedy = SamplingParams(temperature=0.0)
         parts: dict[str, dict[str, list[float]]] = {"prefill 1024 rows": {}, "decode 32 rows": {}}
@@ -90,17 +91,18 @@ def bench_model(path: Path, repeats: int) -> dict[str, dict[str, list[float]]]:
                 res = run("prefill 1024 rows", StepPlan(step, seqs, {rid: greedy for rid in batch},
                                                         done if lo == 0 else []))
                 last.update(zip(batch, res.sampled))
-            step += 1
-            seqs = [SeqChunk(rid, [last[rid]], PROMPT, tables[rid], True, kept_blocks=blocks) for rid in rids]
-            run("decode 32 rows", StepPlan(step, seqs))
+            for n in range(DECODES):
+                step += 1
+                seqs = [SeqChunk(rid, [last[rid]], PROMPT + n, tables[rid], True, kept_blocks=blocks)
+                        for rid in rids]
+                last.update(zip(rids, run("decode 32 rows", StepPlan(step, seqs)).sampled))
             done = rids
         for kind in parts:
             for name in parts[kind]:
-                parts[kind][name] = parts[kind][name][PER_PREFILL if kind.startswith("prefill") else 1:]
+                parts[kind][name] = parts[kind][name][PER_PREFILL if kind.startswith("prefill") else DECODES:]
         return parts
     finally:
-        decoder.SparseMoE.forward = forward
-        fused_moe.load = lambda: kernel
+        decoder.SparseMoE.forward, fused_moe.load = forward, load
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,8 +119,8 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(a.threads)
     tiny = build_tiny(a.models_dir)
-    print(f"{a.threads} thread(s); ms per step, median [min..max] of {a.repeats} "
-          f"(prefill: {a.repeats * SEQS // PER_PREFILL} steps)")
+    print(f"{a.threads} thread(s); ms per step, median [min..max] of {a.repeats * DECODES} decode "
+          f"and {a.repeats * SEQS // PER_PREFILL} prefill steps")
     for name in a.models.split(","):
         parts = bench_model(build_arch(a.models_dir, tiny, name), a.repeats)
         for kind, by_part in parts.items():
