@@ -7,10 +7,10 @@ default) runs ``bench.arch_bench``'s shapes at Candor's default step budget: pre
 of 8 x 128-token prompts (1024 rows) and decode steps of 32 rows (128 tokens into the
 context). Each of ``--repeats`` rounds (after one dropped warm-up round) prefills 32 fresh
 sequences and decodes them ``DECODES`` steps; the median ms per step is printed with the
-min and max. For the MoE model the MoE blocks'
-share is split into the router (gate matmul, softmax, top-k, renormalisation) and the
-fused experts kernel; "rest" is everything else in the step (attention, norms, dense
-matmuls, sampling). The split wraps those calls with a timer, so it costs a few µs each.
+min and max. For the MoE model the MoE blocks' share is split into the router (gate
+matmul, softmax, top-k, renormalisation) and the fused experts kernel; "rest" is
+everything else in the step (attention, norms, dense matmuls, sampling). The split wraps
+those calls with a timer, so it costs a few µs each.
 """
 
 from __future__ import annotations
