@@ -16,7 +16,7 @@ from protocol.ipc import SamplingParams, SeqChunk, StepPlan
 from tests import model_zoo
 
 MOE_ARCHS = [name for name, (cfg, _, _) in model_zoo.ARCHS.items() if cfg in ("Qwen3MoeConfig", "MixtralConfig")]
-E, H, I, K = 6, 40, 24, 2  # H and I not multiples of the kernel's 8 lanes: tails run too
+E, H, I, K = 6, 40, 24, 2  # H and I not multiples of the kernel's 16-column panels
 
 
 @pytest.fixture(scope="module")
@@ -44,9 +44,10 @@ def _routing(n: int, seed: int):
 def _hf_like(x, weights, chosen, w13, w2, first=0):
     """HF's loop: each expert's rows through ``linear``, index_add_ in expert order."""
     out = torch.zeros_like(x)
+    inter = w2.shape[2]
     for e in range(first, first + w13.shape[0]):
         rows, slots = torch.where(chosen == e)
-        gate, up = F.linear(x[rows], w13[e - first]).split(I, dim=-1)
+        gate, up = F.linear(x[rows], w13[e - first]).split(inter, dim=-1)
         h = F.linear(F.silu(gate) * up, w2[e - first]) * weights[rows, slots, None]
         out.index_add_(0, rows, h)
     return out
@@ -74,6 +75,21 @@ def test_a_tokens_result_does_not_depend_on_the_batch(kernel, experts, threads):
             assert torch.equal(part, full[rows]), size
     finally:
         torch.set_num_threads(before)
+
+
+def test_widths_off_the_8_lane_blocks(kernel):
+    """Hidden 37 and intermediate 21: the panels' zero-filled columns and the transposes'
+    leftover input elements, exact sums and batch invariance there too."""
+    g = torch.Generator().manual_seed(4)
+    h, inter = 37, 21
+    w13, w2 = torch.randn(E, 2 * inter, h, generator=g) * 0.3, torch.randn(E, h, inter, generator=g) * 0.3
+    x = torch.randn(50, h, generator=g)
+    weights, chosen = torch.topk(torch.softmax(torch.randn(50, E, generator=g), dim=-1), K, dim=-1)
+    full = kernel(x, weights, chosen, w13, w2, 0)
+    want = _hf_like(x, weights, chosen, w13, w2)
+    assert torch.allclose(full, want, rtol=1e-5, atol=1e-5), (full - want).abs().max()
+    for rows in (slice(0, 1), slice(7, 10), slice(3, 50, 2)):
+        assert torch.equal(kernel(x[rows], weights[rows], chosen[rows], w13, w2, 0), full[rows])
 
 
 def test_a_rank_sums_only_the_experts_it_holds(kernel, experts):
