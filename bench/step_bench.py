@@ -10,7 +10,10 @@ worker does; the default deterministic mode): 32 sequences of 128 prompt tokens
 prefilled, then ``--steps`` greedy decode steps of all 32, each timed alone
 (``runner.execute``). ``--threads 0`` puts the worker's ``ThreadGovernor`` in the loop
 as ``gpu_worker/__main__`` does (reported: the counts it chose). ``--base DIR`` also
-runs a checkout at DIR (e.g. ``git archive main | tar -x -C DIR``) for a before/after.
+runs a checkout at DIR (e.g. ``git archive main | tar -x -C DIR``) for a before/after;
+``--interleave`` instead alternates the steps of one process between the row kernels
+(``gpu_worker/models/row_ops``) and torch's ops, so both see the same load (on a shared box
+the steadiest before/after there is).
 Prints per round the median and fastest-decile (p10) step and the forward / sample split,
 then per config the median over rounds of each, with min..max over rounds (on a shared box
 the p10 is the steadier number); ``--profile`` prints one torch
@@ -36,7 +39,7 @@ SEQS, PROMPT, PREFILL_STEP = 32, 128, 1024
 DEFAULT_MODELS_DIR = Path.home() / ".cache" / "candor" / "bench" / "models"
 
 
-def _child(model: str, steps: int, threads: int, profile: bool) -> dict:
+def _child(model: str, steps: int, threads: int, profile: bool, interleave: bool = False) -> dict:
     os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")  # before torch loads, as the worker
     import torch
 
@@ -71,7 +74,9 @@ def _child(model: str, steps: int, threads: int, profile: bool) -> dict:
                 for i, rid in enumerate(batch, lo)]
         result, _ = execute(StepPlan(step_id, seqs, {rid: greedy for rid in batch}))
         last.update(zip(batch, result.sampled))
-    walls, chose = [], []
+    walls, chose, off_walls = [], [], []
+    from gpu_worker.models import row_ops
+    kernels_applies = row_ops.applies
     t = runner.timings
     fwd0, smp0 = t.forward, t.sample
     prof = None
@@ -83,9 +88,11 @@ def _child(model: str, steps: int, threads: int, profile: bool) -> dict:
         step_id += 1
         seqs = [SeqChunk(rid, [last[rid]], PROMPT + n, tables[rid], True, kept_blocks=blocks_per_seq)
                 for rid in rids]
+        off = interleave and n % 2 == 1  # every other step on torch's ops (same load for both)
+        row_ops.applies = (lambda x: False) if off else kernels_applies
         started = time.perf_counter()
         result, threads_used = execute(StepPlan(step_id, seqs))
-        walls.append(time.perf_counter() - started)
+        (off_walls if off else walls).append(time.perf_counter() - started)
         chose.append(threads_used)
         last.update(zip(rids, result.sampled))
     ranked = sorted(walls)
@@ -93,16 +100,21 @@ def _child(model: str, steps: int, threads: int, profile: bool) -> dict:
            "forward_ms": 1e3 * (t.forward - fwd0) / steps, "sample_ms": 1e3 * (t.sample - smp0) / steps,
            "threads": {str(k): chose.count(k) for k in sorted(set(chose))},
            "tokens": [last[rid] for rid in rids[:4]]}
+    if off_walls:
+        off_ranked = sorted(off_walls)
+        out.update(off_median_ms=1e3 * statistics.median(off_walls), off_p10_ms=1e3 * off_ranked[len(off_ranked) // 10])
     if prof is not None:
         prof.__exit__(None, None, None)
         out["profile"] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
     return out
 
 
-def _run(code_dir: Path, model: Path, steps: int, threads: int, profile: bool) -> dict:
+def _run(code_dir: Path, model: Path, steps: int, threads: int, profile: bool,
+         interleave: bool = False) -> dict:
     env = {**os.environ, "PYTHONPATH": str(code_dir)}
     out = subprocess.run([sys.executable, __file__, "--child", str(model), "--steps", str(steps),
-                          "--threads", str(threads), *(["--profile"] if profile else [])],
+                          "--threads", str(threads), *(["--profile"] if profile else []),
+                          *(["--interleave"] if interleave else [])],
                          check=True, capture_output=True, text=True, env=env, cwd=code_dir)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -125,11 +137,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=96)
     p.add_argument("--base", type=Path, default=None, help="another checkout to run too")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--interleave", action="store_true",
+                   help="this checkout only: alternate steps with the row kernels on and off")
     p.add_argument("--models-dir", type=Path, default=DEFAULT_MODELS_DIR)
     p.add_argument("--child", metavar="MODEL", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
-        print(json.dumps(_child(a.child, a.steps, int(a.threads), a.profile)))
+        print(json.dumps(_child(a.child, a.steps, int(a.threads), a.profile, a.interleave)))
         return 0
     here = Path(__file__).resolve().parent.parent
     sys.path.insert(0, str(here))
@@ -138,6 +152,18 @@ def main(argv: list[str] | None = None) -> int:
     code = {"this": here, **({"base": a.base.resolve()} if a.base else {})}
     configs = [(c, int(t)) for c in code for t in a.threads.split(",")]
     for name, path in _models(a.models_dir, a.models.split(",")).items():
+        if a.interleave:
+            ratios, p10s = [], []
+            for r in range(a.rounds):
+                res = _run(code["this"], path, a.steps, int(a.threads.split(",")[0]), False, True)
+                ratios.append(res["median_ms"] / res["off_median_ms"])
+                p10s.append(res["p10_ms"] / res["off_p10_ms"])
+                print(f"[{name} r{r}] row kernels on: median {res['median_ms']:.2f} p10 {res['p10_ms']:.2f} ms; "
+                      f"off: median {res['off_median_ms']:.2f} p10 {res['off_p10_ms']:.2f} ms", flush=True)
+            m, f = Spread.of(ratios), Spread.of(p10s)
+            print(f"{name}: on/off step median {m.median:.3f} [{m.lo:.3f}..{m.hi:.3f}], "
+                  f"p10 {f.median:.3f} [{f.lo:.3f}..{f.hi:.3f}] over {a.rounds} rounds\n")
+            continue
         if a.profile:
             for side, code_dir in code.items():
                 res = _run(code_dir, path, a.steps, int(a.threads.split(",")[0]), True)

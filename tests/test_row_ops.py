@@ -17,14 +17,6 @@ KERNELS = row_ops.load()
 pytestmark = pytest.mark.skipif(KERNELS is None, reason="no C++ toolchain for the row kernels")
 
 
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 def _torch_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
@@ -114,3 +106,21 @@ def test_silu_mul_gives_an_element_the_same_bits_in_the_vector_loop_and_the_tail
     wide = KERNELS.silu_mul(torch.cat([g, up])[None], len(g))[0]  # 8 at a time, then a tail
     narrow = KERNELS.silu_mul(torch.stack([g, up], dim=1), 1)[:, 0]  # every element a tail
     assert torch.equal(wide, narrow)
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 2048, 32003])
+def test_row_argmax_is_torchs_max_ties_nan_and_infinities_included(threads, vocab):
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randint(0, 4, (80, vocab), generator=g).float()  # many ties: the first wins
+    logits[1] = float("-inf")
+    logits[2, vocab // 2] = float("nan")
+    logits[3, -1] = float("inf")
+    logits[4] = 0.0
+    logits[4, vocab - 1] = -0.0
+    logits[5] = float("nan")
+    strided = torch.cat([logits, logits], dim=-1)[:, :vocab]
+    for x in (logits, strided, logits[7:8]):
+        best, index = KERNELS.row_argmax(x)
+        want_best, want_index = x.max(dim=-1)
+        assert torch.equal(index, want_index)
+        assert torch.equal(best.nan_to_num(9.0), want_best.nan_to_num(9.0))

@@ -8,6 +8,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <tuple>
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
@@ -215,4 +217,76 @@ torch::Tensor silu_mul(torch::Tensor gate_up, int64_t inter) {
     silu_mul_row(g, u, o, inter);
   }
   return out;
+}
+
+namespace {
+
+// The largest value of x[0..n) ignoring NaN (-inf where there is none), and whether a NaN
+// was seen. max is exact, so the lanes' order cannot change the value.
+inline float row_max(const float* x, int64_t n, bool* nan) {
+  float m = -std::numeric_limits<float>::infinity();
+  bool seen_nan = false;
+  int64_t i = 0;
+#ifdef __AVX2__
+  __m256 mv = _mm256_set1_ps(m), unordered = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    __m256 v = _mm256_loadu_ps(x + i);
+    unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    mv = _mm256_max_ps(v, mv);  // (a NaN v yields mv: ignored here, flagged above)
+  }
+  float lanes[8];
+  _mm256_storeu_ps(lanes, mv);
+  for (float lane : lanes) m = lane > m ? lane : m;
+  seen_nan = _mm256_movemask_ps(unordered) != 0;
+#endif
+  for (; i < n; ++i) {
+    if (x[i] != x[i]) seen_nan = true;
+    else if (x[i] > m) m = x[i];
+  }
+  *nan = seen_nan;
+  return m;
+}
+
+// The first index of x[0..n) holding m (m NaN: the first NaN); n when none does.
+inline int64_t first_index(const float* x, int64_t n, float m) {
+  const bool want_nan = m != m;
+  int64_t i = 0;
+#ifdef __AVX2__
+  const __m256 mv = _mm256_set1_ps(m);
+  for (; i + 8 <= n; i += 8) {
+    __m256 v = _mm256_loadu_ps(x + i);
+    int mask = _mm256_movemask_ps(want_nan ? _mm256_cmp_ps(v, v, _CMP_UNORD_Q) : _mm256_cmp_ps(v, mv, _CMP_EQ_OQ));
+    if (mask) return i + __builtin_ctz(static_cast<unsigned>(mask));
+  }
+#endif
+  for (; i < n; ++i) {
+    if (want_nan ? x[i] != x[i] : x[i] == m) return i;
+  }
+  return n;
+}
+
+}  // namespace
+
+// logits [n, vocab] (rows contiguous, any row stride) -> (each row's max, the index of its
+// first occurrence), as torch.max(dim=-1) on CPU (a NaN counts as the max: the first
+// NaN's index), in two vectorised passes where torch's indexed max runs one scalar pass.
+std::tuple<torch::Tensor, torch::Tensor> row_argmax(torch::Tensor logits) {
+  check_rows(logits, "row_argmax");
+  const int64_t n = logits.size(0), vocab = logits.size(1), sl = logits.stride(0);
+  TORCH_CHECK(vocab > 0, "row_argmax: an empty row has no max");
+  auto best = torch::empty({n}, logits.options());
+  auto index = torch::empty({n}, logits.options().dtype(torch::kLong));
+  const float* lp = logits.data_ptr<float>();
+  float* bp = best.data_ptr<float>();
+  int64_t* ip = index.data_ptr<int64_t>();
+#pragma omp parallel for if (n * vocab >= PARALLEL_ELEMENTS)
+  for (int64_t r = 0; r < n; ++r) {
+    const float* x = lp + r * sl;
+    bool nan = false;
+    float m = row_max(x, vocab, &nan);
+    if (nan) m = std::numeric_limits<float>::quiet_NaN();
+    ip[r] = first_index(x, vocab, m);
+    bp[r] = x[ip[r]];  // (equal to m; its own sign of zero, its own NaN)
+  }
+  return {best, index};
 }
