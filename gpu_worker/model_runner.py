@@ -47,7 +47,7 @@ from gpu_worker.distributed import Ranks
 from gpu_worker.loader import load_weights
 from gpu_worker.lora.store import AdapterStore
 from gpu_worker.model_config import load_config
-from gpu_worker.models import fused_moe
+from gpu_worker.models import fused_moe, row_ops
 from gpu_worker.models.decoder import DecoderForCausalLM
 from gpu_worker.pooler import Pooler
 from gpu_worker.progress import Progress
@@ -139,6 +139,7 @@ class ModelRunner:
         self.adapters = (AdapterStore(self.model, lora, cfg, self.dtype, self.device, ranks)
                          if lora is not None and lora.enabled else None)
         self._log_moe_path()
+        self._load_row_ops()
         self.num_blocks, self.kv_reason = self._size_kv_cache(num_blocks, kv_cache_memory_bytes,
                                                               gpu_memory_utilization, max_num_seqs)
         self.scratch_block = self.num_blocks  # never in a plan: _check rejects ids >= num_blocks
@@ -187,6 +188,12 @@ class ModelRunner:
             log.info("MoE experts: per-expert matmuls (the fused kernel could not be built)")
         else:
             log.info("MoE experts: the fused CPU kernel")
+
+    def _load_row_ops(self) -> None:
+        """Build the row-wise layer kernels now (not on the first request) where they apply."""
+        if self.device.type == "cpu" and self.dtype == torch.float32:
+            log.info("row-wise layer ops (norms, RoPE, SiLU * up): %s", "the CPU kernels"
+                     if row_ops.load() is not None else "torch's (the kernels could not be built)")
 
     @property
     def block_bytes(self) -> int:

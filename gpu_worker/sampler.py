@@ -28,6 +28,7 @@ from collections.abc import Sequence
 import torch
 
 from gpu_worker.grammar import MaskApplier, apply_masks
+from gpu_worker.models import row_ops
 from protocol.ipc import RequestFailure, SamplingParams, SampleLogprobs, TokenLogprob
 
 # (all token ids fed so far, number of those that are prompt) for one row
@@ -65,7 +66,7 @@ class Sampler:
         logits = self._process(logits.float(), params, histories)
         if masks is not None:
             self.apply_masks(logits, *masks)
-        best, tokens = logits.max(dim=-1)
+        best, tokens = _row_max(logits)
         rand_rows = [i for i, p in enumerate(params) if p.temperature > 0]
         if rand_rows:
             sub = [params[i] for i in rand_rows]
@@ -145,6 +146,15 @@ class Sampler:
         # An exact 0 draw would turn a filtered-out p=0 into 0/0 = NaN, which argmax picks.
         noise.clamp_(min=torch.finfo(noise.dtype).tiny)
         return (probs / noise).argmax(dim=-1)
+
+
+def _row_max(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's max and the index of its first occurrence, as ``logits.max(dim=-1)``:
+    fp32 on CPU through the compiled two-pass kernel (torch's indexed max is one scalar
+    pass: ~58 µs for 32 x 2048 logits, 0.85 ms at a 32k vocabulary, ~10x the kernel)."""
+    if logits.dim() == 2 and logits.shape[1] > 0 and logits.stride(-1) == 1 and row_ops.applies(logits):
+        return row_ops.load().row_argmax(logits)
+    return logits.max(dim=-1)
 
 
 def _holds_back_the_end(p: SamplingParams, history: History | None) -> bool:

@@ -13,6 +13,17 @@ def pytest_addoption(parser):
                           "a cell of its own instead of the pairwise covering array")
 
 
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    """The test runs at 1 and at 2 torch threads (a kernel's rows must not depend on it)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     from gpu_worker.tiny_model import build_tiny_model

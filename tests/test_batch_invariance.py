@@ -25,14 +25,6 @@ needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no C++ toolchain for t
 BATCH_SIZES = range(1, 65)
 
 
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 # ---------------------------------------------------------------- attention
 
 

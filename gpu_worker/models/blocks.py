@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.model_config import ModelConfig, RopeConfig, rope_attention_factor
+from gpu_worker.models import row_ops
 
 
 class RMSNorm(nn.Module):
@@ -28,12 +29,26 @@ class RMSNorm(nn.Module):
             x32 = x.float()
             x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
             return (x32 * (1.0 + self.weight.float())).type_as(x)
-        if x.dtype == torch.float32:  # one native op; bit-identical to the HF form below in fp32
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        if x.dtype == torch.float32:
+            if x.dim() in (2, 3) and x.stride(-1) == 1 and row_ops.applies(x):  # one call, not ~10
+                rows = x if x.dim() == 3 else x.unsqueeze(1)
+                return row_ops.load().rms_norm(rows, self.weight, self.eps).view(x.shape)
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # the HF form's bits
+
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
+
+
+def add_then_norm(norm: nn.Module, x: torch.Tensor, h: torch.Tensor, scale: float) -> torch.Tensor:
+    """``x += h * scale`` in place (``x``: the residual stream, this step's own), then
+    ``norm(x)``: a single kernel call for a plain fp32 RMS norm on CPU (the same bits)."""
+    if (type(norm) is RMSNorm and not norm.one_plus and x.dim() == 2 and x.is_contiguous()
+            and h.stride(-1) == 1 and row_ops.applies(x)):
+        return row_ops.load().add_rms_norm(x, h, scale, norm.weight, norm.eps)
+    x.add_(h if scale == 1.0 else h.mul_(scale))
+    return norm(x)
 
 
 def make_norm(cfg: ModelConfig, size: int | None = None) -> nn.Module:
@@ -131,8 +146,11 @@ class RotaryEmbedding:
 
     @staticmethod
     def rotate(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """x: [num_tokens, heads, head_dim] rotated by each token's position."""
+        """x: [num_tokens, heads, head_dim] rotated by each token's position (a new,
+        contiguous tensor where the CPU kernel computes it: the same bits, one call)."""
         cos, sin = cos_sin
+        if x.stride(-1) == 1 and row_ops.applies(x):
+            return row_ops.load().rope(x, cos[:, 0], sin[:, 0])
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin

@@ -22,7 +22,8 @@ from torch import nn
 from gpu_worker.attention.base import AttentionMetadata
 from gpu_worker.model_config import LayerSpec, ModelConfig, architecture
 from gpu_worker.models import fused_moe
-from gpu_worker.models.blocks import RMSNorm, RotaryEmbedding, make_norm
+from gpu_worker.models import row_ops
+from gpu_worker.models.blocks import RMSNorm, RotaryEmbedding, add_then_norm, make_norm
 from gpu_worker.models.parallel import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
                                         ReplicatedLinear, RowParallelLinear, ShardedRMSNorm, TPGroup,
                                         VocabParallelEmbedding)
@@ -55,12 +56,12 @@ class Attention(nn.Module):
         n = x.shape[0]
         qkv = self.qkv_proj(x)
         cos_sin = None if self.rope is None else cos_sins[self.rope]
-        if self.qk_norm == "none" and cos_sin is not None:
+        if self.qk_norm == "none" and cos_sin is not None and not row_ops.applies(qkv):
             # q and k heads side by side: one rotation for both (same elementwise math).
             qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
             qk = RotaryEmbedding.rotate(qk.view(n, self.num_heads + self.num_kv_heads, self.head_dim), cos_sin)
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        else:
+        else:  # (the CPU kernel rotates q and k into contiguous tensors, one call each)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             if self.qk_norm == "full":
                 q, k = self.q_norm(q), self.k_norm(k)
@@ -79,13 +80,16 @@ class GatedMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
         self.intermediate_size = tp.shard.intermediate
-        self.act = tp.numerics.activation(cfg.act)
+        self.act_name, self.act = cfg.act, tp.numerics.activation(cfg.act)
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2,
                                                        cfg.mlp_bias, tp)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.act_name == "silu" and row_ops.applies(gate_up):  # one call, batch-invariant
+            return self.down_proj(row_ops.load().silu_mul(gate_up, self.intermediate_size))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(self.act(gate).mul_(up))
 
 
@@ -203,8 +207,8 @@ class PreNormLayer(DecoderLayer):
         self.post_attention_layernorm = make_norm(cfg)  # HF's name; it sits before the MLP
 
     def forward(self, x, cos_sins, kv_cache, meta):
-        x = self._add(x, self.self_attn(self.input_layernorm(x), cos_sins, kv_cache, meta))
-        return self._add(x, self.mlp(self.post_attention_layernorm(x)))
+        h = self.self_attn(self.input_layernorm(x), cos_sins, kv_cache, meta)
+        return self._add(x, self.mlp(add_then_norm(self.post_attention_layernorm, x, h, self.residual_scale)))
 
 
 class SandwichLayer(DecoderLayer):
