@@ -18,12 +18,16 @@
 // its last `window` keys, itself included); softcap (0: none; else scores become
 // softcap * tanh(score / softcap), as Gemma 2's)  -> (out [B, H, D], lse [B, H]).
 //
-// Consecutive rows reading the same table (a prefill chunk) form a tile of up to R rows
-// that share each K and V row read; one row is a tile of one (a decode). For each row
-// the arithmetic is fixed by its own keys alone: a K pass in key order (each token's row
-// holds every KV head, so a block is read as one contiguous slab) writes that row's
-// scores for all query heads, then an exact softmax per head, then a V pass in the same
-// key order. Which tile a row lands in, how many rows share it and which thread runs it
+// Consecutive rows whose tables start with the same block (a prefill chunk's rows, or
+// decodes sharing a cached prefix) form a tile of up to 16 rows (fewer when that leaves a
+// thread without a tile); one row alone is a tile of one. A tile walks its keys in chunks
+// small enough for L1 (each K or V row read once per chunk for all its rows that attend
+// it). For each row the arithmetic is fixed by its own keys alone: a K pass in key order
+// writes that row's scores for all query heads (eight keys at a time: each key's dot
+// product is lane-wise FMAs over the head, then one fixed add tree for its eight lanes,
+// whichever of the eight slots the key lands in), then an exact softmax per head, then a
+// V pass in key order (one FMA per key, from zero). Which tile a row lands in, how many
+// rows share it, where its keys fall into chunks and groups and which thread runs it
 // never change a row's operations or their order, so a row's result is bitwise the same
 // alone or batched, as a decode or inside any prefill chunk (batch invariance: the
 // deterministic mode relies on it; the build uses -ffp-contract=off so the compiler cannot
@@ -46,20 +50,20 @@ inline const float* row(const float* cache, const int64_t* tab, int64_t t, int64
   return cache + (tab[t / BS] * BS + t % BS) * width;
 }
 
-// Offsets (in floats, from the cache's start) of token rows lo..n-1 of a table, block by
-// block: one division per pass instead of one per key.
-inline void row_offsets(const int64_t* tab, int64_t lo, int64_t n, int64_t BS, int64_t width,
-                        std::vector<int64_t>& out) {
-  out.resize(n - lo);
-  int64_t b = lo / BS, o = lo % BS;
-  for (int64_t t = lo; t < n; ++t) {
-    out[t - lo] = (tab[b] * BS + o) * width;
-    if (++o == BS) o = 0, ++b;
+// Offsets (in floats, from the cache's start) of token rows a..b-1 of a table, block by
+// block: one division per call instead of one per key.
+inline void key_offsets(const int64_t* tab, int64_t a, int64_t b, int64_t BS, int64_t width, int64_t* out) {
+  int64_t blk = a / BS, o = a % BS;
+  for (int64_t t = a; t < b; ++t) {
+    out[t - a] = (tab[blk] * BS + o) * width;
+    if (++o == BS) o = 0, ++blk;
   }
 }
 
-// One query row of a tile: keys lo..n-1; its scores start at s + off (H * (n - lo) floats).
+// One query row of a tile: its block table, keys lo..n-1; its scores start at s + off
+// (H * (n - lo) floats).
 struct RowSpan {
+  const int64_t* tab;
   int64_t lo, n, off;
 };
 
@@ -71,6 +75,10 @@ inline void key_range(const RowSpan* rs, int64_t R, int64_t& tlo, int64_t& thi) 
     thi = std::max(thi, rs[i].n);
   }
 }
+
+// Keys per chunk: a chunk's K (or V) rows, all heads (~16 KB, at least 8 keys), stay in
+// L1 while every row of the tile uses them, and are read in memory order.
+inline int64_t chunk_keys(int64_t width) { return std::max<int64_t>(8, 4096 / width / 8 * 8); }
 
 #ifdef CANDOR_AVX2
 inline float hsum(__m256 v) {
@@ -85,6 +93,14 @@ inline float hmax(__m256 v) {
   s = _mm_max_ps(s, _mm_movehl_ps(s, s));
   s = _mm_max_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+
+// Lane k: the sum of a[k]'s eight lanes, always by the tree ((0+1)+(2+3)) + ((4+5)+(6+7)),
+// whichever lane k lands in: eight horizontal sums for the price of about one each.
+inline __m256 sum8(const __m256* a) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
 // exp(x) for softmax inputs (x <= 0): Cody-Waite range reduction and a degree-6
@@ -131,48 +147,88 @@ inline float row_max(const float* s, int64_t n) {
   return mx;
 }
 
-// Walks keys tlo..thi-1 of a cache in memory order (a row holds every KV head; off[t] is
-// key t's offset) and calls f(j, t - lo_j, hq, x) for each row j of the tile that attends
-// key t and each query head hq of KV head kh, with kh's V vectors of key t loaded in x.
-// ONE: a tile of one row (a decode), compiled without the per-row range check; the
-// operations on each row are the same either way.
-template <int V, bool ONE, class F>
-inline void for_each_key(const float* cache, const int64_t* off, int64_t tlo, int64_t thi, int64_t KVH,
-                         int64_t G, const RowSpan* rs, int64_t R, F&& f) {
-  for (int64_t t = tlo; t < thi; ++t) {
-    const float* r = cache + off[t];
-    for (int64_t kh = 0; kh < KVH; ++kh) {
-      __m256 x[V];
-      for (int i = 0; i < V; ++i) x[i] = _mm256_loadu_ps(r + kh * V * 8 + i * 8);
-      for (int64_t j = 0; j < R; ++j) {
-        if (!ONE && (t < rs[j].lo || t >= rs[j].n)) continue;
-        for (int64_t g = 0; g < G; ++g) f(j, t - rs[j].lo, kh * G + g, x);
-      }
-    }
+// One query head (qh) against eight keys' vectors of that head (k[0..7]): lane k is key
+// k's dot product, each a lane-wise multiply then FMAs over the head in order, then sum8.
+template <int V>
+inline __m256 dot8(const float* qh, const float* const* k) {
+  __m256 acc[8];
+  const __m256 q0 = _mm256_loadu_ps(qh);
+  for (int j = 0; j < 8; ++j) acc[j] = _mm256_mul_ps(q0, _mm256_loadu_ps(k[j]));
+  for (int i = 1; i < V; ++i) {
+    const __m256 qi = _mm256_loadu_ps(qh + i * 8);
+    for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k[j] + i * 8), acc[j]);
+  }
+  return sum8(acc);
+}
+
+// o[0 .. 8N) += sum over keys t in [a, b) of p[t] * v_t, one FMA per key in key order, the
+// accumulators in registers (ko[t - a]: key t's vector).
+template <int N>
+inline void accumulate(float* o, const float* base, const int64_t* ko, const float* p, int64_t a, int64_t b) {
+  __m256 acc[N];
+  for (int i = 0; i < N; ++i) acc[i] = _mm256_loadu_ps(o + i * 8);
+  for (int64_t t = a; t < b; ++t) {
+    const __m256 w = _mm256_set1_ps(p[t]);
+    const float* v = base + ko[t - a];
+    for (int i = 0; i < N; ++i) acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + i * 8), acc[i]);
+  }
+  for (int i = 0; i < N; ++i) _mm256_storeu_ps(o + i * 8, acc[i]);
+}
+
+// A head's V accumulators, at most eight registers at a time (lanes are independent).
+template <int V>
+inline void accumulate_head(float* o, const float* base, const int64_t* ko, const float* p, int64_t a, int64_t b) {
+  if constexpr (V <= 8) {
+    accumulate<V>(o, base, ko, p, a, b);
+  } else {
+    accumulate<8>(o, base, ko, p, a, b);
+    accumulate_head<V - 8>(o + 64, base + 64, ko, p, a, b);
   }
 }
 
-template <int V, bool ONE>
-void attend_tile(const float* q, const float* kc, const float* vc, const int64_t* tab, const RowSpan* rs,
-                 int64_t R, int64_t BS, int64_t KVH, int64_t G, float sc, float cap, float* s, float* sum,
-                 float* out, float* lse, std::vector<int64_t>& offs) {
-  if (ONE) R = 1;
-  const int64_t H = KVH * G, D = V * 8, width = KVH * D;
+// A tile's rows, keys in chunks: for each chunk and KV head, every row of the tile that
+// attends keys of the chunk takes them (rows that share blocks read them from L1). A row
+// sees its own keys in key order, whatever tile it is in and however its keys fall into
+// chunks and groups of eight: its scores (each key's dot product, one per lane of dot8)
+// and its V sums (one FMA per key in order, from zero) never depend on either.
+template <int V>
+void attend_tile(const float* q, const float* kc, const float* vc, const RowSpan* rs, int64_t R, int64_t BS,
+                 int64_t KVH, int64_t G, float sc, float cap, float* s, float* sum, float* out, float* lse,
+                 int64_t* ko) {
+  const int64_t H = KVH * G, D = V * 8, width = KVH * D, KC = chunk_keys(width);
+  const __m256 scale = _mm256_set1_ps(sc);
   int64_t tlo, thi;
   key_range(rs, R, tlo, thi);
-  row_offsets(tab, tlo, thi, BS, width, offs);
-  const int64_t* off = offs.data() - tlo;  // off[t]: row t's offset
-  // K pass: each row's scores against its own keys, in key order.
-  for_each_key<V, ONE>(kc, off, tlo, thi, KVH, G, rs, R, [&](int64_t j, int64_t t, int64_t hq, const __m256* k) {
-    const float* qh = q + (j * H + hq) * D;
-    __m256 a0 = _mm256_mul_ps(k[0], _mm256_loadu_ps(qh));
-    __m256 a1 = _mm256_setzero_ps();
-    for (int i = 1; i < V; ++i) {
-      if (i & 1) a1 = _mm256_fmadd_ps(k[i], _mm256_loadu_ps(qh + i * 8), a1);
-      else a0 = _mm256_fmadd_ps(k[i], _mm256_loadu_ps(qh + i * 8), a0);
+  // K pass: each row's scores against its own keys.
+  for (int64_t c0 = tlo; c0 < thi; c0 += KC) {
+    const int64_t c1 = std::min(thi, c0 + KC);
+    for (int64_t j = 0; j < R; ++j) {
+      const int64_t a = std::max(c0, rs[j].lo), b = std::min(c1, rs[j].n);
+      if (a >= b) continue;
+      key_offsets(rs[j].tab, a, b, BS, width, ko);
+      for (int64_t kh = 0; kh < KVH; ++kh) {
+        const float* base = kc + kh * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t hq = kh * G + g;
+          const float* qh = q + (j * H + hq) * D;
+          float* dst = s + rs[j].off + hq * (rs[j].n - rs[j].lo) - rs[j].lo;  // dst[t]: key t's score
+          for (int64_t t = a; t < b; t += 8) {
+            const int64_t n8 = std::min<int64_t>(8, b - t);
+            const float* kp[8];
+            for (int i = 0; i < 8; ++i) kp[i] = base + ko[t - a + std::min<int64_t>(i, n8 - 1)];
+            const __m256 r = _mm256_mul_ps(dot8<V>(qh, kp), scale);
+            if (n8 == 8) {
+              _mm256_storeu_ps(dst + t, r);
+            } else {
+              float tmp[8];
+              _mm256_storeu_ps(tmp, r);
+              std::copy(tmp, tmp + n8, dst + t);
+            }
+          }
+        }
+      }
     }
-    s[rs[j].off + hq * (rs[j].n - rs[j].lo) + t] = hsum(_mm256_add_ps(a0, a1)) * sc;
-  });
+  }
   // An exact softmax per row and head.
   for (int64_t j = 0; j < R; ++j) {
     const int64_t m = rs[j].n - rs[j].lo;
@@ -185,14 +241,22 @@ void attend_tile(const float* q, const float* kc, const float* vc, const int64_t
       sum[j * H + hq] = 1.f / total;
     }
   }
-  // V pass: out[hq] = sum_t p[hq, t] * v[t, hq / G], V rows in memory order with the
-  // accumulators in L1 (a strided per-head walk costs ~1.5x on a DRAM-resident cache).
+  // V pass: out[hq] = sum_t p[hq, t] * v[t, hq / G], in the same chunks.
   std::fill(out, out + R * H * D, 0.f);
-  for_each_key<V, ONE>(vc, off, tlo, thi, KVH, G, rs, R, [&](int64_t j, int64_t t, int64_t hq, const __m256* v) {
-    const __m256 w = _mm256_set1_ps(s[rs[j].off + hq * (rs[j].n - rs[j].lo) + t]);
-    float* o = out + (j * H + hq) * D;
-    for (int i = 0; i < V; ++i) _mm256_storeu_ps(o + i * 8, _mm256_fmadd_ps(w, v[i], _mm256_loadu_ps(o + i * 8)));
-  });
+  for (int64_t c0 = tlo; c0 < thi; c0 += KC) {
+    const int64_t c1 = std::min(thi, c0 + KC);
+    for (int64_t j = 0; j < R; ++j) {
+      const int64_t a = std::max(c0, rs[j].lo), b = std::min(c1, rs[j].n);
+      if (a >= b) continue;
+      key_offsets(rs[j].tab, a, b, BS, width, ko);
+      for (int64_t kh = 0; kh < KVH; ++kh)
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t hq = kh * G + g;
+          const float* p = s + rs[j].off + hq * (rs[j].n - rs[j].lo) - rs[j].lo;  // p[t]: key t's weight
+          accumulate_head<V>(out + (j * H + hq) * D, vc + kh * D, ko, p, a, b);
+        }
+      }
+  }
   for (int64_t j = 0; j < R; ++j)
     for (int64_t hq = 0; hq < H; ++hq) {
       const __m256 inv = _mm256_set1_ps(sum[j * H + hq]);
@@ -203,16 +267,16 @@ void attend_tile(const float* q, const float* kc, const float* vc, const int64_t
 #endif
 
 // Portable path: any head_dim, no vector ISA assumed; the same passes in the same order.
-void attend_tile_generic(const float* q, const float* kc, const float* vc, const int64_t* tab,
-                         const RowSpan* rs, int64_t R, int64_t BS, int64_t KVH, int64_t G, int64_t D,
-                         float sc, float cap, float* s, float* sum, float* out, float* lse) {
+void attend_tile_generic(const float* q, const float* kc, const float* vc, const RowSpan* rs, int64_t R,
+                         int64_t BS, int64_t KVH, int64_t G, int64_t D, float sc, float cap, float* s,
+                         float* sum, float* out, float* lse) {
   const int64_t H = KVH * G, width = KVH * D;
   int64_t tlo, thi;
   key_range(rs, R, tlo, thi);
   for (int64_t t = tlo; t < thi; ++t) {
-    const float* kt = row(kc, tab, t, BS, width);
     for (int64_t j = 0; j < R; ++j) {
       if (t < rs[j].lo || t >= rs[j].n) continue;
+      const float* kt = row(kc, rs[j].tab, t, BS, width);
       const int64_t m = rs[j].n - rs[j].lo;
       for (int64_t hq = 0; hq < H; ++hq) {
         const float* kr = kt + (hq / G) * D;
@@ -238,9 +302,9 @@ void attend_tile_generic(const float* q, const float* kc, const float* vc, const
   }
   std::fill(out, out + R * H * D, 0.f);
   for (int64_t t = tlo; t < thi; ++t) {
-    const float* vt = row(vc, tab, t, BS, width);
     for (int64_t j = 0; j < R; ++j) {
       if (t < rs[j].lo || t >= rs[j].n) continue;
+      const float* vt = row(vc, rs[j].tab, t, BS, width);
       const int64_t m = rs[j].n - rs[j].lo;
       for (int64_t hq = 0; hq < H; ++hq) {
         const float* vr = vt + (hq / G) * D;
@@ -255,38 +319,26 @@ void attend_tile_generic(const float* q, const float* kc, const float* vc, const
       for (int64_t i = 0; i < D; ++i) out[(j * H + hq) * D + i] *= sum[j * H + hq];
 }
 
+void attend(const float* q, const float* kc, const float* vc, const RowSpan* rs, int64_t R, int64_t BS,
+            int64_t KVH, int64_t G, int64_t D, float sc, float cap, float* s, float* sum, float* out, float* lse,
+            int64_t* ko) {
 #ifdef CANDOR_AVX2
-// The vector code for head sizes it is instantiated for; false for any other.
-template <bool ONE>
-bool attend_avx2(const float* q, const float* kc, const float* vc, const int64_t* tab, const RowSpan* rs,
-                 int64_t R, int64_t BS, int64_t KVH, int64_t G, int64_t D, float sc, float cap, float* s,
-                 float* sum, float* out, float* lse, std::vector<int64_t>& offs) {
-  switch (D) {
-    case 16: attend_tile<2, ONE>(q, kc, vc, tab, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, offs); return true;
-    case 32: attend_tile<4, ONE>(q, kc, vc, tab, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, offs); return true;
-    case 64: attend_tile<8, ONE>(q, kc, vc, tab, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, offs); return true;
-    case 80: attend_tile<10, ONE>(q, kc, vc, tab, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, offs); return true;
-    case 96: attend_tile<12, ONE>(q, kc, vc, tab, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, offs); return true;
-    case 128: attend_tile<16, ONE>(q, kc, vc, tab, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, offs); return true;
-    default: return false;
+  switch (D) {  // the head sizes the vector code is instantiated for
+    case 16: return attend_tile<2>(q, kc, vc, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, ko);
+    case 32: return attend_tile<4>(q, kc, vc, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, ko);
+    case 64: return attend_tile<8>(q, kc, vc, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, ko);
+    case 80: return attend_tile<10>(q, kc, vc, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, ko);
+    case 96: return attend_tile<12>(q, kc, vc, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, ko);
+    case 128: return attend_tile<16>(q, kc, vc, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, ko);
+    default: break;
   }
-}
 #endif
-
-void attend(const float* q, const float* kc, const float* vc, const int64_t* tab, const RowSpan* rs,
-            int64_t R, int64_t BS, int64_t KVH, int64_t G, int64_t D, float sc, float cap, float* s,
-            float* sum, float* out, float* lse, std::vector<int64_t>& offs) {
-#ifdef CANDOR_AVX2
-  if (R == 1 ? attend_avx2<true>(q, kc, vc, tab, rs, R, BS, KVH, G, D, sc, cap, s, sum, out, lse, offs)
-             : attend_avx2<false>(q, kc, vc, tab, rs, R, BS, KVH, G, D, sc, cap, s, sum, out, lse, offs))
-    return;
-#endif
-  attend_tile_generic(q, kc, vc, tab, rs, R, BS, KVH, G, D, sc, cap, s, sum, out, lse);
+  attend_tile_generic(q, kc, vc, rs, R, BS, KVH, G, D, sc, cap, s, sum, out, lse);
 }
 
-// Rows per tile: their H x D accumulators stay within ~16 KB of L1.
-inline int64_t tile_rows(int64_t H, int64_t D) {
-  return std::max<int64_t>(1, std::min<int64_t>(16, 4096 / (H * D)));
+// Rows per tile: up to 16, but few enough that every thread gets a tile.
+inline int64_t tile_rows(int64_t B, int64_t threads) {
+  return std::max<int64_t>(1, std::min<int64_t>(16, (B + threads - 1) / threads));
 }
 
 }  // namespace
@@ -324,25 +376,27 @@ std::tuple<torch::Tensor, torch::Tensor> paged_attention(torch::Tensor q, torch:
   float* op = out.data_ptr<float>();
   float* lsep = lse.data_ptr<float>();
   const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
-  auto seq = [&](int64_t b) { return own_tables ? b : sp[b]; };
+  auto tab = [&](int64_t b) { return tp + (own_tables ? b : sp[b]) * MB; };
 
-  // Tiles: runs of consecutive rows on one table, at most tile_rows(H, D) long.
-  const int64_t R = tile_rows(H, D);
+  // Tiles: runs of consecutive rows whose tables start with the same block (a prefill
+  // chunk's rows, or decodes sharing a cached prefix), so they share its K/V reads.
+  const int64_t threads = at::get_num_threads();
+  const int64_t R = tile_rows(B, threads);
   std::vector<int64_t> starts;
   for (int64_t b = 0; b < B;) {
     starts.push_back(b);
     int64_t e = b + 1;
-    while (e < B && e - b < R && seq(e) == seq(b)) ++e;
+    while (e < B && e - b < R && tab(e)[0] == tab(b)[0]) ++e;
     b = e;
   }
   starts.push_back(B);
   const int64_t T = static_cast<int64_t>(starts.size()) - 1;
   // Tiles dealt round-robin: a chunk's late rows (long contexts) spread over the threads.
-  const int64_t workers = std::min<int64_t>(T, at::get_num_threads());
+  const int64_t workers = std::min<int64_t>(T, threads);
   at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> s, sum(R * H);
     std::vector<RowSpan> rs(R);
-    std::vector<int64_t> offs;
+    std::vector<int64_t> ko(chunk_keys(KVH * D));
     for (int64_t w = begin; w < end; ++w) {
       for (int64_t k = w; k < T; k += workers) {
         const int64_t r0 = starts[k], n_rows = starts[k + 1] - r0;
@@ -350,12 +404,12 @@ std::tuple<torch::Tensor, torch::Tensor> paged_attention(torch::Tensor q, torch:
         for (int64_t j = 0; j < n_rows; ++j) {
           const int64_t n = lp[r0 + j];
           const int64_t lo = window > 0 ? std::max<int64_t>(0, n - window) : 0;
-          rs[j] = {lo, n, off};
+          rs[j] = {tab(r0 + j), lo, n, off};
           off += (n - lo) * H;
         }
         s.resize(off);
-        attend(qp + r0 * H * D, kp, vp, tp + seq(r0) * MB, rs.data(), n_rows, BS, KVH, G, D, sc, cap,
-               s.data(), sum.data(), op + r0 * H * D, lsep + r0 * H, offs);
+        attend(qp + r0 * H * D, kp, vp, rs.data(), n_rows, BS, KVH, G, D, sc, cap, s.data(), sum.data(),
+               op + r0 * H * D, lsep + r0 * H, ko.data());
       }
     }
   });
