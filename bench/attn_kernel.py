@@ -8,7 +8,8 @@ Shapes (fp32, 16-token blocks, blocks scattered over the cache as a busy server'
   on its own table whose first 64 blocks (the 1024-token prefix) are the same blocks,
   contexts 1089..1120;
 - ``c-prefill``: its prefill step: 16 requests' 64-token chunks at positions 1024..1087
-  over the shared prefix (1024 query rows);
+  over the shared prefix (1024 query rows); ``c-chunk``: one of those chunks alone (short
+  enough to time on a busy box, where a call of several ms is always preempted);
 - ``b-decode``: workload (b)'s decode step on llama-100m: 32 decodes, 12 heads of 64,
   contexts 129..256.
 One layer per call. Each version of the source is built as the worker builds it
@@ -54,6 +55,7 @@ def shapes(seed: int = 0) -> dict[str, tuple]:
     rows = torch.arange(16).repeat_interleave(64)
     plens = torch.arange(1025, 1089).repeat(16)
     out["c-prefill"] = (torch.randn(1024, 1, d, generator=g), kc, vc, tables[:16], plens, d ** -0.5, rows)
+    out["c-chunk"] = (out["c-prefill"][0][:64], kc, vc, tables[:1], plens[:64], d ** -0.5, rows[:64])
     # (b): 1024 blocks of 12 x 64, 32 streams of 129..256 keys
     nb, h = 1024, 12
     kc, vc = torch.randn(nb, BS, h, d, generator=g), torch.randn(nb, BS, h, d, generator=g)
@@ -92,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--shapes", default="c-decode,c-prefill,b-decode")
+    p.add_argument("--shapes", default="c-decode,c-chunk,c-prefill,b-decode")
     p.add_argument("--check", action="store_true")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)

@@ -161,6 +161,73 @@ inline __m256 dot8(const float* qh, const float* const* k) {
   return sum8(acc);
 }
 
+// Two query rows' head vectors (qa, qb) against four keys' vectors (k[0..3]): lanes 0-3
+// are qa's dot products with keys 0-3, lanes 4-7 qb's, each by exactly dot8's operations
+// (a lane's value never depends on the other lanes), with each K vector loaded once for
+// both rows: loads, not FMAs, bound dot8 on a tile of many rows.
+template <int V>
+inline __m256 dot2x4(const float* qa, const float* qb, const float* const* k) {
+  __m256 acc[8];
+  {
+    const __m256 a = _mm256_loadu_ps(qa), b = _mm256_loadu_ps(qb);
+    for (int j = 0; j < 4; ++j) {
+      const __m256 kv = _mm256_loadu_ps(k[j]);
+      acc[j] = _mm256_mul_ps(a, kv);
+      acc[4 + j] = _mm256_mul_ps(b, kv);
+    }
+  }
+  for (int i = 1; i < V; ++i) {
+    const __m256 a = _mm256_loadu_ps(qa + i * 8), b = _mm256_loadu_ps(qb + i * 8);
+    for (int j = 0; j < 4; ++j) {
+      const __m256 kv = _mm256_loadu_ps(k[j] + i * 8);
+      acc[j] = _mm256_fmadd_ps(a, kv, acc[j]);
+      acc[4 + j] = _mm256_fmadd_ps(b, kv, acc[4 + j]);
+    }
+  }
+  return sum8(acc);
+}
+
+// One row's scores (query head qh) for keys [a, b) of a chunk whose key offsets start at
+// key c (ko[t - c]): dst[t] = score of key t.
+template <int V>
+inline void score_row(const float* qh, const float* base, const int64_t* ko, int64_t c, float* dst, int64_t a,
+                      int64_t b, __m256 scale) {
+  for (int64_t t = a; t < b; t += 8) {
+    const int64_t n8 = std::min<int64_t>(8, b - t);
+    const float* kp[8];
+    for (int i = 0; i < 8; ++i) kp[i] = base + ko[t - c + std::min<int64_t>(i, n8 - 1)];
+    const __m256 r = _mm256_mul_ps(dot8<V>(qh, kp), scale);
+    if (n8 == 8) {
+      _mm256_storeu_ps(dst + t, r);
+    } else {
+      float tmp[8];
+      _mm256_storeu_ps(tmp, r);
+      std::copy(tmp, tmp + n8, dst + t);
+    }
+  }
+}
+
+// Two rows on one table (query heads qa, qb), keys [a, b) of both, four at a time.
+template <int V>
+inline void score_pair(const float* qa, const float* qb, const float* base, const int64_t* ko, int64_t c,
+                       float* da, float* db, int64_t a, int64_t b, __m256 scale) {
+  for (int64_t t = a; t < b; t += 4) {
+    const int64_t n4 = std::min<int64_t>(4, b - t);
+    const float* kp[4];
+    for (int i = 0; i < 4; ++i) kp[i] = base + ko[t - c + std::min<int64_t>(i, n4 - 1)];
+    const __m256 r = _mm256_mul_ps(dot2x4<V>(qa, qb, kp), scale);
+    if (n4 == 4) {
+      _mm_storeu_ps(da + t, _mm256_castps256_ps128(r));
+      _mm_storeu_ps(db + t, _mm256_extractf128_ps(r, 1));
+    } else {
+      float tmp[8];
+      _mm256_storeu_ps(tmp, r);
+      std::copy(tmp, tmp + n4, da + t);
+      std::copy(tmp + 4, tmp + 4 + n4, db + t);
+    }
+  }
+}
+
 // o[0 .. 8N) += sum over keys t in [a, b) of p[t] * v_t, one FMA per key in key order, the
 // accumulators in registers (ko[t - a]: key t's vector).
 template <int N>
@@ -199,34 +266,47 @@ void attend_tile(const float* q, const float* kc, const float* vc, const RowSpan
   const __m256 scale = _mm256_set1_ps(sc);
   int64_t tlo, thi;
   key_range(rs, R, tlo, thi);
-  // K pass: each row's scores against its own keys.
+  // K pass: each row's scores against its own keys; two rows on one table (a prefill
+  // chunk's) take the keys both attend together.
   for (int64_t c0 = tlo; c0 < thi; c0 += KC) {
     const int64_t c1 = std::min(thi, c0 + KC);
-    for (int64_t j = 0; j < R; ++j) {
-      const int64_t a = std::max(c0, rs[j].lo), b = std::min(c1, rs[j].n);
-      if (a >= b) continue;
-      key_offsets(rs[j].tab, a, b, BS, width, ko);
-      for (int64_t kh = 0; kh < KVH; ++kh) {
-        const float* base = kc + kh * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t hq = kh * G + g;
-          const float* qh = q + (j * H + hq) * D;
-          float* dst = s + rs[j].off + hq * (rs[j].n - rs[j].lo) - rs[j].lo;  // dst[t]: key t's score
-          for (int64_t t = a; t < b; t += 8) {
-            const int64_t n8 = std::min<int64_t>(8, b - t);
-            const float* kp[8];
-            for (int i = 0; i < 8; ++i) kp[i] = base + ko[t - a + std::min<int64_t>(i, n8 - 1)];
-            const __m256 r = _mm256_mul_ps(dot8<V>(qh, kp), scale);
-            if (n8 == 8) {
-              _mm256_storeu_ps(dst + t, r);
-            } else {
-              float tmp[8];
-              _mm256_storeu_ps(tmp, r);
-              std::copy(tmp, tmp + n8, dst + t);
+    for (int64_t j = 0; j < R;) {
+      const RowSpan& x = rs[j];
+      const int64_t a = std::max(c0, x.lo), b = std::min(c1, x.n);
+      const bool pair = j + 1 < R && rs[j + 1].tab == x.tab;
+      const int64_t a2 = pair ? std::max(c0, rs[j + 1].lo) : a, b2 = pair ? std::min(c1, rs[j + 1].n) : b;
+      const int64_t lo = std::min(a, a2), hi = std::max(b, b2);
+      if (lo < hi) {
+        key_offsets(x.tab, lo, hi, BS, width, ko);
+        const int64_t both_a = std::max(a, a2), both_b = std::min(b, b2);
+        for (int64_t kh = 0; kh < KVH; ++kh) {
+          const float* base = kc + kh * D;
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t hq = kh * G + g;
+            float* dst = s + x.off + hq * (x.n - x.lo) - x.lo;  // dst[t]: key t's score
+            const float* qh = q + (j * H + hq) * D;
+            if (!pair || both_a >= both_b) {
+              score_row<V>(qh, base, ko, lo, dst, a, b, scale);
+              if (pair) {
+                const RowSpan& y = rs[j + 1];
+                score_row<V>(q + ((j + 1) * H + hq) * D, base, ko, lo, s + y.off + hq * (y.n - y.lo) - y.lo, a2, b2,
+                             scale);
+              }
+              continue;
             }
+            const RowSpan& y = rs[j + 1];
+            const float* qh2 = q + ((j + 1) * H + hq) * D;
+            float* dst2 = s + y.off + hq * (y.n - y.lo) - y.lo;
+            score_pair<V>(qh, qh2, base, ko, lo, dst, dst2, both_a, both_b, scale);
+            // the keys only one of the two attends
+            score_row<V>(qh, base, ko, lo, dst, a, std::min(b, both_a), scale);
+            score_row<V>(qh, base, ko, lo, dst, std::max(a, both_b), b, scale);
+            score_row<V>(qh2, base, ko, lo, dst2, a2, std::min(b2, both_a), scale);
+            score_row<V>(qh2, base, ko, lo, dst2, std::max(a2, both_b), b2, scale);
           }
         }
       }
+      j += pair ? 2 : 1;
     }
   }
   // An exact softmax per row and head.
