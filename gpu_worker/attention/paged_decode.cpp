@@ -229,27 +229,60 @@ inline void score_pair(const float* qa, const float* qb, const float* base, cons
 }
 
 // o[0 .. 8N) += sum over keys t in [a, b) of p[t] * v_t, one FMA per key in key order, the
-// accumulators in registers (ko[t - a]: key t's vector).
+// accumulators in registers (ko[t - c]: key t's vector).
 template <int N>
-inline void accumulate(float* o, const float* base, const int64_t* ko, const float* p, int64_t a, int64_t b) {
+inline void accumulate(float* o, const float* base, const int64_t* ko, int64_t c, const float* p, int64_t a,
+                       int64_t b) {
   __m256 acc[N];
   for (int i = 0; i < N; ++i) acc[i] = _mm256_loadu_ps(o + i * 8);
   for (int64_t t = a; t < b; ++t) {
     const __m256 w = _mm256_set1_ps(p[t]);
-    const float* v = base + ko[t - a];
+    const float* v = base + ko[t - c];
     for (int i = 0; i < N; ++i) acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + i * 8), acc[i]);
   }
   for (int i = 0; i < N; ++i) _mm256_storeu_ps(o + i * 8, acc[i]);
 }
 
+// The same for two rows on one table over keys both attend (oa/pa, ob/pb): each V vector
+// loaded once for both, each row's operations exactly accumulate's.
+template <int N>
+inline void accumulate2(float* oa, float* ob, const float* base, const int64_t* ko, int64_t c, const float* pa,
+                        const float* pb, int64_t a, int64_t b) {
+  __m256 xa[N], xb[N];
+  for (int i = 0; i < N; ++i) xa[i] = _mm256_loadu_ps(oa + i * 8), xb[i] = _mm256_loadu_ps(ob + i * 8);
+  for (int64_t t = a; t < b; ++t) {
+    const __m256 wa = _mm256_set1_ps(pa[t]), wb = _mm256_set1_ps(pb[t]);
+    const float* v = base + ko[t - c];
+    for (int i = 0; i < N; ++i) {
+      const __m256 x = _mm256_loadu_ps(v + i * 8);
+      xa[i] = _mm256_fmadd_ps(wa, x, xa[i]);
+      xb[i] = _mm256_fmadd_ps(wb, x, xb[i]);
+    }
+  }
+  for (int i = 0; i < N; ++i) _mm256_storeu_ps(oa + i * 8, xa[i]), _mm256_storeu_ps(ob + i * 8, xb[i]);
+}
+
 // A head's V accumulators, at most eight registers at a time (lanes are independent).
 template <int V>
-inline void accumulate_head(float* o, const float* base, const int64_t* ko, const float* p, int64_t a, int64_t b) {
+inline void accumulate_head(float* o, const float* base, const int64_t* ko, int64_t c, const float* p, int64_t a,
+                            int64_t b) {
   if constexpr (V <= 8) {
-    accumulate<V>(o, base, ko, p, a, b);
+    accumulate<V>(o, base, ko, c, p, a, b);
   } else {
-    accumulate<8>(o, base, ko, p, a, b);
-    accumulate_head<V - 8>(o + 64, base + 64, ko, p, a, b);
+    accumulate<8>(o, base, ko, c, p, a, b);
+    accumulate_head<V - 8>(o + 64, base + 64, ko, c, p, a, b);
+  }
+}
+
+// Two rows' heads, four registers of each at a time.
+template <int V>
+inline void accumulate_head2(float* oa, float* ob, const float* base, const int64_t* ko, int64_t c, const float* pa,
+                             const float* pb, int64_t a, int64_t b) {
+  if constexpr (V <= 4) {
+    accumulate2<V>(oa, ob, base, ko, c, pa, pb, a, b);
+  } else {
+    accumulate2<4>(oa, ob, base, ko, c, pa, pb, a, b);
+    accumulate_head2<V - 4>(oa + 32, ob + 32, base + 32, ko, c, pa, pb, a, b);
   }
 }
 
@@ -321,21 +354,48 @@ void attend_tile(const float* q, const float* kc, const float* vc, const RowSpan
       sum[j * H + hq] = 1.f / total;
     }
   }
-  // V pass: out[hq] = sum_t p[hq, t] * v[t, hq / G], in the same chunks.
+  // V pass: out[hq] = sum_t p[hq, t] * v[t, hq / G], in the same chunks; each row's keys
+  // in key order (a pair's keys before and after those both attend, alone).
   std::fill(out, out + R * H * D, 0.f);
   for (int64_t c0 = tlo; c0 < thi; c0 += KC) {
     const int64_t c1 = std::min(thi, c0 + KC);
-    for (int64_t j = 0; j < R; ++j) {
-      const int64_t a = std::max(c0, rs[j].lo), b = std::min(c1, rs[j].n);
-      if (a >= b) continue;
-      key_offsets(rs[j].tab, a, b, BS, width, ko);
-      for (int64_t kh = 0; kh < KVH; ++kh)
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t hq = kh * G + g;
-          const float* p = s + rs[j].off + hq * (rs[j].n - rs[j].lo) - rs[j].lo;  // p[t]: key t's weight
-          accumulate_head<V>(out + (j * H + hq) * D, vc + kh * D, ko, p, a, b);
-        }
+    for (int64_t j = 0; j < R;) {
+      const RowSpan& x = rs[j];
+      const int64_t a = std::max(c0, x.lo), b = std::min(c1, x.n);
+      const bool pair = j + 1 < R && rs[j + 1].tab == x.tab;
+      const int64_t a2 = pair ? std::max(c0, rs[j + 1].lo) : a, b2 = pair ? std::min(c1, rs[j + 1].n) : b;
+      const int64_t lo = std::min(a, a2), hi = std::max(b, b2);
+      if (lo < hi) {
+        key_offsets(x.tab, lo, hi, BS, width, ko);
+        const int64_t both_a = std::max(a, a2), both_b = std::min(b, b2);
+        const bool joint = pair && both_a < both_b;
+        for (int64_t kh = 0; kh < KVH; ++kh)
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t hq = kh * G + g;
+            const float* base = vc + kh * D;
+            const float* p = s + x.off + hq * (x.n - x.lo) - x.lo;  // p[t]: key t's weight
+            float* o = out + (j * H + hq) * D;
+            if (!joint) {
+              accumulate_head<V>(o, base, ko, lo, p, a, b);
+              if (pair) {
+                const RowSpan& y = rs[j + 1];
+                accumulate_head<V>(out + ((j + 1) * H + hq) * D, base, ko, lo, s + y.off + hq * (y.n - y.lo) - y.lo,
+                                   a2, b2);
+              }
+              continue;
+            }
+            const RowSpan& y = rs[j + 1];
+            const float* p2 = s + y.off + hq * (y.n - y.lo) - y.lo;
+            float* o2 = out + ((j + 1) * H + hq) * D;
+            accumulate_head<V>(o, base, ko, lo, p, a, both_a);
+            accumulate_head<V>(o2, base, ko, lo, p2, a2, both_a);
+            accumulate_head2<V>(o, o2, base, ko, lo, p, p2, both_a, both_b);
+            accumulate_head<V>(o, base, ko, lo, p, both_b, b);
+            accumulate_head<V>(o2, base, ko, lo, p2, both_b, b2);
+          }
       }
+      j += pair ? 2 : 1;
+    }
   }
   for (int64_t j = 0; j < R; ++j)
     for (int64_t hq = 0; hq < H; ++hq) {
