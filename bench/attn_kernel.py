@@ -10,6 +10,7 @@ Shapes (fp32, 16-token blocks, blocks scattered over the cache as a busy server'
 - ``c-prefill``: its prefill step: 16 requests' 64-token chunks at positions 1024..1087
   over the shared prefix (1024 query rows); ``c-chunk``: one of those chunks alone (short
   enough to time on a busy box, where a call of several ms is always preempted);
+  ``c-prefix``: its first step, the 1024-token prefix as one causal chunk;
 - ``b-decode``: workload (b)'s decode step on llama-100m: 32 decodes, 12 heads of 64,
   contexts 129..256.
 One layer per call. Each version of the source is built as the worker builds it
@@ -56,6 +57,8 @@ def shapes(seed: int = 0) -> dict[str, tuple]:
     plens = torch.arange(1025, 1089).repeat(16)
     out["c-prefill"] = (torch.randn(1024, 1, d, generator=g), kc, vc, tables[:16], plens, d ** -0.5, rows)
     out["c-chunk"] = (out["c-prefill"][0][:64], kc, vc, tables[:1], plens[:64], d ** -0.5, rows[:64])
+    out["c-prefix"] = (torch.randn(1024, 1, d, generator=g), kc, vc, tables[:1], torch.arange(1, 1025), d ** -0.5,
+                       torch.zeros(1024, dtype=torch.long))
     # (b): 1024 blocks of 12 x 64, 32 streams of 129..256 keys
     nb, h = 1024, 12
     kc, vc = torch.randn(nb, BS, h, d, generator=g), torch.randn(nb, BS, h, d, generator=g)
@@ -94,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--shapes", default="c-decode,c-chunk,c-prefill,b-decode")
+    p.add_argument("--shapes", default="c-decode,c-chunk,c-prefill,c-prefix,b-decode")
     p.add_argument("--check", action="store_true")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
