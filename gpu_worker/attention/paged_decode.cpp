@@ -286,6 +286,36 @@ inline void accumulate_head2(float* oa, float* ob, const float* base, const int6
   }
 }
 
+// Row j of a tile within a chunk of keys [c0, c1), and row j + 1 with it (two) when it
+// reads the same table (a prefill chunk's next row): each one's keys in the chunk
+// ([a, b) and [a2, b2)), the keys both attend ([both_a, both_b)), and c, the first key
+// whose offset ko holds (ko[t - c]: key t's, for every key either row attends).
+struct Rows {
+  int64_t j;
+  bool two;
+  int64_t a, b, a2, b2, both_a, both_b, c;
+  bool joint() const { return two && both_a < both_b; }
+};
+
+// Calls f(rows) for each row, or pair of rows on one table, of a tile with keys in
+// [c0, c1), after filling ko with those keys' offsets.
+template <class F>
+inline void for_each_rows(const RowSpan* rs, int64_t R, int64_t c0, int64_t c1, int64_t BS, int64_t width,
+                          int64_t* ko, F&& f) {
+  for (int64_t j = 0; j < R;) {
+    const bool two = j + 1 < R && rs[j + 1].tab == rs[j].tab;
+    const int64_t a = std::max(c0, rs[j].lo), b = std::min(c1, rs[j].n);
+    const int64_t a2 = two ? std::max(c0, rs[j + 1].lo) : a, b2 = two ? std::min(c1, rs[j + 1].n) : b;
+    const Rows r{j, two, a, b, a2, b2, std::max(a, a2), std::min(b, b2), std::min(a, a2)};
+    const int64_t hi = std::max(b, b2);
+    if (r.c < hi) {
+      key_offsets(rs[j].tab, r.c, hi, BS, width, ko);
+      f(r);
+    }
+    j += two ? 2 : 1;
+  }
+}
+
 // A tile's rows, keys in chunks: for each chunk and KV head, every row of the tile that
 // attends keys of the chunk takes them (rows that share blocks read them from L1). A row
 // sees its own keys in key order, whatever tile it is in and however its keys fall into
@@ -299,49 +329,33 @@ void attend_tile(const float* q, const float* kc, const float* vc, const RowSpan
   const __m256 scale = _mm256_set1_ps(sc);
   int64_t tlo, thi;
   key_range(rs, R, tlo, thi);
+  auto scores = [&](int64_t j, int64_t hq) {  // [t]: row j's score (then weight) of key t for head hq
+    return s + rs[j].off + hq * (rs[j].n - rs[j].lo) - rs[j].lo;
+  };
   // K pass: each row's scores against its own keys; two rows on one table (a prefill
   // chunk's) take the keys both attend together.
-  for (int64_t c0 = tlo; c0 < thi; c0 += KC) {
-    const int64_t c1 = std::min(thi, c0 + KC);
-    for (int64_t j = 0; j < R;) {
-      const RowSpan& x = rs[j];
-      const int64_t a = std::max(c0, x.lo), b = std::min(c1, x.n);
-      const bool pair = j + 1 < R && rs[j + 1].tab == x.tab;
-      const int64_t a2 = pair ? std::max(c0, rs[j + 1].lo) : a, b2 = pair ? std::min(c1, rs[j + 1].n) : b;
-      const int64_t lo = std::min(a, a2), hi = std::max(b, b2);
-      if (lo < hi) {
-        key_offsets(x.tab, lo, hi, BS, width, ko);
-        const int64_t both_a = std::max(a, a2), both_b = std::min(b, b2);
-        for (int64_t kh = 0; kh < KVH; ++kh) {
+  for (int64_t c0 = tlo; c0 < thi; c0 += KC)
+    for_each_rows(rs, R, c0, std::min(thi, c0 + KC), BS, width, ko, [&](const Rows& r) {
+      for (int64_t kh = 0; kh < KVH; ++kh)
+        for (int64_t g = 0; g < G; ++g) {
           const float* base = kc + kh * D;
-          for (int64_t g = 0; g < G; ++g) {
-            const int64_t hq = kh * G + g;
-            float* dst = s + x.off + hq * (x.n - x.lo) - x.lo;  // dst[t]: key t's score
-            const float* qh = q + (j * H + hq) * D;
-            if (!pair || both_a >= both_b) {
-              score_row<V>(qh, base, ko, lo, dst, a, b, scale);
-              if (pair) {
-                const RowSpan& y = rs[j + 1];
-                score_row<V>(q + ((j + 1) * H + hq) * D, base, ko, lo, s + y.off + hq * (y.n - y.lo) - y.lo, a2, b2,
-                             scale);
-              }
-              continue;
-            }
-            const RowSpan& y = rs[j + 1];
-            const float* qh2 = q + ((j + 1) * H + hq) * D;
-            float* dst2 = s + y.off + hq * (y.n - y.lo) - y.lo;
-            score_pair<V>(qh, qh2, base, ko, lo, dst, dst2, both_a, both_b, scale);
-            // the keys only one of the two attends
-            score_row<V>(qh, base, ko, lo, dst, a, std::min(b, both_a), scale);
-            score_row<V>(qh, base, ko, lo, dst, std::max(a, both_b), b, scale);
-            score_row<V>(qh2, base, ko, lo, dst2, a2, std::min(b2, both_a), scale);
-            score_row<V>(qh2, base, ko, lo, dst2, std::max(a2, both_b), b2, scale);
+          const int64_t hq = kh * G + g;
+          const float* q1 = q + (r.j * H + hq) * D;
+          const float* q2 = q1 + H * D;  // row j + 1's, when r.two
+          if (!r.joint()) {
+            score_row<V>(q1, base, ko, r.c, scores(r.j, hq), r.a, r.b, scale);
+            if (r.two) score_row<V>(q2, base, ko, r.c, scores(r.j + 1, hq), r.a2, r.b2, scale);
+            continue;
           }
+          float *d1 = scores(r.j, hq), *d2 = scores(r.j + 1, hq);
+          score_pair<V>(q1, q2, base, ko, r.c, d1, d2, r.both_a, r.both_b, scale);
+          // the keys only one of the two attends
+          score_row<V>(q1, base, ko, r.c, d1, r.a, std::min(r.b, r.both_a), scale);
+          score_row<V>(q1, base, ko, r.c, d1, std::max(r.a, r.both_b), r.b, scale);
+          score_row<V>(q2, base, ko, r.c, d2, r.a2, std::min(r.b2, r.both_a), scale);
+          score_row<V>(q2, base, ko, r.c, d2, std::max(r.a2, r.both_b), r.b2, scale);
         }
-      }
-      j += pair ? 2 : 1;
-    }
-  }
+    });
   // An exact softmax per row and head.
   for (int64_t j = 0; j < R; ++j) {
     const int64_t m = rs[j].n - rs[j].lo;
@@ -357,46 +371,28 @@ void attend_tile(const float* q, const float* kc, const float* vc, const RowSpan
   // V pass: out[hq] = sum_t p[hq, t] * v[t, hq / G], in the same chunks; each row's keys
   // in key order (a pair's keys before and after those both attend, alone).
   std::fill(out, out + R * H * D, 0.f);
-  for (int64_t c0 = tlo; c0 < thi; c0 += KC) {
-    const int64_t c1 = std::min(thi, c0 + KC);
-    for (int64_t j = 0; j < R;) {
-      const RowSpan& x = rs[j];
-      const int64_t a = std::max(c0, x.lo), b = std::min(c1, x.n);
-      const bool pair = j + 1 < R && rs[j + 1].tab == x.tab;
-      const int64_t a2 = pair ? std::max(c0, rs[j + 1].lo) : a, b2 = pair ? std::min(c1, rs[j + 1].n) : b;
-      const int64_t lo = std::min(a, a2), hi = std::max(b, b2);
-      if (lo < hi) {
-        key_offsets(x.tab, lo, hi, BS, width, ko);
-        const int64_t both_a = std::max(a, a2), both_b = std::min(b, b2);
-        const bool joint = pair && both_a < both_b;
-        for (int64_t kh = 0; kh < KVH; ++kh)
-          for (int64_t g = 0; g < G; ++g) {
-            const int64_t hq = kh * G + g;
-            const float* base = vc + kh * D;
-            const float* p = s + x.off + hq * (x.n - x.lo) - x.lo;  // p[t]: key t's weight
-            float* o = out + (j * H + hq) * D;
-            if (!joint) {
-              accumulate_head<V>(o, base, ko, lo, p, a, b);
-              if (pair) {
-                const RowSpan& y = rs[j + 1];
-                accumulate_head<V>(out + ((j + 1) * H + hq) * D, base, ko, lo, s + y.off + hq * (y.n - y.lo) - y.lo,
-                                   a2, b2);
-              }
-              continue;
-            }
-            const RowSpan& y = rs[j + 1];
-            const float* p2 = s + y.off + hq * (y.n - y.lo) - y.lo;
-            float* o2 = out + ((j + 1) * H + hq) * D;
-            accumulate_head<V>(o, base, ko, lo, p, a, both_a);
-            accumulate_head<V>(o2, base, ko, lo, p2, a2, both_a);
-            accumulate_head2<V>(o, o2, base, ko, lo, p, p2, both_a, both_b);
-            accumulate_head<V>(o, base, ko, lo, p, both_b, b);
-            accumulate_head<V>(o2, base, ko, lo, p2, both_b, b2);
+  for (int64_t c0 = tlo; c0 < thi; c0 += KC)
+    for_each_rows(rs, R, c0, std::min(thi, c0 + KC), BS, width, ko, [&](const Rows& r) {
+      for (int64_t kh = 0; kh < KVH; ++kh)
+        for (int64_t g = 0; g < G; ++g) {
+          const float* base = vc + kh * D;
+          const int64_t hq = kh * G + g;
+          float* o1 = out + (r.j * H + hq) * D;
+          float* o2 = o1 + H * D;  // row j + 1's, when r.two
+          const float* p1 = scores(r.j, hq);
+          if (!r.joint()) {
+            accumulate_head<V>(o1, base, ko, r.c, p1, r.a, r.b);
+            if (r.two) accumulate_head<V>(o2, base, ko, r.c, scores(r.j + 1, hq), r.a2, r.b2);
+            continue;
           }
-      }
-      j += pair ? 2 : 1;
-    }
-  }
+          const float* p2 = scores(r.j + 1, hq);
+          accumulate_head<V>(o1, base, ko, r.c, p1, r.a, r.both_a);
+          accumulate_head<V>(o2, base, ko, r.c, p2, r.a2, r.both_a);
+          accumulate_head2<V>(o1, o2, base, ko, r.c, p1, p2, r.both_a, r.both_b);
+          accumulate_head<V>(o1, base, ko, r.c, p1, r.both_b, r.b);
+          accumulate_head<V>(o2, base, ko, r.c, p2, r.both_b, r.b2);
+        }
+    });
   for (int64_t j = 0; j < R; ++j)
     for (int64_t hq = 0; hq < H; ++hq) {
       const __m256 inv = _mm256_set1_ps(sum[j * H + hq]);
