@@ -286,8 +286,17 @@ inline void accumulate_head2(float* oa, float* ob, const float* base, const int6
   }
 }
 
-// Row j of a tile within a chunk of keys [c0, c1), and row j + 1 with it (two) when it
-// reads the same table (a prefill chunk's next row): each one's keys in the chunk
+// Whether two block tables name the same blocks for keys [lo, hi).
+inline bool same_blocks(const int64_t* x, const int64_t* y, int64_t lo, int64_t hi, int64_t BS) {
+  if (x == y) return true;
+  for (int64_t i = lo / BS; i <= (hi - 1) / BS; ++i)
+    if (x[i] != y[i]) return false;
+  return true;
+}
+
+// Row j of a tile within a chunk of keys [c0, c1), and row j + 1 with it (two) when its
+// table names the same blocks for the keys either attends there (a prefill chunk's next
+// row, or a decode on the same cached prefix): each one's keys in the chunk
 // ([a, b) and [a2, b2)), the keys both attend ([both_a, both_b)), and c, the first key
 // whose offset ko holds (ko[t - c]: key t's, for every key either row attends).
 struct Rows {
@@ -303,13 +312,16 @@ template <class F>
 inline void for_each_rows(const RowSpan* rs, int64_t R, int64_t c0, int64_t c1, int64_t BS, int64_t width,
                           int64_t* ko, F&& f) {
   for (int64_t j = 0; j < R;) {
-    const bool two = j + 1 < R && rs[j + 1].tab == rs[j].tab;
     const int64_t a = std::max(c0, rs[j].lo), b = std::min(c1, rs[j].n);
+    bool two = j + 1 < R;
     const int64_t a2 = two ? std::max(c0, rs[j + 1].lo) : a, b2 = two ? std::min(c1, rs[j + 1].n) : b;
-    const Rows r{j, two, a, b, a2, b2, std::max(a, a2), std::min(b, b2), std::min(a, a2)};
-    const int64_t hi = std::max(b, b2);
-    if (r.c < hi) {
-      key_offsets(rs[j].tab, r.c, hi, BS, width, ko);
+    const int64_t lo = std::min(a, a2), hi = std::max(b, b2);
+    two = two && (lo >= hi || same_blocks(rs[j].tab, rs[j + 1].tab, lo, hi, BS));
+    const Rows r = two ? Rows{j, true, a, b, a2, b2, std::max(a, a2), std::min(b, b2), lo}
+                       : Rows{j, false, a, b, a, b, a, b, a};
+    const int64_t hi1 = two ? hi : b;
+    if (r.c < hi1) {
+      key_offsets(rs[j].tab, r.c, hi1, BS, width, ko);
       f(r);
     }
     j += two ? 2 : 1;
