@@ -22,7 +22,8 @@
 // decodes sharing a cached prefix) form a tile of up to 16 rows (fewer when that leaves a
 // thread without a tile); one row alone is a tile of one. A tile walks its keys in chunks
 // small enough for L1 (each K or V row read once per chunk for all its rows that attend
-// it). For each row the arithmetic is fixed by its own keys alone: a K pass in key order
+// it), two rows at a time where their tables name the same blocks for the chunk (each
+// K/V vector loaded once for both). For each row the arithmetic is fixed by its own keys alone: a K pass in key order
 // writes that row's scores for all query heads (eight keys at a time: each key's dot
 // product is lane-wise FMAs over the head, then one fixed add tree for its eight lanes,
 // whichever of the eight slots the key lands in), then an exact softmax per head, then a
