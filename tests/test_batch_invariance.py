@@ -107,6 +107,45 @@ def test_attention_prefill_rows_match_reference(heads, kvh, d):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@needs_kernel
+@pytest.mark.parametrize("heads,kvh,d", [(1, 1, 64), (4, 2, 32), (6, 3, 24)])
+@pytest.mark.parametrize("window", [None, 100])
+def test_attention_row_is_independent_of_its_tile_over_a_shared_prefix(threads, heads, kvh, d, window):
+    """Workload (c)'s shape: 64 sequences whose tables start with the same 64 cached blocks
+    (a 1024-token prefix), contexts that cross the kernel's key chunks and groups of eight.
+    The kernel tiles rows that share leading blocks together (decodes on different tables
+    too) and the tile size follows the batch and the thread count; a row's bits must not:
+    alone, as one of 64 decodes, in its sequence's 16-row prefill chunk among 64 such
+    chunks, and as a decode behind another sequence's chunk, it is the same."""
+    bs, prefix, n_seqs, chunk, own = 16, 1024, 64, 16, 6
+    g = torch.Generator().manual_seed(d + heads)
+    nblocks = prefix // bs + n_seqs * own
+    k, v = torch.randn(nblocks, bs, kvh, d, generator=g), torch.randn(nblocks, bs, kvh, d, generator=g)
+    perm = torch.randperm(nblocks, generator=g).tolist()
+    shared, rest = perm[:prefix // bs], perm[prefix // bs:]
+    tables = torch.tensor([shared + rest[s * own:(s + 1) * own] for s in range(n_seqs)])
+    last = [prefix + (s * 7) % (own * bs) for s in range(n_seqs)]  # each sequence's last position
+    q = torch.randn(n_seqs, chunk, heads, d, generator=g)  # its last `chunk` positions' queries
+
+    def attend(rows: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows (sequence, i): position last - chunk + 1 + i of that sequence."""
+        lens = torch.tensor([last[s] - chunk + 2 + i for s, i in rows])
+        row_seq = torch.tensor([s for s, _ in rows])
+        return KERNEL(torch.stack([q[s, i] for s, i in rows]), k, v, tables, lens, d ** -0.5, window,
+                      row_seq=row_seq)
+
+    alone = {(s, i): attend([(s, i)]) for s in range(n_seqs) for i in range(chunk)}
+    decodes = [(s, chunk - 1) for s in range(n_seqs)]
+    chunks = [(s, i) for s in range(n_seqs) for i in range(chunk)]
+    behind_a_chunk = [(0, i) for i in range(chunk)] + decodes[1:]
+    for rows, what in [(decodes, "64 decodes"), (chunks, "64 prefill chunks"),
+                       (behind_a_chunk, "decodes behind a chunk")]:
+        out, lse = attend(rows)
+        for j, row in enumerate(rows):
+            assert torch.equal(out[j], alone[row][0][0]), f"{what}: row {row}'s output differs from it alone"
+            assert torch.equal(lse[j], alone[row][1][0]), f"{what}: row {row}'s log-sum-exp differs"
+
+
 # ---------------------------------------------------------------- matmuls
 
 

@@ -3,9 +3,10 @@
 
 Why: the torch path gathers each decode's KV blocks into a scratch copy before SDPA,
 so every KV byte is read from DRAM, written, then read again. The kernel reads the
-cache in place, once per pass, in memory order, with AVX2+FMA where the CPU has them
+cache in place, once per pass, in key order, with AVX2+FMA where the CPU has them
 (~2x the torch path per layer on a (b)-shaped batch: 32 streams, 12 heads, contexts
-128-256, about 2.8 ms a layer; the V pass walks memory in order and exp is vectorised).
+128-256, about 2.8 ms a layer; ``python -m bench.attn_kernel`` times it on the
+workloads' shapes).
 It takes each decode's padded block table and length (and a layer's window and
 soft-cap), and returns each head's log-sum-exp too, so under a cascade it attends each
 decode's own suffix and merges with the shared prefix's attention. Prefill chunks run
@@ -15,11 +16,11 @@ Batch-invariant (``AttentionSpec.batch_invariant``, the deterministic mode): eve
 row, prefill or decode, goes through the kernel after the step's K/V write, reading its
 causal prefix from the cache in key order (``InvariantStep``). The kernel takes any row:
 ``row_seq`` names each row's block table, and consecutive rows on one table (a prefill
-chunk) share each K/V read, but a row's arithmetic depends on its own keys only. So a
-token's result never depends on the other rows, on whether its keys came from the cache
-or from its own chunk, or on where its prompt was split; SDPA (whose split over keys
-follows the chunk) and the cascade (which depends on which other decodes share a prefix)
-stay out of it.
+chunk) or starting with the same block (decodes on a cached prefix) share each K/V read,
+but a row's arithmetic depends on its own keys only. So a token's result never depends on
+the other rows, on whether its keys came from the cache or from its own chunk, or on
+where its prompt was split; SDPA (whose split over keys follows the chunk) and the
+cascade (which depends on which other decodes share a prefix) stay out of it.
 
 It is compiled with ``-ffp-contract=off`` (the compiler may not fuse a multiply and an
 add into one FMA in one call site and not in another) with the system C++ compiler via

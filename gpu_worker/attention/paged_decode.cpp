@@ -18,12 +18,17 @@
 // its last `window` keys, itself included); softcap (0: none; else scores become
 // softcap * tanh(score / softcap), as Gemma 2's)  -> (out [B, H, D], lse [B, H]).
 //
-// Consecutive rows reading the same table (a prefill chunk) form a tile of up to R rows
-// that share each K and V row read; one row is a tile of one (a decode). For each row
-// the arithmetic is fixed by its own keys alone: a K pass in key order (each token's row
-// holds every KV head, so a block is read as one contiguous slab) writes that row's
-// scores for all query heads, then an exact softmax per head, then a V pass in the same
-// key order. Which tile a row lands in, how many rows share it and which thread runs it
+// Consecutive rows whose tables start with the same block (a prefill chunk's rows, or
+// decodes sharing a cached prefix) form a tile of up to 16 rows (fewer when that leaves a
+// thread without a tile); one row alone is a tile of one. A tile walks its keys in chunks
+// small enough for L1 (each K or V row read once per chunk for all its rows that attend
+// it), two rows at a time where their tables name the same blocks for the chunk (each
+// K/V vector loaded once for both). For each row the arithmetic is fixed by its own keys alone: a K pass in key order
+// writes that row's scores for all query heads (eight keys at a time: each key's dot
+// product is lane-wise FMAs over the head, then one fixed add tree for its eight lanes,
+// whichever of the eight slots the key lands in), then an exact softmax per head, then a
+// V pass in key order (one FMA per key, from zero). Which tile a row lands in, how many
+// rows share it, where its keys fall into chunks and groups and which thread runs it
 // never change a row's operations or their order, so a row's result is bitwise the same
 // alone or batched, as a decode or inside any prefill chunk (batch invariance: the
 // deterministic mode relies on it; the build uses -ffp-contract=off so the compiler cannot
@@ -46,20 +51,20 @@ inline const float* row(const float* cache, const int64_t* tab, int64_t t, int64
   return cache + (tab[t / BS] * BS + t % BS) * width;
 }
 
-// Offsets (in floats, from the cache's start) of token rows lo..n-1 of a table, block by
-// block: one division per pass instead of one per key.
-inline void row_offsets(const int64_t* tab, int64_t lo, int64_t n, int64_t BS, int64_t width,
-                        std::vector<int64_t>& out) {
-  out.resize(n - lo);
-  int64_t b = lo / BS, o = lo % BS;
-  for (int64_t t = lo; t < n; ++t) {
-    out[t - lo] = (tab[b] * BS + o) * width;
-    if (++o == BS) o = 0, ++b;
+// Offsets (in floats, from the cache's start) of token rows a..b-1 of a table, block by
+// block: one division per call instead of one per key.
+inline void key_offsets(const int64_t* tab, int64_t a, int64_t b, int64_t BS, int64_t width, int64_t* out) {
+  int64_t blk = a / BS, o = a % BS;
+  for (int64_t t = a; t < b; ++t) {
+    out[t - a] = (tab[blk] * BS + o) * width;
+    if (++o == BS) o = 0, ++blk;
   }
 }
 
-// One query row of a tile: keys lo..n-1; its scores start at s + off (H * (n - lo) floats).
+// One query row of a tile: its block table, keys lo..n-1; its scores start at s + off
+// (H * (n - lo) floats).
 struct RowSpan {
+  const int64_t* tab;
   int64_t lo, n, off;
 };
 
@@ -71,6 +76,10 @@ inline void key_range(const RowSpan* rs, int64_t R, int64_t& tlo, int64_t& thi) 
     thi = std::max(thi, rs[i].n);
   }
 }
+
+// Keys per chunk: a chunk's K (or V) rows, all heads (~16 KB, at least 8 keys), stay in
+// L1 while every row of the tile uses them, and are read in memory order.
+inline int64_t chunk_keys(int64_t width) { return std::max<int64_t>(8, 4096 / width / 8 * 8); }
 
 #ifdef CANDOR_AVX2
 inline float hsum(__m256 v) {
@@ -85,6 +94,14 @@ inline float hmax(__m256 v) {
   s = _mm_max_ps(s, _mm_movehl_ps(s, s));
   s = _mm_max_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+
+// Lane k: the sum of a[k]'s eight lanes, always by the tree ((0+1)+(2+3)) + ((4+5)+(6+7)),
+// whichever lane k lands in: eight horizontal sums for the price of about one each.
+inline __m256 sum8(const __m256* a) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
 // exp(x) for softmax inputs (x <= 0): Cody-Waite range reduction and a degree-6
@@ -131,48 +148,227 @@ inline float row_max(const float* s, int64_t n) {
   return mx;
 }
 
-// Walks keys tlo..thi-1 of a cache in memory order (a row holds every KV head; off[t] is
-// key t's offset) and calls f(j, t - lo_j, hq, x) for each row j of the tile that attends
-// key t and each query head hq of KV head kh, with kh's V vectors of key t loaded in x.
-// ONE: a tile of one row (a decode), compiled without the per-row range check; the
-// operations on each row are the same either way.
-template <int V, bool ONE, class F>
-inline void for_each_key(const float* cache, const int64_t* off, int64_t tlo, int64_t thi, int64_t KVH,
-                         int64_t G, const RowSpan* rs, int64_t R, F&& f) {
-  for (int64_t t = tlo; t < thi; ++t) {
-    const float* r = cache + off[t];
-    for (int64_t kh = 0; kh < KVH; ++kh) {
-      __m256 x[V];
-      for (int i = 0; i < V; ++i) x[i] = _mm256_loadu_ps(r + kh * V * 8 + i * 8);
-      for (int64_t j = 0; j < R; ++j) {
-        if (!ONE && (t < rs[j].lo || t >= rs[j].n)) continue;
-        for (int64_t g = 0; g < G; ++g) f(j, t - rs[j].lo, kh * G + g, x);
-      }
+// One query head (qh) against eight keys' vectors of that head (k[0..7]): lane k is key
+// k's dot product, each a lane-wise multiply then FMAs over the head in order, then sum8.
+template <int V>
+inline __m256 dot8(const float* qh, const float* const* k) {
+  __m256 acc[8];
+  const __m256 q0 = _mm256_loadu_ps(qh);
+  for (int j = 0; j < 8; ++j) acc[j] = _mm256_mul_ps(q0, _mm256_loadu_ps(k[j]));
+  for (int i = 1; i < V; ++i) {
+    const __m256 qi = _mm256_loadu_ps(qh + i * 8);
+    for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k[j] + i * 8), acc[j]);
+  }
+  return sum8(acc);
+}
+
+// Two query rows' head vectors (qa, qb) against four keys' vectors (k[0..3]): lanes 0-3
+// are qa's dot products with keys 0-3, lanes 4-7 qb's, each by exactly dot8's operations
+// (a lane's value never depends on the other lanes), with each K vector loaded once for
+// both rows: loads, not FMAs, bound dot8 on a tile of many rows.
+template <int V>
+inline __m256 dot2x4(const float* qa, const float* qb, const float* const* k) {
+  __m256 acc[8];
+  {
+    const __m256 a = _mm256_loadu_ps(qa), b = _mm256_loadu_ps(qb);
+    for (int j = 0; j < 4; ++j) {
+      const __m256 kv = _mm256_loadu_ps(k[j]);
+      acc[j] = _mm256_mul_ps(a, kv);
+      acc[4 + j] = _mm256_mul_ps(b, kv);
+    }
+  }
+  for (int i = 1; i < V; ++i) {
+    const __m256 a = _mm256_loadu_ps(qa + i * 8), b = _mm256_loadu_ps(qb + i * 8);
+    for (int j = 0; j < 4; ++j) {
+      const __m256 kv = _mm256_loadu_ps(k[j] + i * 8);
+      acc[j] = _mm256_fmadd_ps(a, kv, acc[j]);
+      acc[4 + j] = _mm256_fmadd_ps(b, kv, acc[4 + j]);
+    }
+  }
+  return sum8(acc);
+}
+
+// One row's scores (query head qh) for keys [a, b) of a chunk whose key offsets start at
+// key c (ko[t - c]): dst[t] = score of key t.
+template <int V>
+inline void score_row(const float* qh, const float* base, const int64_t* ko, int64_t c, float* dst, int64_t a,
+                      int64_t b, __m256 scale) {
+  for (int64_t t = a; t < b; t += 8) {
+    const int64_t n8 = std::min<int64_t>(8, b - t);
+    const float* kp[8];
+    for (int i = 0; i < 8; ++i) kp[i] = base + ko[t - c + std::min<int64_t>(i, n8 - 1)];
+    const __m256 r = _mm256_mul_ps(dot8<V>(qh, kp), scale);
+    if (n8 == 8) {
+      _mm256_storeu_ps(dst + t, r);
+    } else {
+      float tmp[8];
+      _mm256_storeu_ps(tmp, r);
+      std::copy(tmp, tmp + n8, dst + t);
     }
   }
 }
 
-template <int V, bool ONE>
-void attend_tile(const float* q, const float* kc, const float* vc, const int64_t* tab, const RowSpan* rs,
-                 int64_t R, int64_t BS, int64_t KVH, int64_t G, float sc, float cap, float* s, float* sum,
-                 float* out, float* lse, std::vector<int64_t>& offs) {
-  if (ONE) R = 1;
-  const int64_t H = KVH * G, D = V * 8, width = KVH * D;
+// Two rows on one table (query heads qa, qb), keys [a, b) of both, four at a time.
+template <int V>
+inline void score_pair(const float* qa, const float* qb, const float* base, const int64_t* ko, int64_t c,
+                       float* da, float* db, int64_t a, int64_t b, __m256 scale) {
+  for (int64_t t = a; t < b; t += 4) {
+    const int64_t n4 = std::min<int64_t>(4, b - t);
+    const float* kp[4];
+    for (int i = 0; i < 4; ++i) kp[i] = base + ko[t - c + std::min<int64_t>(i, n4 - 1)];
+    const __m256 r = _mm256_mul_ps(dot2x4<V>(qa, qb, kp), scale);
+    if (n4 == 4) {
+      _mm_storeu_ps(da + t, _mm256_castps256_ps128(r));
+      _mm_storeu_ps(db + t, _mm256_extractf128_ps(r, 1));
+    } else {
+      float tmp[8];
+      _mm256_storeu_ps(tmp, r);
+      std::copy(tmp, tmp + n4, da + t);
+      std::copy(tmp + 4, tmp + 4 + n4, db + t);
+    }
+  }
+}
+
+// o[0 .. 8N) += sum over keys t in [a, b) of p[t] * v_t, one FMA per key in key order, the
+// accumulators in registers (ko[t - c]: key t's vector).
+template <int N>
+inline void accumulate(float* o, const float* base, const int64_t* ko, int64_t c, const float* p, int64_t a,
+                       int64_t b) {
+  __m256 acc[N];
+  for (int i = 0; i < N; ++i) acc[i] = _mm256_loadu_ps(o + i * 8);
+  for (int64_t t = a; t < b; ++t) {
+    const __m256 w = _mm256_set1_ps(p[t]);
+    const float* v = base + ko[t - c];
+    for (int i = 0; i < N; ++i) acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + i * 8), acc[i]);
+  }
+  for (int i = 0; i < N; ++i) _mm256_storeu_ps(o + i * 8, acc[i]);
+}
+
+// The same for two rows on one table over keys both attend (oa/pa, ob/pb): each V vector
+// loaded once for both, each row's operations exactly accumulate's.
+template <int N>
+inline void accumulate2(float* oa, float* ob, const float* base, const int64_t* ko, int64_t c, const float* pa,
+                        const float* pb, int64_t a, int64_t b) {
+  __m256 xa[N], xb[N];
+  for (int i = 0; i < N; ++i) xa[i] = _mm256_loadu_ps(oa + i * 8), xb[i] = _mm256_loadu_ps(ob + i * 8);
+  for (int64_t t = a; t < b; ++t) {
+    const __m256 wa = _mm256_set1_ps(pa[t]), wb = _mm256_set1_ps(pb[t]);
+    const float* v = base + ko[t - c];
+    for (int i = 0; i < N; ++i) {
+      const __m256 x = _mm256_loadu_ps(v + i * 8);
+      xa[i] = _mm256_fmadd_ps(wa, x, xa[i]);
+      xb[i] = _mm256_fmadd_ps(wb, x, xb[i]);
+    }
+  }
+  for (int i = 0; i < N; ++i) _mm256_storeu_ps(oa + i * 8, xa[i]), _mm256_storeu_ps(ob + i * 8, xb[i]);
+}
+
+// A head's V accumulators, at most eight registers at a time (lanes are independent).
+template <int V>
+inline void accumulate_head(float* o, const float* base, const int64_t* ko, int64_t c, const float* p, int64_t a,
+                            int64_t b) {
+  if constexpr (V <= 8) {
+    accumulate<V>(o, base, ko, c, p, a, b);
+  } else {
+    accumulate<8>(o, base, ko, c, p, a, b);
+    accumulate_head<V - 8>(o + 64, base + 64, ko, c, p, a, b);
+  }
+}
+
+// Two rows' heads, four registers of each at a time.
+template <int V>
+inline void accumulate_head2(float* oa, float* ob, const float* base, const int64_t* ko, int64_t c, const float* pa,
+                             const float* pb, int64_t a, int64_t b) {
+  if constexpr (V <= 4) {
+    accumulate2<V>(oa, ob, base, ko, c, pa, pb, a, b);
+  } else {
+    accumulate2<4>(oa, ob, base, ko, c, pa, pb, a, b);
+    accumulate_head2<V - 4>(oa + 32, ob + 32, base + 32, ko, c, pa, pb, a, b);
+  }
+}
+
+// Whether two block tables name the same blocks for keys [lo, hi).
+inline bool same_blocks(const int64_t* x, const int64_t* y, int64_t lo, int64_t hi, int64_t BS) {
+  if (x == y) return true;
+  for (int64_t i = lo / BS; i <= (hi - 1) / BS; ++i)
+    if (x[i] != y[i]) return false;
+  return true;
+}
+
+// Row j of a tile within a chunk of keys [c0, c1), and row j + 1 with it (two) when its
+// table names the same blocks for the keys either attends there (a prefill chunk's next
+// row, or a decode on the same cached prefix): each one's keys in the chunk
+// ([a, b) and [a2, b2)), the keys both attend ([both_a, both_b)), and c, the first key
+// whose offset ko holds (ko[t - c]: key t's, for every key either row attends).
+struct Rows {
+  int64_t j;
+  bool two;
+  int64_t a, b, a2, b2, both_a, both_b, c;
+  bool joint() const { return two && both_a < both_b; }
+};
+
+// Calls f(rows) for each row, or pair of rows on one table, of a tile with keys in
+// [c0, c1), after filling ko with those keys' offsets.
+template <class F>
+inline void for_each_rows(const RowSpan* rs, int64_t R, int64_t c0, int64_t c1, int64_t BS, int64_t width,
+                          int64_t* ko, F&& f) {
+  for (int64_t j = 0; j < R;) {
+    const int64_t a = std::max(c0, rs[j].lo), b = std::min(c1, rs[j].n);
+    bool two = j + 1 < R;
+    const int64_t a2 = two ? std::max(c0, rs[j + 1].lo) : a, b2 = two ? std::min(c1, rs[j + 1].n) : b;
+    const int64_t lo = std::min(a, a2), hi = std::max(b, b2);
+    two = two && (lo >= hi || same_blocks(rs[j].tab, rs[j + 1].tab, lo, hi, BS));
+    const Rows r = two ? Rows{j, true, a, b, a2, b2, std::max(a, a2), std::min(b, b2), lo}
+                       : Rows{j, false, a, b, a, b, a, b, a};
+    const int64_t hi1 = two ? hi : b;
+    if (r.c < hi1) {
+      key_offsets(rs[j].tab, r.c, hi1, BS, width, ko);
+      f(r);
+    }
+    j += two ? 2 : 1;
+  }
+}
+
+// A tile's rows, keys in chunks: for each chunk and KV head, every row of the tile that
+// attends keys of the chunk takes them (rows that share blocks read them from L1). A row
+// sees its own keys in key order, whatever tile it is in and however its keys fall into
+// chunks and groups of eight: its scores (each key's dot product, one per lane of dot8)
+// and its V sums (one FMA per key in order, from zero) never depend on either.
+template <int V>
+void attend_tile(const float* q, const float* kc, const float* vc, const RowSpan* rs, int64_t R, int64_t BS,
+                 int64_t KVH, int64_t G, float sc, float cap, float* s, float* sum, float* out, float* lse,
+                 int64_t* ko) {
+  const int64_t H = KVH * G, D = V * 8, width = KVH * D, KC = chunk_keys(width);
+  const __m256 scale = _mm256_set1_ps(sc);
   int64_t tlo, thi;
   key_range(rs, R, tlo, thi);
-  row_offsets(tab, tlo, thi, BS, width, offs);
-  const int64_t* off = offs.data() - tlo;  // off[t]: row t's offset
-  // K pass: each row's scores against its own keys, in key order.
-  for_each_key<V, ONE>(kc, off, tlo, thi, KVH, G, rs, R, [&](int64_t j, int64_t t, int64_t hq, const __m256* k) {
-    const float* qh = q + (j * H + hq) * D;
-    __m256 a0 = _mm256_mul_ps(k[0], _mm256_loadu_ps(qh));
-    __m256 a1 = _mm256_setzero_ps();
-    for (int i = 1; i < V; ++i) {
-      if (i & 1) a1 = _mm256_fmadd_ps(k[i], _mm256_loadu_ps(qh + i * 8), a1);
-      else a0 = _mm256_fmadd_ps(k[i], _mm256_loadu_ps(qh + i * 8), a0);
-    }
-    s[rs[j].off + hq * (rs[j].n - rs[j].lo) + t] = hsum(_mm256_add_ps(a0, a1)) * sc;
-  });
+  auto scores = [&](int64_t j, int64_t hq) {  // [t]: row j's score (then weight) of key t for head hq
+    return s + rs[j].off + hq * (rs[j].n - rs[j].lo) - rs[j].lo;
+  };
+  // K pass: each row's scores against its own keys; two rows on one table (a prefill
+  // chunk's) take the keys both attend together.
+  for (int64_t c0 = tlo; c0 < thi; c0 += KC)
+    for_each_rows(rs, R, c0, std::min(thi, c0 + KC), BS, width, ko, [&](const Rows& r) {
+      for (int64_t kh = 0; kh < KVH; ++kh)
+        for (int64_t g = 0; g < G; ++g) {
+          const float* base = kc + kh * D;
+          const int64_t hq = kh * G + g;
+          const float* q1 = q + (r.j * H + hq) * D;
+          const float* q2 = q1 + H * D;  // row j + 1's, when r.two
+          if (!r.joint()) {
+            score_row<V>(q1, base, ko, r.c, scores(r.j, hq), r.a, r.b, scale);
+            if (r.two) score_row<V>(q2, base, ko, r.c, scores(r.j + 1, hq), r.a2, r.b2, scale);
+            continue;
+          }
+          float *d1 = scores(r.j, hq), *d2 = scores(r.j + 1, hq);
+          score_pair<V>(q1, q2, base, ko, r.c, d1, d2, r.both_a, r.both_b, scale);
+          // the keys only one of the two attends
+          score_row<V>(q1, base, ko, r.c, d1, r.a, std::min(r.b, r.both_a), scale);
+          score_row<V>(q1, base, ko, r.c, d1, std::max(r.a, r.both_b), r.b, scale);
+          score_row<V>(q2, base, ko, r.c, d2, r.a2, std::min(r.b2, r.both_a), scale);
+          score_row<V>(q2, base, ko, r.c, d2, std::max(r.a2, r.both_b), r.b2, scale);
+        }
+    });
   // An exact softmax per row and head.
   for (int64_t j = 0; j < R; ++j) {
     const int64_t m = rs[j].n - rs[j].lo;
@@ -185,14 +381,31 @@ void attend_tile(const float* q, const float* kc, const float* vc, const int64_t
       sum[j * H + hq] = 1.f / total;
     }
   }
-  // V pass: out[hq] = sum_t p[hq, t] * v[t, hq / G], V rows in memory order with the
-  // accumulators in L1 (a strided per-head walk costs ~1.5x on a DRAM-resident cache).
+  // V pass: out[hq] = sum_t p[hq, t] * v[t, hq / G], in the same chunks; each row's keys
+  // in key order (a pair's keys before and after those both attend, alone).
   std::fill(out, out + R * H * D, 0.f);
-  for_each_key<V, ONE>(vc, off, tlo, thi, KVH, G, rs, R, [&](int64_t j, int64_t t, int64_t hq, const __m256* v) {
-    const __m256 w = _mm256_set1_ps(s[rs[j].off + hq * (rs[j].n - rs[j].lo) + t]);
-    float* o = out + (j * H + hq) * D;
-    for (int i = 0; i < V; ++i) _mm256_storeu_ps(o + i * 8, _mm256_fmadd_ps(w, v[i], _mm256_loadu_ps(o + i * 8)));
-  });
+  for (int64_t c0 = tlo; c0 < thi; c0 += KC)
+    for_each_rows(rs, R, c0, std::min(thi, c0 + KC), BS, width, ko, [&](const Rows& r) {
+      for (int64_t kh = 0; kh < KVH; ++kh)
+        for (int64_t g = 0; g < G; ++g) {
+          const float* base = vc + kh * D;
+          const int64_t hq = kh * G + g;
+          float* o1 = out + (r.j * H + hq) * D;
+          float* o2 = o1 + H * D;  // row j + 1's, when r.two
+          const float* p1 = scores(r.j, hq);
+          if (!r.joint()) {
+            accumulate_head<V>(o1, base, ko, r.c, p1, r.a, r.b);
+            if (r.two) accumulate_head<V>(o2, base, ko, r.c, scores(r.j + 1, hq), r.a2, r.b2);
+            continue;
+          }
+          const float* p2 = scores(r.j + 1, hq);
+          accumulate_head<V>(o1, base, ko, r.c, p1, r.a, r.both_a);
+          accumulate_head<V>(o2, base, ko, r.c, p2, r.a2, r.both_a);
+          accumulate_head2<V>(o1, o2, base, ko, r.c, p1, p2, r.both_a, r.both_b);
+          accumulate_head<V>(o1, base, ko, r.c, p1, r.both_b, r.b);
+          accumulate_head<V>(o2, base, ko, r.c, p2, r.both_b, r.b2);
+        }
+    });
   for (int64_t j = 0; j < R; ++j)
     for (int64_t hq = 0; hq < H; ++hq) {
       const __m256 inv = _mm256_set1_ps(sum[j * H + hq]);
@@ -203,16 +416,16 @@ void attend_tile(const float* q, const float* kc, const float* vc, const int64_t
 #endif
 
 // Portable path: any head_dim, no vector ISA assumed; the same passes in the same order.
-void attend_tile_generic(const float* q, const float* kc, const float* vc, const int64_t* tab,
-                         const RowSpan* rs, int64_t R, int64_t BS, int64_t KVH, int64_t G, int64_t D,
-                         float sc, float cap, float* s, float* sum, float* out, float* lse) {
+void attend_tile_generic(const float* q, const float* kc, const float* vc, const RowSpan* rs, int64_t R,
+                         int64_t BS, int64_t KVH, int64_t G, int64_t D, float sc, float cap, float* s,
+                         float* sum, float* out, float* lse) {
   const int64_t H = KVH * G, width = KVH * D;
   int64_t tlo, thi;
   key_range(rs, R, tlo, thi);
   for (int64_t t = tlo; t < thi; ++t) {
-    const float* kt = row(kc, tab, t, BS, width);
     for (int64_t j = 0; j < R; ++j) {
       if (t < rs[j].lo || t >= rs[j].n) continue;
+      const float* kt = row(kc, rs[j].tab, t, BS, width);
       const int64_t m = rs[j].n - rs[j].lo;
       for (int64_t hq = 0; hq < H; ++hq) {
         const float* kr = kt + (hq / G) * D;
@@ -238,9 +451,9 @@ void attend_tile_generic(const float* q, const float* kc, const float* vc, const
   }
   std::fill(out, out + R * H * D, 0.f);
   for (int64_t t = tlo; t < thi; ++t) {
-    const float* vt = row(vc, tab, t, BS, width);
     for (int64_t j = 0; j < R; ++j) {
       if (t < rs[j].lo || t >= rs[j].n) continue;
+      const float* vt = row(vc, rs[j].tab, t, BS, width);
       const int64_t m = rs[j].n - rs[j].lo;
       for (int64_t hq = 0; hq < H; ++hq) {
         const float* vr = vt + (hq / G) * D;
@@ -255,38 +468,26 @@ void attend_tile_generic(const float* q, const float* kc, const float* vc, const
       for (int64_t i = 0; i < D; ++i) out[(j * H + hq) * D + i] *= sum[j * H + hq];
 }
 
+void attend(const float* q, const float* kc, const float* vc, const RowSpan* rs, int64_t R, int64_t BS,
+            int64_t KVH, int64_t G, int64_t D, float sc, float cap, float* s, float* sum, float* out, float* lse,
+            int64_t* ko) {
 #ifdef CANDOR_AVX2
-// The vector code for head sizes it is instantiated for; false for any other.
-template <bool ONE>
-bool attend_avx2(const float* q, const float* kc, const float* vc, const int64_t* tab, const RowSpan* rs,
-                 int64_t R, int64_t BS, int64_t KVH, int64_t G, int64_t D, float sc, float cap, float* s,
-                 float* sum, float* out, float* lse, std::vector<int64_t>& offs) {
-  switch (D) {
-    case 16: attend_tile<2, ONE>(q, kc, vc, tab, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, offs); return true;
-    case 32: attend_tile<4, ONE>(q, kc, vc, tab, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, offs); return true;
-    case 64: attend_tile<8, ONE>(q, kc, vc, tab, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, offs); return true;
-    case 80: attend_tile<10, ONE>(q, kc, vc, tab, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, offs); return true;
-    case 96: attend_tile<12, ONE>(q, kc, vc, tab, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, offs); return true;
-    case 128: attend_tile<16, ONE>(q, kc, vc, tab, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, offs); return true;
-    default: return false;
+  switch (D) {  // the head sizes the vector code is instantiated for
+    case 16: return attend_tile<2>(q, kc, vc, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, ko);
+    case 32: return attend_tile<4>(q, kc, vc, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, ko);
+    case 64: return attend_tile<8>(q, kc, vc, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, ko);
+    case 80: return attend_tile<10>(q, kc, vc, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, ko);
+    case 96: return attend_tile<12>(q, kc, vc, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, ko);
+    case 128: return attend_tile<16>(q, kc, vc, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, ko);
+    default: break;
   }
-}
 #endif
-
-void attend(const float* q, const float* kc, const float* vc, const int64_t* tab, const RowSpan* rs,
-            int64_t R, int64_t BS, int64_t KVH, int64_t G, int64_t D, float sc, float cap, float* s,
-            float* sum, float* out, float* lse, std::vector<int64_t>& offs) {
-#ifdef CANDOR_AVX2
-  if (R == 1 ? attend_avx2<true>(q, kc, vc, tab, rs, R, BS, KVH, G, D, sc, cap, s, sum, out, lse, offs)
-             : attend_avx2<false>(q, kc, vc, tab, rs, R, BS, KVH, G, D, sc, cap, s, sum, out, lse, offs))
-    return;
-#endif
-  attend_tile_generic(q, kc, vc, tab, rs, R, BS, KVH, G, D, sc, cap, s, sum, out, lse);
+  attend_tile_generic(q, kc, vc, rs, R, BS, KVH, G, D, sc, cap, s, sum, out, lse);
 }
 
-// Rows per tile: their H x D accumulators stay within ~16 KB of L1.
-inline int64_t tile_rows(int64_t H, int64_t D) {
-  return std::max<int64_t>(1, std::min<int64_t>(16, 4096 / (H * D)));
+// Rows per tile: up to 16, but few enough that every thread gets a tile.
+inline int64_t tile_rows(int64_t B, int64_t threads) {
+  return std::max<int64_t>(1, std::min<int64_t>(16, (B + threads - 1) / threads));
 }
 
 }  // namespace
@@ -324,25 +525,27 @@ std::tuple<torch::Tensor, torch::Tensor> paged_attention(torch::Tensor q, torch:
   float* op = out.data_ptr<float>();
   float* lsep = lse.data_ptr<float>();
   const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
-  auto seq = [&](int64_t b) { return own_tables ? b : sp[b]; };
+  auto tab = [&](int64_t b) { return tp + (own_tables ? b : sp[b]) * MB; };
 
-  // Tiles: runs of consecutive rows on one table, at most tile_rows(H, D) long.
-  const int64_t R = tile_rows(H, D);
+  // Tiles: runs of consecutive rows whose tables start with the same block (a prefill
+  // chunk's rows, or decodes sharing a cached prefix), so they share its K/V reads.
+  const int64_t threads = at::get_num_threads();
+  const int64_t R = tile_rows(B, threads);
   std::vector<int64_t> starts;
   for (int64_t b = 0; b < B;) {
     starts.push_back(b);
     int64_t e = b + 1;
-    while (e < B && e - b < R && seq(e) == seq(b)) ++e;
+    while (e < B && e - b < R && tab(e)[0] == tab(b)[0]) ++e;
     b = e;
   }
   starts.push_back(B);
   const int64_t T = static_cast<int64_t>(starts.size()) - 1;
   // Tiles dealt round-robin: a chunk's late rows (long contexts) spread over the threads.
-  const int64_t workers = std::min<int64_t>(T, at::get_num_threads());
+  const int64_t workers = std::min<int64_t>(T, threads);
   at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> s, sum(R * H);
     std::vector<RowSpan> rs(R);
-    std::vector<int64_t> offs;
+    std::vector<int64_t> ko(chunk_keys(KVH * D));
     for (int64_t w = begin; w < end; ++w) {
       for (int64_t k = w; k < T; k += workers) {
         const int64_t r0 = starts[k], n_rows = starts[k + 1] - r0;
@@ -350,12 +553,12 @@ std::tuple<torch::Tensor, torch::Tensor> paged_attention(torch::Tensor q, torch:
         for (int64_t j = 0; j < n_rows; ++j) {
           const int64_t n = lp[r0 + j];
           const int64_t lo = window > 0 ? std::max<int64_t>(0, n - window) : 0;
-          rs[j] = {lo, n, off};
+          rs[j] = {tab(r0 + j), lo, n, off};
           off += (n - lo) * H;
         }
         s.resize(off);
-        attend(qp + r0 * H * D, kp, vp, tp + seq(r0) * MB, rs.data(), n_rows, BS, KVH, G, D, sc, cap,
-               s.data(), sum.data(), op + r0 * H * D, lsep + r0 * H, offs);
+        attend(qp + r0 * H * D, kp, vp, rs.data(), n_rows, BS, KVH, G, D, sc, cap, s.data(), sum.data(),
+               op + r0 * H * D, lsep + r0 * H, ko.data());
       }
     }
   });
