@@ -35,34 +35,22 @@ def _child(mode: str, model: str, decode_steps: int, threads: int) -> dict:
         os.environ["MKL_CBWR"] = "AUTO,STRICT"  # before torch loads, as gpu_worker/__main__ does
     import torch
 
+    from bench.runner_batch import RunnerBatch
     from gpu_worker.model_runner import ModelRunner
-    from protocol.ipc import SamplingParams, SeqChunk, StepPlan
 
     torch.set_num_threads(threads)
-    blocks_per_seq = -(-(PROMPT + decode_steps + 1) // 16)
-    runner = ModelRunner(model, num_blocks=SEQS * blocks_per_seq + 1, deterministic=mode == "deterministic")
+    batch = RunnerBatch(SEQS, PROMPT, decode_steps, STEP_TOKENS)
+    runner = ModelRunner(model, num_blocks=batch.num_blocks, deterministic=mode == "deterministic")
     assert runner.deterministic is (mode == "deterministic"), runner.deterministic_note
-    greedy = SamplingParams(temperature=0.0)
-    rids = [f"r{i}" for i in range(SEQS)]
-    tables = {rid: list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i, rid in enumerate(rids)}
-    per_step = STEP_TOKENS // PROMPT
-    step_id, last = 0, {}
     started = time.perf_counter()
-    for lo in range(0, SEQS, per_step):
-        step_id += 1
-        batch = rids[lo:lo + per_step]
-        seqs = [SeqChunk(rid, [(7 * i + j) % 250 + 3 for j in range(PROMPT)], 0, tables[rid], True)
-                for i, rid in enumerate(batch, lo)]
-        result = runner.execute(StepPlan(step_id, seqs, {rid: greedy for rid in batch}))
-        last.update(zip(batch, result.sampled))
+    plans = batch.prefill_plans(1)
+    for plan in plans:
+        batch.took(plan, runner.execute(plan).sampled)
     prefill_s = time.perf_counter() - started
     started = time.perf_counter()
     for n in range(decode_steps):
-        step_id += 1
-        seqs = [SeqChunk(rid, [last[rid]], PROMPT + n, tables[rid], True, kept_blocks=blocks_per_seq)
-                for rid in rids]
-        result = runner.execute(StepPlan(step_id, seqs))
-        last.update(zip(rids, result.sampled))
+        plan = batch.decode_plan(len(plans) + 1 + n, n)
+        batch.took(plan, runner.execute(plan).sampled)
     decode_s = time.perf_counter() - started
     return {"prefill_tok_s": SEQS * PROMPT / prefill_s, "decode_tok_s": SEQS * decode_steps / decode_s,
             "note": runner.deterministic_note}

@@ -51,9 +51,10 @@ def _spread(ms: list[float]) -> str:
 
 def bench_model(path: Path, repeats: int) -> dict[str, dict[str, list[float]]]:
     """{step kind: {part: [ms per step]}} over ``repeats`` steps of each kind."""
+    from bench.runner_batch import RunnerBatch
     from gpu_worker.model_runner import ModelRunner
     from gpu_worker.models import decoder, fused_moe
-    from protocol.ipc import SamplingParams, SeqChunk, StepPlan
+    from protocol.ipc import StepPlan
 
     moe_clock, kernel_clock = _Clock(), _Clock()
     load, forward = fused_moe.load, decoder.SparseMoE.forward
@@ -61,9 +62,8 @@ def bench_model(path: Path, repeats: int) -> dict[str, dict[str, list[float]]]:
     decoder.SparseMoE.forward = moe_clock.wrap(forward)
     fused_moe.load = lambda: None if kernel is None else kernel_clock.wrap(kernel)
     try:
-        blocks = -(-(PROMPT + DECODES + 1) // 16)
-        runner = ModelRunner(str(path), num_blocks=SEQS * blocks + 1)
-        greedy = SamplingParams(temperature=0.0)
+        shape = dict(seqs=SEQS, prompt=PROMPT, decodes=DECODES, step_tokens=PER_PREFILL * PROMPT)
+        runner = ModelRunner(str(path), num_blocks=RunnerBatch(**shape).num_blocks)
         parts: dict[str, dict[str, list[float]]] = {"prefill 1024 rows": {}, "decode 32 rows": {}}
         step, done = 0, []
 
@@ -79,24 +79,16 @@ def bench_model(path: Path, repeats: int) -> dict[str, dict[str, list[float]]]:
             return result
 
         for r in range(repeats + 1):  # round 0 warms up and is dropped
-            rids = [f"r{r}-{i}" for i in range(SEQS)]
             # every round's sequences reuse the same blocks (each prefill rewrites them)
-            tables = {rid: list(range(i * blocks, (i + 1) * blocks)) for i, rid in enumerate(rids)}
-            last = {}
-            for lo in range(0, SEQS, PER_PREFILL):
+            batch = RunnerBatch(**shape, salt=r)
+            for plan in batch.prefill_plans(step + 1, released=done):
                 step += 1
-                batch = rids[lo:lo + PER_PREFILL]
-                seqs = [SeqChunk(rid, [(7 * i + j + r) % 250 + 3 for j in range(PROMPT)], 0, tables[rid], True)
-                        for i, rid in enumerate(batch, lo)]
-                res = run("prefill 1024 rows", StepPlan(step, seqs, {rid: greedy for rid in batch},
-                                                        done if lo == 0 else []))
-                last.update(zip(batch, res.sampled))
+                batch.took(plan, run("prefill 1024 rows", plan).sampled)
             for n in range(DECODES):
                 step += 1
-                seqs = [SeqChunk(rid, [last[rid]], PROMPT + n, tables[rid], True, kept_blocks=blocks)
-                        for rid in rids]
-                last.update(zip(rids, run("decode 32 rows", StepPlan(step, seqs)).sampled))
-            done = rids
+                plan = batch.decode_plan(step, n)
+                batch.took(plan, run("decode 32 rows", plan).sampled)
+            done = batch.rids
         for kind in parts:
             for name in parts[kind]:
                 parts[kind][name] = parts[kind][name][PER_PREFILL if kind.startswith("prefill") else DECODES:]

@@ -43,20 +43,17 @@ def _child(model: str, steps: int, threads: int, profile: bool, interleave: bool
     os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")  # before torch loads, as the worker
     import torch
 
+    from bench.runner_batch import RunnerBatch
     from gpu_worker.model_runner import ModelRunner
-    from protocol.ipc import SamplingParams, SeqChunk, StepPlan
+    from protocol.ipc import StepPlan
 
     torch.set_num_threads(max(1, threads))
-    blocks_per_seq = -(-(PROMPT + steps + 1) // 16)
-    runner = ModelRunner(model, num_blocks=SEQS * blocks_per_seq + 1)
+    batch = RunnerBatch(SEQS, PROMPT, steps, PREFILL_STEP)
+    runner = ModelRunner(model, num_blocks=batch.num_blocks)
     governor = None
     if threads == 0:
         from gpu_worker.thread_governor import for_this_process
         governor = for_this_process(torch.set_num_threads)
-    greedy = SamplingParams(temperature=0.0)
-    rids = [f"r{i}" for i in range(SEQS)]
-    tables = {rid: list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i, rid in enumerate(rids)}
-    step_id, last = 0, {}
 
     def execute(plan: StepPlan):
         tokens = sum(len(s.token_ids) for s in plan.seqs)
@@ -66,14 +63,9 @@ def _child(model: str, steps: int, threads: int, profile: bool, interleave: bool
             governor.after_step(result.forward_s)
         return result, chosen
 
-    per_step = PREFILL_STEP // PROMPT
-    for lo in range(0, SEQS, per_step):
-        step_id += 1
-        batch = rids[lo:lo + per_step]
-        seqs = [SeqChunk(rid, [(7 * i + j) % 250 + 3 for j in range(PROMPT)], 0, tables[rid], True)
-                for i, rid in enumerate(batch, lo)]
-        result, _ = execute(StepPlan(step_id, seqs, {rid: greedy for rid in batch}))
-        last.update(zip(batch, result.sampled))
+    plans = batch.prefill_plans(1)
+    for plan in plans:
+        batch.took(plan, execute(plan)[0].sampled)
     walls, chose, off_walls = [], [], []
     from gpu_worker.models import row_ops
     kernels_applies = row_ops.applies
@@ -85,21 +77,19 @@ def _child(model: str, steps: int, threads: int, profile: bool, interleave: bool
         prof = torch_profile(activities=[ProfilerActivity.CPU])
         prof.__enter__()
     for n in range(steps):
-        step_id += 1
-        seqs = [SeqChunk(rid, [last[rid]], PROMPT + n, tables[rid], True, kept_blocks=blocks_per_seq)
-                for rid in rids]
+        plan = batch.decode_plan(len(plans) + 1 + n, n)
         off = interleave and n % 2 == 1  # every other step on torch's ops (same load for both)
         row_ops.applies = (lambda x: False) if off else kernels_applies
         started = time.perf_counter()
-        result, threads_used = execute(StepPlan(step_id, seqs))
+        result, threads_used = execute(plan)
         (off_walls if off else walls).append(time.perf_counter() - started)
         chose.append(threads_used)
-        last.update(zip(rids, result.sampled))
+        batch.took(plan, result.sampled)
     ranked = sorted(walls)
     out = {"median_ms": 1e3 * statistics.median(walls), "p10_ms": 1e3 * ranked[len(ranked) // 10],
            "forward_ms": 1e3 * (t.forward - fwd0) / steps, "sample_ms": 1e3 * (t.sample - smp0) / steps,
            "threads": {str(k): chose.count(k) for k in sorted(set(chose))},
-           "tokens": [last[rid] for rid in rids[:4]]}
+           "tokens": [batch.last[rid] for rid in batch.rids[:4]]}
     if off_walls:
         off_ranked = sorted(off_walls)
         out.update(off_median_ms=1e3 * statistics.median(off_walls), off_p10_ms=1e3 * off_ranked[len(off_ranked) // 10])
