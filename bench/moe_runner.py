@@ -91,7 +91,7 @@ def bench_model(path: Path, repeats: int) -> dict[str, dict[str, list[float]]]:
             done = batch.rids
         for kind in parts:
             for name in parts[kind]:
-                parts[kind][name] = parts[kind][name][PER_PREFILL if kind.startswith("prefill") else DECODES:]
+                parts[kind][name] = parts[kind][name][SEQS // PER_PREFILL if kind.startswith("prefill") else DECODES:]
         return parts
     finally:
         decoder.SparseMoE.forward, fused_moe.load = forward, load
