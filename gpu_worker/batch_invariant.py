@@ -112,8 +112,8 @@ class Numerics:
 
     def matmul(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x W^T (+ b)``, unpadded, through the weight's packed copy where it has one."""
-        entry = self.packed.get(id(weight))
-        if entry is None or entry[0] is not weight or x.shape[0] == 0:
+        entry = self.packed.get(id(weight))  # (held there, so an id found is this weight's)
+        if entry is None or x.shape[0] == 0:
             return F.linear(x, weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x, entry[1], bias, "none", [], "")
 
