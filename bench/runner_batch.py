@@ -56,10 +56,10 @@ class RunnerBatch:
         return plans
 
     def decode_plan(self, step_id: int, n: int) -> StepPlan:
-        """Decode step ``n`` (from 0) of every sequence, feeding each its latest token."""
-        return StepPlan(step_id, [SeqChunk(rid, [self.last[rid]], self.prompt + n, self.table(i), True,
-                                           kept_blocks=self.blocks_per_seq)
-                                  for i, rid in enumerate(self.rids)])
+        """Decode step ``n`` (from 0) of every sequence, feeding each its latest token (its
+        table, sent whole with the prompt, is kept as it is)."""
+        return StepPlan(step_id, [SeqChunk(rid, [self.last[rid]], self.prompt + n, [], True,
+                                           kept_blocks=self.blocks_per_seq) for rid in self.rids])
 
     def took(self, plan: StepPlan, sampled: list[int]) -> None:
         """Record the tokens a step sampled for its sequences."""
