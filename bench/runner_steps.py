@@ -67,7 +67,7 @@ def _child(model: str, source: str, decode_steps: int, threads: int) -> dict:
         res = run("prefill", seqs, {rid: greedy for rid in batch if rid != "r0"})
         last.update(zip(batch, res.sampled))
     for n in range(decode_steps):
-        seqs = [SeqChunk(rid, [last[rid]], PREFIX + OWN + n, tables[rid], True, kept_blocks=len(tables[rid]))
+        seqs = [SeqChunk(rid, [last[rid]], PREFIX + OWN + n, [], True, kept_blocks=len(tables[rid]))
                 for rid in rids]
         res = run("decode", seqs, {})
         last.update(zip(rids, res.sampled))
