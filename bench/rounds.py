@@ -124,6 +124,7 @@ def run_rounds(servers: list[Server], bench: Bench, policy: RoundPolicy, tag: st
         for s in servers if i % 2 == 0 else servers[::-1]:
             w = round_workload(bench, -1 - i)
             asyncio.run(run(s.url, bench.model, w))
+            wait_settled(s.pid, TAIL_TIMEOUT_S, TAIL_WINDOW_S)  # as after a counted round
     per_side: dict[str, list[dict]] = {s.name: [] for s in servers}
     r = 0
     while policy.more(per_side):

@@ -5,6 +5,8 @@
   c      tiny-hd64,              64 requests sharing a 1024-token prefix (+64 own, 32 out)
   d      tiny-hd64,              32 requests at once sharing a 256-token prefix (+32 own, 32
                                  out): a burst that fits a few steps (TTFT of a burst)
+  e      tiny-hd64,              32 identical 128-token prompts at once -> 64 tokens (the
+                                 prefix cache serves all but the first)
   smoke  tiny-hd64,              4 requests of 16 -> 16 tokens: checks the plumbing only
 
 tiny-hd64 is the tiny checkpoint's shape (hidden 64, 4 layers, its tokenizer) with one
@@ -27,9 +29,13 @@ class Bench:
 
     def describe(self) -> str:
         w = self.workload
-        prefix = f" + {w.shared_prefix_len}-token shared prefix" if w.shared_prefix_len else ""
+        if w.prompt_len == (0, 0):
+            prompts = f"identical {w.shared_prefix_len}-token prompts"
+        else:
+            prefix = f" + {w.shared_prefix_len}-token shared prefix" if w.shared_prefix_len else ""
+            prompts = f"{w.prompt_len[0]}-token prompts{prefix}"
         return (f"{self.model}: {w.num_requests} requests ({w.concurrency} at once), "
-                f"{w.prompt_len[0]}-token prompts{prefix} -> {w.output_len[0]} tokens")
+                f"{prompts} -> {w.output_len[0]} tokens")
 
 
 WORKLOADS = {
@@ -41,6 +47,8 @@ WORKLOADS = {
                                      output_len=(32, 32), shared_prefix_len=1024)),
     "d": Bench("tiny-hd64", Workload(num_requests=32, concurrency=32, prompt_len=(32, 32),
                                      output_len=(32, 32), shared_prefix_len=256)),
+    "e": Bench("tiny-hd64", Workload(num_requests=32, concurrency=32, prompt_len=(0, 0),
+                                     output_len=(64, 64), shared_prefix_len=128)),
     "smoke": Bench("tiny-hd64", Workload(num_requests=4, concurrency=4, prompt_len=(16, 16),
                                          output_len=(16, 16))),
 }
@@ -49,7 +57,7 @@ WORKLOADS = {
 KV_BLOCKS = {"tiny-hd64": 4096, "llama-100m": 1024}
 
 
-ALL = ("a", "b", "c")  # what "all" means: smoke measures nothing
+ALL = ("a", "b", "c", "e")  # what "all" means: smoke measures nothing
 
 
 def parse_workloads(text: str) -> list[str]:
