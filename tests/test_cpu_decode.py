@@ -87,6 +87,13 @@ def test_kernel_rejects_bad_lengths():
         KERNEL(torch.zeros(1, 1, 8), k, k, torch.tensor([[0]]), torch.tensor([5]), 1.0)
     with pytest.raises(RuntimeError, match="out of range"):
         KERNEL(torch.zeros(1, 1, 8), k, k, torch.tensor([[4]]), torch.tensor([2]), 1.0)
+    with pytest.raises(RuntimeError, match="out of range"):  # no key at all
+        KERNEL(torch.zeros(1, 1, 8), k, k, torch.tensor([[0]]), torch.tensor([0]), 1.0)
+    with pytest.raises(RuntimeError, match="block id out of range"):  # a padded table's tail
+        KERNEL(torch.zeros(1, 1, 8), k, k, torch.tensor([[0, -1]]), torch.tensor([2]), 1.0)
+    with pytest.raises(RuntimeError, match="row's table out of range"):
+        KERNEL(torch.zeros(2, 1, 8), k, k, torch.tensor([[0]]), torch.tensor([2, 2]), 1.0,
+               row_seq=torch.tensor([0, 1]))
 
 
 def test_cascade_with_kernel_matches_torch_cascade():

@@ -485,6 +485,14 @@ void attend(const float* q, const float* kc, const float* vc, const RowSpan* rs,
   attend_tile_generic(q, kc, vc, rs, R, BS, KVH, G, D, sc, cap, s, sum, out, lse);
 }
 
+// Whether every value of a contiguous CPU int64 tensor lies in [lo, hi): one plain pass.
+// (Each layer calls the kernel with the step's tables; six aten reductions and .item()
+// calls per call cost more than scanning the few thousand ids.)
+inline bool all_within(const torch::Tensor& t, int64_t lo, int64_t hi) {
+  const int64_t* p = t.data_ptr<int64_t>();
+  return std::all_of(p, p + t.numel(), [&](int64_t v) { return v >= lo && v < hi; });
+}
+
 // Rows per tile: up to 16, but few enough that every thread gets a tile.
 inline int64_t tile_rows(int64_t B, int64_t threads) {
   return std::max<int64_t>(1, std::min<int64_t>(16, (B + threads - 1) / threads));
@@ -498,6 +506,7 @@ std::tuple<torch::Tensor, torch::Tensor> paged_attention(torch::Tensor q, torch:
                                                          double softcap) {
   TORCH_CHECK(q.dtype() == torch::kFloat32 && kc.dtype() == torch::kFloat32 && vc.dtype() == torch::kFloat32);
   TORCH_CHECK(q.is_contiguous() && kc.is_contiguous() && vc.is_contiguous());
+  TORCH_CHECK(q.is_cpu() && kc.is_cpu() && vc.is_cpu() && tables.is_cpu() && lens.is_cpu() && row_seq.is_cpu());
   TORCH_CHECK(tables.dtype() == torch::kInt64 && lens.dtype() == torch::kInt64 && row_seq.dtype() == torch::kInt64);
   tables = tables.contiguous(); lens = lens.contiguous(); row_seq = row_seq.contiguous();
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
@@ -509,13 +518,9 @@ std::tuple<torch::Tensor, torch::Tensor> paged_attention(torch::Tensor q, torch:
   auto out = torch::empty_like(q);
   auto lse = torch::empty({B, H}, q.options());
   if (B == 0) return {out, lse};
-  TORCH_CHECK(lens.min().item<int64_t>() >= 1 && lens.max().item<int64_t>() <= MB * BS,
-              "context length out of range");
-  TORCH_CHECK(tables.min().item<int64_t>() >= 0 && tables.max().item<int64_t>() < kc.size(0),
-              "block id out of range");
-  if (!own_tables)
-    TORCH_CHECK(row_seq.min().item<int64_t>() >= 0 && row_seq.max().item<int64_t>() < S,
-                "row's table out of range");
+  TORCH_CHECK(all_within(lens, 1, MB * BS + 1), "context length out of range");
+  TORCH_CHECK(all_within(tables, 0, kc.size(0)), "block id out of range");
+  TORCH_CHECK(own_tables || all_within(row_seq, 0, S), "row's table out of range");
   const float* qp = q.data_ptr<float>();
   const float* kp = kc.data_ptr<float>();
   const float* vp = vc.data_ptr<float>();
