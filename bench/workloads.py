@@ -24,7 +24,7 @@ from bench.models import build_llama_100m, build_tiny, build_tiny_hd64
 
 @dataclass(frozen=True)
 class Bench:
-    model: str  # a key of MODELS
+    model: str  # the served model name: a key of MODELS here, an ARCH_SHAPES name in arch_bench
     workload: Workload
 
     def describe(self) -> str:
