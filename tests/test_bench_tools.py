@@ -199,41 +199,29 @@ async def completions(request):
 
 app = web.Application()
 app.router.add_post("/v1/completions", completions)
+app.router.add_get("/health", lambda request: web.Response(text="ok"))
 web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None)
 """
 
 
-def test_a_round_charges_work_after_its_last_response_to_its_server():
+def test_a_round_charges_work_after_its_last_response_to_its_server(tmp_path):
     """A server busy after its last response: the round waits until it is quiet (the
     next server's round must not run beside it) and its CPU meanwhile is the round's."""
     from bench.loadgen import Workload
     port = servers.free_port()
-    proc = subprocess.Popen([sys.executable, "-c", TAIL_SERVER, str(port)])
-    fake = servers.Server("fake", [], {}, port)
-    fake.proc = proc
+    fake = servers.Server("fake", [sys.executable, "-c", TAIL_SERVER, str(port)], dict(os.environ),
+                          port, log_dir=tmp_path)
+    fake.start()
     try:
-        wait_until(lambda: _answers(fake.url), "the fake server to listen", timeout=30)
+        fake.wait_ready(timeout=30)
         workload = Workload(num_requests=1, concurrency=1, prompt_len=(4, 4), output_len=(4, 4))
-        res = measure_round(fake, "m", workload, box.BoxMeter(lambda: [proc.pid]))
+        res = measure_round(fake, "m", workload, box.BoxMeter(lambda: [fake.pid]))
         assert res["errors"] == 0 and res["output_tokens"] == 4
         assert res["tail_s"] >= 0.5, res["tail_s"]
         assert res["cpu_s"] >= 0.7, res["cpu_s"]  # the burn is in the round
         assert "busy after" in round_line("t", "fake", res)
     finally:
-        proc.kill()
-        proc.wait()
-
-
-def _answers(url: str) -> bool:
-    import urllib.error
-    import urllib.request
-    try:
-        urllib.request.urlopen(url + "/health", timeout=1)
-    except urllib.error.HTTPError:
-        return True  # up (no /health route)
-    except OSError:
-        return False
-    return True
+        fake.stop()
 
 
 def test_box_meter_counts_what_is_not_ours_as_others():
