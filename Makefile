@@ -11,7 +11,7 @@ INSTRUCTOR_PY   := $(INSTRUCTOR_VENV)/bin/python
 INSTRUCTOR_STAMP := $(INSTRUCTOR_VENV)/.installed
 INSTRUCTOR_REQS := tests/clients/requirements-instructor.txt
 
-.PHONY: install model serve test clean
+.PHONY: install kernels model serve test clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -30,13 +30,18 @@ $(INSTRUCTOR_STAMP): $(INSTRUCTOR_REQS)
 	$(INSTRUCTOR_PY) -m pip install -q -r $(INSTRUCTOR_REQS)
 	touch $(INSTRUCTOR_STAMP)
 
+# the gpu_worker's CPU kernels, compiled once here rather than beside a starting server;
+# the venv's bin first on PATH, as the launcher gives its children (the same ninja)
+kernels: install
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/candor build-kernels
+
 model: install
 	$(VENV)/bin/candor make-tiny-model --if-missing $(MODEL_DIR)
 
-serve: model
+serve: model kernels
 	$(VENV)/bin/candor serve --model $(MODEL_DIR) --host $(HOST) --port $(PORT)
 
-test: install $(INSTRUCTOR_STAMP)
+test: install kernels $(INSTRUCTOR_STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" CANDOR_INSTRUCTOR_PYTHON="$(abspath $(INSTRUCTOR_PY))" \
 		$(PY) -m pytest -q -p no:cacheprovider tests
 

@@ -4,6 +4,7 @@
     python launch_cluster.py deploy/topologies/two-node.yaml --node engine   # per machine
     candor serve --model PATH [--port 8000] [--tokenizer-workers N]
     candor make-tiny-model DIR
+    candor build-kernels               # compile the CPU kernels now (make serve/test do)
     candor keygen DIR                  # CURVE keys for the tcp:// sockets between nodes
 
 Both start paths build a ``Topology``, validate it whole (every problem named), and hand
@@ -48,6 +49,9 @@ def cli(argv: list[str] | None = None) -> int:
     tiny.add_argument("--if-missing", action="store_true",
                       help="do nothing when DIR already holds a checkpoint")
 
+    sub.add_parser("build-kernels", help="compile the gpu_worker's CPU kernels now (a "
+                   "worker would at its first start)")
+
     launch_p = sub.add_parser("launch", help="start a topology YAML file")
     launch_p.add_argument("topology")
     launch_p.add_argument("--node", default=None)
@@ -68,6 +72,10 @@ def cli(argv: list[str] | None = None) -> int:
         print(f"candor: CURVE keys written to {args.dir} (server.key, server.key_secret, "
               "client.key, client.key_secret); name it in security.curve.key_dir")
         return 0
+    if args.command == "build-kernels":
+        from gpu_worker.prebuild import build_all
+        build_all()
+        return 0  # a kernel that cannot be built leaves the torch path: not an error
     if args.command == "make-tiny-model":
         if args.if_missing and os.path.isfile(os.path.join(args.dir, "config.json")):
             print(f"candor: tiny model already present in {args.dir}")
@@ -153,6 +161,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    _SUBCOMMANDS = {"serve", "make-tiny-model", "keygen", "launch", "bench", "-h",
-                    "--help"}
+    _SUBCOMMANDS = {"serve", "make-tiny-model", "build-kernels", "keygen", "launch", "bench",
+                    "-h", "--help"}
     sys.exit(cli() if sys.argv[1:2] and sys.argv[1] in _SUBCOMMANDS else main())

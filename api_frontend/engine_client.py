@@ -119,6 +119,7 @@ class EngineClient:
         self._replica_of: dict[str, int] = {}  # rid -> replica, while in flight
         self._decode_of: dict[str, int] = {}  # rid -> decode replica (disaggregation)
         self.prefill_replicas = cfg.prefill_replicas
+        self._whole_role: str | None = None  # the role serving whole while the other is out
         self._replica_load = [0] * self.replicas  # this frontend's requests in flight
         self._reports: dict[int, tuple[ipc.SchedulerStats, float]] = {}
         self.lost: dict[int, str] = {}  # replica -> why it left rotation for good
@@ -297,13 +298,30 @@ class EngineClient:
         if self.prefill_replicas and isinstance(req, ipc.GenerateReq):
             prefill = [r for r in alive if r < self.prefill_replicas]
             decode = [r for r in alive if r >= self.prefill_replicas]
-            if prefill and decode:  # else the half that is left serves whole
+            if prefill and decode:
                 least = min(loads[r] for r in decode)
                 req.decode_replica = next(r for r in decode if loads[r] == least)
+            self._note_split(prefill, decode)
             alive = prefill or decode
         req.replica, why = self.router.pick(keys, loads, alive)
         if self.metrics is not None:
             self.metrics.routed.labels(str(req.replica), why).inc()
+
+    def _note_split(self, prefill: list[int], decode: list[int]) -> None:
+        """A prefill/decode request that the half left serves whole (no replica of the
+        other role in rotation) is counted, and the switch each way logged once."""
+        whole = None if prefill and decode else "prefill" if prefill else "decode"
+        if whole is not None and self.metrics is not None:
+            self.metrics.served_whole.labels(whole).inc()
+        if whole != self._whole_role:
+            if whole is None:
+                log.info("prefill and decode replicas both in rotation again: requests "
+                         "are split again")
+            else:
+                log.warning("no %s replica in rotation (heartbeats stale, loading or "
+                            "lost): the %s replicas serve requests whole",
+                            "decode" if whole == "prefill" else "prefill", whole)
+            self._whole_role = whole
 
     def _update_replica_gauges(self) -> None:
         if self.metrics is None or self.replicas == 1:

@@ -84,6 +84,11 @@ class FrontendMetrics:
             "candor_router_requests", "Generation requests sent to each engine replica, by "
             "why: affinity (its prompt prefix or cache_salt lives there), load (least "
             "loaded), round_robin", ["replica", "reason"], registry=None)
+        self.served_whole = Counter(
+            "candor_disaggregation_whole_requests", "Generation requests of a prefill/"
+            "decode split that one replica served whole (prompt and decode) because no "
+            "replica of the other role was in rotation, by the role that served",
+            ["role"], registry=None)
         self.replica_up = Gauge(
             "candor_replica_up", "1 while an engine replica is in a frontend's rotation "
             "(heartbeat fresh, worker loaded, not lost)", ["replica"],

@@ -28,6 +28,7 @@ from cluster.metrics import prepare_dir as prepare_metrics_dir
 from cluster.metrics import process_exited
 from cluster.metrics_view import NodeMetricsInfo, ProcessEntry, write_node_info
 from cluster.node_http import serve_node_http
+from cluster.orphans import adopt_orphans, kill_orphans
 from cluster.process_config import ProcessConfig, ReplicaConfig, process_configs
 from cluster.topology import HttpSpec, NodeSpec, Topology
 from protocol.health import STATUS_INTERVAL_S, ChildStatus, NodeStatus
@@ -238,6 +239,13 @@ class NodeSupervisor:
             self.publish()
             time.sleep(0.05)
 
+    def _kill_orphans(self) -> None:
+        """Stop what dead children left running (cluster/orphans.py), saying what."""
+        killed = kill_orphans({c.proc.pid for c in self.children})
+        if killed:
+            say(f"stopped {len(killed)} process(es) that exited children left running "
+                "(e.g. a kernel build)")
+
     def _spawn_children(self) -> None:
         sup = self.sup
         self.children = [
@@ -270,6 +278,7 @@ class NodeSupervisor:
         child.budget.spend(now)
         child.restart_at = None
         child.restarts += 1
+        self._kill_orphans()
         child.proc = _spawn(child.config, self.node.devices, self.api_keys, self.gpu_workers)
         self.write_metrics_info()
         self.restarts.labels(self.node.name, child.config.role).inc()
@@ -309,6 +318,7 @@ class NodeSupervisor:
             self.publish(force=True)
             members = [c for c in self.children if c.replica == r]
             stop(members, tick=self.publish)  # the frontends must not hear silence
+            self._kill_orphans()
             for c in members:
                 process_exited(self.metrics_dir, c.proc.pid)
         self.publish(force=True)
@@ -363,6 +373,7 @@ class NodeSupervisor:
         if self.node.metrics_port is not None:
             serve_node_http(self.node.host, self.node.metrics_port, self.metrics_dir,
                             self.local_problems)
+        adopt_orphans()  # what a dead child leaves running becomes ours to stop
         self._spawn_children()
         say(f"node {self.node.name}: started {len(self.children)} processes: "
             + ", ".join(c.name for c in self.children))
@@ -414,6 +425,7 @@ class NodeSupervisor:
 
     def _shutdown(self) -> None:
         stop(self.children)
+        self._kill_orphans()
         self.publish(force=True)
         self.pub.close()
         self.ctx.destroy(linger=0)

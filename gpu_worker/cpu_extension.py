@@ -3,7 +3,8 @@
 The system C++ compiler builds each source once (seconds to a minute) and torch caches
 it under ``TORCH_EXTENSIONS_DIR``. The ISA and a hash of the source are part of the
 module's name, so a cache shared between machines never hands an AVX2 binary to a CPU
-without it, and checkouts with different sources never load each other's binary.
+without it, and checkouts with different sources (or venvs) never load each other's
+binary nor rebuild over it.
 Where the build fails, ``build`` returns None and the caller keeps its torch path.
 
 torch serialises builders with a ``lock`` file that a process killed mid-build leaves
@@ -53,14 +54,18 @@ def _ninja_version() -> str:
 
 def build_dir(source: Path, cflags: tuple[str, ...] = ()) -> tuple[str, str]:
     """(module name, build directory) of ``source``: its ISA and a hash of its text, its
-    extra flags, the Python, the torch it is built against and the ninja that builds it."""
+    extra flags, the Python, the torch it is built against (version and install: another
+    venv's torch puts other include paths in the build command, which ninja rebuilds for)
+    and the ninja that builds it. The directory is under ``TORCH_EXTENSIONS_DIR`` when set
+    (as torch's own builds), else torch's per-user cache."""
     from torch.utils.cpp_extension import get_default_build_root
 
     isa, _ = isa_flags()
     key = (f"{source.read_text()}\0{' '.join(cflags)}\0{sys.version_info[:2]}\0{torch.__version__}"
-           f"\0{_ninja_version()}")
+           f"\0{os.path.dirname(torch.__file__)}\0{_ninja_version()}")
     name = f"candor_{source.stem}_{isa}_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
-    return name, os.path.join(get_default_build_root(), name)
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    return name, os.path.join(root, name)
 
 
 def build(source: Path, functions: list[str], openmp: bool = False, cflags: tuple[str, ...] = ()):

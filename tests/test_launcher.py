@@ -67,6 +67,63 @@ def test_children_die_with_a_killed_launcher(tiny_model_dir):
                "every child gone after its launcher was killed", timeout=20)
 
 
+def _processes_in(directory: Path) -> list[str]:
+    """Command lines of the processes that run in ``directory`` or name a path in it."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            cwd = os.readlink(entry / "cwd")
+        except OSError:
+            continue
+        if str(directory) in cmdline or cwd.startswith(str(directory)):
+            out.append(cmdline)
+    return out
+
+
+def test_a_worker_stopped_mid_build_leaves_no_compiler_behind(tiny_model_dir, tmp_path):
+    """An empty kernel cache: the gpu_worker compiles its CPU kernels at start-up. A stop
+    then (SIGTERM to the launcher, the worker SIGKILLed past its grace) must take ninja and
+    the compiler with it: they would outlive the launcher, load the box, and race the next
+    build into the same directory."""
+    cache = tmp_path / "torch_extensions"
+    srv = CandorServer(tiny_model_dir, env={"TORCH_EXTENSIONS_DIR": str(cache)})
+    srv.spawn(log_path=tmp_path / "log")
+    try:
+        wait_until(lambda: [c for c in _processes_in(cache) if "ninja" in c or "c++" in c],
+                   "the worker's kernel build running", timeout=120, interval=0.2)
+    finally:
+        assert srv.stop() == 0
+    wait_until(lambda: _processes_in(cache) == [], "no build process left after the stop",
+               timeout=10)
+
+
+def test_build_kernels_leaves_each_kernel_where_a_worker_loads_it():
+    """``candor build-kernels`` (make serve and make test run it first) builds under the
+    names a gpu_worker computes: same PATH as the launcher gives its children."""
+    env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep
+           + os.environ.get("PATH", "")}
+    out = subprocess.run([sys.executable, str(REPO / "launch_cluster.py"), "build-kernels"],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert len(lines) == 4 and all(": ready (" in line for line in lines), out.stdout
+    where = subprocess.run([sys.executable, "-c", (
+        "from pathlib import Path\n"
+        "from gpu_worker.cpu_extension import build_dir\n"
+        "from gpu_worker.attention.cpu_kernel_backend import CFLAGS as A, _SOURCE as a\n"
+        "from gpu_worker.models.row_ops import CFLAGS as R, _SOURCE as r\n"
+        "for src, flags in ((a, A), (r, R)):\n"
+        "    name, d = build_dir(src, flags)\n"
+        "    print(Path(d) / (name + '.so'))")], env=env, cwd=REPO, capture_output=True,
+        text=True, timeout=60)
+    assert where.returncode == 0, where.stderr
+    for so in where.stdout.split():
+        assert Path(so).is_file(), so
+
+
 def test_topology_yaml_errors_name_the_bad_key(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model:\n  path: /x\nroles:\n  tokeniser_worker: 2\n")
