@@ -25,7 +25,9 @@ order whatever else is in the batch. Measured on CPU (torch 2.13, MKL 2024.2 sge
   every batch size from 1 row and at 1 and 2 threads. ``measure_min_rows`` checks the path
   that serves, so a oneDNN that did not agree would be measured, not assumed. Small
   weights stay on ``F.linear``: oneDNN's ~15 us per call is more than their whole matmul.
-  The packed copies sit beside the weights (memory: once more the packed weights' bytes).
+  A packed copy replaces the weight it copies where only that matmul reads the weight (a
+  linear layer, an untied LM head): the module keeps a ``ReleasedWeight`` of its shape,
+  so memory holds the weights once and any read of the values fails, naming why. A tied embedding table, which lookups also read, keeps both.
 - Row-wise ops (RMS and layer norm, softmax, log-softmax, top-k, argmax) and elementwise
   arithmetic (+, *, /) gave equal rows for every batch size and thread count tried.
 - Attention is the backend's: a backend that declares ``batch_invariant`` serves an
@@ -82,6 +84,27 @@ def _can_pack(weight: torch.Tensor) -> bool:
             and weight.dtype == torch.float32 and weight.numel() >= PACK_MIN_NUMEL)
 
 
+class ReleasedWeight(torch.Tensor):
+    """What a module holds in place of a weight its packed copy replaced: the weight's
+    shape, dtype and no values (meta storage). Any torch op on it raises: a meta weight
+    alone would not (``F.linear`` of a CPU input and a meta weight returns uninitialised
+    memory), and a read past ``Numerics.matmul`` must fail, not compute garbage."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", str(func))
+        if name in ("__get__", "dim", "size", "numel", "element_size"):  # shape, dtype, ...
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        raise RuntimeError(f"{name} read a weight whose oneDNN-packed copy replaced it "
+                           "(Numerics.pack): compute with it through Numerics.matmul")
+
+    @staticmethod
+    def like(weight: torch.Tensor) -> ReleasedWeight:
+        meta = torch.empty(weight.shape, dtype=weight.dtype, device="meta")
+        return torch.Tensor._make_subclass(ReleasedWeight, meta, False)
+
+
 class Numerics:
     """How this worker's layers compute: ``deterministic`` (batch-invariant) or fastest.
 
@@ -95,9 +118,12 @@ class Numerics:
         # id cannot be reused by another tensor
         self.packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def pack(self, weights: Iterable[tuple[torch.Tensor, torch.Tensor | None]]) -> str:
+    def pack(self, weights: Iterable[tuple[torch.Tensor, torch.Tensor | None]],
+             owners: Iterable[torch.nn.Module] = ()) -> str:
         """Pack the float32 CPU weights big enough to gain for oneDNN's matmul (see the
-        module docstring); returns what was done, for the log."""
+        module docstring); the packed copy then stands in for the ``weight`` of each of
+        ``owners`` (modules whose weight nothing but this matmul reads). Returns what was
+        done, for the log."""
         if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
             return "matmuls: F.linear (this torch has no oneDNN)"
         count = size = 0
@@ -108,12 +134,29 @@ class Numerics:
                 size += weight.numel() * weight.element_size()
         if not count:
             return "matmuls: F.linear (no float32 CPU weight big enough to gain from packing)"
-        return f"matmuls: oneDNN on {count} packed weights (+{size / 2**20:.0f} MiB), smaller ones F.linear"
+        extra = size - self._replace(owners)
+        return (f"matmuls: oneDNN on {count} packed weights ({size / 2**20:.1f} MiB; "
+                f"+{extra / 2**20:.1f} MiB beside weights also read elsewhere), smaller ones F.linear")
+
+    def _replace(self, owners: Iterable[torch.nn.Module]) -> int:
+        """Each owner's packed weight becomes a ``ReleasedWeight`` (a plain attribute, no
+        longer a parameter); the bytes freed."""
+        freed = 0
+        for module in owners:
+            weight = module.weight
+            entry = self.packed.pop(id(weight), None)
+            if entry is None:
+                continue
+            del module._parameters["weight"]
+            module.weight = released = ReleasedWeight.like(weight)
+            self.packed[id(released)] = (released, entry[1])
+            freed += weight.numel() * weight.element_size()
+        return freed
 
     def matmul(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x W^T (+ b)``, unpadded, through the weight's packed copy where it has one."""
         entry = self.packed.get(id(weight))  # (held there, so an id found is this weight's)
-        if entry is None or x.shape[0] == 0:
+        if entry is None:
             return F.linear(x, weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x, entry[1], bias, "none", [], "")
 
@@ -152,7 +195,8 @@ def measure_min_rows(weights: Iterable[tuple[torch.Tensor, torch.Tensor | None]]
         if key in seen:
             continue
         seen.add(key)
-        x = torch.randn(max(probe), weight.shape[1], generator=gen).to(weight.dtype).to(weight.device)
+        device = torch.device("cpu") if weight.is_meta else weight.device  # (packed in its place)
+        x = torch.randn(max(probe), weight.shape[1], generator=gen).to(weight.dtype).to(device)
         ref = matmul(x, weight, bias)
         agrees_from = max(probe) + 1
         for m in sorted(probe, reverse=True):  # the last count that disagrees bounds it

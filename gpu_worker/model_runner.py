@@ -135,7 +135,7 @@ class ModelRunner:
         # once the weights are in and the attention backend is chosen (_settle_determinism).
         self.numerics = Numerics(deterministic=deterministic is not False)
         self.model = self._build_model(model_path, load_format, seed)
-        log.info(self.numerics.pack(self.model.matmuls()))
+        log.info(self.numerics.pack(self.model.matmuls(), self.model.matmul_only()))
         self.adapters = (AdapterStore(self.model, lora, cfg, self.dtype, self.device, ranks)
                          if lora is not None and lora.enabled else None)
         self._log_moe_path()

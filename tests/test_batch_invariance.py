@@ -9,6 +9,7 @@ tolerance checks below are about correctness against a reference, a separate cla
 from __future__ import annotations
 
 import random
+import weakref
 
 import pytest
 import torch
@@ -171,6 +172,39 @@ def test_linear_row_is_independent_of_batch(threads, k, n, bias):
         out = numerics.linear(x[idx], w, b)
         for j, i in enumerate(idx):
             assert torch.equal(out[j], alone[i]), f"row {i} in a batch of {m} (padded to {rows})"
+
+
+def test_a_packed_copy_replaces_the_weight_only_its_matmul_reads():
+    """Memory holds a linear layer's weight once: its packed copy replaces it (what stays
+    has its shape and no values: a read past Numerics raises); a weight also read
+    elsewhere (a tied embedding) keeps both."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(512, 384)
+    tied = torch.nn.Embedding(384, 512)
+    for p in (*linear.parameters(), *tied.parameters()):
+        p.requires_grad_(False)
+    x = torch.randn(5, 512)
+    before = Numerics()
+    before.pack([(linear.weight, linear.bias)])
+    want = before.linear(x, linear.weight, linear.bias)
+    original = weakref.ref(linear.weight)
+    del before
+
+    numerics = Numerics()
+    said = numerics.pack([(linear.weight, linear.bias), (tied.weight, None)], [linear])
+    assert linear.weight.is_meta and linear.weight.shape == (384, 512)
+    assert [name for name, _ in linear.named_parameters()] == ["bias"]
+    assert original() is None  # the weight's bytes are gone, not merely unreferenced here
+    assert not tied.weight.is_meta and id(tied.weight) in numerics.packed
+    assert "2 packed weights (1.5 MiB; +0.8 MiB beside weights also read elsewhere)" in said
+    assert torch.equal(numerics.linear(x, linear.weight, linear.bias), want)
+    assert numerics.linear(x[:0], linear.weight, linear.bias).shape == (0, 384)
+    rows, why = measure_min_rows([(linear.weight, linear.bias)], matmul=numerics.matmul)
+    assert rows is not None, why
+    for stray in (lambda: F.linear(x, linear.weight, linear.bias), linear.weight.tolist,
+                  lambda: linear.weight + 1):
+        with pytest.raises(RuntimeError, match="packed copy replaced it"):
+            stray()
 
 
 def test_min_rows_refuses_a_matmul_that_never_agrees():

@@ -316,9 +316,17 @@ class DecoderForCausalLM(nn.Module):
                 out.append((module.weight, module.bias))
             elif isinstance(module, Experts) and module.w13.shape[0]:
                 out += [(module.w13[0], None), (module.w2[0], None)]
-        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        out.append((head.weight, None))
+        if self.has_lm_head:  # (a pooling model computes no logits)
+            head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+            out.append((head.weight, None))
         return out
+
+    def matmul_only(self) -> list[nn.Module]:
+        """Modules whose ``weight`` nothing but their matmul reads (every linear layer, an
+        untied LM head; not a tied embedding table, which lookups read too): a packed copy
+        can stand in for it (``Numerics.pack``)."""
+        out = [m for m in self.modules() if isinstance(m, nn.Linear)]
+        return out + ([self.lm_head] if self.lm_head is not None else [])
 
     def checkpoint_target(self, name: str) -> tuple[str, tuple] | None:
         """Checkpoint tensor ``name`` -> (our parameter, the ids its layer's weight_loader
