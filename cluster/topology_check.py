@@ -265,6 +265,9 @@ def _lora(topology: Topology, problems: list[str]) -> None:
         if given:
             problems.append(f"model.lora.{given[0]} needs model.lora.enabled: true")
         return
+    if model.runner_kind() == "pooling":
+        problems.append("model.lora: adapters apply to generation; this model runs as a "
+                        "pooling model (runner: pooling), which serves none")
     if lora.max_cpu_loras is not None and lora.max_cpu_loras < lora.max_loras:
         problems.append(f"model.lora.max_cpu_loras ({lora.max_cpu_loras}) must be at least "
                         f"max_loras ({lora.max_loras})")

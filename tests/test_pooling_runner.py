@@ -5,10 +5,13 @@ recompute after preemption). Each pooling mode's vector must match: cosine >= 0.
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 
 from cluster.pooling import PoolingConfig, UnsupportedPooling, read_pooling_config
+from cluster.topology import Topology
+from cluster.topology_check import TopologyError, check_topology
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.tiny_model import build_tiny_model
 from protocol.ipc import PoolingParams, SamplingParams, SeqChunk, StepPlan
@@ -154,8 +157,8 @@ def test_dimensions_need_a_declared_matryoshka_model():
 
 def test_the_launcher_refuses_what_it_would_serve_wrongly(tokenizer_dir, tmp_path, capsys):
     """Before any process starts: a head-less checkpoint is pooling under --runner auto and
-    refused for generation; a pooling it does not compute is refused naming it; a pooling
-    it serves is said in one line."""
+    refused for generation, and LoRA adapters over it too; a pooling it does not compute is
+    refused naming it; a pooling it serves is said in one line."""
     from cluster.preflight import check_model_config
     from cluster.topology import load_topology
 
@@ -170,6 +173,10 @@ def test_the_launcher_refuses_what_it_would_serve_wrongly(tokenizer_dir, tmp_pat
     with pytest.raises(SystemExit, match="no language-model head.*--runner pooling"):
         check_model_config(topology(st, "generate"))
     check_model_config(topology(st, "auto"))
+    lora = msgspec.yaml.decode(f"model: {{path: {st}, lora: {{enabled: true}}}}".encode(),
+                               type=Topology)
+    with pytest.raises(TopologyError, match="adapters apply to generation.*pooling model"):
+        check_topology(lora, check_model=False)
     assert "embeddings by last pooling, L2-normalised, 64 dimensions" in capsys.readouterr().err
     mx = build_embedding_model(tmp_path / "st-max", tokenizer_dir, pooling="max")
     with pytest.raises(SystemExit, match="cannot pool .*pooling mode 'max'"):
