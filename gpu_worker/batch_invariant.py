@@ -27,7 +27,8 @@ order whatever else is in the batch. Measured on CPU (torch 2.13, MKL 2024.2 sge
   weights stay on ``F.linear``: oneDNN's ~15 us per call is more than their whole matmul.
   A packed copy replaces the weight it copies where only that matmul reads the weight (a
   linear layer, an untied LM head): the module keeps a ``ReleasedWeight`` of its shape,
-  so memory holds the weights once and any read of the values fails, naming why. A tied embedding table, which lookups also read, keeps both.
+  so memory holds the weights once and any read of the values fails, naming why. A tied
+  embedding table, which lookups also read, keeps both.
 - Row-wise ops (RMS and layer norm, softmax, log-softmax, top-k, argmax) and elementwise
   arithmetic (+, *, /) gave equal rows for every batch size and thread count tried.
 - Attention is the backend's: a backend that declares ``batch_invariant`` serves an
@@ -144,9 +145,9 @@ class Numerics:
         freed = 0
         for module in owners:
             weight = module.weight
-            entry = self.packed.pop(id(weight), None)
-            if entry is None:
-                continue
+            if not isinstance(weight, torch.nn.Parameter) or id(weight) not in self.packed:
+                continue  # not packed, or released already
+            entry = self.packed.pop(id(weight))
             del module._parameters["weight"]
             module.weight = released = ReleasedWeight.like(weight)
             self.packed[id(released)] = (released, entry[1])

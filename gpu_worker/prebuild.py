@@ -21,9 +21,9 @@ def _bitmask():
     return build(Path(__file__).with_name("bitmask.cpp"), ["apply_bitmask"])
 
 
-def build_all(say=print) -> int:
-    """Build (or find built) each kernel, as many at once as there are cores; the number
-    that could not be built."""
+def build_all(say=print) -> None:
+    """Build (or find built) each kernel, as many at once as there are cores; say how
+    each went."""
     from gpu_worker.attention import cpu_kernel_backend
     from gpu_worker.models import fused_moe, row_ops
 
@@ -41,4 +41,3 @@ def build_all(say=print) -> int:
     for name, (ok, seconds) in results.items():
         say(f"candor: CPU kernel {name}: "
             f"{'ready' if ok else 'NOT built (the torch path serves)'} ({seconds:.1f}s)")
-    return sum(not ok for ok, _ in results.values())

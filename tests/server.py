@@ -13,6 +13,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+from cluster.orphans import children_of as child_pids  # direct children, from /proc
 from tests.polling import wait_until
 
 REPO = Path(__file__).resolve().parents[1]
@@ -22,21 +23,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def child_pids(pid: int) -> list[int]:
-    """Direct children of ``pid`` (from /proc, no psutil needed)."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            if ppid == pid:
-                out.append(int(entry.name))
-    return out
 
 
 def pid_alive(pid: int) -> bool:
