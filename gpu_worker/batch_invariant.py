@@ -91,10 +91,17 @@ class ReleasedWeight(torch.Tensor):
     alone would not (``F.linear`` of a CPU input and a meta weight returns uninitialised
     memory), and a read past ``Numerics.matmul`` must fail, not compute garbage."""
 
+    # what may be read: metadata only (``.data``, ``.T`` and the like are getters too, and
+    # would hand out a plain meta tensor that computes garbage on a CPU input)
+    _METADATA = frozenset({"shape", "dtype", "device", "is_meta", "ndim", "layout",
+                           "requires_grad", "dim", "size", "numel", "element_size"})
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", str(func))
-        if name in ("__get__", "dim", "size", "numel", "element_size"):  # shape, dtype, ...
+        if name == "__get__":  # an attribute: the getter names it
+            name = getattr(getattr(func, "__self__", None), "__name__", name)
+        if name in cls._METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
         raise RuntimeError(f"{name} read a weight whose oneDNN-packed copy replaced it "

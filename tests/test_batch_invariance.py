@@ -202,7 +202,8 @@ def test_a_packed_copy_replaces_the_weight_only_its_matmul_reads():
     rows, why = measure_min_rows([(linear.weight, linear.bias)], matmul=numerics.matmul)
     assert rows is not None, why
     for stray in (lambda: F.linear(x, linear.weight, linear.bias), linear.weight.tolist,
-                  lambda: linear.weight + 1):
+                  lambda: linear.weight + 1, lambda: linear.weight.data,
+                  lambda: linear.weight.T):
         with pytest.raises(RuntimeError, match="packed copy replaced it"):
             stray()
 
