@@ -42,6 +42,12 @@ MaskApplier = Callable[[torch.Tensor, list[int], torch.Tensor], None]
 Failures = dict[str, RequestFailure]
 
 
+def build_bitmask_kernel():
+    """The compiled CPU bitmask module (``apply_bitmask``), or None (``cpu_extension``)."""
+    from gpu_worker.cpu_extension import build
+    return build(_BITMASK_SOURCE, ["apply_bitmask"])
+
+
 def _grammar_failure(message: str) -> RequestFailure:
     return RequestFailure("grammar_error", message)
 
@@ -73,8 +79,7 @@ class GrammarStates:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
 
     def _build_kernel(self) -> None:
-        from gpu_worker.cpu_extension import build
-        module = build(_BITMASK_SOURCE, ["apply_bitmask"])
+        module = build_bitmask_kernel()
         if module is not None:
             self._kernel = module.apply_bitmask
 

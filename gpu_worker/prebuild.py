@@ -13,24 +13,19 @@ from __future__ import annotations
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
-
-
-def _bitmask():
-    from gpu_worker.cpu_extension import build
-    return build(Path(__file__).with_name("bitmask.cpp"), ["apply_bitmask"])
 
 
 def build_all(say=print) -> None:
     """Build (or find built) each kernel, as many at once as there are cores; say how
     each went."""
     from gpu_worker.attention import cpu_kernel_backend
+    from gpu_worker.grammar import build_bitmask_kernel
     from gpu_worker.models import fused_moe, row_ops
 
     kernels = {"row_ops (norms, RoPE, SiLU)": row_ops.load,
                "paged attention": cpu_kernel_backend.load,
                "fused MoE": fused_moe.load,
-               "grammar bitmask": _bitmask}
+               "grammar bitmask": build_bitmask_kernel}
 
     def one(load) -> tuple[bool, float]:
         started = time.perf_counter()
