@@ -136,7 +136,7 @@ class ModelRunner:
         self.numerics = Numerics(deterministic=deterministic is not False)
         self.model = self._build_model(model_path, load_format, seed)
         log.info(self.numerics.pack(self.model.matmuls(), self.model.matmul_only()))
-        self.adapters = (AdapterStore(self.model, lora, cfg, self.dtype, self.device, ranks)
+        self.adapters = (AdapterStore(self.model, lora, cfg, self.dtype, self.device, ranks, self.numerics)
                          if lora is not None and lora.enabled else None)
         self._log_moe_path()
         self._load_row_ops()

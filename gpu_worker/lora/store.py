@@ -11,6 +11,10 @@ the device, which adapter each request uses, and this step's rows per adapter.
 - **Device** (``max_loras``, least recently used out): the copies the forward pass reads
   (on CPU, the host copy itself). The scheduler never puts more than ``max_loras``
   adapters in one step, so a step's adapters always fit.
+- **Batch invariance**: in the deterministic mode an adapter read from its files has its
+  delta's padded row count measured (``batch.measure_delta_rows``, at every thread count
+  the governor may choose); one whose rows no padding makes independent of the batch is
+  refused like any unreadable adapter.
 
 Every rank runs the same messages in the same order, so their caches hold the same
 adapters and they read files at the same points; whenever one reads (a registration, a
@@ -29,11 +33,13 @@ import torch
 from torch import nn
 
 from cluster.topology import LoraSpec
+from gpu_worker.batch_invariant import Numerics
 from gpu_worker.distributed import Ranks
-from gpu_worker.lora.batch import LoraBatch, attach_sites
+from gpu_worker.lora.batch import LoraBatch, attach_sites, measure_delta_rows
 from gpu_worker.lora.peft_files import AdapterError, read_adapter
 from gpu_worker.lora.weights import AdapterWeights, load_adapter
 from gpu_worker.model_config import ModelConfig
+from gpu_worker.thread_governor import usable_cpus
 from protocol.ipc import SeqChunk, StepPlan
 
 log = logging.getLogger(__name__)
@@ -54,9 +60,10 @@ def inside(path: str, roots: list[str]) -> bool:
 
 class AdapterStore:
     def __init__(self, model: nn.Module, spec: LoraSpec, base: ModelConfig, dtype: torch.dtype,
-                 device: torch.device, ranks: Ranks) -> None:
+                 device: torch.device, ranks: Ranks, numerics: Numerics) -> None:
         self.model, self.spec, self.base = model, spec, base
         self.dtype, self.device, self.ranks = dtype, device, ranks
+        self.numerics = numerics
         self.batch = LoraBatch()
         attach_sites(model, self.batch)
         self.registered: dict[int, Registered] = {}
@@ -78,6 +85,12 @@ class AdapterStore:
                                    f"({', '.join(self.spec.allowed_roots()) or 'none'})")
             layout = read_adapter(path, self.base, self.spec.max_lora_rank)
             weights = load_adapter(self.model, layout, self.dtype)
+            if self.numerics.deterministic:
+                rows, why = measure_delta_rows(list(weights.pairs.values()),
+                                               range(1, len(usable_cpus()) + 1))
+                if rows is None:
+                    raise AdapterError(why)
+                weights.min_rows = rows
         except Exception as err:  # noqa: BLE001 - a rank that raised here would leave the others waiting
             why = " ".join(str(err).split()) or type(err).__name__
         reasons = self.ranks.gather_texts(why)
