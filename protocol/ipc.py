@@ -430,12 +430,15 @@ class SampleLogprobs(msgspec.Struct, array_like=True):
 class RequestFailure(msgspec.Struct, array_like=True, frozen=True):
     """Why one request ended with an error of its own (a token its grammar rejects, no
     token left to sample, non-finite logits) while its step went on for the others; it
-    becomes that request's ``RequestError``."""
+    becomes that request's ``RequestError``. ``recompute``: the prompt KV imported for it
+    could not be written (``KvImport``), so the scheduler computes its prompt instead and
+    the client never sees this failure."""
 
     code: str
     message: str
     status: int = 500
     param: str | None = None
+    recompute: bool = False
 
     def error(self, rid: str) -> RequestError:
         """What the client that sent ``rid`` is told."""

@@ -14,7 +14,9 @@ in-process:
 - ``faulty_kv_send`` / ``kv_fault_env``: a prefill rank's KV transfers are garbled (one
   byte flipped), lose their last frame, are never sent, or stall before being sent.
 - ``misdeclared_kv_sender`` / ``kv_layout_env``: a prefill rank declares one field of its
-  KV layout otherwise (as a node started with another checkpoint or dtype would)."""
+  KV layout otherwise (as a node started with another checkpoint or dtype would).
+- ``losing_store_import`` / ``store_import_lost_env``: a worker no longer holds the blocks
+  the KV store sent it when a plan imports them (as when they expired)."""
 
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ DROP_PLAN_ENV = "CANDOR_TEST_DROP_PLAN"
 KV_FAULT_ENV = "CANDOR_TEST_KV_FAULT"
 KV_FAULTS = ("garble", "drop_frame", "withhold", "stall")
 KV_LAYOUT_ENV = "CANDOR_TEST_KV_LAYOUT"
+STORE_IMPORT_LOST_ENV = "CANDOR_TEST_STORE_IMPORT_LOST"
 SITE_DIR = Path(__file__).parent / "fault_site"
 
 
@@ -140,6 +143,19 @@ def misdeclared_kv_sender(init: Callable, field: str, value: str) -> Callable:
     return wrapper
 
 
+def losing_store_import(import_into: Callable) -> Callable:
+    """``StoreClient.import_into`` that first forgets the blocks held for each import."""
+
+    @functools.wraps(import_into)
+    def wrapper(self, runner, imports):
+        with self.lock:
+            for imp in imports:
+                self.held.pop(imp.rid, None)
+        return import_into(self, runner, imports)
+
+    return wrapper
+
+
 def _site_path() -> str:
     """PYTHONPATH with the site directory first (the launcher keeps an inherited
     PYTHONPATH after its own directory)."""
@@ -180,3 +196,9 @@ def kv_layout_env(field: str, value: str) -> dict[str, str]:
     """Environment for a ``CandorServer`` whose prefill ranks declare ``field`` of their
     KV layout as ``value`` (see ``misdeclared_kv_sender``)."""
     return {KV_LAYOUT_ENV: f"{field}={value}", "PYTHONPATH": _site_path()}
+
+
+def store_import_lost_env() -> dict[str, str]:
+    """Environment for a ``CandorServer`` whose workers lose every block the KV store sent
+    them before a plan imports it (see ``losing_store_import``)."""
+    return {STORE_IMPORT_LOST_ENV: "1", "PYTHONPATH": _site_path()}

@@ -10,7 +10,9 @@ after its first import; every other process and module is left as it is:
 - CANDOR_TEST_KV_FAULT: gpu_worker.kv_transfer's KvSender garbles, truncates, withholds
   or stalls every KV transfer (tests/faults.py: faulty_kv_send);
 - CANDOR_TEST_KV_LAYOUT (``FIELD=VALUE``): its KvSender declares that layout field
-  otherwise (tests/faults.py: misdeclared_kv_sender)."""
+  otherwise (tests/faults.py: misdeclared_kv_sender);
+- CANDOR_TEST_STORE_IMPORT_LOST: gpu_worker.kv_store_client's StoreClient no longer holds
+  the blocks a plan imports (tests/faults.py: losing_store_import)."""
 
 from __future__ import annotations
 
@@ -88,3 +90,8 @@ if _kv_fault or _kv_layout:
             module.KvSender.__init__ = misdeclared_kv_sender(module.KvSender.__init__,
                                                              field, value)
     sys.meta_path.insert(0, _PatchAfterImport("gpu_worker.kv_transfer", _patch_kv))
+if os.environ.get("CANDOR_TEST_STORE_IMPORT_LOST"):
+    def _patch_store_client(module) -> None:
+        from tests.faults import losing_store_import
+        module.StoreClient.import_into = losing_store_import(module.StoreClient.import_into)
+    sys.meta_path.insert(0, _PatchAfterImport("gpu_worker.kv_store_client", _patch_store_client))
