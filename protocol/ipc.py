@@ -186,6 +186,16 @@ class RequestInfo(_Message, tag="request_info", omit_defaults=True):
     prompt_offsets: list[int] | None = None
 
 
+class EngineHas(_Message, tag="engine_has"):
+    """Scheduler -> frontend: the engine took ``rid`` from its tokenizer worker. Until
+    then the request depends on that worker: one killed after its ``RequestInfo`` went
+    out but before the ``TokenizedReq`` did (or while that sat unsent in its socket) loses
+    the request, so the frontend fails it when the worker dies instead of waiting for a
+    token that never comes."""
+
+    rid: str
+
+
 class RenderReq(_Message, tag="render", omit_defaults=True):
     """Frontend -> tokenizer worker: template and tokenize ``gen`` (or decode
     ``token_ids``) and reply with a RenderResult; nothing is scheduled."""
@@ -708,5 +718,5 @@ WorkerInbound = Union[StepPlan, PlanMark, Shutdown, LoadAdapter, DropAdapter]
 WorkerOutbound = Union[WorkerReady, StepResult, WorkerError, KvReceived, AdapterLoaded]
 DetokenizerInbound = Union[DetokStart, TokenBatch]
 FrontendInbound = Union[TextDeltas, RequestError, RequestInfo, RenderResult, StoreQuery,
-                        StoreAnswer, Pooled, AdapterReply]
+                        StoreAnswer, Pooled, AdapterReply, EngineHas]
 SchedulerBroadcast = SchedulerStats

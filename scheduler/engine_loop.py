@@ -281,6 +281,8 @@ class EngineLoop:
                 req.prompt_token_ids[-8:],
                 req.prompt_token_ids if req.detok.return_token_ids else None,
                 replica=self.cfg.replica, decode_replica=req.decode_replica))
+        # the request no longer depends on its tokenizer worker (ipc.EngineHas)
+        self.replies.send(req.reply_to, ipc.EngineHas(req.rid))
         if self.handoffs is not None:
             req = self.handoffs.admit(req)
         sreq = SchedRequest(req, self.arrivals, adapter=adapter)

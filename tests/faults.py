@@ -16,7 +16,9 @@ in-process:
 - ``misdeclared_kv_sender`` / ``kv_layout_env``: a prefill rank declares one field of its
   KV layout otherwise (as a node started with another checkpoint or dtype would).
 - ``losing_store_import`` / ``store_import_lost_env``: a worker no longer holds the blocks
-  the KV store sent it when a plan imports them (as when they expired)."""
+  the KV store sent it when a plan imports them (as when they expired).
+- ``dying_before_scheduling`` / ``tokenizer_dies_env``: a tokenizer worker is killed after
+  answering a request's ``RequestInfo``, before its ``TokenizedReq`` goes out."""
 
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ KV_FAULT_ENV = "CANDOR_TEST_KV_FAULT"
 KV_FAULTS = ("garble", "drop_frame", "withhold", "stall")
 KV_LAYOUT_ENV = "CANDOR_TEST_KV_LAYOUT"
 STORE_IMPORT_LOST_ENV = "CANDOR_TEST_STORE_IMPORT_LOST"
+TOKENIZER_DIES_ENV = "CANDOR_TEST_TOKENIZER_DIES_ON"
 SITE_DIR = Path(__file__).parent / "fault_site"
 
 
@@ -156,6 +159,29 @@ def losing_store_import(import_into: Callable) -> Callable:
     return wrapper
 
 
+def dying_before_scheduling(send: Callable, marker: int) -> Callable:
+    """``Sender.send`` that, in a tokenizer worker, SIGKILLs its process instead of sending
+    a ``TokenizedReq`` whose prompt holds token ``marker`` (its ``RequestInfo`` has gone
+    out: given time to leave the socket first)."""
+    argv = sys.argv[1] if len(sys.argv) > 1 else "{}"
+    try:
+        role = json.loads(argv).get("role")
+    except (ValueError, AttributeError):
+        role = None
+    if role != "tokenizer_worker":
+        return send
+
+    @functools.wraps(send)
+    def wrapper(self, msg):
+        if type(msg).__name__ == "TokenizedReq" and marker in msg.prompt_token_ids:
+            import signal
+            time.sleep(0.5)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return send(self, msg)
+
+    return wrapper
+
+
 def _site_path() -> str:
     """PYTHONPATH with the site directory first (the launcher keeps an inherited
     PYTHONPATH after its own directory)."""
@@ -202,3 +228,10 @@ def store_import_lost_env() -> dict[str, str]:
     """Environment for a ``CandorServer`` whose workers lose every block the KV store sent
     them before a plan imports it (see ``losing_store_import``)."""
     return {STORE_IMPORT_LOST_ENV: "1", "PYTHONPATH": _site_path()}
+
+
+def tokenizer_dies_env(marker: int) -> dict[str, str]:
+    """Environment for a ``CandorServer`` whose tokenizer worker dies between a request's
+    ``RequestInfo`` and its ``TokenizedReq`` when its prompt holds ``marker`` (see
+    ``dying_before_scheduling``)."""
+    return {TOKENIZER_DIES_ENV: str(marker), "PYTHONPATH": _site_path()}
