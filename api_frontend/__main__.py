@@ -64,7 +64,7 @@ async def serve() -> None:
             if n:
                 log.warning("failed %d requests: %s", n, why)
         elif role == "tokenizer_worker":  # stateless, but what it held is gone
-            n = engine.fail_requests(f"request lost: {why} before preparing it; retry",
+            n = engine.fail_requests(f"request lost: {why} before handing it to the engine; retry",
                                      "tokenizer_lost", tokenizer=index)
             if n:
                 log.warning("failed %d requests: %s", n, why)

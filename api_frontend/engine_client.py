@@ -2,7 +2,9 @@
 
 Each request goes to one tokenizer worker (the one with the fewest of this frontend's
 requests still unanswered, over its own PUSH socket), which is remembered until the
-worker answers: if that worker dies, exactly its requests are failed. Every reply for this
+engine has the request (``EngineHas``; a render: until the worker answers): if that
+worker dies, exactly its requests are failed, those it already answered with a
+``RequestInfo`` but whose ``TokenizedReq`` it never got out included. Every reply for this
 process comes back on its own PULL socket, and one reader task routes each message to the
 waiting request's queue. The schedulers' heartbeats arrive on a SUB socket and back
 /health. Without its reader tasks this process can only hang, so a reader that ends for
@@ -109,6 +111,8 @@ class EngineClient:
         self._encoder = msgspec.msgpack.Encoder()
         # rid -> index of the tokenizer worker holding it, until that worker answers
         self._at_tokenizer: dict[str, int] = {}
+        # rid -> that worker, until the engine has the request (EngineHas, or its output)
+        self._before_engine: dict[str, int] = {}
         self._tokenizer_load = [0] * len(a.tokenizer_in)
         self._next_tokenizer = itertools.cycle(range(len(a.tokenizer_in)))
         self._to_scheduler = [Sender(self.ctx, addr)
@@ -165,6 +169,7 @@ class EngineClient:
             if isinstance(msg, ipc.TextDeltas):
                 for item in msg.items:
                     self._tokenizer_answered(item.rid)
+                    self._before_engine.pop(item.rid, None)
                     self._unanswered.pop(item.rid, None)
                     queue = self._queues.get(item.rid)
                     if queue is not None:
@@ -173,8 +178,12 @@ class EngineClient:
             elif isinstance(msg, (ipc.StoreQuery, ipc.StoreAnswer)):
                 if self.on_peer_message is not None:
                     self.on_peer_message(msg)
+            elif isinstance(msg, ipc.EngineHas):
+                self._before_engine.pop(msg.rid, None)
             else:  # RequestInfo, RenderResult or RequestError: one rid each
                 self._tokenizer_answered(msg.rid)
+                if not isinstance(msg, ipc.RequestInfo):  # (the engine may never get it)
+                    self._before_engine.pop(msg.rid, None)
                 self._unanswered.pop(msg.rid, None)
                 queue = self._queues.get(msg.rid)
                 if queue is not None:
@@ -218,15 +227,18 @@ class EngineClient:
     def fail_requests(self, message: str, code: str, detokenizer: int | None = None,
                       tokenizer: int | None = None) -> int:
         """Fail in-flight requests (all, those a lost detokenizer owned, or those a lost
-        tokenizer worker had not answered yet) with a 503 instead of leaving them to hang;
-        the scheduler frees their KV blocks."""
+        tokenizer worker had not answered yet or not yet handed to the engine) with a 503
+        instead of leaving them to hang; the scheduler frees their KV blocks (or drops
+        the request if it arrives after the abort)."""
         failed = 0
         for rid, queue in list(self._queues.items()):
             if detokenizer is not None and self._detokenizer_of(rid) != detokenizer:
                 continue
-            if tokenizer is not None and self._at_tokenizer.get(rid) != tokenizer:
+            if tokenizer is not None and tokenizer not in (self._at_tokenizer.get(rid),
+                                                           self._before_engine.get(rid)):
                 continue
             self._tokenizer_answered(rid)
+            self._before_engine.pop(rid, None)
             err = ipc.RequestError(rid, 503, message, type="service_unavailable_error",
                                    code=code)
             self._observe_error(err)
@@ -248,6 +260,7 @@ class EngineClient:
             if queue is None:
                 continue
             self._tokenizer_answered(rid)
+            self._before_engine.pop(rid, None)
             err = ipc.RequestError(rid, 503, f"engine replica {replica} was lost while "
                                    f"serving this request ({why}); retry: the other "
                                    "replicas serve on", type="service_unavailable_error",
@@ -492,6 +505,7 @@ class EngineClient:
         self._at_tokenizer[req.rid] = worker
         self._tokenizer_load[worker] += 1
         if is_generation:
+            self._before_engine[req.rid] = worker
             self._unanswered[req.rid] = time.monotonic()
             self._replica_of[req.rid] = req.replica
             self._replica_load[req.replica] += 1
@@ -516,6 +530,7 @@ class EngineClient:
         self._forget_replica(rid)
         self._served_by.pop(rid, None)
         self._tokenizer_answered(rid)
+        self._before_engine.pop(rid, None)
         self._queues.pop(rid, None)
         self._unanswered.pop(rid, None)
         self._timers.pop(rid, None)

@@ -390,7 +390,10 @@ FOREIGN: tuple[Foreign, ...] = (
     Foreign("typical_p", "rejected", "typical sampling is not implemented", (1, 1.0)),
     Foreign("documents", "rejected", "chat documents (RAG templates) are not implemented"),
     Foreign("request_id", "ignored", "send the X-Request-Id header instead; it is echoed"),
-    Foreign("kv_transfer_params", "ignored", "disaggregated prefill is not part of Candor"),
+    Foreign("kv_transfer_params", "ignored", "Candor's disaggregated prefill/decode is the "
+            "deployment's (`--prefill-replicas` / `--decode-replicas`): the scheduler hands "
+            "each request on and its KV moves worker to worker, so no client or proxy passes "
+            "transfer parameters"),
 )
 FOREIGN_FIELDS: dict[str, Foreign] = {f.field: f for f in FOREIGN}
 

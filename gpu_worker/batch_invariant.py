@@ -172,15 +172,37 @@ class Numerics:
         m = x.shape[0]
         if m >= self.min_rows or m == 0:
             return self.matmul(x, weight, bias)
-        padded = x.new_zeros((self.min_rows, *x.shape[1:]))
-        padded[:m] = x
-        return self.matmul(padded, weight, bias)[:m]
+        return self.matmul(pad_rows(x, self.min_rows), weight, bias)[:m]
 
     def activation(self, name: str) -> Callable[[torch.Tensor], torch.Tensor]:
         """Activation ``name``, chosen at each call: layers are built before the runner
         settles the mode, and where it ends up off they keep torch's fused kernels."""
         fast, invariant = activation(name), INVARIANT_ACTIVATIONS[name]
         return lambda x: invariant(x) if self.deterministic else fast(x)
+
+
+def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``x`` followed by zero rows up to ``rows`` rows (``x`` itself when it has as many)."""
+    if x.shape[0] >= rows:
+        return x
+    padded = x.new_zeros((rows, *x.shape[1:]))
+    padded[:x.shape[0]] = x
+    return padded
+
+
+def agrees_from(f: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, probe: tuple[int, ...],
+                gen: torch.Generator) -> int:
+    """The smallest count of ``probe`` from which ``f`` of that many rows of ``x`` (random
+    ones, in a random order) gives each row bitwise what ``f(x)`` gives it, for every
+    larger probed count too (``max(probe) + 1``: none does); ``x`` has ``max(probe)`` rows."""
+    ref = f(x)
+    found = max(probe) + 1
+    for m in sorted(probe, reverse=True):  # the last count that disagrees bounds it
+        rows = torch.randperm(max(probe), generator=gen)[:m].to(x.device)
+        if not torch.equal(f(x[rows]), ref[rows]):
+            break
+        found = m
+    return found
 
 
 def measure_min_rows(weights: Iterable[tuple[torch.Tensor, torch.Tensor | None]],
@@ -205,18 +227,12 @@ def measure_min_rows(weights: Iterable[tuple[torch.Tensor, torch.Tensor | None]]
         seen.add(key)
         device = torch.device("cpu") if weight.is_meta else weight.device  # (packed in its place)
         x = torch.randn(max(probe), weight.shape[1], generator=gen).to(weight.dtype).to(device)
-        ref = matmul(x, weight, bias)
-        agrees_from = max(probe) + 1
-        for m in sorted(probe, reverse=True):  # the last count that disagrees bounds it
-            rows = torch.randperm(max(probe), generator=gen)[:m].to(x.device)
-            if not torch.equal(matmul(x[rows], weight, bias), ref[rows]):
-                break
-            agrees_from = m
-        need = max(need, agrees_from)
+        found = agrees_from(lambda rows: matmul(rows, weight, bias), x, probe, gen)
+        need = max(need, found)
         checked += 1
         if need > MAX_MIN_ROWS:
             return None, (f"matmul {tuple(weight.shape)}: rows differ with the batch size up to "
-                          f"{agrees_from - 1} rows (checked {len(probe)} sizes up to {max(probe)})")
+                          f"{found - 1} rows (checked {len(probe)} sizes up to {max(probe)})")
     log.info("batch-invariant matmuls from %d rows (%d shapes x %d batch sizes checked in %.2fs)",
              need, checked, len(probe), time.perf_counter() - started)
     return need, ""

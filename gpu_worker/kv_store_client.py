@@ -99,7 +99,7 @@ class StoreClient:
             if held is None or len(held[0]) < len(imp.blocks):
                 runner.failed[imp.rid] = ipc.RequestFailure(
                     "kv_store_lost", "the prompt blocks found in the KV store were no longer "
-                    "held by this replica's worker; retry", 503)
+                    "held by this replica's worker; retry", 503, recompute=True)
                 continue
             idx = torch.tensor(imp.blocks, dtype=torch.long, device=runner.device)
             halves = [half for layer in runner.kv_caches for half in layer]

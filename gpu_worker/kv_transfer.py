@@ -335,7 +335,7 @@ class KvReceiver:
             if held is None or self._complete(held) != len(imp.blocks):
                 runner.failed[imp.rid] = ipc.RequestFailure(
                     "kv_transfer_lost", "the prompt KV handed over from the prefill replica "
-                    "was no longer held by the decode replica; retry", 503)
+                    "was no longer held by the decode replica; retry", 503, recompute=True)
                 continue
             halves = [half for layer in runner.kv_caches for half in layer]
             pieces = [p for by_first in held.parts.values() for p in by_first.values()]

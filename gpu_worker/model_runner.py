@@ -136,7 +136,8 @@ class ModelRunner:
         self.numerics = Numerics(deterministic=deterministic is not False)
         self.model = self._build_model(model_path, load_format, seed)
         log.info(self.numerics.pack(self.model.matmuls(), self.model.matmul_only()))
-        self.adapters = (AdapterStore(self.model, lora, cfg, self.dtype, self.device, ranks)
+        self.adapters = (AdapterStore(self.model, lora, cfg, self.dtype, self.device, ranks,
+                                      self.numerics)
                          if lora is not None and lora.enabled else None)
         self._log_moe_path()
         self._load_row_ops()
@@ -145,6 +146,8 @@ class ModelRunner:
         self.scratch_block = self.num_blocks  # never in a plan: _check rejects ids >= num_blocks
         self.kv_caches = self._allocate_kv_cache()
         self.attn_spec, self.attn_backend, self.deterministic_note = self._settle_determinism(deterministic)
+        if self.adapters is not None:  # their row groups padded as the mode needs
+            self.adapters.settle()
 
         self.grammars = GrammarStates(model_path, cfg.vocab_size, self.device)
         self.sampler = Sampler(self.device, seed, apply_masks=self.grammars.apply_masks)

@@ -186,6 +186,16 @@ class RequestInfo(_Message, tag="request_info", omit_defaults=True):
     prompt_offsets: list[int] | None = None
 
 
+class EngineHas(_Message, tag="engine_has"):
+    """Scheduler -> frontend: the engine took ``rid`` from its tokenizer worker. Until
+    then the request depends on that worker: one killed after its ``RequestInfo`` went
+    out but before the ``TokenizedReq`` did (or while that sat unsent in its socket) loses
+    the request, so the frontend fails it when the worker dies instead of waiting for a
+    token that never comes."""
+
+    rid: str
+
+
 class RenderReq(_Message, tag="render", omit_defaults=True):
     """Frontend -> tokenizer worker: template and tokenize ``gen`` (or decode
     ``token_ids``) and reply with a RenderResult; nothing is scheduled."""
@@ -430,12 +440,15 @@ class SampleLogprobs(msgspec.Struct, array_like=True):
 class RequestFailure(msgspec.Struct, array_like=True, frozen=True):
     """Why one request ended with an error of its own (a token its grammar rejects, no
     token left to sample, non-finite logits) while its step went on for the others; it
-    becomes that request's ``RequestError``."""
+    becomes that request's ``RequestError``. ``recompute``: the prompt KV imported for it
+    could not be written (``KvImport``), so the scheduler computes its prompt instead and
+    the client never sees this failure."""
 
     code: str
     message: str
     status: int = 500
     param: str | None = None
+    recompute: bool = False
 
     def error(self, rid: str) -> RequestError:
         """What the client that sent ``rid`` is told."""
@@ -705,5 +718,5 @@ WorkerInbound = Union[StepPlan, PlanMark, Shutdown, LoadAdapter, DropAdapter]
 WorkerOutbound = Union[WorkerReady, StepResult, WorkerError, KvReceived, AdapterLoaded]
 DetokenizerInbound = Union[DetokStart, TokenBatch]
 FrontendInbound = Union[TextDeltas, RequestError, RequestInfo, RenderResult, StoreQuery,
-                        StoreAnswer, Pooled, AdapterReply]
+                        StoreAnswer, Pooled, AdapterReply, EngineHas]
 SchedulerBroadcast = SchedulerStats

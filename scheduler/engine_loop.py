@@ -281,6 +281,8 @@ class EngineLoop:
                 req.prompt_token_ids[-8:],
                 req.prompt_token_ids if req.detok.return_token_ids else None,
                 replica=self.cfg.replica, decode_replica=req.decode_replica))
+        # the request no longer depends on its tokenizer worker (ipc.EngineHas)
+        self.replies.send(req.reply_to, ipc.EngineHas(req.rid))
         if self.handoffs is not None:
             req = self.handoffs.admit(req)
         sreq = SchedRequest(req, self.arrivals, adapter=adapter)
@@ -310,6 +312,22 @@ class EngineLoop:
         self._detok_for(rid).send(ipc.TokenBatch([msg.first_output]))
         self.intake.on_handoff(msg)
         self._settle_handoffs()
+
+    def _recompute(self, sreq: SchedRequest, failure: ipc.RequestFailure) -> None:
+        """The worker could not write the prompt KV imported for ``sreq`` (or for the
+        request whose blocks it shares): the planner finished it, its blocks unwritten
+        and uncached; it is queued again as a fresh request that computes its prompt,
+        keeping the tokens it already has (a handed-over first token)."""
+        self.log.warning("%s: %s; computing its prompt here instead", sreq.rid,
+                         failure.message)
+        if self.intake is not None:
+            self.intake.metrics.failures.labels("import_lost").inc()
+        again = SchedRequest(sreq.req, 0, token_ids=list(sreq.token_ids), adapter=sreq.adapter)
+        again.num_generated = sreq.num_generated
+        if sreq.num_generated:  # its first token, and the hit reported with it, are out
+            again.cached_tokens = sreq.cached_tokens
+        self.ops.forget(sreq.rid)
+        self._enqueue(again)
 
     def _settle_handoffs(self) -> None:
         """Queue the handed requests whose KV is in (or that recompute): see handoff.py."""
@@ -389,9 +407,9 @@ class EngineLoop:
         if self.handoffs is not None:
             plan.kv_exports = self.handoffs.exports(planned.chunks, self.requests)
         elif self.intake is not None:
-            plan.kv_imports = self.intake.take_imports()
+            plan.kv_imports = self.intake.take_imports(planned.chunks)
         elif self.store is not None:
-            plan.kv_imports = self.store.take_imports()
+            plan.kv_imports = self.store.take_imports(planned.chunks)
             plan.kv_store_puts = self.store.puts(planned, self.block_size)
         t1 = time.perf_counter()
         self.to_worker.send(plan)
@@ -428,6 +446,9 @@ class EngineLoop:
                                msg.timings)
         for s in self.planner.postprocess(planned, msg.sampled, msg.failed):
             sreq = s.req
+            if s.failure is not None and s.failure.recompute:  # its imported KV is lost
+                self._recompute(sreq, s.failure)
+                continue
             if s.failure is not None:  # its own bad state: it alone ends
                 self.log.warning("request %s failed: %s (%s)", sreq.rid, s.failure.message,
                                  s.failure.code)

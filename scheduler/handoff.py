@@ -11,10 +11,12 @@ token that ends the request (eos, a stop id, max_tokens 1) finishes here instead
 
 Decode replica (``DecodeIntake``): a handed request waits for its KV, which arrives on
 the worker side; every rank reports its shard (``KvReceived``), in either order with the
-handoff. All shards in: blocks are allocated and the next plan imports the KV into them
-(``KvImport``) ahead of the request's first chunk, which feeds the first token at
-position len(prompt). A refused shard, no free blocks, or no KV within the deadline: the
-request recomputes its prompt here, like a preempted one (partial KV is never used).
+handoff. All shards in: blocks are allocated and the plan that schedules the request's
+first chunk, which feeds the first token at position len(prompt), imports the KV into
+them before its forward (``KvImport``, ``pending_imports``). A refused shard, no free
+blocks, no KV within the deadline, or an import the worker could not write
+(``RequestFailure.recompute``): the request recomputes its prompt here, like a preempted
+one (partial KV is never used).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from cluster.process_config import SchedulerConfig
 from protocol import ipc
 from protocol.transport import Sender
 from scheduler.block_manager import BlockAllocator
+from scheduler.pending_imports import PendingImports
 from scheduler.request import SchedRequest
 
 log = logging.getLogger("scheduler")
@@ -107,7 +110,7 @@ class DecodeIntake:
         self.ranks = cfg.tensor_parallel
         self.awaiting: dict[str, _Awaiting] = {}
         self.shards: dict[str, _Shards] = {}  # reports, possibly ahead of the handoff
-        self.imports: list[tuple[SchedRequest, ipc.KvImport]] = []  # for the next plan
+        self.imports = PendingImports()
         self.metrics = KvTransferMetrics()
 
     @staticmethod
@@ -157,7 +160,7 @@ class DecodeIntake:
                     sreq.block_table = blocks
                     sreq.num_computed = sreq.num_scheduled = len(wait.handoff.req.prompt_token_ids)
                     # a copy: the table grows (the first decode token) before the plan goes
-                    self.imports.append((sreq, ipc.KvImport(rid, list(blocks))))
+                    self.imports.add(sreq, 0, ipc.KvImport(rid, list(blocks)))
                     out.append((wait.handoff, sreq))
                     continue
                 self.metrics.failures.labels("no_free_blocks").inc()
@@ -175,8 +178,7 @@ class DecodeIntake:
             del self.shards[rid]
         return out
 
-    def take_imports(self) -> list[ipc.KvImport]:
-        """The imports of requests still live, for the plan about to go out."""
-        out = [imp for sreq, imp in self.imports if not sreq.finished]
-        self.imports.clear()
-        return out
+    def take_imports(self, chunks: list[ipc.SeqChunk]) -> list[ipc.KvImport]:
+        """The imports of the live requests the plan about to go out (``chunks``)
+        schedules."""
+        return self.imports.take(chunks)

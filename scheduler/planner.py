@@ -178,7 +178,8 @@ class Planner:
             if failure is not None:
                 self.finish(req)
                 out.append(Sampled(req, -1, -1, "error", failure))
-                out.extend(Sampled(b, -1, -1, "error", BORROWED_FROM_FAILED)
+                lent = failure if failure.recompute else BORROWED_FROM_FAILED
+                out.extend(Sampled(b, -1, -1, "error", lent)
                            for b in self._fail_borrowers(step, req.rid))
                 continue
             self.commit(req)

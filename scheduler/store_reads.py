@@ -4,8 +4,10 @@ Reads: a new request whose leading full prompt blocks are not all in the local p
 cache is parked while the store is asked for the rest (``StoreLookup``: their chain
 hashes past the local run). The store answers how many it holds (``StoreHeld``) and sends
 each rank its shards; every rank reports them (``KvReceived``). All in: the request
-takes its local run, blocks for the found ones and the next plan imports them before
-its forward (``KvImport``); it then counts them as computed (``cached_tokens`` says so).
+takes its local run, blocks for the found ones and the plan that schedules its first
+chunk imports them before its forward (``KvImport``, ``pending_imports``); it then counts
+them as computed (``cached_tokens`` says so). Blocks the worker no longer holds by then
+fail the import, and the request computes its prompt after all (``RequestFailure.recompute``).
 No answer within ``lookup_timeout_s``, a refused shard, no free blocks, or a local run
 that changed meanwhile: the request runs as a miss. A store that missed its deadline is
 not asked again for ``DOWN_S``, so a dead store costs one deadline, not one per request.
@@ -36,6 +38,7 @@ from cluster.process_config import SchedulerConfig
 from protocol import ipc
 from protocol import kv_store as msg
 from protocol.transport import open_socket
+from scheduler.pending_imports import PendingImports
 from scheduler.planner import PlannedStep, Planner
 from scheduler.request import SchedRequest
 
@@ -87,7 +90,7 @@ class StoreReads:
         self.namespace = b""  # the worker's (WorkerReady); nothing is asked before it
         self.sent: OrderedDict[bytes, None] = OrderedDict()
         self.lookups: dict[str, _Lookup] = {}
-        self.imports: list[tuple[SchedRequest, int, ipc.KvImport]] = []
+        self.imports = PendingImports()
         self.down_until = 0.0
         self.metrics = KvStoreReadMetrics()
 
@@ -179,15 +182,13 @@ class StoreReads:
             return 0
         sreq.block_table.extend(blocks)
         sreq.reset_computed((local + held) * planner.block_size)
-        self.imports.append((sreq, local, ipc.KvImport(sreq.rid, blocks)))
+        self.imports.add(sreq, local, ipc.KvImport(sreq.rid, blocks))
         return held
 
-    def take_imports(self) -> list[ipc.KvImport]:
-        """Imports of requests that still hold their blocks, for the plan going out."""
-        out = [imp for sreq, first, imp in self.imports if not sreq.finished
-               and sreq.block_table[first:first + len(imp.blocks)] == imp.blocks]
-        self.imports.clear()
-        return out
+    def take_imports(self, chunks: list[ipc.SeqChunk]) -> list[ipc.KvImport]:
+        """The imports of the requests the plan going out (``chunks``) schedules, that
+        still hold their blocks."""
+        return self.imports.take(chunks)
 
     # ------------------------------------------------------------------ writes
     def puts(self, planned: PlannedStep, block_size: int) -> list[ipc.KvStorePut]:

@@ -14,7 +14,11 @@ in-process:
 - ``faulty_kv_send`` / ``kv_fault_env``: a prefill rank's KV transfers are garbled (one
   byte flipped), lose their last frame, are never sent, or stall before being sent.
 - ``misdeclared_kv_sender`` / ``kv_layout_env``: a prefill rank declares one field of its
-  KV layout otherwise (as a node started with another checkpoint or dtype would)."""
+  KV layout otherwise (as a node started with another checkpoint or dtype would).
+- ``losing_store_import`` / ``store_import_lost_env``: a worker no longer holds the blocks
+  the KV store sent it when a plan imports them (as when they expired).
+- ``dying_before_scheduling`` / ``tokenizer_dies_env``: a tokenizer worker is killed after
+  answering a request's ``RequestInfo``, before its ``TokenizedReq`` goes out."""
 
 from __future__ import annotations
 
@@ -33,6 +37,8 @@ DROP_PLAN_ENV = "CANDOR_TEST_DROP_PLAN"
 KV_FAULT_ENV = "CANDOR_TEST_KV_FAULT"
 KV_FAULTS = ("garble", "drop_frame", "withhold", "stall")
 KV_LAYOUT_ENV = "CANDOR_TEST_KV_LAYOUT"
+STORE_IMPORT_LOST_ENV = "CANDOR_TEST_STORE_IMPORT_LOST"
+TOKENIZER_DIES_ENV = "CANDOR_TEST_TOKENIZER_DIES_ON"
 SITE_DIR = Path(__file__).parent / "fault_site"
 
 
@@ -140,6 +146,42 @@ def misdeclared_kv_sender(init: Callable, field: str, value: str) -> Callable:
     return wrapper
 
 
+def losing_store_import(import_into: Callable) -> Callable:
+    """``StoreClient.import_into`` that first forgets the blocks held for each import."""
+
+    @functools.wraps(import_into)
+    def wrapper(self, runner, imports):
+        with self.lock:
+            for imp in imports:
+                self.held.pop(imp.rid, None)
+        return import_into(self, runner, imports)
+
+    return wrapper
+
+
+def dying_before_scheduling(send: Callable, marker: int) -> Callable:
+    """``Sender.send`` that, in a tokenizer worker, SIGKILLs its process instead of sending
+    a ``TokenizedReq`` whose prompt holds token ``marker`` (its ``RequestInfo`` has gone
+    out: given time to leave the socket first)."""
+    argv = sys.argv[1] if len(sys.argv) > 1 else "{}"
+    try:
+        role = json.loads(argv).get("role")
+    except (ValueError, AttributeError):
+        role = None
+    if role != "tokenizer_worker":
+        return send
+
+    @functools.wraps(send)
+    def wrapper(self, msg):
+        if type(msg).__name__ == "TokenizedReq" and marker in msg.prompt_token_ids:
+            import signal
+            time.sleep(0.5)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return send(self, msg)
+
+    return wrapper
+
+
 def _site_path() -> str:
     """PYTHONPATH with the site directory first (the launcher keeps an inherited
     PYTHONPATH after its own directory)."""
@@ -180,3 +222,16 @@ def kv_layout_env(field: str, value: str) -> dict[str, str]:
     """Environment for a ``CandorServer`` whose prefill ranks declare ``field`` of their
     KV layout as ``value`` (see ``misdeclared_kv_sender``)."""
     return {KV_LAYOUT_ENV: f"{field}={value}", "PYTHONPATH": _site_path()}
+
+
+def store_import_lost_env() -> dict[str, str]:
+    """Environment for a ``CandorServer`` whose workers lose every block the KV store sent
+    them before a plan imports it (see ``losing_store_import``)."""
+    return {STORE_IMPORT_LOST_ENV: "1", "PYTHONPATH": _site_path()}
+
+
+def tokenizer_dies_env(marker: int) -> dict[str, str]:
+    """Environment for a ``CandorServer`` whose tokenizer worker dies between a request's
+    ``RequestInfo`` and its ``TokenizedReq`` when its prompt holds ``marker`` (see
+    ``dying_before_scheduling``)."""
+    return {TOKENIZER_DIES_ENV: str(marker), "PYTHONPATH": _site_path()}

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.faults import tokenizer_dies_env
 from tests.polling import wait_until
 from tests.server import CandorServer, free_port, pid_alive, role_of
 
@@ -68,39 +69,68 @@ def _is_error_shape(payload: bytes) -> bool:
     return set(err) == {"message", "type", "param", "code"}
 
 
+def _waiting_for(stream: bool, status: int | None, got: bytes) -> str:
+    """What a request that never ended was still waiting for, from what had arrived."""
+    if status is None:
+        return "its response headers (nothing came back)"
+    if not stream:
+        return f"the rest of its {status} body ({len(got)} bytes had arrived)"
+    frames = [line for line in got.split(b"\n") if line.startswith(b"data: ")]
+    if not frames:
+        return (f"its first frame after the {status} headers: no token and no error frame "
+                "(the engine never produced one for it)")
+    return (f"more after {len(frames)} data frames (last {frames[-1][:120]!r}): no error "
+            "frame and no [DONE]")
+
+
+def _post(port: int, body: dict, rid: str, timeout: float = CLIENT_TIMEOUT_S
+          ) -> tuple[int | None, bytes, BaseException | None]:
+    """POST /v1/completions with ``X-Request-Id: rid``: (status, what arrived, the error
+    that ended it early). Reads as it arrives, so a request cut short still says what it
+    had got (``_waiting_for``)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    status, got = None, bytearray()
+    try:
+        conn.request("POST", "/v1/completions", json.dumps(body),
+                     {"Content-Type": "application/json", "X-Request-Id": rid})
+        resp = conn.getresponse()
+        status = resp.status
+        while chunk := resp.read1(65536):
+            got += chunk
+    except (OSError, http.client.HTTPException) as exc:
+        return status, bytes(got), exc
+    finally:
+        conn.close()
+    return status, bytes(got), None
+
+
 def _one_request(port: int, i: int, out: Outcomes) -> None:
     stream = i % 2 == 0
     body = {"model": MODEL, "prompt": f"chaos {i}", "max_tokens": 48, "ignore_eos": True,
             "stream": stream}
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=CLIENT_TIMEOUT_S)
     started = time.monotonic()
-    try:
-        try:
-            conn.request("POST", "/v1/completions", json.dumps(body),
-                         {"Content-Type": "application/json"})
-        except ConnectionRefusedError:
-            out.add("refused")
-            return
-        resp = conn.getresponse()
-        payload = resp.read()
-    except ConnectionRefusedError:
+    status, payload, exc = _post(port, body, f"chaos-{i}")
+    if isinstance(exc, ConnectionRefusedError):
         out.add("refused")
         return
-    except (OSError, http.client.HTTPException) as exc:
+    if exc is not None:
         if started > out.kill_time and not isinstance(exc, TimeoutError):
             # a connection the listener had queued but never handed over when the
             # process closed it: the kernel resets those, whatever the server does
             out.add("late_reset")
         else:
-            out.add("fail", f"request {i} (stream={stream}) lost: {exc!r}")
+            since = started - out.kill_time
+            when = (f"sent {since:.2f}s after the kill" if since >= 0 else "sent before the kill"
+                    if since == float("-inf") else f"sent {-since:.2f}s before the kill")
+            out.add("fail", f"request {i} (X-Request-Id chaos-{i}, stream={stream}, {when}) "
+                            f"lost: {exc!r} while waiting for "
+                            f"{_waiting_for(stream, status, payload)}")
         return
-    finally:
-        conn.close()
-    if resp.status != 200:
+    if status != 200:
         if _is_error_shape(payload):
-            out.add("http", resp.status)
+            out.add("http", status)
         else:
-            out.add("fail", f"request {i}: {resp.status} not in the error shape: {payload[:200]!r}")
+            out.add("fail", f"request {i}: {status} not in the error shape: {payload[:200]!r}")
         return
     if not stream:
         try:
@@ -117,6 +147,20 @@ def _one_request(port: int, i: int, out: Outcomes) -> None:
         out.add("frame")
     else:
         out.add("ok")
+
+
+def _explained(failures: list[str], log_path: Path) -> str:
+    """The failures, each lost request with what the server logged about it (by its
+    X-Request-Id), so a flake says where the request stopped."""
+    lines = log_path.read_text(errors="replace").splitlines() if log_path.exists() else []
+    out = []
+    for failure in failures:
+        out.append(failure)
+        rid = failure.split("X-Request-Id ", 1)[1].split(",", 1)[0] if "X-Request-Id " in failure else None
+        if rid is not None:
+            said = [line for line in lines if f"{rid})" in line or f"{rid} " in line]
+            out += [f"    server: {line}" for line in said[:6]] or ["    server: nothing logged"]
+    return "\n".join(out)
 
 
 def _load(port: int, stop: threading.Event, out: Outcomes, offset: int) -> None:
@@ -173,13 +217,59 @@ def test_restartable_role_killed_under_load(tiny_model_dir, tmp_path, victim):
         log_path=tmp_path / "launcher.log")
     try:
         out = _run_chaos(srv, victim)
-        assert not out.failures, out.failures[:5]
+        assert not out.failures, _explained(out.failures[:5], tmp_path / "launcher.log")
         assert out.ok > 0
         wait_until(srv.health, "/health 200 with the killed role restarted",
                    until=lambda h: h[0] == 200, timeout=20, interval=0.1)
         after = Outcomes()
         for i in range(4):
             _one_request(port, i, after)
+        assert after.ok == 4, (after.failures, after.http_errors)
+        srv.wait_all_blocks_free(timeout=20)
+    finally:
+        assert srv.stop() == 0
+
+
+MARKER = 1999  # a prompt holding this token id kills its tokenizer worker (tests/faults.py)
+
+
+def test_a_tokenizer_worker_killed_between_answering_and_handing_on_fails_the_request(
+        tiny_model_dir, tmp_path):
+    """The window the chaos test above once lost a stream in, made certain: a tokenizer
+    worker killed after its RequestInfo reached the frontend but before the request's
+    TokenizedReq left it. Nothing else will ever answer that request, so once the
+    frontend hears the worker is dead (the launcher's status, within a second) it must
+    end it: an error frame and [DONE] for a stream, a 503 otherwise, both tokenizer_lost;
+    then the restarted worker serves."""
+    srv = CandorServer(tiny_model_dir, "--served-model-name", MODEL, "--max-model-len", "512",
+                       "--tokenizer-workers", "2", env=tokenizer_dies_env(MARKER)
+                       ).start(log_path=tmp_path / "launcher.log")
+    try:
+        for stream in (True, False):
+            wait_until(srv.health, "/health 200 (both tokenizer workers up)",
+                       until=lambda h: h[0] == 200, timeout=30, interval=0.1)
+            rid = f"doomed-{'stream' if stream else 'whole'}"
+            started = time.monotonic()
+            status, got, exc = _post(srv.port, {"model": MODEL, "prompt": [0, MARKER, 7, 8],
+                                                "max_tokens": 4, "stream": stream}, rid,
+                                     timeout=30)
+            assert exc is None, (f"{rid} lost: {exc!r} while waiting for "
+                                 f"{_waiting_for(stream, status, got)}\n"
+                                 + _explained([f"X-Request-Id {rid},"], tmp_path / "launcher.log"))
+            assert time.monotonic() - started < 20, "answered, but only after a long wait"
+            if stream:
+                frames = [line for line in got.split(b"\n") if line.startswith(b"data: ")]
+                assert status == 200 and frames[-1] == b"data: [DONE]", got[-300:]
+                error = json.loads(frames[-2][len(b"data: "):])
+            else:
+                assert status == 503, got[:300]
+                error = json.loads(got)
+            assert error["error"]["code"] == "tokenizer_lost", error
+        wait_until(srv.health, "/health 200 with the tokenizer worker restarted",
+                   until=lambda h: h[0] == 200, timeout=30, interval=0.1)
+        after = Outcomes()
+        for i in range(4):
+            _one_request(srv.port, i, after)
         assert after.ok == 4, (after.failures, after.http_errors)
         srv.wait_all_blocks_free(timeout=20)
     finally:

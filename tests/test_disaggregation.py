@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -59,6 +60,20 @@ def test_topology_names_a_bad_disaggregation_key_and_counts_replicas():
     with pytest.raises(TopologyError, match="replicas is 3 but disaggregation names 2 "
                                             "prefill \\+ 2 decode"):
         check_topology(wrong, check_model=False)
+
+
+def test_kv_transfer_params_row_says_the_split_is_the_deployments():
+    """vLLM's proxies pass ``kv_transfer_params`` between a prefill and a decode request;
+    Candor ignores the field because its split is the deployment's: the field table says
+    so, naming serve flags that exist (it used to say disaggregation was not part of
+    Candor)."""
+    from api_frontend.field_policy import FOREIGN_FIELDS
+    row = FOREIGN_FIELDS["kv_transfer_params"]
+    assert row.tier == "ignored"
+    flags = set(re.findall(r"--[a-z][a-z-]+", row.reason))
+    assert {"--prefill-replicas", "--decode-replicas"} <= flags, row.reason
+    known = {opt for action in serve_parser()._actions for opt in action.option_strings}
+    assert flags <= known, flags - known
 
 
 def test_what_disaggregation_does_not_serve_is_refused_naming_why(tmp_path):

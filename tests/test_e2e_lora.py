@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import subprocess
 import sys
 
@@ -146,6 +147,38 @@ async def test_mixed_adapters_and_base_batched_give_peft_tokens(srv, zoo):
     # each adapter changes the tokens, so the comparison above tells them apart
     assert all(got[i] != _reference(zoo, None, prompts[i]) for i in (1, 2, 3, 4))
     assert _reference(zoo, "full", prompts[2]) != got[2]
+    srv.wait_all_blocks_free(timeout=30)
+
+
+async def test_an_adapter_request_is_bitwise_the_same_alone_and_beside_others(srv):
+    """The deterministic mode with adapters: one greedy ``full`` request with top logprobs
+    gives the same tokens and logprobs, bit for bit, alone and beside 3, 8 and 15 others
+    (the base, ``full`` and ``qv``, prompts of 1-40 tokens), so its adapter's row groups
+    take every size from 1 on; each response says it ran deterministically."""
+    probe = {"model": "full", "prompt": _prompt(21, 123), "max_tokens": 12, "temperature": 0,
+             "ignore_eos": True, "logprobs": 5, "return_token_ids": True}
+    rng = random.Random(5)
+    async with aiohttp.ClientSession() as session:
+        async def probe_once(delay: float = 0.0) -> dict:
+            await asyncio.sleep(delay)
+            status, body = await _post(session, srv, "/v1/completions", probe)
+            assert status == 200, body
+            assert body["candor"]["deterministic"] is True, body["candor"]
+            return body["choices"][0]
+
+        def other() -> dict:
+            return {"model": rng.choice([BASE, "full", "qv"]), "temperature": 0, "ignore_eos": True,
+                    "prompt": _prompt(rng.randint(1, 40), rng.randrange(10**6)),
+                    "max_tokens": rng.randint(4, 20)}
+
+        alone = await probe_once()
+        assert alone["logprobs"]["top_logprobs"][0], alone
+        for count in (3, 8, 15):
+            got, *others = await asyncio.gather(
+                probe_once(rng.uniform(0, 0.05)),
+                *(_post(session, srv, "/v1/completions", other()) for _ in range(count)))
+            assert [status for status, _ in others] == [200] * count, others
+            assert got == alone, f"beside {count} other requests: tokens or logprobs differ"
     srv.wait_all_blocks_free(timeout=30)
 
 

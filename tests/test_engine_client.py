@@ -76,3 +76,57 @@ def test_combined_stats_add_dict_fields_key_by_key():
     assert both.step_phases_s == {"worker_forward": 3.0, "sched_plan": 0.5}
     assert both.aborts == {"disconnect": 1, "error": 2}
     assert (both.running, both.steps) == (3, 7)
+
+
+async def test_a_lost_tokenizer_worker_fails_what_the_engine_does_not_have_yet(tmp_path):
+    """A request stays its tokenizer worker's until the engine has it (``EngineHas``), not
+    just until the worker's RequestInfo: a worker killed between the two leaves a request
+    nothing else will answer. When the worker is known dead, that request fails (503
+    tokenizer_lost, aborted at the scheduler); one the engine has, or another worker's,
+    goes on."""
+    tok = [f"ipc://{tmp_path}/tok-{i}" for i in range(2)]
+    cfg = FrontendConfig(
+        index=0, model_path="/m", served_model_name="m",
+        addresses=ResolvedAddresses(
+            scheduler_in=f"ipc://{tmp_path}/in-0", scheduler_pub=f"ipc://{tmp_path}/pub",
+            worker_in="", worker_out="", tokenizer_in=tok,
+            detokenizer_in=[f"ipc://{tmp_path}/detok"],
+            frontend_results=[f"ipc://{tmp_path}/front"]))
+    ctx = zmq.asyncio.Context()
+    workers = [ctx.socket(zmq.PULL) for _ in tok]
+    for sock, addr in zip(workers, tok):
+        sock.bind(addr)
+    scheduler = ctx.socket(zmq.PULL)
+    scheduler.bind(cfg.addresses.scheduler_in)
+    client = EngineClient(cfg)
+    client.start()
+    answers = ctx.socket(zmq.PUSH)  # as the tokenizer workers and the scheduler reply
+    answers.connect(cfg.addresses.frontend_results[0])
+    try:
+        def req(rid: str) -> ipc.GenerateReq:
+            return ipc.GenerateReq(rid, client.reply_to, ipc.SamplingParams(), ipc.DetokParams(),
+                                   prompt="hi")
+
+        queues = {rid: await client.submit(req(rid)) for rid in ("info-only", "other", "held")}
+        at = {}  # rid -> the worker it went to
+        for i, sock in enumerate(workers):
+            while await sock.poll(500):
+                at[msgspec.msgpack.decode(await sock.recv(), type=ipc.TokenizerInbound).rid] = i
+        assert at["info-only"] == at["held"] != at["other"], at
+        for msg in (ipc.RequestInfo("info-only", 2), ipc.RequestInfo("held", 2),
+                    ipc.EngineHas("held"), ipc.RequestInfo("other", 2)):
+            await answers.send(msgspec.msgpack.encode(msg))
+        for rid in ("info-only", "held", "other"):
+            assert isinstance(await asyncio.wait_for(queues[rid].get(), 5), ipc.RequestInfo)
+        await asyncio.sleep(0.1)  # (EngineHas puts nothing on the queue: let it be read)
+        assert client.fail_requests("request lost: tokenizer_worker exited", "tokenizer_lost",
+                                    tokenizer=at["info-only"]) == 1
+        err = queues["info-only"].get_nowait()
+        assert isinstance(err, ipc.RequestError) and (err.status, err.code) == (503, "tokenizer_lost")
+        assert queues["held"].empty() and queues["other"].empty()
+        abort = msgspec.msgpack.decode(await asyncio.wait_for(scheduler.recv(), 5),
+                                       type=ipc.SchedulerInbound)
+        assert isinstance(abort, ipc.Abort) and abort.rid == "info-only"
+    finally:
+        await client.close()
+        ctx.destroy(linger=0)

@@ -13,9 +13,11 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
@@ -25,6 +27,7 @@ from cluster.serve_cli import ServeArgsError, serve_parser, serve_topology
 from cluster.topology import Topology
 from cluster.topology_check import TopologyError, check_topology
 from kv_store.tiers import Tiers
+from tests.faults import store_import_lost_env
 from tests.metrics_text import scrape
 from tests.model_zoo import hf_greedy
 from tests.polling import wait_until
@@ -107,10 +110,11 @@ def test_tiers_stay_within_their_bounds_least_recently_used_out(tmp_path):
 # ---------------------------------------------------------------- through every process
 
 
-def _store_server(model_dir, tmp_path, *flags: str) -> CandorServer:
+def _store_server(model_dir, tmp_path, *flags: str, env: dict[str, str] | None = None
+                  ) -> CandorServer:
     return CandorServer(model_dir, "--served-model-name", MODEL, "-dp", "2",
                         "--data-parallel-routing", "round_robin", "--max-model-len", "1024",
-                        *flags).start(log_path=tmp_path / "log")
+                        *flags, env=env).start(log_path=tmp_path / "log")
 
 
 def _complete(srv: CandorServer, prompt, **more) -> dict:
@@ -280,6 +284,46 @@ def test_a_stalled_then_killed_store_costs_misses_only(tiny_model_dir, tmp_path,
         assert srv.stop() == 0
     log = (tmp_path / "log").read_text()
     assert "kv_store exited" in log and "the KV store did not answer within 1.00s" in log
+
+
+def test_a_hit_whose_blocks_are_lost_before_its_turn_is_computed(tiny_model_dir, tmp_path,
+                                                                   hf_model):
+    """One sequence slot per replica, and workers that lose the blocks the store sends
+    them before a plan imports them. The hit lands on replica 1 while a long stream holds
+    its slot, so it waits with its found blocks: its import goes out with its first chunk,
+    fails there, and the request computes its prompt: HF's tokens, no hit reported. (On
+    the old scheduler the import went out at once in a plan without the request, its
+    failure was forgotten and the request decoded over blocks never written.)"""
+    model, tok = hf_model
+    srv = _store_server(tiny_model_dir, tmp_path, "--kv-store-size", "0.05",
+                        "--max-num-seqs", "1", env=store_import_lost_env())
+    try:
+        ids = tok(_SENTENCE * 5)["input_ids"]
+        expected = hf_greedy(model, ids, MAX_NEW)
+        assert _complete(srv, ids)["choices"][0]["token_ids"] == expected  # replica 0
+        _stored(srv, (len(ids) - 1) // BLOCK)
+        busy = urllib.request.urlopen(urllib.request.Request(  # replica 1, 600 tokens
+            srv.base_url + "/v1/completions", headers={"Content-Type": "application/json"},
+            data=json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 600,
+                             "ignore_eos": True, "stream": True}).encode()), timeout=120)
+        with busy:
+            assert busy.readline().startswith(b"data: ")  # running: the slot is taken
+            _complete(srv, "Hi", max_tokens=1)  # replica 0
+            with ThreadPoolExecutor(1) as pool:
+                hit = pool.submit(_complete, srv, ids)  # replica 1: found, waits for the slot
+                wait_until(lambda: scrape(srv).total("candor_kv_store_hits_total"),
+                           "the store lookup to find the blocks on replica 1")
+                assert not hit.done(), "the hit did not wait for the slot: the test proves nothing"
+                rest = busy.read().decode()
+                assert rest.rstrip().endswith("data: [DONE]"), rest[-300:]
+                body = hit.result(timeout=120)
+        assert body["choices"][0]["token_ids"] == expected
+        assert _cached(body) == 0  # computed after all
+        assert "kv_store_lost" not in json.dumps(body)
+        srv.wait_all_blocks_free()
+    finally:
+        assert srv.stop() == 0
+    assert "computing its prompt here instead" in (tmp_path / "log").read_text()
 
 
 def test_two_ranks_per_replica_each_store_and_import_their_own_shard(tiny_model_dir,

@@ -133,6 +133,59 @@ def test_an_adapter_evicted_from_host_memory_is_read_again(zoo):
         _generate(runner, prompts, 1, [1, 2])  # the scheduler never plans this
 
 
+# ---------------------------------------------------------------- batch invariance
+
+
+@pytest.fixture(scope="module")
+def two_adapters(zoo):
+    """A deterministic runner with "full" (id 1) and "qv" (id 2), built at 2 threads (its
+    adapters' row counts are measured for 1 and 2 threads either way)."""
+    from gpu_worker.model_runner import ModelRunner
+
+    runner = ModelRunner(str(zoo["qwen2"]), num_blocks=16, lora=_spec(zoo, "full", "qv"))
+    assert runner.deterministic, runner.deterministic_note
+    return runner
+
+
+def _layer_out(runner, layer, x: torch.Tensor, spans) -> torch.Tensor:
+    """``layer`` (an adapted layer) on rows ``x`` grouped as ``spans``: (adapter id, runs)."""
+    store = runner.adapters
+    store.batch.set([(store.host[a], runs) for a, runs in spans], x.device)
+    try:
+        with torch.inference_mode():
+            return layer(x)
+    finally:
+        store.batch.clear()
+
+
+@pytest.mark.parametrize("module", ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])
+def test_an_adapter_row_is_the_same_alone_and_in_a_group_of_any_size(two_adapters, threads, module):
+    """The deterministic mode's promise for adapter rows: a row's output (base + delta) has
+    the same bits alone as among 1..16 rows of its adapter, contiguous or split in two
+    runs, beside base rows and another adapter's rows."""
+    from gpu_worker.lora.weights import adapted_layer
+
+    runner = two_adapters
+    layer = adapted_layer(runner.model, 0, module)
+    g = torch.Generator().manual_seed(len(module))
+    x = torch.randn(16, layer.weight.shape[1], generator=g)
+    base = torch.randn(5, layer.weight.shape[1], generator=g)
+    alone = [_layer_out(runner, layer, x[i:i + 1], [(1, [(0, 1)])])[0] for i in range(16)]
+    for m in range(1, 17):
+        # 3 base rows, the first half of the adapter's rows, 2 rows of "qv", the rest
+        half = m // 2
+        rows = torch.cat([base[:3], x[:half], base[3:5], x[half:m]])
+        runs = [(3, half), (5 + half, m - half)] if half else [(5, m)]
+        out = _layer_out(runner, layer, rows, [(1, runs), (2, [(3 + half, 2)])])
+        got = torch.cat([out[3:3 + half], out[5 + half:5 + m]])
+        for i in range(m):
+            assert torch.equal(got[i], alone[i]), (
+                f"{module}: adapter row {i} among {m} of its adapter's rows ({threads} threads) "
+                "differs from the row alone")
+        contiguous = _layer_out(runner, layer, torch.cat([base[:2], x[:m]]), [(1, [(2, m)])])[2:]
+        assert all(torch.equal(contiguous[i], alone[i]) for i in range(m)), f"{module}: one run of {m}"
+
+
 # ---------------------------------------------------------------- refusals
 
 

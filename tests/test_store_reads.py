@@ -70,7 +70,9 @@ def test_a_parked_request_settles_as_hit_miss_or_is_dropped(tmp_path):
         assert [r.rid for r in out] == ["hit", "miss"] and not reads.lookups
         assert hit.num_computed == 2 * BS and len(hit.block_table) == 2
         assert miss.num_computed == 0 and not miss.block_table
-        imports = reads.take_imports()
+        chunk = ipc.SeqChunk("hit", hit.token_ids[2 * BS:], 2 * BS, [], True)
+        assert reads.take_imports([]) == []  # a plan without it: the import waits
+        imports = reads.take_imports([chunk])
         assert imports == [ipc.KvImport("hit", hit.block_table)]
         assert reads.metrics.hits._value.get() == 2
         planner.finish(hit)

@@ -140,21 +140,27 @@ class ResponseBuilder:
     # ---------------------------------------------------------------- deltas
 
     def feed(self, delta: ipc.TextDelta) -> None:
+        """One delta, whatever text it holds (one token's, several, the whole reply):
+        reasoning first (it precedes the answer), then answer text and calls in the
+        order the text has them, so every split of a reply builds the same items."""
         final = delta.finish_reason is not None
-        text, thought, calls = delta.text, "", []
+        text, thought = delta.text, ""
         if self._thinking is not None:
             thought, text = self._thinking.feed(text, final)
         if self._calls is not None:
-            text, calls = self._calls.feed(text, final)
+            pieces = self._calls.feed_in_order(text, final)
+        else:
+            pieces = [text] if text else []
         if thought:
             self._reasoning(thought)
             self._thought = True
-        if (text or calls) and self._answer_at is None:
+        if pieces and self._answer_at is None:
             self._answer_at = self._last.completion_tokens if self._last is not None else 0
-        if text:
-            self._text(text)
-        for call in calls:
-            self._call(call)
+        for piece in pieces:
+            if isinstance(piece, str):
+                self._text(piece)
+            else:
+                self._call(piece)
         self._last = delta
 
     @property

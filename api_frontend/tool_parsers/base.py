@@ -2,7 +2,7 @@
 
 A parser's ``scan(text, final)`` reads the whole generated text so far and returns a
 ``ScanView``: the content outside tool calls and each call it has found (a name once the
-name is complete; the arguments text known so far). A call has arguments (or Llama's
+name is complete; the arguments text known so far; how much of the content precedes it). A call has arguments (or Llama's
 ``parameters``) and a name one of the request's ``tools`` declares; text that only looks
 like a call (``{"name": "John", "age": 30}``, a tool the request does not have) is
 content, kept verbatim, never a call and never dropped. Streaming re-scans the growing text
@@ -34,6 +34,9 @@ class CallView(msgspec.Struct):
     done: bool = False
     end: int | None = None  # index in the text just past the call, once it is complete
     open: bool = False  # the arguments run to the end of the text, nothing held back
+    # how much of the view's ``content`` the text has before this call (so a stream can
+    # put text and calls that arrive together in their order)
+    content_before: int = 0
 
 
 class ScanView(msgspec.Struct):

@@ -60,8 +60,9 @@ class DeepSeekV31Parser(ToolParser):
             if end < 0:
                 args = text[args_at:]
                 kept = len(args) if final else len(args) - held(args, (CALL_END,))
-                calls.append(CallView(name, args[:kept], final))
+                calls.append(CallView(name, args[:kept], final, content_before=len(head)))
                 return ScanView(head, calls,
                                 "arguments" if kept == len(args) and not final else "")
-            calls.append(CallView(name, text[args_at:end], True, end + len(CALL_END)))
+            calls.append(CallView(name, text[args_at:end], True, end + len(CALL_END),
+                                  content_before=len(head)))
             gap = end + len(CALL_END)

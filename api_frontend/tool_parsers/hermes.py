@@ -39,6 +39,7 @@ class HermesParser(ToolParser):
             else:
                 call, _ = got
                 call.done = call.done or closed
+                call.content_before = sum(map(len, content))
                 if closed:
                     call.end = j + len(self.end)
                 calls.append(call)

@@ -34,6 +34,8 @@ class JsonArrayParser(ToolParser):
             return ScanView(content, [])
         close = "]" if m.group(1) else None
         calls, end, broken = json_sequence(text, m.end(), final, ",", close, self.tools)
+        for call in calls:
+            call.content_before = len(content)
         if broken is not None:  # from there on no call: content, as written
             return ScanView(content + text[broken:] if calls else text, calls)
         if end is not None:

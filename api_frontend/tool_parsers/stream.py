@@ -9,6 +9,11 @@ last view's tail (base.py) is passed on without a scan, so a long reply costs li
 Content's leading whitespace is dropped, and its trailing whitespace waits until more
 text follows (dropped when the reply made calls), so a reply that is only calls has
 ``content: null``, streamed or not.
+
+``feed_in_order`` returns the same, content and call deltas in the order the text has them
+(what the Responses API's output items need): a chunk holding the end of one call, text,
+and the next call (several tokens at once, or the whole reply) gives them in that order,
+split exactly as a stream fed one token at a time would have sent them.
 """
 
 from __future__ import annotations
@@ -51,6 +56,12 @@ class ToolCallStream:
 
     def feed(self, delta: str, final: bool = False) -> tuple[str, list[DeltaToolCall]]:
         """New content and call deltas after ``delta``; ``final`` on the last one."""
+        pieces = self.feed_in_order(delta, final)
+        return ("".join(p for p in pieces if isinstance(p, str)),
+                [p for p in pieces if not isinstance(p, str)])
+
+    def feed_in_order(self, delta: str, final: bool = False) -> list[str | DeltaToolCall]:
+        """What ``feed`` returns, in the text's order: content (str) and call deltas."""
         self.pieces.append(delta)
         if self.tail and not final and not any(c in delta for c in self.parser.triggers):
             return self._extend(delta)
@@ -60,15 +71,21 @@ class ToolCallStream:
         self.tail = view.tail
         content, self.unsent_space = _content(view, final)
         self.content_begun = bool(content or self.unsent_space)
-        new_content = content[self.content_sent:]
-        self.content_sent = len(content)
         if final:
             self.complete = all(parses(c.arguments) for c in view.calls if c.name is not None)
-        out: list[DeltaToolCall] = []
+        lead_cut = len(view.content) - len(view.content.lstrip())  # (as _content drops)
+        sent = self.content_sent
+        out: list[str | DeltaToolCall] = []
         for k, call in enumerate(view.calls):
             if call.name is None:
                 break
             if k == len(self.ids):  # a new call: one delta with its name and arguments so far
+                # first the content before it, as far as a stream fed token by token had
+                # sent it when the call began (its trailing whitespace still held back)
+                before = len(content[:max(0, call.content_before - lead_cut)].rstrip())
+                if before > sent:
+                    out.append(content[sent:before])
+                    sent = before
                 self.ids.append(self.parser.make_id())
                 self.args_sent.append(len(call.arguments))
                 out.append(DeltaToolCall(k, self.ids[k], "function",
@@ -78,20 +95,23 @@ class ToolCallStream:
             if fragment:
                 self.args_sent[k] = len(call.arguments)
                 out.append(DeltaToolCall(k, function=DeltaFunction(arguments=fragment)))
-        return new_content, out
+        if len(content) > sent:
+            out.append(content[sent:])
+        self.content_sent = len(content)
+        return out
 
-    def _extend(self, delta: str) -> tuple[str, list[DeltaToolCall]]:
+    def _extend(self, delta: str) -> list[str | DeltaToolCall]:
         """``delta`` grows the last view's tail as it is: no scan (as _content trims)."""
         if self.tail == "arguments":
             k = len(self.ids) - 1
             self.args_sent[k] += len(delta)
-            return "", [DeltaToolCall(k, function=DeltaFunction(arguments=delta))] if delta else []
+            return [DeltaToolCall(k, function=DeltaFunction(arguments=delta))] if delta else []
         grown = self.unsent_space + delta if self.content_begun else delta.lstrip()
         self.content_begun = self.content_begun or bool(grown)
         sent = grown.rstrip()
         self.unsent_space = grown[len(sent):]
         self.content_sent += len(sent)
-        return sent, []
+        return [sent] if sent else []
 
 
 def parse_whole(parser: ToolParser, text: str) -> ToolCallResult:

@@ -11,6 +11,11 @@ the device, which adapter each request uses, and this step's rows per adapter.
 - **Device** (``max_loras``, least recently used out): the copies the forward pass reads
   (on CPU, the host copy itself). The scheduler never puts more than ``max_loras``
   adapters in one step, so a step's adapters always fit.
+- **Batch invariance**: in the deterministic mode each adapter has its delta's padded row
+  count measured (``batch.measure_delta_rows``, at every thread count the governor may
+  choose): the ``--lora-modules`` once the runner has settled the mode (``settle``), the
+  others as they are read; one whose rows no padding makes independent of the batch is
+  refused like any unreadable adapter.
 
 Every rank runs the same messages in the same order, so their caches hold the same
 adapters and they read files at the same points; whenever one reads (a registration, a
@@ -29,11 +34,13 @@ import torch
 from torch import nn
 
 from cluster.topology import LoraSpec
+from gpu_worker.batch_invariant import Numerics
 from gpu_worker.distributed import Ranks
-from gpu_worker.lora.batch import LoraBatch, attach_sites
+from gpu_worker.lora.batch import LoraBatch, attach_sites, measure_delta_rows
 from gpu_worker.lora.peft_files import AdapterError, read_adapter
 from gpu_worker.lora.weights import AdapterWeights, load_adapter
 from gpu_worker.model_config import ModelConfig
+from gpu_worker.thread_governor import usable_cpus
 from protocol.ipc import SeqChunk, StepPlan
 
 log = logging.getLogger(__name__)
@@ -54,15 +61,17 @@ def inside(path: str, roots: list[str]) -> bool:
 
 class AdapterStore:
     def __init__(self, model: nn.Module, spec: LoraSpec, base: ModelConfig, dtype: torch.dtype,
-                 device: torch.device, ranks: Ranks) -> None:
+                 device: torch.device, ranks: Ranks, numerics: Numerics) -> None:
         self.model, self.spec, self.base = model, spec, base
         self.dtype, self.device, self.ranks = dtype, device, ranks
+        self.numerics = numerics
         self.batch = LoraBatch()
         attach_sites(model, self.batch)
         self.registered: dict[int, Registered] = {}
         self.host: OrderedDict[int, AdapterWeights] = OrderedDict()
         self.on_device: OrderedDict[int, AdapterWeights] = OrderedDict()
         self.of_request: dict[str, int] = {}  # rid -> adapter id (base-model rids absent)
+        self.settled = False  # the runner settled its numerics: adapters read are measured
         for i, module in enumerate(spec.modules, start=1):
             self.register(i, module.name, module.resolved_path(), check_dirs=False)
 
@@ -78,15 +87,44 @@ class AdapterStore:
                                    f"({', '.join(self.spec.allowed_roots()) or 'none'})")
             layout = read_adapter(path, self.base, self.spec.max_lora_rank)
             weights = load_adapter(self.model, layout, self.dtype)
+            if self.settled:
+                self._measure(weights)
         except Exception as err:  # noqa: BLE001 - a rank that raised here would leave the others waiting
             why = " ".join(str(err).split()) or type(err).__name__
+        self._agree(name, why)
+        return weights
+
+    def _agree(self, name: str, why: str) -> None:
+        """Every rank says what went wrong for adapter ``name`` (nothing: ""); raises
+        AdapterError with the first failing rank's reason when any failed."""
         reasons = self.ranks.gather_texts(why)
         failed = [(rank, text) for rank, text in enumerate(reasons) if text]
         if failed:
             rank, text = failed[0]
             where = f" (tensor-parallel rank {rank})" if self.ranks.size > 1 else ""
             raise AdapterError(f"LoRA adapter {name!r}: {text}{where}")
-        return weights
+
+    def _measure(self, weights: AdapterWeights) -> None:
+        """In the deterministic mode, the row count its row groups are padded to."""
+        if not self.numerics.deterministic:
+            return
+        rows, why = measure_delta_rows(list(weights.pairs.values()),
+                                       range(1, len(usable_cpus()) + 1))
+        if rows is None:
+            raise AdapterError(why)
+        weights.min_rows = rows
+
+    def settle(self) -> None:
+        """The runner settled its numerics (deterministic or not): measure the adapters
+        read before, and from now on each one as it is read (every rank agrees)."""
+        self.settled = True
+        for adapter_id, weights in self.host.items():
+            why = ""
+            try:
+                self._measure(weights)
+            except AdapterError as err:
+                why = str(err)
+            self._agree(self.registered[adapter_id].name, why)
 
     def register(self, adapter_id: int, name: str, path: str, check_dirs: bool = True) -> None:
         """Read and check the adapter on every rank and keep it in the host cache."""

@@ -31,10 +31,12 @@ def adapted_layer(model: nn.Module, layer: int, module: str) -> nn.Module:
 
 
 class AdapterWeights:
-    """``pairs``: (A, Bt) per adapted layer of this rank."""
+    """``pairs``: (A, Bt) per adapted layer of this rank; ``min_rows``: the row count a
+    group of its rows is padded to in the deterministic mode (``batch.measure_delta_rows``)."""
 
-    def __init__(self, pairs: dict[SiteKey, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def __init__(self, pairs: dict[SiteKey, tuple[torch.Tensor, torch.Tensor]], min_rows: int = 1) -> None:
         self.pairs = pairs
+        self.min_rows = min_rows
 
     @property
     def nbytes(self) -> int:
@@ -44,7 +46,8 @@ class AdapterWeights:
         """The same adapter on ``device`` (itself when it is there already)."""
         if all(a.device == device for a, _ in self.pairs.values()):
             return self
-        return AdapterWeights({k: (a.to(device), b.to(device)) for k, (a, b) in self.pairs.items()})
+        return AdapterWeights({k: (a.to(device), b.to(device)) for k, (a, b) in self.pairs.items()},
+                              self.min_rows)
 
 
 def _load_pair(layer: nn.Module, a: torch.Tensor, b: torch.Tensor, pair: AdapterPair, f) -> None:

@@ -10,7 +10,11 @@ after its first import; every other process and module is left as it is:
 - CANDOR_TEST_KV_FAULT: gpu_worker.kv_transfer's KvSender garbles, truncates, withholds
   or stalls every KV transfer (tests/faults.py: faulty_kv_send);
 - CANDOR_TEST_KV_LAYOUT (``FIELD=VALUE``): its KvSender declares that layout field
-  otherwise (tests/faults.py: misdeclared_kv_sender)."""
+  otherwise (tests/faults.py: misdeclared_kv_sender);
+- CANDOR_TEST_STORE_IMPORT_LOST: gpu_worker.kv_store_client's StoreClient no longer holds
+  the blocks a plan imports (tests/faults.py: losing_store_import);
+- CANDOR_TEST_TOKENIZER_DIES_ON (a token id): a tokenizer worker is killed between a
+  request's RequestInfo and its TokenizedReq (tests/faults.py: dying_before_scheduling)."""
 
 from __future__ import annotations
 
@@ -55,10 +59,14 @@ def _patch_runner(token: int | None, scripts: dict[int, list[int]] | None,
     return patch
 
 
-def _patch_receiver(index: int, step_id: int):
+def _patch_transport(dropped: str | None, dies_on: str | None):
     def patch(module) -> None:
-        from tests.faults import dropping_plan
-        module.Receiver.recv = dropping_plan(module.Receiver.recv, index, step_id)
+        from tests.faults import dropping_plan, dying_before_scheduling
+        if dropped:
+            index, step_id = dropped.split(":")
+            module.Receiver.recv = dropping_plan(module.Receiver.recv, int(index), int(step_id))
+        if dies_on:
+            module.Sender.send = dying_before_scheduling(module.Sender.send, int(dies_on))
     return patch
 
 
@@ -71,10 +79,10 @@ if _token or _scripts or _delay:
         {int(k): v for k, v in json.loads(_scripts).items()} if _scripts else None,
         float(_delay) if _delay else None)))
 _dropped = os.environ.get("CANDOR_TEST_DROP_PLAN")
-if _dropped:
-    _index, _step = _dropped.split(":")
+_dies_on = os.environ.get("CANDOR_TEST_TOKENIZER_DIES_ON")
+if _dropped or _dies_on:
     sys.meta_path.insert(0, _PatchAfterImport("protocol.transport",
-                                              _patch_receiver(int(_index), int(_step))))
+                                              _patch_transport(_dropped, _dies_on)))
 _kv_fault = os.environ.get("CANDOR_TEST_KV_FAULT")
 _kv_layout = os.environ.get("CANDOR_TEST_KV_LAYOUT")
 if _kv_fault or _kv_layout:
@@ -88,3 +96,8 @@ if _kv_fault or _kv_layout:
             module.KvSender.__init__ = misdeclared_kv_sender(module.KvSender.__init__,
                                                              field, value)
     sys.meta_path.insert(0, _PatchAfterImport("gpu_worker.kv_transfer", _patch_kv))
+if os.environ.get("CANDOR_TEST_STORE_IMPORT_LOST"):
+    def _patch_store_client(module) -> None:
+        from tests.faults import losing_store_import
+        module.StoreClient.import_into = losing_store_import(module.StoreClient.import_into)
+    sys.meta_path.insert(0, _PatchAfterImport("gpu_worker.kv_store_client", _patch_store_client))
