@@ -2,6 +2,20 @@
 VENV      ?= .venv
 PY        := $(VENV)/bin/python
 MODEL_DIR ?= $(or $(CANDOR_MODEL_DIR),$(HOME)/.cache/candor/models/tiny-llama)
+# What make serve serves. smollm2 (the default): SmolLM2-135M-Instruct straight from its
+# GGUF file; tiny: the random tiny model, built into MODEL_DIR (the default when MODEL_DIR
+# or CANDOR_MODEL_DIR is given); anything else: a checkpoint directory or a GGUF file.
+ifneq ($(or $(filter command line environment,$(origin MODEL_DIR)),$(CANDOR_MODEL_DIR)),)
+MODEL ?= tiny
+endif
+MODEL ?= smollm2
+ifeq ($(MODEL),smollm2)
+SERVE_MODEL = "$$($(VENV)/bin/candor default-model)" --served-model-name smollm2-135m-instruct
+else ifeq ($(MODEL),tiny)
+SERVE_MODEL = $(MODEL_DIR)
+else
+SERVE_MODEL = $(MODEL)
+endif
 HOST      ?= 127.0.0.1
 PORT      ?= 8000
 STAMP     := $(VENV)/.installed
@@ -39,10 +53,12 @@ kernels: install
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/candor build-kernels
 
 model: install
+ifeq ($(MODEL),tiny)
 	$(VENV)/bin/candor make-tiny-model --if-missing $(MODEL_DIR)
+endif
 
 serve: model kernels
-	$(VENV)/bin/candor serve --model $(MODEL_DIR) --host $(HOST) --port $(PORT)
+	$(VENV)/bin/candor serve --model $(SERVE_MODEL) --host $(HOST) --port $(PORT)
 
 test: install kernels $(INSTRUCTOR_STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" CANDOR_INSTRUCTOR_PYTHON="$(abspath $(INSTRUCTOR_PY))" \
