@@ -228,3 +228,31 @@ def test_the_launcher_refuses_a_bad_file_before_any_process_starts(kind, tmp_pat
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
     assert len(lines) == 1 and lines[0].startswith("candor: cannot serve ") and BAD[kind] in lines[0], lines
+
+
+# ---------------------------------------------------------------- the command line
+
+
+def test_serve_takes_a_gguf_file_and_a_tokenizer_directory(files, tiny_model_dir, tmp_path):
+    """``candor serve --model FILE.gguf --tokenizer DIR``: the launcher's topology serves
+    the prepared directory under the file's name; its tokenizer files are DIR's."""
+    from cluster.gguf_checkpoint import prepare_gguf_models
+    from launch_cluster import serve_args_to_topology
+
+    path, _ = files("llama", T.Q8_0)
+    topology, _ = serve_args_to_topology(["--model", str(path), "--tokenizer", str(tiny_model_dir)])
+    assert (topology.model.path, topology.model.tokenizer) == (str(path), str(tiny_model_dir))
+    prepared = prepare_gguf_models(topology, {"CANDOR_GGUF_CACHE": str(tmp_path)}).model
+    assert prepared.served_model_name == path.name.removesuffix(".gguf") and prepared.tokenizer is None
+    directory = tmp_path / prepared.path.rsplit("/", 1)[1]
+    assert (directory / "tokenizer.json").read_bytes() == (tiny_model_dir / "tokenizer.json").read_bytes()
+    assert load_config(directory).num_layers == 2
+
+
+def test_a_tokenizer_directory_is_refused_for_a_checkpoint_directory(tiny_model_dir):
+    from cluster.gguf_checkpoint import prepare_gguf_models
+    from launch_cluster import serve_args_to_topology
+
+    topology, _ = serve_args_to_topology(["--model", str(tiny_model_dir), "--tokenizer", str(tiny_model_dir)])
+    with pytest.raises(SystemExit, match="taken for a GGUF model only"):
+        prepare_gguf_models(topology)

@@ -6,35 +6,27 @@ through the real conversion (a process of its own, as at a first start)."""
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 from pathlib import Path
 
 import pytest
 from gguf import GGMLQuantizationType as T
 from transformers import AutoTokenizer
-from transformers.utils import chat_template_utils as hf_chat_utils
 
 from cluster.default_model import default_gguf
 from cluster.gguf_checkpoint import prepare
 from tokenization.chat_template import ChatTemplateError
 from tokenization.tokenizer_files import CheckpointTokenizer
 from tests import gguf_zoo
+from tests.test_chat_templates import FROZEN_NOW, frozen_hf_clock  # noqa: F401 - a fixture
 from tests.test_tokenizer_files import STRINGS, assert_equivalent
 
 DATA = Path(__file__).parent / "data" / "chat_templates"
 CASES = json.loads((DATA / "cases.json").read_text(encoding="utf-8"))["cases"]
-FROZEN_NOW = dt.datetime(2025, 3, 14, 9, 26, 53)
 TOOL_TEMPLATE = "TOOLS {{ tools | length }}{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
 # file -> (architecture of the tiny file, the shared template its metadata carries)
 TINY = {"qwen2-chatml": ("qwen2", "qwen2.5-7b-instruct"), "llama-3.2": ("llama", "llama-3.2-3b-instruct"),
         "gemma2": ("gemma2", "gemma-2-2b-it")}
-
-
-class _FrozenDatetime(dt.datetime):
-    @classmethod
-    def now(cls, tz=None):
-        return FROZEN_NOW
 
 
 @pytest.fixture(scope="module")
@@ -54,13 +46,6 @@ def tokenizers(tmp_path_factory):
         ours = CheckpointTokenizer(directory, now=lambda: FROZEN_NOW)
         out[name] = ours, AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     return out
-
-
-@pytest.fixture(scope="module")
-def frozen_hf_clock():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(hf_chat_utils, "datetime", _FrozenDatetime)
-        yield
 
 
 @pytest.mark.parametrize("name", ["smollm2", *TINY])

@@ -23,13 +23,13 @@ NAMED_TEMPLATE = "tokenizer.chat_template."
 
 def convert(gguf_path: str, out: str | Path) -> None:
     from transformers import AutoTokenizer
-
-    from gpu_worker.gguf.reader import GGUFFile
+    from transformers.integrations.gguf import read_gguf_metadata
 
     path = os.path.abspath(gguf_path)
     tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
     tokenizer.save_pretrained(str(out))
-    named = {key[len(NAMED_TEMPLATE):]: value for key, value in GGUFFile(path).metadata.items()
+    metadata, _ = read_gguf_metadata(path)
+    named = {key[len(NAMED_TEMPLATE):]: value for key, value in metadata.items()
              if key.startswith(NAMED_TEMPLATE) and isinstance(value, str)}
     if named:
         folder = Path(out) / "additional_chat_templates"
