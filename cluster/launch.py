@@ -13,6 +13,7 @@ import shutil
 import signal
 import tempfile
 
+from cluster.gguf_checkpoint import prepare_gguf_models
 from cluster.preflight import (check_chat_template, check_lora_adapters, check_model_config,
                                check_port_free, resolve_api_keys, settle_defaults)
 from cluster.supervisor import NodeSupervisor, say, stop
@@ -66,6 +67,7 @@ def launch(topology: Topology, node: str | None = None,
            api_keys: list[str] | None = None) -> int:
     """Run this node's part of the topology until a signal (exit 0, after draining) or a
     child's fatal death (exit 1, naming it)."""
+    topology = prepare_gguf_models(topology)  # a GGUF file -> its prepared directory
     try:
         check_topology(topology, node)
     except TopologyError as err:

@@ -28,7 +28,6 @@ SERVER_LOG_LEVELS = (*LOG_LEVELS, "trace")
 VLLM_ELSEWHERE = {
     "--trust-remote-code": "Candor never runs code from a checkpoint; its model registry "
                            "covers the architectures it serves (README, Models)",
-    "--tokenizer": "Candor reads the tokenizer from the checkpoint directory",
     "--download-dir": "Candor does not download; it reads the Hugging Face cache "
                       "(HF_HOME / HF_HUB_CACHE) or a checkpoint directory",
     "--swap-space": "Candor preempts by recomputing; there is no CPU swap space",
@@ -144,7 +143,11 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     g.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="a checkpoint directory or a Hugging Face repo id in the local HF "
                         "cache (same as --model)")
-    g.add_argument("--model", default=None, help="as MODEL")
+    g.add_argument("--model", default=None, help="as MODEL; a GGUF file works too (its "
+                   "tokenizer, chat template and settings from its metadata)")
+    g.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="GGUF models: an HF tokenizer directory whose tokenizer and chat "
+                        "template replace the file's")
     g.add_argument("--revision", default=None,
                    help="the hub cache snapshot to serve (a branch, tag or commit)")
     g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
@@ -450,7 +453,7 @@ def serve_topology(args: argparse.Namespace, model_path: str, default_name: str,
         **_replicas(args),
         **_kv_store(args),
         "router": {"policy": args.data_parallel_routing},
-        "model": {"path": model_path,
+        "model": {"path": model_path, "tokenizer": args.tokenizer,
                   "served_model_name": names if len(names) > 1 else names[0],
                   "max_model_len": args.max_model_len, "dtype": args.dtype,
                   "load_format": args.load_format, "runner": runner(args),

@@ -78,9 +78,12 @@ class ModelSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ``runner`` (vLLM's --runner): generate serves the completion routes; pooling serves
     /v1/embeddings (``cluster.pooling``); auto is pooling for a checkpoint without an LM
     head (a base ``*Model`` architecture) and generate otherwise. ``lora``: adapters
-    served over this model."""
+    served over this model. ``path`` may be a GGUF file (``cluster.gguf_checkpoint``);
+    ``tokenizer`` (vLLM's --tokenizer, GGUF files only): an HF tokenizer directory whose
+    tokenizer and chat template replace those of the file's metadata."""
 
     path: str
+    tokenizer: str | None = None
     served_model_name: str | list[str] | None = None
     generation_config: str = "auto"
     max_model_len: Annotated[int, Meta(ge=16)] | None = None

@@ -237,6 +237,8 @@ def _model(topology: Topology, problems: list[str]) -> None:
     for i, group in enumerate(topology.groups()):
         label = "model.path" if i == 0 else f"models[{i - 1}].model.path"
         path = group.model.resolved_path()
+        if os.path.isfile(path) and path.endswith(".gguf"):
+            continue  # checked whole when the launcher prepares it (cluster.gguf_checkpoint)
         for name in ("config.json", "tokenizer.json"):
             if not os.path.isfile(os.path.join(path, name)):
                 problems.append(f"{label} {path!r} has no {name}: not a HF checkpoint "

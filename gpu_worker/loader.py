@@ -1,4 +1,4 @@
-"""Fill a model from HF safetensors, or with seeded random weights.
+"""Fill a model from HF safetensors or a GGUF file, or with seeded random weights.
 
 The model is expected to be freshly materialised (e.g. built on the meta device then
 ``to_empty``), so every parameter must be written exactly once: missing or unknown
@@ -13,11 +13,15 @@ shard (``models/weights.py``).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
+from gpu_worker.gguf.prepared import gguf_file_of
 from gpu_worker.models.weights import CheckpointTensor, copy_into
 from gpu_worker.progress import Progress
 
@@ -37,6 +41,20 @@ def safetensors_files(path: str | Path) -> list[Path]:
     return files
 
 
+def checkpoint_files(path: str | Path) -> list[tuple[Callable[[], Any], int]]:
+    """(open it, the bytes its tensors yield) for each file of the checkpoint: the
+    safetensors shards, or the GGUF file a prepared directory points at (its tensors
+    dequantized to fp32 as they are read, ``gpu_worker.gguf.weights``)."""
+    gguf = gguf_file_of(path)
+    if gguf is not None:
+        from gpu_worker.gguf.weights import GGUFWeights
+        weights = GGUFWeights(gguf)
+        return [(lambda: weights, weights.dequantized_bytes)]
+    from safetensors import safe_open
+    return [(partial(safe_open, str(file), framework="pt", device="cpu"), file.stat().st_size)
+            for file in safetensors_files(path)]
+
+
 def load_weights(model: nn.Module, path: str | Path | None, load_format: str = "auto", *, seed: int = 0) -> None:
     """Load weights into ``model`` in place (see module docstring)."""
     if load_format == "dummy":
@@ -44,18 +62,16 @@ def load_weights(model: nn.Module, path: str | Path | None, load_format: str = "
         return
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r} (expected one of {LOAD_FORMATS})")
-    from safetensors import safe_open
-
     params = dict(model.named_parameters())
     owners = {name: model.get_submodule(name.rpartition(".")[0]) for name in params}
     # Elements written so far per parameter, so we can prove full coverage at the end.
     written: dict[str, int] = {name: 0 for name in params}
     unknown: list[str] = []
-    files = safetensors_files(path)
-    progress = Progress("loading weights", sum(f.stat().st_size for f in files))
+    sources = checkpoint_files(path)
+    progress = Progress("loading weights", sum(size for _, size in sources))
     with torch.no_grad():
-        for file in files:
-            with safe_open(str(file), framework="pt", device="cpu") as f:
+        for open_file, _ in sources:
+            with open_file() as f:
                 for hf_name in f.keys():
                     target = model.checkpoint_target(hf_name)
                     if target is None:
