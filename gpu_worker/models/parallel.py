@@ -45,6 +45,7 @@ from torch import nn
 
 from gpu_worker.batch_invariant import Numerics
 from gpu_worker.models.blocks import RMSNorm
+from gpu_worker.models.linear_method import QuantizableLinear, narrow
 from gpu_worker.models.weights import CheckpointTensor, copy_into
 from gpu_worker.tp_shard import TPShard
 
@@ -89,7 +90,7 @@ class TPGroup:
         return torch.cat(self._gather(x), dim=-1)
 
 
-class ReplicatedLinear(nn.Linear):
+class ReplicatedLinear(QuantizableLinear):
     """The whole ``y = x W^T (+ b)`` on every rank (the MoE router)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool, tp: TPGroup) -> None:
@@ -97,7 +98,7 @@ class ReplicatedLinear(nn.Linear):
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.numerics.linear(x, self.weight, self.bias)
+        return self.method.apply(self, x, self.bias)
 
 
 class ColumnParallelLinear(ReplicatedLinear):
@@ -110,12 +111,31 @@ class ColumnParallelLinear(ReplicatedLinear):
         super().__init__(input_size, output_size // tp.size, bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.numerics.linear(x, self.weight, self.bias)
+        y = self.method.apply(self, x, self.bias)
         return y if self.lora is None else self.lora.add_delta(x, y)
 
     def weight_loader(self, param: torch.Tensor, source: CheckpointTensor, shard_id=None) -> int:
-        n = param.shape[0]
-        return copy_into(param, source.narrow(0, self.tp.rank * n, n))
+        axis = self.axes_of(param).out
+        if axis is None:
+            return copy_into(param, source)
+        n = axis.length(param)
+        return copy_into(param, narrow(source, axis, self.tp.rank * n, n, "output", own=False))
+
+    def _part(self, param: torch.Tensor, source: CheckpointTensor, first: bool,
+              here: tuple[int, int], there: int) -> int:
+        """Copy the ``here`` = (start, size) logical rows of ``param`` from rows ``there``..
+        of ``source``; a tensor whole along the output (GPTQ's ``g_idx``) comes with every
+        part and must be the same in each: the first writes it, the others are checked."""
+        axis = self.axes_of(param).out
+        if axis is not None:
+            start, size = here
+            return copy_into(narrow(param, axis, start, size, "output", own=True),
+                             narrow(source, axis, there, size, "output", own=False))
+        if first:
+            return copy_into(param, source)
+        if not torch.equal(param, source.read().to(param.dtype)):
+            raise ValueError(f"{source.name}: differs between the parts of a fused layer, which share it")
+        return 0
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -127,14 +147,19 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), bias, tp)
 
+    def part_rows(self) -> dict:
+        """Each part's (first row, rows) on this rank."""
+        n = self.tp.size
+        return {i: (sum(self.output_sizes[:i]) // n, size // n) for i, size in enumerate(self.output_sizes)}
+
     def weight_loader(self, param: torch.Tensor, source: CheckpointTensor, shard_id: int | None = None) -> int:
         if shard_id is None:
+            axis = self.axes_of(param).out
             offsets = [sum(self.output_sizes[:i]) for i in range(len(self.output_sizes))]
-            return sum(self.weight_loader(param, source.narrow(0, offset, size), i)
+            return sum(self.weight_loader(param, narrow(source, axis, offset, size, "output", own=False), i)
                        for i, (offset, size) in enumerate(zip(offsets, self.output_sizes)))
-        size = self.output_sizes[shard_id] // self.tp.size
-        start = sum(self.output_sizes[:shard_id]) // self.tp.size
-        return copy_into(param.narrow(0, start, size), source.narrow(0, self.tp.rank * size, size))
+        start, size = self.part_rows()[shard_id]
+        return self._part(param, source, shard_id == 0, (start, size), self.tp.rank * size)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -154,15 +179,20 @@ class QKVParallelLinear(ColumnParallelLinear):
                       "v": (q + kv, kv, s.kv_start * head_dim, (num_heads + num_kv_heads) * head_dim)}
         self.full_sizes = {"q": num_heads * head_dim, "k": num_kv_heads * head_dim, "v": num_kv_heads * head_dim}
 
+    def part_rows(self) -> dict:
+        return {i: (start, size) for i, (start, size, _, _) in self.parts.items()}
+
     def weight_loader(self, param: torch.Tensor, source: CheckpointTensor, shard_id: str | None = None) -> int:
         if shard_id is None:
-            return sum(self.weight_loader(param, source.narrow(0, self.parts[i][3], self.full_sizes[i]), i)
+            axis = self.axes_of(param).out
+            return sum(self.weight_loader(param, narrow(source, axis, self.parts[i][3], self.full_sizes[i],
+                                                        "output", own=False), i)
                        for i in self.parts)
         start, size, src, _ = self.parts[shard_id]
-        return copy_into(param.narrow(0, start, size), source.narrow(0, src, size))
+        return self._part(param, source, shard_id == "q", (start, size), src)
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(QuantizableLinear):
     """``y = x_r W_r^T`` summed over ranks (+ bias once): ``input_size`` input features
     split evenly, this rank holding columns ``[rank * n, (rank + 1) * n)``."""
 
@@ -173,16 +203,17 @@ class RowParallelLinear(nn.Linear):
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.numerics.linear(x, self.weight, self.bias if self.tp.rank == 0 else None)
+        y = self.method.apply(self, x, self.bias if self.tp.rank == 0 else None)
         if self.lora is not None:
             y = self.lora.add_delta(x, y)
         return self.tp.all_reduce(y)
 
     def weight_loader(self, param: torch.Tensor, source: CheckpointTensor, shard_id=None) -> int:
-        if param.dim() == 1:  # the bias: whole on every rank, added by rank 0
+        axis = self.axes_of(param).inp
+        if axis is None:  # the bias (whole on every rank, added by rank 0); GPTQ's act-order scales
             return copy_into(param, source)
-        n = param.shape[-1]
-        return copy_into(param, source.narrow(param.dim() - 1, self.tp.rank * n, n))
+        n = axis.length(param)
+        return copy_into(param, narrow(source, axis, self.tp.rank * n, n, "input", own=False))
 
 
 class VocabParallelEmbedding(nn.Module):
