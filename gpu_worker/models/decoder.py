@@ -320,7 +320,7 @@ class DecoderForCausalLM(nn.Module):
                 out += [(module.w13[0], None), (module.w2[0], None)]
         if self.has_lm_head:  # (a pooling model computes no logits)
             head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-            out.append((head.weight, None))
+            out += head.method.probes(head)
         return out
 
     def matmul_only(self) -> list[nn.Module]:
@@ -328,7 +328,7 @@ class DecoderForCausalLM(nn.Module):
         an untied LM head; not a tied embedding table, which lookups read too): a packed copy
         can stand in for it (``Numerics.pack``)."""
         out = [m for m in self.modules() if isinstance(m, QuantizableLinear) and m.method.dense]
-        return out + ([self.lm_head] if self.lm_head is not None else [])
+        return out + ([self.lm_head] if self.lm_head is not None and self.lm_head.method.dense else [])
 
     def checkpoint_target(self, name: str) -> tuple[str, tuple] | None:
         """Checkpoint tensor ``name`` -> (our parameter, the ids its layer's weight_loader

@@ -31,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -109,7 +110,8 @@ class LinearMethod:
 
 class Dense(LinearMethod):
     """A float ``weight`` [out, in] through the group's ``Numerics`` (batch-invariant
-    padding, oneDNN-packed copies): what every layer computed before this seam."""
+    padding, oneDNN-packed copies): what every layer computed before this seam. As an
+    embedding table, rows are looked up."""
 
     name = "dense"
     dense = True
@@ -120,16 +122,20 @@ class Dense(LinearMethod):
     def apply(self, layer, x, bias):
         return layer.tp.numerics.linear(x, layer.weight, bias)
 
+    def embed(self, layer, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, layer.weight)
+
     def probes(self, layer):
-        return [(layer.weight, layer.bias)]
+        return [(layer.weight, getattr(layer, "bias", None))]
 
 
 DENSE_METHOD = Dense()
 
 
-class QuantizableLinear(nn.Linear):
-    """An ``nn.Linear`` whose weight is its ``method``'s (``Dense`` unless a
-    quantization scheme set another, on the meta device before the weights load)."""
+class MethodOwner:
+    """A layer whose weight is its ``method``'s (``Dense`` unless a quantization plan set
+    another, on the meta device before the weights load); ``out_features`` and
+    ``in_features`` are this rank's logical matrix."""
 
     method: LinearMethod = DENSE_METHOD
 
@@ -146,3 +152,7 @@ class QuantizableLinear(nn.Linear):
             if own is param:
                 return VECTOR if name == "bias" else self.method.axes(self, name)
         return default_axes(param)
+
+
+class QuantizableLinear(MethodOwner, nn.Linear):
+    """An ``nn.Linear`` whose weight is its method's."""

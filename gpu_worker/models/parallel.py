@@ -40,12 +40,11 @@ delta of a row layer is a partial sum too). Unset (the default), forward is unch
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.batch_invariant import Numerics
 from gpu_worker.models.blocks import RMSNorm
-from gpu_worker.models.linear_method import QuantizableLinear, narrow
+from gpu_worker.models.linear_method import MethodOwner, QuantizableLinear, narrow
 from gpu_worker.models.weights import CheckpointTensor, copy_into
 from gpu_worker.tp_shard import TPShard
 
@@ -216,29 +215,32 @@ class RowParallelLinear(QuantizableLinear):
         return copy_into(param, narrow(source, axis, self.tp.rank * n, n, "input", own=False))
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(MethodOwner, nn.Module):
     """An embedding table over this rank's vocabulary range ``[start, start + rows)``,
-    padded to ``vocab_per_rank`` rows (zeros, never a real token); also the LM head."""
+    padded to ``vocab_per_rank`` rows (zeros, never a real token); also the LM head. Its
+    method looks rows up (``embed``) and computes logits (``apply``): dense, or GGUF
+    blocks read in place for both."""
 
     def __init__(self, hidden: int, tp: TPGroup) -> None:
         super().__init__()
         shard = tp.shard
         self.tp = tp
         self.start, self.rows, self.vocab = shard.vocab_start, shard.vocab_rows, shard.vocab
+        self.out_features, self.in_features = shard.vocab_per_rank, hidden
         self.weight = nn.Parameter(torch.empty(shard.vocab_per_rank, hidden))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(ids, self.weight)
+            return self.method.embed(self, ids)
         local = ids - self.start
         outside = (local < 0) | (local >= self.rows)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = self.method.embed(self, local.masked_fill(outside, 0))
         out.masked_fill_(outside.unsqueeze(-1), 0.0)
         return self.tp.all_reduce(out)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows, vocab] logits over the whole vocabulary (every rank's range, padding dropped)."""
-        logits = self.tp.numerics.linear(hidden, self.weight)
+        logits = self.method.apply(self, hidden, None)
         if self.tp.size > 1:
             logits = self.tp.gather_last(logits)[:, :self.vocab]
         return logits
