@@ -68,7 +68,10 @@ def load_weights(model: nn.Module, path: str | Path | None, load_format: str = "
                         unknown.append(hf_name)
                         continue
                     source = CheckpointTensor(f, hf_name)
-                    written[name] += _load(owners[name], params[name], source, ids)
+                    owner = owners[name]
+                    if getattr(owner, "method", None) is not None:
+                        source = owner.method.source(owner, name.rpartition(".")[2], ids, source)
+                    written[name] += _load(owner, params[name], source, ids)
                     progress.advance(source.bytes_read)
     progress.finish()
     if unknown:

@@ -123,14 +123,13 @@ def shard_problems(cfg: ModelConfig, size: int, key: str = "tensor_parallel") ->
 
 def _block_problems(cfg: ModelConfig, size: int, key: str) -> list[str]:
     """A quantized format's blocks must not be cut: each rank's output rows and input
-    columns of a split layer hold whole packed words and groups."""
+    columns of a split layer hold whole packed words, groups and scale blocks."""
     rows, cols = block_of(cfg.quantization)
     kv_rows = max(1, cfg.num_kv_heads // size) * cfg.head_dim
     splits = {"output": {"query heads' rows": cfg.q_size // size, "KV heads' rows": kv_rows,
                          "MLP rows": cfg.intermediate_size // size},
               "input": {"o_proj columns": cfg.q_size // size, "down_proj columns": cfg.intermediate_size // size}}
-    return [f"{what} per rank ({n}) cut a {'group' if dim == 'input' else 'packed word'} of {block} "
-            f"({dim} dimension) with {key}={size}"
+    return [f"{what} per rank ({n}) cut a block of {block} ({dim} dimension) with {key}={size}"
             for dim, block in (("output", rows), ("input", cols)) for what, n in splits[dim].items()
             if n % block]
 

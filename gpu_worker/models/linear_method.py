@@ -95,6 +95,11 @@ class LinearMethod:
         loads into (a part stored apart has its own)."""
         return attr
 
+    def source(self, layer: nn.Module, attr: str, ids: tuple, source):
+        """The checkpoint tensor as the layer's loader should slice it (a per-tensor scale
+        repeated over its rows: ``weights.Repeated``)."""
+        return source
+
     def finish(self, layer: nn.Module) -> None:
         pass
 
@@ -155,4 +160,11 @@ class MethodOwner:
 
 
 class QuantizableLinear(MethodOwner, nn.Linear):
-    """An ``nn.Linear`` whose weight is its method's."""
+    """An ``nn.Linear`` whose weight is its method's; ``input_shards``: how many ranks
+    split its input (a row-parallel layer's), so a method can size what is whole."""
+
+    input_shards = 1
+
+    def checkpoint_rows(self, part=None) -> int:
+        """Output rows of the checkpoint tensor of ``part`` (the whole layer's: None)."""
+        return self.out_features

@@ -75,6 +75,13 @@ class TPGroup:
             dist.all_reduce(x, group=self.group)
         return x
 
+    def max_over_ranks(self, x: torch.Tensor) -> torch.Tensor:
+        """Elementwise max of ``x`` over the ranks, in place (order-free, so exact)."""
+        if self.size > 1:
+            import torch.distributed as dist
+            dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.group)
+        return x
+
     def _gather(self, x: torch.Tensor) -> list[torch.Tensor]:
         import torch.distributed as dist
         x = x.contiguous()
@@ -113,6 +120,9 @@ class ColumnParallelLinear(ReplicatedLinear):
         y = self.method.apply(self, x, self.bias)
         return y if self.lora is None else self.lora.add_delta(x, y)
 
+    def checkpoint_rows(self, part=None) -> int:
+        return self.out_features * self.tp.size
+
     def weight_loader(self, param: torch.Tensor, source: CheckpointTensor, shard_id=None) -> int:
         axis = self.axes_of(param).out
         if axis is None:
@@ -120,17 +130,19 @@ class ColumnParallelLinear(ReplicatedLinear):
         n = axis.length(param)
         return copy_into(param, narrow(source, axis, self.tp.rank * n, n, "output", own=False))
 
-    def _part(self, param: torch.Tensor, source: CheckpointTensor, first: bool,
-              here: tuple[int, int], there: int) -> int:
+    def _part(self, param: torch.Tensor, source: CheckpointTensor, here: tuple[int, int], there: int) -> int:
         """Copy the ``here`` = (start, size) logical rows of ``param`` from rows ``there``..
         of ``source``; a tensor whole along the output (GPTQ's ``g_idx``) comes with every
-        part and must be the same in each: the first writes it, the others are checked."""
+        part and must be the same in each: the first to arrive writes it, the others are
+        checked against it."""
         axis = self.axes_of(param).out
         if axis is not None:
             start, size = here
             return copy_into(narrow(param, axis, start, size, "output", own=True),
                              narrow(source, axis, there, size, "output", own=False))
-        if first:
+        shared = self.__dict__.setdefault("_shared_loaded", set())
+        if id(param) not in shared:
+            shared.add(id(param))
             return copy_into(param, source)
         if not torch.equal(param, source.read().to(param.dtype)):
             raise ValueError(f"{source.name}: differs between the parts of a fused layer, which share it")
@@ -151,6 +163,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         n = self.tp.size
         return {i: (sum(self.output_sizes[:i]) // n, size // n) for i, size in enumerate(self.output_sizes)}
 
+    def checkpoint_rows(self, part=None) -> int:
+        return sum(self.output_sizes) if part is None else self.output_sizes[part]
+
     def weight_loader(self, param: torch.Tensor, source: CheckpointTensor, shard_id: int | None = None) -> int:
         if shard_id is None:
             axis = self.axes_of(param).out
@@ -158,7 +173,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             return sum(self.weight_loader(param, narrow(source, axis, offset, size, "output", own=False), i)
                        for i, (offset, size) in enumerate(zip(offsets, self.output_sizes)))
         start, size = self.part_rows()[shard_id]
-        return self._part(param, source, shard_id == 0, (start, size), self.tp.rank * size)
+        return self._part(param, source, (start, size), self.tp.rank * size)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -181,6 +196,9 @@ class QKVParallelLinear(ColumnParallelLinear):
     def part_rows(self) -> dict:
         return {i: (start, size) for i, (start, size, _, _) in self.parts.items()}
 
+    def checkpoint_rows(self, part=None) -> int:
+        return sum(self.full_sizes.values()) if part is None else self.full_sizes[part]
+
     def weight_loader(self, param: torch.Tensor, source: CheckpointTensor, shard_id: str | None = None) -> int:
         if shard_id is None:
             axis = self.axes_of(param).out
@@ -188,7 +206,7 @@ class QKVParallelLinear(ColumnParallelLinear):
                                                         "output", own=False), i)
                        for i in self.parts)
         start, size, src, _ = self.parts[shard_id]
-        return self._part(param, source, shard_id == "q", (start, size), src)
+        return self._part(param, source, (start, size), src)
 
 
 class RowParallelLinear(QuantizableLinear):
@@ -200,6 +218,7 @@ class RowParallelLinear(QuantizableLinear):
     def __init__(self, input_size: int, output_size: int, bias: bool, tp: TPGroup) -> None:
         super().__init__(input_size // tp.size, output_size, bias=bias)
         self.tp = tp
+        self.input_shards = tp.size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.method.apply(self, x, self.bias if self.tp.rank == 0 else None)

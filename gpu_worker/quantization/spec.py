@@ -56,12 +56,15 @@ class Int8Spec(msgspec.Struct, frozen=True, tag="w8a8"):
 
 class Fp8Spec(msgspec.Struct, frozen=True, tag="fp8"):
     """FP8 e4m3 weights with per-tensor, per-channel or block scales
-    (``weight_block_size`` [rows, cols]; the scale tensor is ``scale_name``). Computed
-    weight-only: activations stay in the compute dtype (as vLLM's Marlin FP8 path on
-    GPUs without FP8), so an activation scale in the checkpoint is read and not used."""
+    (``weight_block_size`` [rows, cols]; the scale tensor is ``scale_name``).
+    ``token_activations``: each token's activations rounded through e4m3 at every matmul
+    (compressed-tensors' dynamic per-token scheme, as transformers computes it); else
+    weight-only, activations in the compute dtype (``quant_method: fp8``, as transformers
+    runs it on CPU)."""
 
     block: tuple[int, int] | None = None
     scale_name: str = "weight_scale"
+    token_activations: bool = False
 
 
 QuantSpec = GgmlSpec | Int4Spec | Int8Spec | Fp8Spec
@@ -151,7 +154,10 @@ def _compressed(q: dict) -> QuantSpec:
     if fmt == "float-quantized" and kind == "float" and bits == 8:
         if strategy not in ("tensor", "channel"):
             raise _refuse("weights.strategy", strategy, ["tensor", "channel"])
-        return Fp8Spec()
+        if act is not None and (act.get("type") != "float" or int(act.get("num_bits", 0)) != 8
+                                or not act.get("dynamic") or act.get("strategy") != "token"):
+            raise _refuse("input_activations", act, ["none", "fp8 dynamic per-token"])
+        return Fp8Spec(token_activations=act is not None)
     raise _refuse("format", f"{fmt} ({kind}{bits} weights, {'no' if act is None else 'quantized'} activations)",
                   ["pack-quantized int4 (W4A16)", "int-quantized int8 (W8A8)", "float-quantized fp8"])
 
@@ -160,6 +166,8 @@ def _fp8(q: dict) -> Fp8Spec:
     fmt = str(q.get("fmt", "e4m3"))
     if fmt != "e4m3":
         raise _refuse("fmt", fmt, ["e4m3"])
+    if q.get("modules_to_not_convert") is not None and not isinstance(q["modules_to_not_convert"], list):
+        raise _refuse("modules_to_not_convert", q["modules_to_not_convert"])
     block = q.get("weight_block_size")
     if block is None:
         return Fp8Spec()
