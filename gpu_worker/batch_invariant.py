@@ -43,6 +43,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -113,6 +114,17 @@ class ReleasedWeight(torch.Tensor):
         return torch.Tensor._make_subclass(ReleasedWeight, meta, False)
 
 
+@dataclass(frozen=True)
+class Probe:
+    """A matmul the start-up check runs as it serves, through its own kernel (a quantized
+    layer's: ``fn(x)`` = ``x W^T`` for x [rows, in_features]); ``key``: what makes two
+    probes the same check (shape and format), so each runs once."""
+
+    key: tuple
+    in_features: int
+    fn: Callable[[torch.Tensor], torch.Tensor]
+
+
 class Numerics:
     """How this worker's layers compute: ``deterministic`` (batch-invariant) or fastest.
 
@@ -126,7 +138,7 @@ class Numerics:
         # id cannot be reused by another tensor
         self.packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def pack(self, weights: Iterable[tuple[torch.Tensor, torch.Tensor | None]],
+    def pack(self, weights: Iterable[tuple[torch.Tensor, torch.Tensor | None] | Probe],
              owners: Iterable[torch.nn.Module] = ()) -> str:
         """Pack the float32 CPU weights big enough to gain for oneDNN's matmul (see the
         module docstring); the packed copy then stands in for the ``weight`` of each of
@@ -135,8 +147,9 @@ class Numerics:
         if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
             return "matmuls: F.linear (this torch has no oneDNN)"
         count = size = 0
-        for weight, _ in weights:
-            if _can_pack(weight) and id(weight) not in self.packed:
+        for item in weights:
+            weight = None if isinstance(item, Probe) else item[0]
+            if weight is not None and _can_pack(weight) and id(weight) not in self.packed:
                 self.packed[id(weight)] = (weight, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32))
                 count += 1
                 size += weight.numel() * weight.element_size()
@@ -205,13 +218,13 @@ def agrees_from(f: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, prob
     return found
 
 
-def measure_min_rows(weights: Iterable[tuple[torch.Tensor, torch.Tensor | None]],
+def measure_min_rows(weights: Iterable[tuple[torch.Tensor, torch.Tensor | None] | Probe],
                      probe: tuple[int, ...] = PROBE_ROWS,
                      matmul: Callable[..., torch.Tensor] = F.linear) -> tuple[int | None, str]:
     """The smallest row count from which ``matmul`` (``Numerics.matmul``: the path that
     serves each weight) gives every row bitwise the result it
     has in the largest probed batch, for every (distinct shape of) ``weights`` (the
-    model's own, with their biases); (None, why) when no count up to ``MAX_MIN_ROWS`` does.
+    model's own, with their biases, and ``Probe``s, run as they are); (None, why) when no count up to ``MAX_MIN_ROWS`` does.
 
     Each probed batch takes random rows of the reference batch in a random order, so a row
     is checked at another position among other rows. Costs about ``sum(probe) +
@@ -220,18 +233,25 @@ def measure_min_rows(weights: Iterable[tuple[torch.Tensor, torch.Tensor | None]]
     gen = torch.Generator().manual_seed(0)
     seen: set[tuple] = set()
     need, checked = 1, 0
-    for weight, bias in weights:
-        key = (tuple(weight.shape), bias is not None, weight.dtype, weight.device, _can_pack(weight))
+    for item in weights:
+        if isinstance(item, Probe):
+            key, run, width, dtype, device, what = item.key, item.fn, item.in_features, torch.float32, \
+                torch.device("cpu"), str(item.key)
+        else:
+            weight, bias = item
+            key = (tuple(weight.shape), bias is not None, weight.dtype, weight.device, _can_pack(weight))
+            run = lambda x, w=weight, b=bias: matmul(x, w, b)  # noqa: E731
+            width, dtype, what = weight.shape[1], weight.dtype, str(tuple(weight.shape))
+            device = torch.device("cpu") if weight.is_meta else weight.device  # (packed in its place)
         if key in seen:
             continue
         seen.add(key)
-        device = torch.device("cpu") if weight.is_meta else weight.device  # (packed in its place)
-        x = torch.randn(max(probe), weight.shape[1], generator=gen).to(weight.dtype).to(device)
-        found = agrees_from(lambda rows: matmul(rows, weight, bias), x, probe, gen)
+        x = torch.randn(max(probe), width, generator=gen).to(dtype).to(device)
+        found = agrees_from(run, x, probe, gen)
         need = max(need, found)
         checked += 1
         if need > MAX_MIN_ROWS:
-            return None, (f"matmul {tuple(weight.shape)}: rows differ with the batch size up to "
+            return None, (f"matmul {what}: rows differ with the batch size up to "
                           f"{found - 1} rows (checked {len(probe)} sizes up to {max(probe)})")
     log.info("batch-invariant matmuls from %d rows (%d shapes x %d batch sizes checked in %.2fs)",
              need, checked, len(probe), time.perf_counter() - started)

@@ -77,11 +77,17 @@ def load_weights(model: nn.Module, path: str | Path | None, load_format: str = "
                     if target is None:
                         continue
                     name, ids = target
+                    name = _stored_name(model, name, ids)
+                    if name is None:  # carried by the checkpoint, not stored (a quantized layer's metadata)
+                        continue
                     if name not in params:
                         unknown.append(hf_name)
                         continue
                     source = CheckpointTensor(f, hf_name)
-                    written[name] += _load(owners[name], params[name], source, ids)
+                    owner = owners[name]
+                    if getattr(owner, "method", None) is not None:
+                        source = owner.method.source(owner, name.rpartition(".")[2], ids, source)
+                    written[name] += _load(owner, params[name], source, ids)
                     progress.advance(source.bytes_read)
     progress.finish()
     if unknown:
@@ -89,6 +95,40 @@ def load_weights(model: nn.Module, path: str | Path | None, load_format: str = "
     missing = [n for n, p in params.items() if written[n] != p.numel()]
     if missing:
         raise ValueError(f"parameters not (fully) loaded from checkpoint: {missing[:10]}")
+    finish_methods(model)
+
+
+def finish_methods(model: nn.Module) -> None:
+    """Each quantized layer turns what its checkpoint stored into what its kernel reads."""
+    for module in model.modules():
+        method = getattr(module, "method", None)
+        if method is not None:
+            method.finish(module)
+
+
+def _stored_name(model: nn.Module, name: str, ids: tuple) -> str | None:
+    """The stored tensor a checkpoint tensor loads into: its layer's method may keep a
+    part apart (GGUF's q, k, v of different types) or not store it at all (None)."""
+    owner, _, attr = name.rpartition(".")
+    try:
+        method = getattr(model.get_submodule(owner), "method", None)
+    except AttributeError:  # no such module: the caller names the tensor
+        return name
+    if method is None:
+        return name
+    stored = method.param_name(attr, ids)
+    return None if stored is None else f"{owner}.{stored}"
+
+
+def checkpoint_names(path: str | Path) -> list[str]:
+    """Every tensor name of a safetensors checkpoint (headers only: no data is read)."""
+    from safetensors import safe_open
+
+    names = []
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            names += list(f.keys())
+    return names
 
 
 def _load(owner: nn.Module, param: nn.Parameter, source: CheckpointTensor, ids: tuple) -> int:
@@ -110,6 +150,9 @@ def _fill_dummy(model: nn.Module, seed: int) -> None:
     """
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):
+            if not p.is_floating_point():
+                raise ValueError(f"load_format dummy: {name} is quantized ({p.dtype}); random "
+                                 "weights are float only")
             if "norm" in name:
                 p.fill_(0.0 if model.config.norm == "rms_1p" or name.endswith(".bias") else 1.0)
             else:

@@ -24,6 +24,7 @@ from gpu_worker.architectures import (gemma, granite, llama, mixtral, olmo2, phi
                                       starcoder2)
 from gpu_worker.architectures.hf_config import (Architecture, LayerSpec, MoeConfig, RopeConfig,
                                                 UnsupportedConfig)
+from gpu_worker.quantization.spec import QuantSpec, parse_quantization
 
 # model_type -> its family's declaration: the one table of supported architectures
 ARCHITECTURES: dict[str, Architecture] = {
@@ -83,6 +84,7 @@ class ModelConfig(msgspec.Struct, frozen=True):
     bos_token_id: int | None = None
     eos_token_ids: list[int] = []
     dtype: str = "float32"
+    quantization: QuantSpec | None = None  # the weights' quantized format (quantization.spec)
 
     @property
     def q_size(self) -> int:
@@ -133,6 +135,7 @@ def parse_config(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None = No
     kwargs = architecture(model_type).parse(cfg, model_type)
     gen_eos = _int_list((generation_cfg or {}).get("eos_token_id"))
     kwargs["eos_token_ids"] = gen_eos or _int_list(cfg.get("eos_token_id"))
+    kwargs["quantization"] = parse_quantization(cfg)
     return ModelConfig(**kwargs)
 
 

@@ -44,12 +44,15 @@ from gpu_worker.batch_invariant import Numerics
 from gpu_worker.grammar import GrammarStates
 from gpu_worker.kv_budget import auto_kv_bytes
 from gpu_worker.distributed import Ranks
-from gpu_worker.loader import load_weights
+from gpu_worker.loader import checkpoint_names, load_weights
 from gpu_worker.lora.store import AdapterStore
 from gpu_worker.model_config import load_config
 from gpu_worker.models import fused_moe, row_ops
 from gpu_worker.models.decoder import DecoderForCausalLM
 from gpu_worker.pooler import Pooler
+from gpu_worker.quantization import kernels as quant_kernels
+from gpu_worker.quantization.plan import quantize_layers
+from gpu_worker.quantization.spec import GgmlSpec
 from gpu_worker.progress import Progress
 from gpu_worker.request_state import RequestTracker
 from gpu_worker.tp_shard import tp_shard
@@ -174,6 +177,13 @@ class ModelRunner:
                                        dtype=self.dtype,
                                        tp=self.ranks.tp_group(self.shard, self.numerics),
                                        lm_head=self.pooling is None)
+            spec = self.config.quantization
+            if spec is not None:  # a GGUF spec names its tensors; an HF format's are the file's
+                log.info(quantize_layers(model, spec, () if isinstance(spec, GgmlSpec) else
+                                         checkpoint_names(model_path)))
+                if self.device.type == "cpu" and self.dtype == torch.float32:
+                    log.info("quantized matmuls: %s", "the CPU kernels" if quant_kernels.load() is not None
+                             else "dequantized slabs (the kernels could not be built)")
         model = model.to_empty(device=self.device).to(self.dtype)
         load_weights(model, model_path, load_format, seed=seed)
         return model.eval()

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gpu_worker.model_config import ModelConfig
+from gpu_worker.quantization.spec import block_of
 
 
 class ShardError(ValueError):
@@ -115,7 +116,22 @@ def shard_problems(cfg: ModelConfig, size: int, key: str = "tensor_parallel") ->
     if cfg.moe is not None and cfg.moe.num_experts % size:
         out.append(f"num_experts={cfg.moe.num_experts} is not divisible by "
                    f"{key}={size} (experts are placed whole)")
+    if not out and size > 1 and cfg.quantization is not None:
+        out += _block_problems(cfg, size, key)
     return out
+
+
+def _block_problems(cfg: ModelConfig, size: int, key: str) -> list[str]:
+    """A quantized format's blocks must not be cut: each rank's output rows and input
+    columns of a split layer hold whole packed words, groups and scale blocks."""
+    rows, cols = block_of(cfg.quantization)
+    kv_rows = max(1, cfg.num_kv_heads // size) * cfg.head_dim
+    splits = {"output": {"query heads' rows": cfg.q_size // size, "KV heads' rows": kv_rows,
+                         "MLP rows": cfg.intermediate_size // size},
+              "input": {"o_proj columns": cfg.q_size // size, "down_proj columns": cfg.intermediate_size // size}}
+    return [f"{what} per rank ({n}) cut a block of {block} ({dim} dimension) with {key}={size}"
+            for dim, block in (("output", rows), ("input", cols)) for what, n in splits[dim].items()
+            if n % block]
 
 
 def tp_shard(cfg: ModelConfig, rank: int = 0, size: int = 1) -> TPShard:

@@ -75,7 +75,7 @@ def load_adapter(model: nn.Module, layout: AdapterLayout, dtype: torch.dtype) ->
     with torch.no_grad(), safe_open(layout.file, framework="pt", device="cpu") as f:
         for key, pairs in sites.items():
             layer = adapted_layer(model, *key)
-            out_local, in_local = layer.weight.shape
+            out_local, in_local = layer.out_features, layer.in_features  # (this rank's)
             a = torch.zeros(len(pairs) * r, in_local)
             b = torch.zeros(out_local, len(pairs) * r)
             for j, pair in enumerate(pairs):

@@ -24,6 +24,7 @@ from gpu_worker.model_config import LayerSpec, ModelConfig, architecture
 from gpu_worker.models import fused_moe
 from gpu_worker.models import row_ops
 from gpu_worker.models.blocks import RMSNorm, RotaryEmbedding, add_then_norm, make_norm
+from gpu_worker.models.linear_method import QuantizableLinear
 from gpu_worker.models.parallel import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
                                         ReplicatedLinear, RowParallelLinear, ShardedRMSNorm, TPGroup,
                                         VocabParallelEmbedding)
@@ -308,25 +309,26 @@ class DecoderForCausalLM(nn.Module):
         return logits
 
     def matmuls(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        """(weight, bias) of every matmul the forward pass and ``compute_logits`` run: the
-        shapes whose batch invariance the deterministic mode checks at start-up."""
+        """(weight, bias) of every matmul the forward pass and ``compute_logits`` run (a
+        quantized layer's: its method's ``probes``): the shapes whose batch invariance the
+        deterministic mode checks at start-up."""
         out = []
         for module in self.modules():
-            if isinstance(module, nn.Linear):
-                out.append((module.weight, module.bias))
+            if isinstance(module, QuantizableLinear):
+                out += module.method.probes(module)
             elif isinstance(module, Experts) and module.w13.shape[0]:
                 out += [(module.w13[0], None), (module.w2[0], None)]
         if self.has_lm_head:  # (a pooling model computes no logits)
             head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-            out.append((head.weight, None))
+            out += head.method.probes(head)
         return out
 
     def matmul_only(self) -> list[nn.Module]:
-        """Modules whose ``weight`` nothing but their matmul reads (every linear layer, an
-        untied LM head; not a tied embedding table, which lookups read too): a packed copy
+        """Modules whose ``weight`` nothing but their matmul reads (every dense linear layer,
+        an untied LM head; not a tied embedding table, which lookups read too): a packed copy
         can stand in for it (``Numerics.pack``)."""
-        out = [m for m in self.modules() if isinstance(m, nn.Linear)]
-        return out + ([self.lm_head] if self.lm_head is not None else [])
+        out = [m for m in self.modules() if isinstance(m, QuantizableLinear) and m.method.dense]
+        return out + ([self.lm_head] if self.lm_head is not None and self.lm_head.method.dense else [])
 
     def checkpoint_target(self, name: str) -> tuple[str, tuple] | None:
         """Checkpoint tensor ``name`` -> (our parameter, the ids its layer's weight_loader

@@ -40,11 +40,11 @@ delta of a row layer is a partial sum too). Unset (the default), forward is unch
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.batch_invariant import Numerics
 from gpu_worker.models.blocks import RMSNorm
+from gpu_worker.models.linear_method import MethodOwner, QuantizableLinear, narrow
 from gpu_worker.models.weights import CheckpointTensor, copy_into
 from gpu_worker.tp_shard import TPShard
 
@@ -75,6 +75,13 @@ class TPGroup:
             dist.all_reduce(x, group=self.group)
         return x
 
+    def max_over_ranks(self, x: torch.Tensor) -> torch.Tensor:
+        """Elementwise max of ``x`` over the ranks, in place (order-free, so exact)."""
+        if self.size > 1:
+            import torch.distributed as dist
+            dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.group)
+        return x
+
     def _gather(self, x: torch.Tensor) -> list[torch.Tensor]:
         import torch.distributed as dist
         x = x.contiguous()
@@ -89,7 +96,7 @@ class TPGroup:
         return torch.cat(self._gather(x), dim=-1)
 
 
-class ReplicatedLinear(nn.Linear):
+class ReplicatedLinear(QuantizableLinear):
     """The whole ``y = x W^T (+ b)`` on every rank (the MoE router)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool, tp: TPGroup) -> None:
@@ -97,7 +104,7 @@ class ReplicatedLinear(nn.Linear):
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.numerics.linear(x, self.weight, self.bias)
+        return self.method.apply(self, x, self.bias)
 
 
 class ColumnParallelLinear(ReplicatedLinear):
@@ -110,12 +117,36 @@ class ColumnParallelLinear(ReplicatedLinear):
         super().__init__(input_size, output_size // tp.size, bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.numerics.linear(x, self.weight, self.bias)
+        y = self.method.apply(self, x, self.bias)
         return y if self.lora is None else self.lora.add_delta(x, y)
 
+    def checkpoint_rows(self, part=None) -> int:
+        return self.out_features * self.tp.size
+
     def weight_loader(self, param: torch.Tensor, source: CheckpointTensor, shard_id=None) -> int:
-        n = param.shape[0]
-        return copy_into(param, source.narrow(0, self.tp.rank * n, n))
+        axis = self.axes_of(param).out
+        if axis is None:
+            return copy_into(param, source)
+        n = axis.length(param)
+        return copy_into(param, narrow(source, axis, self.tp.rank * n, n, "output", own=False))
+
+    def _part(self, param: torch.Tensor, source: CheckpointTensor, here: tuple[int, int], there: int) -> int:
+        """Copy the ``here`` = (start, size) logical rows of ``param`` from rows ``there``..
+        of ``source``; a tensor whole along the output (GPTQ's ``g_idx``) comes with every
+        part and must be the same in each: the first to arrive writes it, the others are
+        checked against it."""
+        axis = self.axes_of(param).out
+        if axis is not None:
+            start, size = here
+            return copy_into(narrow(param, axis, start, size, "output", own=True),
+                             narrow(source, axis, there, size, "output", own=False))
+        shared = self.__dict__.setdefault("_shared_loaded", set())
+        if id(param) not in shared:
+            shared.add(id(param))
+            return copy_into(param, source)
+        if not torch.equal(param, source.read().to(param.dtype)):
+            raise ValueError(f"{source.name}: differs between the parts of a fused layer, which share it")
+        return 0
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -127,14 +158,22 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), bias, tp)
 
+    def part_rows(self) -> dict:
+        """Each part's (first row, rows) on this rank."""
+        n = self.tp.size
+        return {i: (sum(self.output_sizes[:i]) // n, size // n) for i, size in enumerate(self.output_sizes)}
+
+    def checkpoint_rows(self, part=None) -> int:
+        return sum(self.output_sizes) if part is None else self.output_sizes[part]
+
     def weight_loader(self, param: torch.Tensor, source: CheckpointTensor, shard_id: int | None = None) -> int:
         if shard_id is None:
+            axis = self.axes_of(param).out
             offsets = [sum(self.output_sizes[:i]) for i in range(len(self.output_sizes))]
-            return sum(self.weight_loader(param, source.narrow(0, offset, size), i)
+            return sum(self.weight_loader(param, narrow(source, axis, offset, size, "output", own=False), i)
                        for i, (offset, size) in enumerate(zip(offsets, self.output_sizes)))
-        size = self.output_sizes[shard_id] // self.tp.size
-        start = sum(self.output_sizes[:shard_id]) // self.tp.size
-        return copy_into(param.narrow(0, start, size), source.narrow(0, self.tp.rank * size, size))
+        start, size = self.part_rows()[shard_id]
+        return self._part(param, source, (start, size), self.tp.rank * size)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -154,15 +193,23 @@ class QKVParallelLinear(ColumnParallelLinear):
                       "v": (q + kv, kv, s.kv_start * head_dim, (num_heads + num_kv_heads) * head_dim)}
         self.full_sizes = {"q": num_heads * head_dim, "k": num_kv_heads * head_dim, "v": num_kv_heads * head_dim}
 
+    def part_rows(self) -> dict:
+        return {i: (start, size) for i, (start, size, _, _) in self.parts.items()}
+
+    def checkpoint_rows(self, part=None) -> int:
+        return sum(self.full_sizes.values()) if part is None else self.full_sizes[part]
+
     def weight_loader(self, param: torch.Tensor, source: CheckpointTensor, shard_id: str | None = None) -> int:
         if shard_id is None:
-            return sum(self.weight_loader(param, source.narrow(0, self.parts[i][3], self.full_sizes[i]), i)
+            axis = self.axes_of(param).out
+            return sum(self.weight_loader(param, narrow(source, axis, self.parts[i][3], self.full_sizes[i],
+                                                        "output", own=False), i)
                        for i in self.parts)
         start, size, src, _ = self.parts[shard_id]
-        return copy_into(param.narrow(0, start, size), source.narrow(0, src, size))
+        return self._part(param, source, (start, size), src)
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(QuantizableLinear):
     """``y = x_r W_r^T`` summed over ranks (+ bias once): ``input_size`` input features
     split evenly, this rank holding columns ``[rank * n, (rank + 1) * n)``."""
 
@@ -171,43 +218,48 @@ class RowParallelLinear(nn.Linear):
     def __init__(self, input_size: int, output_size: int, bias: bool, tp: TPGroup) -> None:
         super().__init__(input_size // tp.size, output_size, bias=bias)
         self.tp = tp
+        self.input_shards = tp.size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.numerics.linear(x, self.weight, self.bias if self.tp.rank == 0 else None)
+        y = self.method.apply(self, x, self.bias if self.tp.rank == 0 else None)
         if self.lora is not None:
             y = self.lora.add_delta(x, y)
         return self.tp.all_reduce(y)
 
     def weight_loader(self, param: torch.Tensor, source: CheckpointTensor, shard_id=None) -> int:
-        if param.dim() == 1:  # the bias: whole on every rank, added by rank 0
+        axis = self.axes_of(param).inp
+        if axis is None:  # the bias (whole on every rank, added by rank 0); GPTQ's act-order scales
             return copy_into(param, source)
-        n = param.shape[-1]
-        return copy_into(param, source.narrow(param.dim() - 1, self.tp.rank * n, n))
+        n = axis.length(param)
+        return copy_into(param, narrow(source, axis, self.tp.rank * n, n, "input", own=False))
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(MethodOwner, nn.Module):
     """An embedding table over this rank's vocabulary range ``[start, start + rows)``,
-    padded to ``vocab_per_rank`` rows (zeros, never a real token); also the LM head."""
+    padded to ``vocab_per_rank`` rows (zeros, never a real token); also the LM head. Its
+    method looks rows up (``embed``) and computes logits (``apply``): dense, or GGUF
+    blocks read in place for both."""
 
     def __init__(self, hidden: int, tp: TPGroup) -> None:
         super().__init__()
         shard = tp.shard
         self.tp = tp
         self.start, self.rows, self.vocab = shard.vocab_start, shard.vocab_rows, shard.vocab
+        self.out_features, self.in_features = shard.vocab_per_rank, hidden
         self.weight = nn.Parameter(torch.empty(shard.vocab_per_rank, hidden))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(ids, self.weight)
+            return self.method.embed(self, ids)
         local = ids - self.start
         outside = (local < 0) | (local >= self.rows)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = self.method.embed(self, local.masked_fill(outside, 0))
         out.masked_fill_(outside.unsqueeze(-1), 0.0)
         return self.tp.all_reduce(out)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows, vocab] logits over the whole vocabulary (every rank's range, padding dropped)."""
-        logits = self.tp.numerics.linear(hidden, self.weight)
+        logits = self.method.apply(self, hidden, None)
         if self.tp.size > 1:
             logits = self.tp.gather_last(logits)[:, :self.vocab]
         return logits

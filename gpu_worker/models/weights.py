@@ -49,10 +49,34 @@ class CheckpointTensor:
         return tensor
 
 
+class Repeated:
+    """A one-element checkpoint tensor read as ``shape`` copies of itself (a per-tensor
+    scale spread over the rows of its part), sliced like any other."""
+
+    def __init__(self, source: CheckpointTensor, shape: tuple[int, ...]) -> None:
+        self.source, self.name, self.shape = source, source.name, tuple(shape)
+
+    @property
+    def bytes_read(self) -> int:
+        return self.source.bytes_read
+
+    def narrow(self, dim: int, start: int, size: int) -> Repeated:
+        if start < 0 or start + size > self.shape[dim]:
+            raise ValueError(f"{self.name}: [{start}, {start + size}) of dimension {dim} is outside "
+                             f"its {self.shape[dim]} (repeated from one value)")
+        return Repeated(self.source, self.shape[:dim] + (size,) + self.shape[dim + 1:])
+
+    def read(self) -> torch.Tensor:
+        return self.source.read().reshape(()).expand(self.shape)
+
+
 def copy_into(dst: torch.Tensor, source: CheckpointTensor) -> int:
     """Write ``source`` into ``dst`` (same shape); the elements written."""
     if tuple(dst.shape) != source.shape:
         raise ValueError(f"{source.name}: checkpoint shape {source.shape} (this rank's part) "
                          f"!= {tuple(dst.shape)}")
-    dst.copy_(source.read())
+    data = source.read()
+    if data.dtype != dst.dtype and data.element_size() == dst.element_size() == 1 and not dst.is_floating_point():
+        data = data.view(dst.dtype)  # bytes kept as bytes (an FP8 weight held as uint8)
+    dst.copy_(data)
     return dst.numel()

@@ -1,0 +1,34 @@
+"""The quantized-matmul CPU kernels (``quant_linear.cpp``), built on first use (the runner
+builds them at start-up where a quantized model is served; ``candor build-kernels`` ahead).
+
+Used for float32 activations on CPU; anything else, or a machine where the build fails,
+keeps each method's torch path (dequantize a slab of rows, then a dense matmul).
+``CANDOR_CPU_QUANT_KERNELS=0`` turns them off (a check against the torch path).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import torch
+
+from gpu_worker.cpu_extension import build
+
+_SOURCE = Path(__file__).with_name("quant_linear.cpp")
+DISABLE_ENV = "CANDOR_CPU_QUANT_KERNELS"
+FUNCTIONS = ["ggml_linear", "ggml_dequantize", "int4_linear", "int4_dequantize", "fp8_linear", "fp8_dequantize"]
+
+
+@functools.cache
+def load():
+    """The compiled module (``FUNCTIONS``), or None."""
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        return None
+    return build(_SOURCE, FUNCTIONS, openmp=True, cflags=("-ffp-contract=off",))
+
+
+def applies(x: torch.Tensor) -> bool:
+    """Whether the kernels can compute on activations ``x``."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and load() is not None

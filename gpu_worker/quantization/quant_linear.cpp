@@ -1,0 +1,656 @@
+// Matmuls over weights that stay quantized: y = x W^T with W in GGML blocks (Q8_0, Q4_0,
+// Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), group-wise int4 (GPTQ / AWQ / compressed-tensors,
+// repacked at load) or FP8 e4m3 with block scales. fp32 activations and outputs.
+//
+// The weight is dequantized inside the matmul, a few rows at a time, never whole: a work
+// item takes NR consecutive output rows (features). With few input rows (M <= MR) it
+// dequantizes one block of each of its NR rows into a small buffer and multiplies it into
+// register accumulators right away, so the weight streams through once (batch 1 is bound
+// by that stream); with more rows it dequantizes its NR rows over the whole input width
+// into a panel (L2-sized) and sweeps every MR-row tile of x over it, so each weight is
+// decoded once per call whatever M is.
+//
+// Dequantized values are bitwise those of gguf.quants.dequantize (the same operations in
+// the same order: d * q, then + m or - dmin * m, each rounded; built -ffp-contract=off).
+//
+// Batch-invariant by construction: output (m, n) is one chain of 8-lane FMAs over its
+// input elements in ascending order (element k in lane k % 8), from zero, then a fixed
+// lane tree. Both paths run that chain with the same dequantized values, whatever the
+// tile a row lands in, the number of rows or threads, or which thread runs the work
+// item; threads split output features, never a sum.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int MR = 3;  // input rows per tile
+constexpr int NR = 4;  // output features per work item (3 x 4 accumulators + 3 x + 1 w)
+constexpr int64_t ITEM_WEIGHTS = 1 << 15;  // weights per thread chunk at least
+
+inline float half_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return c10::detail::fp16_ieee_to_fp32_value(h);
+}
+
+// ---------------------------------------------------------------- GGML blocks
+// Each type: BS elements per block of BYTES bytes; block(b, out) writes BS floats.
+
+#ifdef __AVX2__
+// 32 small integers (bytes of q) -> floats: out = d * q + m, d * q - m, or d * (q - c)
+enum class Op { AddMin, SubMin, Center };
+
+template <Op OP>
+inline __m256 affine(__m256 q, __m256 d, __m256 m) {
+  if constexpr (OP == Op::AddMin) return _mm256_add_ps(_mm256_mul_ps(d, q), m);
+  else if constexpr (OP == Op::SubMin) return _mm256_sub_ps(_mm256_mul_ps(d, q), m);
+  else return _mm256_mul_ps(d, _mm256_sub_ps(q, m));  // m: the centre c
+}
+
+template <Op OP>
+inline void store32(__m256i q, float d, float m, float* out) {
+  const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
+  const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+  const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+  for (int i = 0; i < 4; ++i) {
+    const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i]));
+    _mm256_storeu_ps(out + 8 * i, affine<OP>(f, dv, mv));
+  }
+}
+
+// 16 bytes of nibbles -> 32 values: low nibbles first (elements 0-15), then high (16-31)
+inline __m256i nibbles32(const uint8_t* qs) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i f = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), f), _mm_and_si128(v, f));
+}
+
+// bit i of a little-endian uint32 -> 0x10 in byte i (the fifth bits of Q5_0 / Q5_1)
+inline __m256i fifth_bits(const uint8_t* qh_bytes) {
+  uint32_t qh;
+  std::memcpy(&qh, qh_bytes, 4);
+  const __m256i spread = _mm256_shuffle_epi8(  // byte i <- byte i / 8 of qh
+      _mm256_set1_epi32(static_cast<int>(qh)),
+      _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+  return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+}
+
+struct Q8_0 {
+  static constexpr int BS = 32, BYTES = 34;
+  static inline void block(const uint8_t* b, float* out) {
+    const __m256 d = _mm256_set1_ps(half_at(b));
+    for (int i = 0; i < 4; ++i) {
+      const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * i));
+      _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d));
+    }
+  }
+};
+
+struct Q4_0 {
+  static constexpr int BS = 32, BYTES = 18;
+  static inline void block(const uint8_t* b, float* out) {
+    store32<Op::Center>(nibbles32(b + 2), half_at(b), 8.0f, out);
+  }
+};
+
+struct Q4_1 {
+  static constexpr int BS = 32, BYTES = 20;
+  static inline void block(const uint8_t* b, float* out) {
+    store32<Op::AddMin>(nibbles32(b + 4), half_at(b), half_at(b + 2), out);
+  }
+};
+
+struct Q5_0 {
+  static constexpr int BS = 32, BYTES = 22;
+  static inline void block(const uint8_t* b, float* out) {
+    store32<Op::Center>(_mm256_or_si256(nibbles32(b + 6), fifth_bits(b + 2)), half_at(b), 16.0f, out);
+  }
+};
+
+struct Q5_1 {
+  static constexpr int BS = 32, BYTES = 24;
+  static inline void block(const uint8_t* b, float* out) {
+    store32<Op::AddMin>(_mm256_or_si256(nibbles32(b + 8), fifth_bits(b + 4)), half_at(b), half_at(b + 2), out);
+  }
+};
+#else
+struct Q8_0 {
+  static constexpr int BS = 32, BYTES = 34;
+  static inline void block(const uint8_t* b, float* out) {
+    const float d = half_at(b);
+    const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
+    for (int i = 0; i < 32; ++i) out[i] = static_cast<float>(q[i]) * d;
+  }
+};
+
+// 4-bit halves of 16 bytes: element i < 16 is the low nibble of byte i, i >= 16 the high
+// nibble of byte i - 16 (every 32-element GGML block of 4 bits)
+inline void nibbles32(const uint8_t* qs, uint8_t* q) {
+  for (int i = 0; i < 16; ++i) {
+    q[i] = qs[i] & 0x0F;
+    q[i + 16] = qs[i] >> 4;
+  }
+}
+
+struct Q4_0 {
+  static constexpr int BS = 32, BYTES = 18;
+  static inline void block(const uint8_t* b, float* out) {
+    const float d = half_at(b);
+    uint8_t q[32];
+    nibbles32(b + 2, q);
+    for (int i = 0; i < 32; ++i) out[i] = d * (static_cast<float>(q[i]) - 8.0f);
+  }
+};
+
+struct Q4_1 {
+  static constexpr int BS = 32, BYTES = 20;
+  static inline void block(const uint8_t* b, float* out) {
+    const float d = half_at(b), m = half_at(b + 2);
+    uint8_t q[32];
+    nibbles32(b + 4, q);
+    for (int i = 0; i < 32; ++i) out[i] = d * static_cast<float>(q[i]) + m;
+  }
+};
+
+// the fifth bits of a 32-element block, bit i of a little-endian uint32 for element i
+inline void fifth_bits(const uint8_t* qh_bytes, uint8_t* q) {
+  uint32_t qh;
+  std::memcpy(&qh, qh_bytes, 4);
+  for (int i = 0; i < 32; ++i) q[i] |= static_cast<uint8_t>(((qh >> i) & 1u) << 4);
+}
+
+struct Q5_0 {
+  static constexpr int BS = 32, BYTES = 22;
+  static inline void block(const uint8_t* b, float* out) {
+    const float d = half_at(b);
+    uint8_t q[32];
+    nibbles32(b + 6, q);
+    fifth_bits(b + 2, q);
+    for (int i = 0; i < 32; ++i) out[i] = d * (static_cast<float>(q[i]) - 16.0f);
+  }
+};
+
+struct Q5_1 {
+  static constexpr int BS = 32, BYTES = 24;
+  static inline void block(const uint8_t* b, float* out) {
+    const float d = half_at(b), m = half_at(b + 2);
+    uint8_t q[32];
+    nibbles32(b + 8, q);
+    fifth_bits(b + 4, q);
+    for (int i = 0; i < 32; ++i) out[i] = d * static_cast<float>(q[i]) + m;
+  }
+};
+#endif
+
+// Q4_K / Q5_K: eight 32-element sub-blocks, each with a 6-bit scale and min packed in 12
+// bytes (sub-blocks 0-3 in the low 6 bits of bytes 0-7, 4-7 split over bytes 8-11 and
+// the top 2 bits of bytes 0-7)
+inline void k_scales(const uint8_t* s, float d, float dmin, float* dsub, float* dm) {
+  for (int j = 0; j < 8; ++j) {
+    int sc, mn;
+    if (j < 4) {
+      sc = s[j] & 63;
+      mn = s[j + 4] & 63;
+    } else {
+      sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+      mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+    dsub[j] = d * static_cast<float>(sc);
+    dm[j] = dmin * static_cast<float>(mn);
+  }
+}
+
+#ifdef __AVX2__
+// Q4_K / Q5_K: 32 bytes of qs per pair of sub-blocks (2c: low nibbles, 2c + 1: high);
+// Q5_K's fifth bit of sub-block j, element i, is bit j of qh[i]
+template <bool FIVE>
+inline void k_block(const uint8_t* b, float* out) {
+  float dsub[8], dm[8];
+  k_scales(b + 4, half_at(b), half_at(b + 2), dsub, dm);
+  const uint8_t* qs = b + (FIVE ? 48 : 16);
+  const __m256i f = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+  __m256i qh = _mm256_setzero_si256();
+  if constexpr (FIVE) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+  for (int c = 0; c < 4; ++c) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
+    __m256i lo = _mm256_and_si256(v, f), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), f);
+    if constexpr (FIVE) {
+      const __m128i s0 = _mm_cvtsi32_si128(2 * c), s1 = _mm_cvtsi32_si128(2 * c + 1);
+      lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, s0), one), 4));
+      hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, s1), one), 4));
+    }
+    store32<Op::SubMin>(lo, dsub[2 * c], dm[2 * c], out + 64 * c);
+    store32<Op::SubMin>(hi, dsub[2 * c + 1], dm[2 * c + 1], out + 64 * c + 32);
+  }
+}
+
+struct Q4_K {
+  static constexpr int BS = 256, BYTES = 144;
+  static inline void block(const uint8_t* b, float* out) { k_block<false>(b, out); }
+};
+
+struct Q5_K {
+  static constexpr int BS = 256, BYTES = 176;
+  static inline void block(const uint8_t* b, float* out) { k_block<true>(b, out); }
+};
+
+// 32 values of q (0-63) in two 16-element sub-blocks: out = dsub * (q - 32)
+inline void q6_store(__m256i q, float d0, float d1, float* out) {
+  const __m256 c = _mm256_set1_ps(32.0f);
+  const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+  const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+  const __m256 ds[2] = {_mm256_set1_ps(d0), _mm256_set1_ps(d1)};
+  for (int i = 0; i < 4; ++i) {
+    const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i]));
+    _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(ds[i / 2], _mm256_sub_ps(f, c)));
+  }
+}
+
+struct Q6_K {
+  static constexpr int BS = 256, BYTES = 210;
+  static inline void block(const uint8_t* b, float* out) {
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);  // 16 scales, one per 16
+    const float d = half_at(b + 208);
+    float dsub[16];
+    for (int j = 0; j < 16; ++j) dsub[j] = d * static_cast<float>(sc[j]);
+    const __m256i f = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3);
+    for (int h = 0; h < 2; ++h) {  // two halves of 128 elements: 64 bytes of ql, 32 of qh
+      const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h));
+      const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32));
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+      const __m256i low[4] = {_mm256_and_si256(l0, f), _mm256_and_si256(l1, f),
+                              _mm256_and_si256(_mm256_srli_epi16(l0, 4), f),
+                              _mm256_and_si256(_mm256_srli_epi16(l1, 4), f)};
+      for (int g = 0; g < 4; ++g) {  // elements 32g .. 32g + 32 of the half
+        const __m256i high = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * g)), three);
+        const __m256i q = _mm256_or_si256(low[g], _mm256_slli_epi16(high, 4));
+        const int s = (128 * h + 32 * g) / 16;
+        q6_store(q, dsub[s], dsub[s + 1], out + 128 * h + 32 * g);
+      }
+    }
+  }
+};
+#else
+struct Q4_K {
+  static constexpr int BS = 256, BYTES = 144;
+  static inline void block(const uint8_t* b, float* out) {
+    float dsub[8], dm[8];
+    k_scales(b + 4, half_at(b), half_at(b + 2), dsub, dm);
+    const uint8_t* qs = b + 16;
+    for (int c = 0; c < 4; ++c) {  // 32 bytes: sub-block 2c low nibbles, 2c + 1 high
+      const uint8_t* q = qs + 32 * c;
+      float* o = out + 64 * c;
+      const float d0 = dsub[2 * c], m0 = dm[2 * c], d1 = dsub[2 * c + 1], m1 = dm[2 * c + 1];
+      for (int i = 0; i < 32; ++i) o[i] = d0 * static_cast<float>(q[i] & 0x0F) - m0;
+      for (int i = 0; i < 32; ++i) o[32 + i] = d1 * static_cast<float>(q[i] >> 4) - m1;
+    }
+  }
+};
+
+struct Q5_K {
+  static constexpr int BS = 256, BYTES = 176;
+  static inline void block(const uint8_t* b, float* out) {
+    float dsub[8], dm[8];
+    k_scales(b + 4, half_at(b), half_at(b + 2), dsub, dm);
+    const uint8_t* qh = b + 16;  // bit j of byte i: sub-block j, element i
+    const uint8_t* qs = b + 48;
+    for (int c = 0; c < 4; ++c) {
+      const uint8_t* q = qs + 32 * c;
+      float* o = out + 64 * c;
+      const int j0 = 2 * c, j1 = 2 * c + 1;
+      for (int i = 0; i < 32; ++i) {
+        const int h = (qh[i] >> j0) & 1;
+        o[i] = dsub[j0] * static_cast<float>((q[i] & 0x0F) | (h << 4)) - dm[j0];
+      }
+      for (int i = 0; i < 32; ++i) {
+        const int h = (qh[i] >> j1) & 1;
+        o[32 + i] = dsub[j1] * static_cast<float>((q[i] >> 4) | (h << 4)) - dm[j1];
+      }
+    }
+  }
+};
+
+struct Q6_K {
+  static constexpr int BS = 256, BYTES = 210;
+  static inline void block(const uint8_t* b, float* out) {
+    const uint8_t* ql = b;        // 128 bytes: low 4 bits
+    const uint8_t* qh = b + 128;  // 64 bytes: high 2 bits
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);  // 16 scales, one per 16
+    const float d = half_at(b + 208);
+    float dsub[16];
+    for (int j = 0; j < 16; ++j) dsub[j] = d * static_cast<float>(sc[j]);
+    for (int h = 0; h < 2; ++h) {  // two halves of 128 elements
+      const uint8_t* l = ql + 64 * h;
+      const uint8_t* hb = qh + 32 * h;
+      float* o = out + 128 * h;
+      for (int e = 0; e < 128; ++e) {
+        const int low = e < 64 ? (l[e] & 0x0F) : (l[e - 64] >> 4);
+        const int high = (hb[e % 32] >> (2 * (e / 32))) & 3;
+        o[e] = dsub[(128 * h + e) / 16] * (static_cast<float>(low | (high << 4)) - 32.0f);
+      }
+    }
+  }
+};
+#endif
+
+template <class T>
+struct GgmlRows {  // a weight of GGML blocks: row n is row_bytes bytes
+  static constexpr int BS = T::BS, BYTES = T::BYTES;
+  const uint8_t* w;
+  int64_t row_bytes;
+  inline void operator()(int64_t n, int64_t blk, float* out) const {
+    T::block(w + n * row_bytes + blk * T::BYTES, out);
+  }
+};
+
+// ---------------------------------------------------------------- repacked formats
+
+// Group-wise int4: row n holds K/2 bytes (element k in byte k / 2, the low nibble for even
+// k); w = (q - zero) * scale with one (scale, zero) per ``group`` elements of a row.
+struct Int4Rows {
+  static constexpr int BS = 32;
+  const uint8_t* qs;
+  const float* scales;
+  const float* zeros;
+  int64_t K, groups, group;
+  inline void operator()(int64_t n, int64_t blk, float* out) const {
+    const uint8_t* q = qs + n * (K / 2) + blk * 16;
+    const int64_t g = blk * 32 / group;  // group is a multiple of 32
+    const float s = scales[n * groups + g], z = zeros[n * groups + g];
+#ifdef __AVX2__
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q)), f = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(v, f), hi = _mm_and_si128(_mm_srli_epi16(v, 4), f);
+    store32<Op::Center>(_mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi)), s, z, out);
+#else
+    for (int i = 0; i < 16; ++i) {
+      out[2 * i] = s * (static_cast<float>(q[i] & 0x0F) - z);
+      out[2 * i + 1] = s * (static_cast<float>(q[i] >> 4) - z);
+    }
+#endif
+  }
+};
+
+// FP8 e4m3fn bits -> float: the 7 low bits shifted into a float32's exponent and mantissa
+// read 2^-120 times the value (normal and subnormal alike), so one exact multiply by
+// 2^120 gives it (0x7F, e4m3fn's NaN, reads 480).
+inline float e4m3(uint8_t v) {
+  uint32_t bits = static_cast<uint32_t>(v & 0x7F) << 20;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  f *= 1.329227995784916e36f;  // 2^120
+  return (v & 0x80) ? -f : f;
+}
+
+// FP8 weight [N, K] with scales [ceil(N / bn), ceil(K / bk)]: per tensor (bn = N, bk = K),
+// per channel (bn = 1) or per block (128 x 128, ``weight_block_size``); bk % 32 == 0.
+struct Fp8Rows {
+  static constexpr int BS = 32;
+  const uint8_t* w;
+  const float* scales;
+  int64_t K, scale_cols, bn, bk;
+  inline void operator()(int64_t n, int64_t blk, float* out) const {
+    const uint8_t* q = w + n * K + blk * 32;
+    const float s = scales[(n / bn) * scale_cols + blk * 32 / bk];
+#ifdef __AVX2__
+    const __m256 sv = _mm256_set1_ps(s), two120 = _mm256_set1_ps(1.329227995784916e36f);
+    for (int i = 0; i < 4; ++i) {
+      const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * i)));
+      const __m256 mag = _mm256_mul_ps(
+          _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x7F)), 20)), two120);
+      const __m256 sign = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x80)), 24));
+      _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(_mm256_or_ps(mag, sign), sv));
+    }
+#else
+    for (int i = 0; i < 32; ++i) out[i] = e4m3(q[i]) * s;
+#endif
+  }
+};
+
+// ---------------------------------------------------------------- the tile
+
+#ifdef __AVX2__
+using Vec = __m256;
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline float vsum(Vec v) {  // fixed tree: (l0 + l4, l1 + l5, ...), then pairs
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+#else
+struct Vec {
+  float l[8];
+};
+inline Vec vzero() { return Vec{}; }
+inline Vec vload(const float* p) {
+  Vec v;
+  std::memcpy(v.l, p, sizeof v.l);
+  return v;
+}
+inline Vec vfma(Vec a, Vec b, Vec c) {
+  for (int i = 0; i < 8; ++i) c.l[i] = std::fma(a.l[i], b.l[i], c.l[i]);
+  return c;
+}
+inline float vsum(Vec v) {  // the same tree as the AVX2 one
+  float s[4], t[2];
+  for (int i = 0; i < 4; ++i) s[i] = v.l[i] + v.l[i + 4];
+  t[0] = s[0] + s[2];
+  t[1] = s[1] + s[3];
+  return t[0] + t[1];
+}
+#endif
+
+// acc[r][j] += x[r][k .. k + len) * w[j][k .. k + len), 8 lanes, k ascending (len % 8 == 0;
+// x rows and w rows are already offset to the first element)
+template <int R>
+inline void tile_fma(const float* const* x, const float* const* w, int64_t len, Vec (&acc)[MR][NR]) {
+  for (int64_t k = 0; k < len; k += 8) {
+    Vec xv[MR];
+#pragma GCC unroll 3
+    for (int r = 0; r < R; ++r) xv[r] = vload(x[r] + k);
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) {
+      const Vec wv = vload(w[j] + k);
+#pragma GCC unroll 3
+      for (int r = 0; r < R; ++r) acc[r][j] = vfma(xv[r], wv, acc[r][j]);
+    }
+  }
+}
+
+template <int R>
+inline void tile_store(Vec (&acc)[MR][NR], int nvalid, float* const* y, int64_t n0) {
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < nvalid; ++j) y[r][n0 + j] = vsum(acc[r][j]);
+}
+
+inline void zero_acc(Vec (&acc)[MR][NR]) {
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) acc[r][j] = vzero();
+}
+
+// Few rows: one block of each of the NR rows at a time, straight into the accumulators.
+template <class D, int R>
+void few_rows(const D& deq, const float* x, int64_t ldx, int64_t K, int64_t n0, int nvalid,
+              float* y, int64_t ldy) {
+  alignas(32) float buf[NR][D::BS];
+  const float* xr[MR];
+  float* yr[MR];
+  for (int r = 0; r < MR; ++r) {
+    xr[r] = x + (r < R ? r : 0) * ldx;
+    yr[r] = y + (r < R ? r : 0) * ldy;
+  }
+  const float* wr[NR];
+  for (int j = 0; j < NR; ++j) wr[j] = buf[j];
+  Vec acc[MR][NR];
+  zero_acc(acc);
+  const int64_t nb = K / D::BS;
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int j = 0; j < NR; ++j) deq(n0 + std::min(j, nvalid - 1), b, buf[j]);
+    const float* xb[MR];
+    for (int r = 0; r < MR; ++r) xb[r] = xr[r] + b * D::BS;
+    tile_fma<R>(xb, wr, D::BS, acc);
+  }
+  tile_store<R>(acc, nvalid, yr, n0);
+}
+
+template <int R>
+void panel_tile(const float* x, int64_t ldx, const float* const* wr, int64_t K, int64_t n0, int nvalid,
+                float* y, int64_t ldy) {
+  const float* xr[MR];
+  float* yr[MR];
+  for (int r = 0; r < MR; ++r) {
+    xr[r] = x + (r < R ? r : 0) * ldx;
+    yr[r] = y + (r < R ? r : 0) * ldy;
+  }
+  Vec acc[MR][NR];
+  zero_acc(acc);
+  tile_fma<R>(xr, wr, K, acc);
+  tile_store<R>(acc, nvalid, yr, n0);
+}
+
+template <class D>
+void linear(const D& deq, const float* x, int64_t M, int64_t K, int64_t N, float* y, int64_t ldy) {
+  if (M == 0 || N == 0) return;
+  const int64_t items = (N + NR - 1) / NR;
+  const int64_t grain = std::max<int64_t>(1, ITEM_WEIGHTS / (NR * K));
+  at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> panel;
+    if (M > MR) panel.resize(NR * K);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t n0 = item * NR;
+      const int nvalid = static_cast<int>(std::min<int64_t>(NR, N - n0));
+      if (M <= MR) {
+        if (M == 1) few_rows<D, 1>(deq, x, K, K, n0, nvalid, y, ldy);
+        else if (M == 2) few_rows<D, 2>(deq, x, K, K, n0, nvalid, y, ldy);
+        else few_rows<D, 3>(deq, x, K, K, n0, nvalid, y, ldy);
+        continue;
+      }
+      const int64_t nb = K / D::BS;
+      const float* wr[NR];
+      for (int j = 0; j < NR; ++j) {
+        float* row = panel.data() + j * K;
+        wr[j] = row;
+        const int64_t n = n0 + std::min(j, nvalid - 1);
+        for (int64_t b = 0; b < nb; ++b) deq(n, b, row + b * D::BS);
+      }
+      int64_t m = 0;
+      for (; m + MR <= M; m += MR) panel_tile<MR>(x + m * K, K, wr, K, n0, nvalid, y + m * ldy, ldy);
+      if (M - m == 2) panel_tile<2>(x + m * K, K, wr, K, n0, nvalid, y + m * ldy, ldy);
+      else if (M - m == 1) panel_tile<1>(x + m * K, K, wr, K, n0, nvalid, y + m * ldy, ldy);
+    }
+  });
+}
+
+template <class D>
+torch::Tensor dequantize_rows(const D& deq, int64_t N, int64_t K) {
+  auto out = torch::empty({N, K}, torch::kFloat32);
+  float* o = out.data_ptr<float>();
+  const int64_t nb = K / D::BS;
+  at::parallel_for(0, N, std::max<int64_t>(1, ITEM_WEIGHTS / K), [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t b = 0; b < nb; ++b) deq(n, b, o + n * K + b * D::BS);
+  });
+  return out;
+}
+
+// GGML type ids (ggml.h's enum ggml_type)
+enum GgmlType : int64_t { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
+                          T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
+
+template <class F>
+auto with_ggml(int64_t type, const uint8_t* w, int64_t row_bytes, F&& f) {
+  switch (type) {
+    case T_Q4_0: return f(GgmlRows<Q4_0>{w, row_bytes});
+    case T_Q4_1: return f(GgmlRows<Q4_1>{w, row_bytes});
+    case T_Q5_0: return f(GgmlRows<Q5_0>{w, row_bytes});
+    case T_Q5_1: return f(GgmlRows<Q5_1>{w, row_bytes});
+    case T_Q8_0: return f(GgmlRows<Q8_0>{w, row_bytes});
+    case T_Q4_K: return f(GgmlRows<Q4_K>{w, row_bytes});
+    case T_Q5_K: return f(GgmlRows<Q5_K>{w, row_bytes});
+    case T_Q6_K: return f(GgmlRows<Q6_K>{w, row_bytes});
+  }
+  TORCH_CHECK(false, "ggml type ", type, " has no kernel");
+}
+
+int64_t block_elements(int64_t type) {
+  return with_ggml(type, nullptr, 0, [](auto d) { return static_cast<int64_t>(decltype(d)::BS); });
+}
+
+void check_x_out(const torch::Tensor& x, const torch::Tensor& out, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+              "x: a contiguous float32 [M, K] tensor");
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == torch::kFloat32 && out.size(0) == x.size(0) &&
+                  out.size(1) == N && out.stride(1) == 1,
+              "out: float32 [M, N] with unit column stride");
+}
+
+}  // namespace
+
+// out[M, N] = x[M, K] @ W^T for W's GGML blocks ``w`` [N, K / BS * BYTES] (uint8)
+void ggml_linear(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor out) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "w: contiguous uint8 blocks");
+  check_x_out(x, out, w.size(0));
+  const int64_t K = x.size(1), bs = block_elements(type);
+  TORCH_CHECK(K % bs == 0, "K=", K, " is not a multiple of the block size ", bs);
+  with_ggml(type, w.data_ptr<uint8_t>(), w.size(1), [&](auto deq) {
+    TORCH_CHECK(w.size(1) == K / bs * decltype(deq)::BYTES, "w: ", w.size(1), " bytes per row, not ",
+                K / bs * decltype(deq)::BYTES, " (K=", K, ")");
+    linear(deq, x.data_ptr<float>(), x.size(0), K, w.size(0), out.data_ptr<float>(), out.stride(0));
+    return 0;
+  });
+}
+
+torch::Tensor ggml_dequantize(torch::Tensor w, int64_t type, int64_t K) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "w: contiguous uint8 blocks");
+  return with_ggml(type, w.data_ptr<uint8_t>(), w.size(1),
+                   [&](auto deq) { return dequantize_rows(deq, w.size(0), K); });
+}
+
+void int4_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor scales, torch::Tensor zeros, int64_t group,
+                 torch::Tensor out) {
+  check_x_out(x, out, qs.size(0));
+  const int64_t K = x.size(1);
+  TORCH_CHECK(qs.scalar_type() == torch::kUInt8 && qs.is_contiguous() && qs.size(1) * 2 == K, "qs: uint8 [N, K/2]");
+  TORCH_CHECK(group % 32 == 0 && K % group == 0, "group ", group, " must be a multiple of 32 dividing K=", K);
+  TORCH_CHECK(scales.is_contiguous() && zeros.is_contiguous() && scales.scalar_type() == torch::kFloat32 &&
+                  zeros.scalar_type() == torch::kFloat32 && scales.numel() == qs.size(0) * (K / group) &&
+                  zeros.numel() == scales.numel(),
+              "scales, zeros: float32 [N, K / group]");
+  Int4Rows deq{qs.data_ptr<uint8_t>(), scales.data_ptr<float>(), zeros.data_ptr<float>(), K, K / group, group};
+  linear(deq, x.data_ptr<float>(), x.size(0), K, qs.size(0), out.data_ptr<float>(), out.stride(0));
+}
+
+torch::Tensor int4_dequantize(torch::Tensor qs, torch::Tensor scales, torch::Tensor zeros, int64_t group) {
+  const int64_t K = qs.size(1) * 2;
+  Int4Rows deq{qs.data_ptr<uint8_t>(), scales.data_ptr<float>(), zeros.data_ptr<float>(), K, K / group, group};
+  return dequantize_rows(deq, qs.size(0), K);
+}
+
+void fp8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scales, int64_t bn, int64_t bk, torch::Tensor out) {
+  check_x_out(x, out, w.size(0));
+  const int64_t K = x.size(1);
+  TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.size(1) == K, "w: uint8 [N, K] (e4m3 bits)");
+  TORCH_CHECK(bk % 32 == 0 && K % 32 == 0, "fp8: K and the scale block's width must be multiples of 32");
+  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == torch::kFloat32 && scales.dim() == 2,
+              "scales: float32 [N / bn, K / bk]");
+  Fp8Rows deq{w.data_ptr<uint8_t>(), scales.data_ptr<float>(), K, scales.size(1), bn, bk};
+  linear(deq, x.data_ptr<float>(), x.size(0), K, w.size(0), out.data_ptr<float>(), out.stride(0));
+}
+
+torch::Tensor fp8_dequantize(torch::Tensor w, torch::Tensor scales, int64_t bn, int64_t bk) {
+  Fp8Rows deq{w.data_ptr<uint8_t>(), scales.data_ptr<float>(), w.size(1), scales.size(1), bn, bk};
+  return dequantize_rows(deq, w.size(0), w.size(1));
+}
