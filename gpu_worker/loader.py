@@ -43,13 +43,13 @@ def safetensors_files(path: str | Path) -> list[Path]:
 
 def checkpoint_files(path: str | Path) -> list[tuple[Callable[[], Any], int]]:
     """(open it, the bytes its tensors yield) for each file of the checkpoint: the
-    safetensors shards, or the GGUF file a prepared directory points at (its tensors
-    dequantized to fp32 as they are read, ``gpu_worker.gguf.weights``)."""
+    safetensors shards, or the GGUF file a prepared directory points at (float tensors
+    read as fp32, quantized ones as their blocks: ``gpu_worker.gguf.weights``)."""
     gguf = gguf_file_of(path)
     if gguf is not None:
         from gpu_worker.gguf.weights import GGUFWeights
         weights = GGUFWeights(gguf)
-        return [(lambda: weights, weights.dequantized_bytes)]
+        return [(lambda: weights, weights.read_bytes)]
     from safetensors import safe_open
     return [(partial(safe_open, str(file), framework="pt", device="cpu"), file.stat().st_size)
             for file in safetensors_files(path)]

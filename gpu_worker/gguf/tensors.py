@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 from gguf.constants import GGMLQuantizationType as T
 
@@ -23,6 +24,7 @@ from gpu_worker.gguf import names
 from gpu_worker.gguf.config import hf_config
 from gpu_worker.gguf.reader import GGUFError, GGUFFile, TensorInfo
 from gpu_worker.model_config import ModelConfig, UnsupportedConfig, parse_config
+from gpu_worker.quantization.spec import GGML_TYPES, GgmlSpec
 
 SUPPORTED_TYPES = (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K)
 
@@ -57,7 +59,8 @@ class GGUFTensor:
 class GGUFCheckpoint:
     path: Path
     file: GGUFFile
-    config: dict[str, Any]  # config.json, as llama.cpp reads the metadata (gguf.config)
+    config: dict[str, Any]  # config.json, as llama.cpp reads the metadata (gguf.config), and
+    # the quantized tensors' types (``quantization_config``, quant_method "gguf")
     model_config: ModelConfig
     tensors: dict[str, GGUFTensor]  # by HF name, in file order
 
@@ -69,7 +72,12 @@ class GGUFCheckpoint:
             model_config = parse_config(config)
         except UnsupportedConfig as err:
             raise GGUFError(f"{f.path}: {err}".replace("config.json: ", "metadata as config: ")) from None
-        return cls(f.path, f, config, model_config, _checked(f, model_config))
+        tensors = _checked(f, model_config)
+        types = {hf: t.ggml_type.name for hf, t in tensors.items() if t.ggml_type.name in GGML_TYPES}
+        if types:  # the blocks stay quantized in the worker (gpu_worker.quantization.ggml)
+            config = {**config, "quantization_config": {"quant_method": "gguf", "tensor_types": types}}
+            model_config = msgspec.structs.replace(model_config, quantization=GgmlSpec(types))
+        return cls(f.path, f, config, model_config, tensors)
 
 
 def _checked(f: GGUFFile, cfg: ModelConfig) -> dict[str, GGUFTensor]:

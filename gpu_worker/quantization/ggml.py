@@ -27,6 +27,7 @@ from torch import nn
 
 from gpu_worker.batch_invariant import Probe
 from gpu_worker.models.linear_method import Axes, Axis, LinearMethod
+from gpu_worker.models.weights import CheckpointTensor
 from gpu_worker.quantization import kernels
 from gpu_worker.quantization.spec import GGML_TYPES
 
@@ -79,6 +80,14 @@ class GgmlLinear(LinearMethod):
                 _, block, nbytes = GGML_TYPES[type_name]
                 return Axes(out=Axis(0, offset=start), inp=Axis(1, block, nbytes))
         raise KeyError(name)
+
+    def source(self, layer, attr, ids, source):
+        """A GGUF file's tensor as its raw blocks (a file that stores the blocks as they
+        are, as the tests' safetensors do, is read as it is)."""
+        blocks = getattr(source.file, "blocks", None)
+        if attr == "bias" or blocks is None:
+            return source
+        return CheckpointTensor(blocks(), source.name)
 
     def param_name(self, attr, ids):
         if attr == "weight" and self.segments[0][0] != "weight":

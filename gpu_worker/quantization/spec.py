@@ -85,10 +85,19 @@ def parse_quantization(cfg: dict[str, Any]) -> QuantSpec | None:
     if q is None:
         return None
     method = str(q.get("quant_method", "")).lower()
-    parsers = {"gptq": _gptq, "awq": _awq, "compressed-tensors": _compressed, "fp8": _fp8}
+    parsers = {"gptq": _gptq, "awq": _awq, "compressed-tensors": _compressed, "fp8": _fp8, "gguf": _gguf}
     if method not in parsers:
         raise _refuse("quant_method", method, parsers)
     return parsers[method](q)
+
+
+def _gguf(q: dict) -> GgmlSpec:
+    """Candor's own entry, written only into a GGUF file's prepared directory
+    (``gpu_worker.gguf.tensors``): the file's quantized tensors and their types."""
+    types = q.get("tensor_types")
+    if not isinstance(types, dict):
+        raise _refuse("tensor_types", types, ["a map of tensor name to GGML type"])
+    return GgmlSpec({str(name): str(t) for name, t in types.items()})
 
 
 def _group(q: dict, key: str = "group_size") -> int:
