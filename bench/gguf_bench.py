@@ -1,4 +1,4 @@
-"""A GGUF model served by Candor (today: every tensor dequantized to fp32 at load) beside
+"""A GGUF model served by Candor (quantized tensors kept in their blocks) beside
 transformers on the same file: start-up time, gpu_worker RSS, batch-1 decode tokens/s.
 
     python -m bench.gguf_bench [--model FILE.gguf] [--new 128] [--requests 3] [--threads 2]

@@ -1,8 +1,9 @@
 """The one place GGUF blocks become fp32 weights.
 
-Every GGUF tensor goes through ``dequantize_fp32`` on its way to the dense weight
-loaders, with ``gguf.quants.dequantize`` (llama.cpp's own numpy code, what transformers'
-GGUF loader uses too, so both compute with the same values). A quantized linear method
+A GGUF tensor a dense layer reads (a float tensor, a norm) goes through
+``dequantize_fp32`` on its way to the weight loaders, with ``gguf.quants.dequantize``
+(llama.cpp's own numpy code, what transformers' GGUF loader uses too, so both compute
+with the same values). A quantized linear method
 that keeps the blocks takes ``GGUFTensor.rows`` instead of calling this.
 """
 
