@@ -8,8 +8,8 @@
     candor keygen DIR                  # CURVE keys for the tcp:// sockets between nodes
 
 Both start paths build a ``Topology``, validate it whole (every problem named), and hand
-it to ``cluster.launch.launch``: one OS process per role instance of this node, owned and
-supervised by ``cluster.supervisor.NodeSupervisor``. A dead child is restarted when the
+it to ``launcher.launch.launch``: one OS process per role instance of this node, owned and
+supervised by ``launcher.supervisor.NodeSupervisor``. A dead child is restarted when the
 topology marks its role restartable, otherwise the launcher stops the rest and exits
 non-zero naming the role and exit code. SIGTERM and SIGINT drain (frontends refuse new
 work and finish what they hold) and exit 0; children also die with the launcher through
@@ -24,13 +24,13 @@ import sys
 
 import msgspec
 
-from cluster.hf_cache import ModelNotFound, resolve_model
-from cluster.launch import launch
-from cluster.serve_cli import (DEFAULT_MODEL_DIR, ServeArgsError, model_argument,
-                               normalize_argv, serve_parser, serve_topology)
-from cluster.supervisor import say
+from launcher.hf_cache import ModelNotFound, resolve_model
+from launcher.launch import launch
+from launcher.serve_cli import (DEFAULT_MODEL_DIR, ServeArgsError, model_argument,
+                                normalize_argv, serve_parser, serve_topology)
+from launcher.supervisor import say
 from cluster.topology import Topology, load_topology
-from cluster.topology_check import TopologyError, check_topology
+from launcher.topology_check import TopologyError, check_topology
 
 
 def cli(argv: list[str] | None = None) -> int:
@@ -62,7 +62,7 @@ def cli(argv: list[str] | None = None) -> int:
 
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
-        from bench.loadgen import main as bench_main
+        from launcher.loadgen import main as bench_main
         return bench_main(argv[1:])
     if argv[:1] == ["serve"]:
         return serve(argv[1:])

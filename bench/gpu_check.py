@@ -275,7 +275,7 @@ def decode_bench(args) -> int:
 
 def serve(args) -> int:
     from bench.servers import candor_server
-    from bench.loadgen import Workload, run
+    from launcher.loadgen import Workload, run
     from bench.models import build_llama3_8b_dummy, build_tiny
 
     path = build_llama3_8b_dummy(ROOT, build_tiny(ROOT)) if not args.small else build_tiny(ROOT)
@@ -328,7 +328,7 @@ def _greedy_ids(url: str, name: str, prompt: list[int], n: int) -> list[int]:
 
 def tensor_parallel(args) -> int:
     from bench.servers import candor_server
-    from bench.loadgen import Workload, run
+    from launcher.loadgen import Workload, run
     from bench.models import build_gqa_hd128, build_tiny
 
     tiny = build_tiny(ROOT)

@@ -13,11 +13,11 @@ import shutil
 import signal
 import tempfile
 
-from cluster.preflight import (check_chat_template, check_lora_adapters, check_model_config,
-                               check_port_free, resolve_api_keys, settle_defaults)
-from cluster.supervisor import NodeSupervisor, say, stop
+from launcher.preflight import (check_chat_template, check_lora_adapters, check_model_config,
+                                check_port_free, resolve_api_keys, settle_defaults)
+from launcher.supervisor import NodeSupervisor, say, stop
 from cluster.topology import Topology
-from cluster.topology_check import TopologyError, check_topology
+from launcher.topology_check import TopologyError, check_topology
 
 RUN_DIR_PREFIX = "candor-"
 PID_FILE = "launcher.pid"

@@ -13,7 +13,7 @@ import socket
 import msgspec
 
 from cluster.generation_config import GenerationConfigError, sampling_defaults
-from cluster.supervisor import say
+from launcher.supervisor import say
 from cluster.topology import EngineGroup, HttpSpec, NodeSpec, Topology
 
 

@@ -27,8 +27,8 @@ from cluster.metrics import ENV as METRICS_ENV
 from cluster.metrics import prepare_dir as prepare_metrics_dir
 from cluster.metrics import process_exited
 from cluster.metrics_view import NodeMetricsInfo, ProcessEntry, write_node_info
-from cluster.node_http import serve_node_http
-from cluster.orphans import adopt_orphans, kill_orphans
+from launcher.node_http import serve_node_http
+from launcher.orphans import adopt_orphans, kill_orphans
 from cluster.process_config import ProcessConfig, ReplicaConfig, process_configs
 from cluster.topology import HttpSpec, NodeSpec, Topology
 from protocol.health import STATUS_INTERVAL_S, ChildStatus, NodeStatus
@@ -240,7 +240,7 @@ class NodeSupervisor:
             time.sleep(0.05)
 
     def _kill_orphans(self) -> None:
-        """Stop what dead children left running (cluster/orphans.py), saying what."""
+        """Stop what dead children left running (launcher/orphans.py), saying what."""
         killed = kill_orphans({c.proc.pid for c in self.children})
         if killed:
             say(f"stopped {len(killed)} process(es) that exited children left running "

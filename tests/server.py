@@ -13,7 +13,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from cluster.orphans import children_of as child_pids  # direct children, from /proc
+from launcher.orphans import children_of as child_pids  # direct children, from /proc
 from tests.polling import wait_until
 
 REPO = Path(__file__).resolve().parents[1]

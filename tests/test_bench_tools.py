@@ -207,7 +207,7 @@ web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None)
 def test_a_round_charges_work_after_its_last_response_to_its_server(tmp_path):
     """A server busy after its last response: the round waits until it is quiet (the
     next server's round must not run beside it) and its CPU meanwhile is the round's."""
-    from bench.loadgen import Workload
+    from launcher.loadgen import Workload
     port = servers.free_port()
     fake = servers.Server("fake", [sys.executable, "-c", TAIL_SERVER, str(port)], dict(os.environ),
                           port, log_dir=tmp_path)

@@ -16,7 +16,7 @@ import yaml
 
 from cluster.process_config import process_configs
 from cluster.topology import ROLES, Topology, load_topology
-from cluster.topology_check import TopologyError, check_topology
+from launcher.topology_check import TopologyError, check_topology
 from tests.metrics_text import scrape
 from tests.server import REPO
 
@@ -167,7 +167,7 @@ def test_several_nodes_need_a_node_name(tiny_model_dir):
     topo = load_topology(str(DEPLOY / "topologies" / "two-node.yaml"))
     topo = msgspec.structs.replace(topo, model=msgspec.structs.replace(
         topo.model, path=str(tiny_model_dir)))
-    from cluster.launch import launch
+    from launcher.launch import launch
     with pytest.raises(SystemExit, match="--node NAME"):
         launch(topo)
 
@@ -303,7 +303,7 @@ async def test_every_dashboard_and_alert_query_uses_an_exported_metric(server):
     # the two left out only appear once something failed; their help texts are declared
     from api_frontend.metrics import FrontendMetrics  # noqa: F401 - declares stream errors
     assert "candor_stream_errors" in (REPO / "api_frontend" / "metrics.py").read_text()
-    assert "candor_process_restarts" in (REPO / "cluster" / "supervisor.py").read_text()
+    assert "candor_process_restarts" in (REPO / "launcher" / "supervisor.py").read_text()
 
 
 # ------------------------------------------------------------------ images and probes

@@ -26,9 +26,9 @@ import msgspec
 import pytest
 import torch
 
-from cluster.serve_cli import serve_parser
+from launcher.serve_cli import serve_parser
 from cluster.topology import Topology
-from cluster.topology_check import TopologyError, check_topology
+from launcher.topology_check import TopologyError, check_topology
 from tests.faults import kv_fault_env, kv_layout_env
 from tests.metrics_text import scrape
 from tests.polling import wait_until
@@ -82,7 +82,7 @@ def test_what_disaggregation_does_not_serve_is_refused_naming_why(tmp_path):
 
 
 def test_serve_flags_make_the_split():
-    from cluster.serve_cli import ServeArgsError, serve_topology
+    from launcher.serve_cli import ServeArgsError, serve_topology
     args = serve_parser().parse_args(["--model", "/m", "--prefill-replicas", "1",
                                       "--decode-replicas", "2", "--kv-transfer-timeout", "3"])
     topo = serve_topology(args, "/m", "m")
@@ -125,7 +125,7 @@ def test_per_role_tp_sizes_place_ranks_and_kv_addresses(tmp_path):
 def test_a_tp_size_that_does_not_split_the_model_is_refused_naming_the_key(tiny_model_dir):
     """tiny-llama has 4 query heads: a decode TP of 3 is refused before any process
     starts, in one line naming the topology key."""
-    from cluster.preflight import check_model_config
+    from launcher.preflight import check_model_config
     topo = msgspec.yaml.decode(
         f"model: {{path: {tiny_model_dir}}}\nreplicas: 2\ndisaggregation: "
         "{prefill_replicas: 1, decode_replicas: 1, decode_tensor_parallel: 3}".encode(),

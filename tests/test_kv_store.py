@@ -21,9 +21,9 @@ from concurrent.futures import ThreadPoolExecutor
 import msgspec
 import pytest
 
-from cluster.serve_cli import ServeArgsError, serve_parser, serve_topology
+from launcher.serve_cli import ServeArgsError, serve_parser, serve_topology
 from cluster.topology import Topology
-from cluster.topology_check import TopologyError, check_topology
+from launcher.topology_check import TopologyError, check_topology
 from kv_store.tiers import Tiers
 from tests.metrics_text import scrape
 from tests.model_zoo import hf_greedy

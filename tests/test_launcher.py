@@ -193,7 +193,7 @@ def test_two_models_get_their_own_engines_numbered_across_models(tmp_path):
     """``models``: each served model its own replicas, ranks, tokenizer workers and (a
     pooling model: no) detokenizers, numbered across models; the frontend routes to each
     by its indexes; a name may name one model only."""
-    from cluster.topology_check import TopologyError, check_topology
+    from launcher.topology_check import TopologyError, check_topology
 
     topo = tmp_path / "t.yaml"
     topo.write_text("model: {path: /gen, served_model_name: chat}\nreplicas: 2\n"
@@ -225,7 +225,7 @@ def test_two_models_get_their_own_engines_numbered_across_models(tmp_path):
 
 
 def test_restart_budget_backs_off_and_forgets_restarts_past_its_window():
-    from cluster.supervisor import RestartBudget
+    from launcher.supervisor import RestartBudget
 
     budget = RestartBudget(limit=4, window_s=60, backoff_max_s=3)
     delays = []

@@ -16,7 +16,7 @@ import msgspec
 import pytest
 from cluster.process_config import process_configs
 from cluster.topology import Topology
-from cluster.topology_check import TopologyError, check_topology
+from launcher.topology_check import TopologyError, check_topology
 from tests import model_zoo
 from tests.metrics_text import scrape
 from tests.polling import wait_until

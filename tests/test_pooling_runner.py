@@ -11,7 +11,7 @@ import pytest
 
 from cluster.pooling import PoolingConfig, UnsupportedPooling, read_pooling_config
 from cluster.topology import Topology
-from cluster.topology_check import TopologyError, check_topology
+from launcher.topology_check import TopologyError, check_topology
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.tiny_model import build_tiny_model
 from protocol.ipc import PoolingParams, SamplingParams, SeqChunk, StepPlan
@@ -159,7 +159,7 @@ def test_the_launcher_refuses_what_it_would_serve_wrongly(tokenizer_dir, tmp_pat
     """Before any process starts: a head-less checkpoint is pooling under --runner auto and
     refused for generation, and LoRA adapters over it too; a pooling it does not compute is
     refused naming it; a pooling it serves is said in one line."""
-    from cluster.preflight import check_model_config
+    from launcher.preflight import check_model_config
     from cluster.topology import load_topology
 
     def topology(path, runner):

@@ -247,7 +247,7 @@ def test_ranks_across_nodes_must_be_named_once_with_a_fixed_rendezvous(tiny_mode
     import msgspec
 
     from cluster.topology import Topology
-    from cluster.topology_check import TopologyError, check_topology
+    from launcher.topology_check import TopologyError, check_topology
 
     def problems(nodes: list[dict], **addresses) -> str:
         topo = msgspec.convert({"model": {"path": str(tiny_model_dir)}, "tensor_parallel": 2,
@@ -317,7 +317,7 @@ def _spanning(**security) -> str:
     import msgspec
 
     from cluster.topology import Topology
-    from cluster.topology_check import TopologyError, check_topology
+    from launcher.topology_check import TopologyError, check_topology
 
     topo = msgspec.convert({
         "model": {"path": "/m"}, "tensor_parallel": 2, "security": security,

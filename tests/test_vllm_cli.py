@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from cluster.generation_config import GenerationConfigError, sampling_defaults
-from cluster.hf_cache import ModelNotFound, hub_cache_dir, resolve_model
-from cluster.preflight import settle_defaults
-from cluster.serve_cli import normalize_argv, parse_size, serve_parser
+from launcher.hf_cache import ModelNotFound, hub_cache_dir, resolve_model
+from launcher.preflight import settle_defaults
+from launcher.serve_cli import normalize_argv, parse_size, serve_parser
 from launch_cluster import serve_args_to_topology
 from tests.server import REPO, CandorServer
 
@@ -356,7 +356,7 @@ def test_second_doc_command_line_serves(tmp_path, tiny_model_dir):
 def test_bench_says_why_requests_failed(capsys):
     """`candor bench` against a port where nothing listens: every request fails, and the
     table says why, counted by reason."""
-    from bench.loadgen import main as bench_main
+    from launcher.loadgen import main as bench_main
     from tests.server import free_port
 
     code = bench_main(["--base-url", f"http://127.0.0.1:{free_port()}", "--num-requests",
