@@ -363,7 +363,7 @@ addresses:
 
 def _inject(scheduler_in: str, reply_dir: str, keys: Path | None) -> bool:
     """Push one well-formed request to the scheduler; True when its tokens come back."""
-    from cluster.topology import CurveSpec, SecuritySpec
+    from protocol.security import CurveSpec, SecuritySpec
     from protocol.transport import Receiver, Sender, sync_context
 
     security = SecuritySpec(curve=CurveSpec(key_dir=str(keys))) if keys else None

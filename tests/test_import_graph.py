@@ -1,9 +1,16 @@
-"""No import cycle anywhere in the project.
+"""No import cycle anywhere in the project, and no import runs back up the floors.
 
 A cycle makes the import order matter (a module half-initialised when its partner reads
 it) and hides which of two modules owns what; the flashinfer backend importing back from
 the attention module that selected it was one. Every ``import`` counts, those inside
 functions too: a lazy import postpones the cycle, it does not remove it.
+
+The floors, bottom up: ``protocol`` (the wire contract) imports nothing of ours;
+``cluster`` (what every role reads) only ``protocol``; ``tokenization`` (tokenizer files
+and templates, read alike by several roles) those two; a role (a process: frontend,
+tokenizer worker, scheduler, worker, detokenizer, KV store) those three and never another
+role, which it reaches only through messages; ``launcher`` and ``launch_cluster`` anything
+shipped but ``bench``. ``bench`` and ``tests`` stand outside the floors.
 """
 
 from __future__ import annotations
@@ -12,6 +19,18 @@ import ast
 from pathlib import Path
 
 from tests.server import REPO
+
+ROLES = ("api_frontend", "tokenizer_worker", "scheduler", "gpu_worker", "detokenizer", "kv_store")
+SHIPPED = ("protocol", "cluster", "tokenization", *ROLES, "launcher", "launch_cluster")
+# what each package may import besides itself
+ALLOWED: dict[str, set[str]] = {
+    "protocol": set(),
+    "cluster": {"protocol"},
+    "tokenization": {"protocol", "cluster"},
+    **{role: {"protocol", "cluster", "tokenization"} for role in ROLES},
+    "launcher": set(SHIPPED),
+    "launch_cluster": set(SHIPPED),
+}
 
 def _modules() -> dict[str, Path]:
     out = {"launch_cluster": REPO / "launch_cluster.py"}
@@ -92,3 +111,37 @@ def test_no_import_cycles():
 def test_the_cycle_finder_finds_one():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
     assert _cycles(graph) == [["a", "b", "c"]]
+
+
+def _upward(graph: dict[str, set[str]]) -> list[str]:
+    """Every import from a package to one its floor does not allow, as 'a.b -> c.d'."""
+    bad = []
+    for name, targets in sorted(graph.items()):
+        top = name.split(".")[0]
+        if top not in ALLOWED:
+            continue  # bench, tests
+        for target in sorted(targets):
+            other = target.split(".")[0]
+            if other != top and other not in ALLOWED[top]:
+                bad.append(f"{name} -> {target}")
+    return bad
+
+
+def test_imports_run_down_the_floors():
+    modules = _modules()
+    assert {name.split(".")[0] for name in modules} >= set(SHIPPED) | {"bench", "tests"}
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    # the floors are really crossed downwards (the check reads real edges)
+    tops = {(n.split(".")[0], t.split(".")[0]) for n, ts in graph.items() for t in ts}
+    assert {("cluster", "protocol"), ("scheduler", "cluster"), ("launcher", "gpu_worker"),
+            ("launch_cluster", "launcher")} <= tops
+    assert _upward(graph) == []
+
+
+def test_the_floor_check_names_an_upward_import():
+    graph = {"protocol.transport": {"cluster.topology"}, "cluster.topology": {"protocol.ipc"},
+             "scheduler.loop": {"gpu_worker.sampler", "cluster.metrics"},
+             "gpu_worker.runner": {"launcher.supervisor"}, "bench.x": {"tests.y"}}
+    assert _upward(graph) == ["gpu_worker.runner -> launcher.supervisor",
+                              "protocol.transport -> cluster.topology",
+                              "scheduler.loop -> gpu_worker.sampler"]
