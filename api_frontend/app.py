@@ -12,16 +12,16 @@ import logging
 
 from aiohttp import web
 
-from api_frontend import embeddings as embeddings_route
+from api_frontend.endpoints.embeddings import routes as embeddings_route
 from api_frontend import extra_routes, lora_routes
 from api_frontend.engine_client import EngineClient
 from api_frontend.errors import ApiError
 from api_frontend.generate import LOG_REQUESTS_KEY, REQUEST_ID_KEY, run_generation
 from api_frontend.json_body import check_json_body, decode_request, json_response
 from api_frontend.openapi import build_openapi
-from api_frontend.responses_api import routes as responses_routes
-from api_frontend.responses_api.peers import ResponsePeers
-from api_frontend.responses_api.store import ResponseStore
+from api_frontend.endpoints.responses import routes as responses_routes
+from api_frontend.endpoints.responses.peers import ResponsePeers
+from api_frontend.endpoints.responses.store import ResponseStore
 from api_frontend.served_models import ServedModels
 from api_frontend.translate import prompt_list
 from cluster.topology import ApiSpec, LoraSpec

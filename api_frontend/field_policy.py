@@ -436,7 +436,7 @@ LORA_ROUTE_FIELDS: tuple[RouteField, ...] = (
 
 RESP = {"responses": "extension"}
 _NOT_USED = "accepted for compatibility; Candor does not use it"
-# /v1/responses runs on the chat pipeline (api_frontend/responses_api): a field whose
+# /v1/responses runs on the chat pipeline (api_frontend/endpoints/responses): a field whose
 # meaning is chat's says so; tests: R = test_e2e_responses.py
 RESPONSES_ROWS: tuple[Row, ...] = (
     Row(fields=("model",), responses="honoured", candor="as chat: a LoRA adapter's name runs "

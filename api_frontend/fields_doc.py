@@ -52,7 +52,7 @@ A `test_capabilities_publish_limits_and_foreign_field_tiers`.
 _RESPONSES_INTRO = """\
 ## `/v1/responses`
 
-OpenAI's Responses API on the same pipeline as chat (api_frontend/responses_api): the
+OpenAI's Responses API on the same pipeline as chat (api_frontend/endpoints/responses): the
 conversation is rendered by the chat template, tools, grammars and the reasoning parser are
 chat's, and the report is the `candor` field of the response object (the `response.created`
 event's and the final one) and the `x-candor-adjustments` header. `GET /v1/responses/{id}`,

@@ -21,8 +21,8 @@ from api_frontend.engine_client import EngineClient
 from api_frontend.errors import RETRY_AFTER_S, ApiError
 from api_frontend.served_models import adapter_of
 from api_frontend.limits import check_share
-from api_frontend.responses import (DONE_FRAME, ChatAssembler, Collected,
-                                   CompletionAssembler, sse)
+from api_frontend.assembly import (DONE_FRAME, ChatAssembler, Collected,
+                                  CompletionAssembler, sse)
 from api_frontend.tools import FirstCallCut
 from api_frontend.translate import Translated, chat_to_generate, completion_to_generate
 from cluster.topology import ApiSpec

@@ -647,7 +647,7 @@ CONNECTORS = {"scheduler_in": ("tokenizer_worker", "detokenizer", "api_frontend"
               "scheduler_pub": ("api_frontend",), "worker_in": ("gpu_worker",),
               "worker_out": ("gpu_worker",), "tokenizer_in": ("api_frontend",),
               "detokenizer_in": ("scheduler",),
-              # frontends ask each other for stored /v1/responses (api_frontend/responses_api)
+              # frontends ask each other for stored /v1/responses (api_frontend/endpoints/responses)
               "frontend_results": ("scheduler", "tokenizer_worker", "detokenizer",
                                    "api_frontend"),
               "node_status": ("api_frontend", "detokenizer")}

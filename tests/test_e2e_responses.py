@@ -20,7 +20,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from api_frontend.responses_api.store import ResponseStore
+from api_frontend.endpoints.responses.store import ResponseStore
 from cluster.topology import ResponsesStoreSpec
 from tests.faults import fault_env
 from tests.metrics_text import scrape

@@ -10,8 +10,8 @@ import msgspec
 import pytest
 
 from api_frontend.errors import ApiError
-from api_frontend.responses_api.builder import ResponseBuilder
-from api_frontend.responses_api.translate import (chat_messages, input_items, responses_name,
+from api_frontend.endpoints.responses.builder import ResponseBuilder
+from api_frontend.endpoints.responses.translate import (chat_messages, input_items, responses_name,
                                                   to_chat)
 from cluster.topology import RequestLimits
 from protocol import ipc

@@ -14,7 +14,7 @@ import msgspec
 
 from api_frontend import reasoning
 from api_frontend.errors import ApiError
-from api_frontend.responses_api.translate import item_id
+from api_frontend.endpoints.responses.translate import item_id
 from api_frontend.tool_parsers.stream import ToolCallStream
 from api_frontend.tools import ToolPlan
 from protocol import ipc

@@ -23,7 +23,7 @@ import uuid
 import msgspec
 
 from api_frontend.errors import ApiError
-from api_frontend.responses_api.store import Missing, ResponseStore, StoreMetrics
+from api_frontend.endpoints.responses.store import Missing, ResponseStore, StoreMetrics
 from protocol import ipc
 from protocol.responses_api import StoredResponse
 from protocol.transport import SenderPool

@@ -21,9 +21,9 @@ from api_frontend import field_policy
 from api_frontend.errors import ApiError
 from api_frontend.generate import Flight, client_request_id, complete_report
 from api_frontend.json_body import decode_request, json_response
-from api_frontend.responses_api.builder import ResponseBuilder
-from api_frontend.responses_api.peers import ResponsePeers
-from api_frontend.responses_api.translate import ChatPlan, responses_name, to_chat
+from api_frontend.endpoints.responses.builder import ResponseBuilder
+from api_frontend.endpoints.responses.peers import ResponsePeers
+from api_frontend.endpoints.responses.translate import ChatPlan, responses_name, to_chat
 from api_frontend.served_models import ServedModels, adapter_of
 from api_frontend.translate import Translated, chat_to_generate
 from cluster.topology import ApiSpec
