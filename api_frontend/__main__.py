@@ -19,7 +19,7 @@ import uvloop
 from aiohttp import web
 
 from api_frontend.app import build_app
-from api_frontend.generate import LOG_REQUESTS_KEY
+from api_frontend.app_keys import LOG_REQUESTS_KEY
 from api_frontend.auth import ApiKeys, keys_from_env
 from api_frontend.cors import cors_middleware
 from api_frontend.engine_client import EngineClient

@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from api_frontend.errors import ApiError
-from api_frontend.translate import chat_to_generate
+from api_frontend.endpoints.chat.translate import chat_to_generate
 from cluster.topology import ApiSpec
 from protocol.openai_api import ChatCompletionRequest
 from tests.server import CandorServer

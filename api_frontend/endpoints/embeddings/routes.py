@@ -19,14 +19,15 @@ from array import array
 import msgspec
 from aiohttp import web
 
-from api_frontend import field_policy
+from api_frontend.app_keys import API_KEY, MODELS_KEY
+from api_frontend.endpoints.embeddings.fields import TABLE
+from api_frontend.endpoints.spec import Endpoint, Route
 from api_frontend.errors import RETRY_AFTER_S, ApiError
 from api_frontend.generate import client_request_id
 from api_frontend.json_body import decode_request
 from api_frontend.limits import check_share
-from api_frontend.served_models import ServedModels
 from cluster.pooling import PoolingConfig
-from cluster.topology import ApiSpec, RequestLimits
+from cluster.topology import RequestLimits
 from protocol import ipc
 from protocol.openai_api import (EmbeddingData, EmbeddingRequest, EmbeddingResponse,
                                  EmbeddingUsage)
@@ -92,14 +93,15 @@ def _vector(data: bytes, encoding: str) -> list[float] | str:
     return values.tolist()
 
 
-async def create(request: web.Request, models: ServedModels, api: ApiSpec) -> web.Response:
+async def create(request: web.Request) -> web.Response:
+    models, api = request.app[MODELS_KEY], request.app[API_KEY]
     if not models.serves("pooling"):
         raise ApiError(404, f"This deployment serves no embedding model: it serves "
                        f"{models.describe()}. Start an embedding model with --runner pooling "
                        "(or add one to the topology's models).", "model", "model_not_found")
     req, keys = decode_request(await request.read(), EmbeddingRequest)
     model, card = models.of_kind(req.model, "pooling", ROUTE)
-    report = field_policy.report(keys, req, api)
+    report = TABLE.report(keys, req, api)
     if req.priority != 0 and not api.priority_scheduling:
         raise ApiError(400, "`priority` needs priority scheduling, which this deployment does "
                        "not run (start the server with --scheduling-policy priority)",
@@ -150,3 +152,7 @@ async def create(request: web.Request, models: ServedModels, api: ApiSpec) -> we
                "x-candor-adjustments": _JSON.encode(report).decode()}
     return web.Response(body=_JSON.encode(body), content_type="application/json",
                         headers=headers)
+
+
+ENDPOINT = Endpoint(fields=TABLE, path=ROUTE, runner="pooling", serves="embeddings",
+                    routes=(Route("POST", ROUTE, create, EmbeddingRequest),), listed=(ROUTE,))

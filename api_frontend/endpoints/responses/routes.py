@@ -17,15 +17,18 @@ import time
 import msgspec
 from aiohttp import web
 
-from api_frontend import field_policy
+from api_frontend.app_keys import API_KEY, MODELS_KEY
+from api_frontend.endpoints.chat.translate import chat_to_generate
+from api_frontend.endpoints.responses.builder import ResponseBuilder
+from api_frontend.endpoints.responses.fields import TABLE
+from api_frontend.endpoints.responses.peers import ResponsePeers
+from api_frontend.endpoints.responses.translate import ChatPlan, responses_name, to_chat
+from api_frontend.endpoints.spec import Endpoint, Route
 from api_frontend.errors import ApiError
 from api_frontend.generate import Flight, client_request_id, complete_report
 from api_frontend.json_body import decode_request, json_response
-from api_frontend.endpoints.responses.builder import ResponseBuilder
-from api_frontend.endpoints.responses.peers import ResponsePeers
-from api_frontend.endpoints.responses.translate import ChatPlan, responses_name, to_chat
-from api_frontend.served_models import ServedModels, adapter_of
-from api_frontend.translate import Translated, chat_to_generate
+from api_frontend.served_models import adapter_of
+from api_frontend.translate import Translated
 from cluster.topology import ApiSpec
 from protocol.openai_api import CandorReport, FieldNote, ModelCard
 from protocol.responses_api import (DeletedResponse, InputItemList, ReasoningConfig,
@@ -35,6 +38,7 @@ from protocol.responses_api import (DeletedResponse, InputItemList, ReasoningCon
 log = logging.getLogger("api_frontend")
 _JSON = msgspec.json.Encoder()
 ROUTE = "/v1/responses"
+RESPONSES_KEY = web.AppKey("responses", ResponsePeers)  # where responses are kept and found
 
 
 def _translate(req: ResponsesRequest, keys, previous: StoredResponse | None, rid: str,
@@ -42,7 +46,7 @@ def _translate(req: ResponsesRequest, keys, previous: StoredResponse | None, rid
     """The chat request and its GenerateReq, with the report under this request's names:
     ignored fields and extensions as the Responses tiers say, chat's defaults, parsers and
     constraint; errors renamed."""
-    report = field_policy.report(keys, req, api)  # strict: a 400 before any work
+    report = TABLE.report(keys, req, api)  # strict: a 400 before any work
     try:
         plan = to_chat(req, keys, previous, api.limits)
         tr = chat_to_generate(plan.chat, rid, reply_to, arrival, plan.chat_keys, api)
@@ -82,8 +86,9 @@ def _base(req: ResponsesRequest, rid: str, card: ModelCard, tr: Translated,
         candor=report)
 
 
-async def create(request: web.Request, models: ServedModels, api: ApiSpec,
-                 peers: ResponsePeers) -> web.StreamResponse:
+async def create(request: web.Request) -> web.StreamResponse:
+    models, api = request.app[MODELS_KEY], request.app[API_KEY]
+    peers = request.app[RESPONSES_KEY]
     req, keys = decode_request(await request.read(), ResponsesRequest)
     model, card = models.of_kind(req.model, "generate", ROUTE)
     engine = model.engine
@@ -159,16 +164,16 @@ async def _stream(request: web.Request, engine, flight: Flight, builder: Respons
     return response
 
 
-async def retrieve(request: web.Request, peers: ResponsePeers) -> web.Response:
-    entry = await peers.get(request.match_info["response_id"], "response_id")
+async def retrieve(request: web.Request) -> web.Response:
+    entry = await request.app[RESPONSES_KEY].get(request.match_info["response_id"], "response_id")
     return json_response(entry.response)
 
 
-async def input_items(request: web.Request, peers: ResponsePeers) -> web.Response:
+async def input_items(request: web.Request) -> web.Response:
     """Every input item of the response's conversation (those of the responses it
     continues too), newest first as OpenAI lists them (``order=asc``: oldest first);
     ``limit`` (1..100, default 20) and ``after`` / ``before`` (item ids) page."""
-    entry = await peers.get(request.match_info["response_id"], "response_id")
+    entry = await request.app[RESPONSES_KEY].get(request.match_info["response_id"], "response_id")
     items = list(entry.input_items)
     query = request.query
     order = query.get("order", "desc")
@@ -196,7 +201,15 @@ async def input_items(request: web.Request, peers: ResponsePeers) -> web.Respons
                                        page[-1].id if page else None, len(items) > limit))
 
 
-async def delete(request: web.Request, peers: ResponsePeers) -> web.Response:
+async def delete(request: web.Request) -> web.Response:
     response_id = request.match_info["response_id"]
-    await peers.delete(response_id, "response_id")
+    await request.app[RESPONSES_KEY].delete(response_id, "response_id")
     return json_response(DeletedResponse(response_id))
+
+
+_ONE = ROUTE + "/{response_id}"
+ENDPOINT = Endpoint(
+    fields=TABLE, path=ROUTE, runner="generate", serves="responses",
+    routes=(Route("POST", ROUTE, create, ResponsesRequest), Route("GET", _ONE, retrieve),
+            Route("DELETE", _ONE, delete), Route("GET", _ONE + "/input_items", input_items)),
+    listed=(ROUTE, ROUTE + "/{id}", ROUTE + "/{id}/input_items"))

@@ -3,10 +3,11 @@
 The conversation (the previous response's input items and output, then this request's
 ``input``) becomes chat ``messages`` (``instructions`` first, as a system message, never
 carried over from the previous response); function tools, ``tool_choice`` and
-``text.format`` become their chat twins; the sampling extensions pass through under the
-same names. Template rendering, tool-call parsing, grammars, the reasoning parser and the
-``candor`` report are then chat's own. What the chat pipeline checks it reports under
-chat's names; ``responses_name`` turns those back into this request's fields.
+``text.format`` become their chat twins; the other chat fields pass through under the
+same names (``fields.PASSTHROUGH``, derived from the chat table). Template rendering,
+tool-call parsing, grammars, the reasoning parser and the ``candor`` report are then
+chat's own. What the chat pipeline checks it reports under chat's names;
+``responses_name`` turns those back into this request's fields.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 
 import msgspec
 
+from api_frontend.endpoints.responses.fields import PASSTHROUGH
 from api_frontend.errors import ApiError, from_decode_error
 from cluster.topology import RequestLimits
 from protocol.openai_api import ChatCompletionRequest, FieldNote
@@ -27,12 +29,6 @@ from protocol.responses_api import (ITEM_TYPES, FunctionCallItem, FunctionCallOu
                                     ResponsesRequest, StoredResponse, TextFormatJsonObject,
                                     TextFormatJsonSchema)
 
-# extensions the chat pipeline checks and honours under the same names
-PASSTHROUGH = ("seed", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-               "frequency_penalty", "stop", "stop_token_ids", "min_tokens", "cache_salt",
-               "strict", "chat_template_kwargs", "guided_json", "guided_regex",
-               "guided_choice", "guided_grammar", "structured_outputs", "temperature",
-               "top_p", "parallel_tool_calls", "stream", "logit_bias", "priority")
 TEXT_PARTS = ("input_text", "output_text", "refusal")
 METADATA_MAX_KEYS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's bounds
 _ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
