@@ -80,7 +80,7 @@ def cli(argv: list[str] | None = None) -> int:
         if args.if_missing and os.path.isfile(os.path.join(args.dir, "config.json")):
             print(f"candor: tiny model already present in {args.dir}")
             return 0
-        from gpu_worker.tiny_model import build_tiny_model
+        from launcher.tiny_model import build_tiny_model
         path = build_tiny_model(args.dir, overwrite=True)
         print(f"candor: tiny model written to {path}")
         return 0

@@ -98,7 +98,7 @@ def _prompts(tiny: Path) -> list[list[int]]:
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(tiny / "tokenizer.json"))
-    corpus = (Path(__file__).resolve().parents[1] / "gpu_worker/tiny_model/corpus.txt").read_text()
+    corpus = (Path(__file__).resolve().parents[1] / "launcher/tiny_model/corpus.txt").read_text()
     ids = tok.encode(corpus, add_special_tokens=False).ids
     return [[0] + ids[997 * i: 997 * i + n - 1] for i, n in enumerate(PROMPT_LENS)]
 

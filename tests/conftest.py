@@ -26,7 +26,7 @@ def threads(request):
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    from gpu_worker.tiny_model import build_tiny_model
+    from launcher.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama")
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from gpu_worker.tiny_model import CORPUS
+from launcher.tiny_model import CORPUS
 
 BOS, EOS, UNK = "<s>", "</s>", "<unk>"
 SPECIAL = [UNK, BOS, EOS]

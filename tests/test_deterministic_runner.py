@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from gpu_worker.model_runner import ModelRunner
-from gpu_worker.tiny_model import build_tiny_model
+from launcher.tiny_model import build_tiny_model
 from protocol.ipc import PLACEHOLDER_TOKEN, SamplingParams, SeqChunk, StepPlan
 from tests import model_zoo
 

@@ -13,7 +13,7 @@ from cluster.pooling import PoolingConfig, UnsupportedPooling, read_pooling_conf
 from cluster.topology import Topology
 from launcher.topology_check import TopologyError, check_topology
 from gpu_worker.model_runner import ModelRunner
-from gpu_worker.tiny_model import build_tiny_model
+from launcher.tiny_model import build_tiny_model
 from protocol.ipc import PoolingParams, SamplingParams, SeqChunk, StepPlan
 from tests.embedding_zoo import build_embedding_model, hf_last_token, st_encode
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from gpu_worker.model_config import load_config, parse_config
-from gpu_worker.tiny_model import SPECIAL_TOKENS, TOOL_TOKENS, build_tiny_model
+from launcher.tiny_model import SPECIAL_TOKENS, TOOL_TOKENS, build_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -39,7 +39,7 @@ def _digests(path: Path) -> dict[str, str]:
 def test_build_is_byte_identical(tiny_dir, tmp_path):
     # Second build in a fresh process: also catches per-process hash-seed effects.
     other = tmp_path / "again"
-    code = f"from gpu_worker.tiny_model import build_tiny_model; build_tiny_model({str(other)!r})"
+    code = f"from launcher.tiny_model import build_tiny_model; build_tiny_model({str(other)!r})"
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, capture_output=True)
     a, b = _digests(tiny_dir), _digests(other)
     assert set(a) >= {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",

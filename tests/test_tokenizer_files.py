@@ -216,9 +216,9 @@ def test_only_named_templates_without_default(tmp_path):
 def test_tiny_model_checkpoint(tmp_path):
     """The project's own tiny test model must tokenize identically too."""
     try:
-        from gpu_worker.tiny_model import build_tiny_model
+        from launcher.tiny_model import build_tiny_model
     except ImportError as exc:
-        pytest.skip(f"gpu_worker.tiny_model.build_tiny_model is not available yet ({exc})")
+        pytest.skip(f"launcher.tiny_model.build_tiny_model is not available yet ({exc})")
     out_dir = tmp_path / "tiny"
     returned = build_tiny_model(out_dir)
     directory = Path(returned) if isinstance(returned, (str, Path)) else out_dir

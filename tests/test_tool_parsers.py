@@ -123,7 +123,7 @@ def test_parser_detected_from_template(stem, parser, special, eot, several):
 def test_detection_needs_one_format():
     assert tool_parsers.detect("{{ messages }}") is None
     assert tool_parsers.detect("<tool_call> [TOOL_CALLS]") is None
-    tiny = Path(__file__).parents[1] / "gpu_worker" / "tiny_model" / "chat_template.jinja"
+    tiny = Path(__file__).parents[1] / "launcher" / "tiny_model" / "chat_template.jinja"
     assert tool_parsers.detect(tiny.read_text()) == "hermes"
 
 

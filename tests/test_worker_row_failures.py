@@ -11,7 +11,7 @@ import llguidance
 import pytest
 
 from gpu_worker.model_runner import ModelRunner
-from gpu_worker.tiny_model import build_tiny_model
+from launcher.tiny_model import build_tiny_model
 from protocol.ipc import PLACEHOLDER_TOKEN, SamplingParams, SeqChunk, StepPlan
 from tests.faults import failing_forward
 

@@ -1,8 +1,8 @@
-"""``python -m gpu_worker.tiny_model OUT_DIR [--overwrite]``: build the tiny checkpoint."""
+"""``python -m launcher.tiny_model OUT_DIR [--overwrite]``: build the tiny checkpoint."""
 
 import argparse
 
-from gpu_worker.tiny_model import build_tiny_model
+from launcher.tiny_model import build_tiny_model
 
 parser = argparse.ArgumentParser(description=__doc__)
 parser.add_argument("out_dir")
