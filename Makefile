@@ -9,7 +9,7 @@ STAMP     := $(VENV)/.installed
 INSTRUCTOR_VENV := .venv-instructor
 INSTRUCTOR_PY   := $(INSTRUCTOR_VENV)/bin/python
 INSTRUCTOR_STAMP := $(INSTRUCTOR_VENV)/.installed
-INSTRUCTOR_REQS := tests/clients/requirements-instructor.txt
+INSTRUCTOR_REQS := tests/support/clients/requirements-instructor.txt
 
 .PHONY: install kernels model serve test clean
 

@@ -8,7 +8,8 @@ a section file names the endpoints whose tiers are its columns and holds one ent
 (found by its ``fields``, or by its ``key`` where the code derives them; an entry with only
 a ``label`` is a behaviour no field names). A row without prose, or prose without a row,
 is an error naming it. ``python -m api_frontend.fields_doc`` rewrites the page;
-``tests/test_fields_doc.py`` fails when the checked-in page differs from ``render()``.
+``tests/unit/api_frontend/test_fields_doc.py`` fails when the checked-in page differs
+from ``render()``.
 """
 
 from __future__ import annotations

@@ -160,7 +160,7 @@ def _teacher_forced(runner, prompts, ref_tokens) -> list[torch.Tensor]:
 def _parity_case(path: Path, dtype: str, eager: bool, prompts, refs: dict) -> dict:
     from gpu_worker.model_runner import ModelRunner
     from protocol.ipc import SamplingParams
-    from tests.test_model_parity import run_continuous
+    from tests.unit.gpu_worker.test_model_parity import run_continuous
 
     runner = ModelRunner(str(path), device=DEVICE, dtype=dtype, block_size=16, num_blocks=512,
                          enforce_eager=eager, max_num_seqs=16)

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.polling import wait_until
-from tests.server import CandorServer, free_port, pid_alive, role_of
+from tests.support.polling import wait_until
+from tests.support.server import CandorServer, free_port, pid_alive, role_of
 
 MODEL = "tiny-llama"
 CLIENTS = 8

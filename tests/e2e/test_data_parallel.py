@@ -20,9 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 from api_frontend.replica_router import ReplicaRouter
 from cluster.topology import RouterSpec
-from tests.metrics_text import scrape
-from tests.polling import wait_until
-from tests.server import CandorServer, role_of
+from tests.support.metrics_text import scrape
+from tests.support.polling import wait_until
+from tests.support.server import CandorServer, role_of
 
 MODEL = "tiny-llama"
 

@@ -17,8 +17,8 @@ import yaml
 from cluster.process_config import process_configs
 from cluster.topology import ROLES, Topology, load_topology
 from launcher.topology_check import TopologyError, check_topology
-from tests.metrics_text import scrape
-from tests.server import REPO
+from tests.support.metrics_text import scrape
+from tests.support.server import REPO
 
 DEPLOY = REPO / "deploy"
 METRIC = re.compile(r"\b(candor_[a-z0-9_]+)\b")

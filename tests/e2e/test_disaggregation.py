@@ -29,10 +29,10 @@ import torch
 from launcher.serve_cli import serve_parser
 from cluster.topology import Topology
 from launcher.topology_check import TopologyError, check_topology
-from tests.faults import kv_fault_env, kv_layout_env
-from tests.metrics_text import scrape
-from tests.polling import wait_until
-from tests.server import CandorServer, role_of
+from tests.support.faults import kv_fault_env, kv_layout_env
+from tests.support.metrics_text import scrape
+from tests.support.polling import wait_until
+from tests.support.server import CandorServer, role_of
 
 MODEL = "tiny-llama"
 MAX_NEW = 16

@@ -19,7 +19,7 @@ from typing import Literal
 import pytest
 from pydantic import BaseModel, Field
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 INSTRUCTOR_PYTHON = Path(os.environ.get("CANDOR_INSTRUCTOR_PYTHON",
                                         REPO / ".venv-instructor" / "bin" / "python"))
 
@@ -98,8 +98,8 @@ def test_instructor_modes_validate(server):
         # `make test` names the venv it built, so there a missing one is a failure
         assert "CANDOR_INSTRUCTOR_PYTHON" not in os.environ, f"{INSTRUCTOR_PYTHON} missing"
         pytest.skip(f"{INSTRUCTOR_PYTHON} missing: `make test` builds it")
-    run = subprocess.run([str(INSTRUCTOR_PYTHON), str(REPO / "tests/clients/instructor_client.py"),
-                          server.base_url + "/v1", "tiny-llama"],
+    client = REPO / "tests/support/clients/instructor_client.py"
+    run = subprocess.run([str(INSTRUCTOR_PYTHON), str(client), server.base_url + "/v1", "tiny-llama"],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout)

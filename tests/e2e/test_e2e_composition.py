@@ -22,10 +22,10 @@ import uuid
 import aiohttp
 import pytest
 
-from tests.faults import fault_env
-from tests.test_e2e_engine import _hf_greedy
-from tests.polling import wait_until
-from tests.server import CandorServer
+from tests.support.faults import fault_env
+from tests.e2e.test_e2e_engine import _hf_greedy
+from tests.support.polling import wait_until
+from tests.support.server import CandorServer
 
 MODEL = "tiny-llama"
 HEAD = ("Prefix caching shares the KV blocks of a common prompt head between requests, "

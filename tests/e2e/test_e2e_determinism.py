@@ -13,8 +13,8 @@ import random
 import aiohttp
 import pytest
 
-from tests.metrics_text import scrape
-from tests.server import CandorServer
+from tests.support.metrics_text import scrape
+from tests.support.server import CandorServer
 
 MODEL = "tiny-llama"
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly "

@@ -14,12 +14,12 @@ import aiohttp
 import numpy as np
 import pytest
 
-from tests.server import CandorServer
-from tests.faults import slow_env
+from tests.support.server import CandorServer
+from tests.support.faults import slow_env
 
 pytest.importorskip("sentence_transformers")
 
-from tests.embedding_zoo import build_embedding_model, st_encode  # noqa: E402
+from tests.support.embedding_zoo import build_embedding_model, st_encode  # noqa: E402
 
 MODEL = "tiny-embed"
 MATRYOSHKA = [16, 32]
@@ -120,7 +120,7 @@ async def test_base64_is_little_endian_float32_of_the_float_vector(embed_server)
 async def test_dimensions_only_where_the_model_declares_matryoshka(embed_server, st_model):
     """Declared sizes: the vector is cut, then normalised (as sentence-transformers'
     truncate_dim with normalisation); any other size is a 400 naming the sizes. (A model
-    that declares none: tests/test_multi_model.py.)"""
+    that declares none: tests/e2e/test_multi_model.py.)"""
     reference = st_encode(st_model, TEXTS, truncate_dim=16, normalize_embeddings=True)
     status, body, _ = await _post(embed_server, {"model": MODEL, "input": TEXTS,
                                                  "dimensions": 16})

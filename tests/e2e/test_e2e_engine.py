@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 import torch
 
-from tests.server import CandorServer
+from tests.support.server import CandorServer
 
 MODEL = "tiny-llama"
 _TEXT = ("Prefix caching shares the KV blocks of a common prompt head between requests, "
@@ -114,7 +114,7 @@ async def test_penalized_requests_keep_hf_tokens_through_cache_hits_and_preempti
     """Penalties read the whole history: a request that took a prefix-cache hit, was
     preempted and recomputed (from its own cached blocks) still gets HF's penalized
     greedy tokens."""
-    from tests.test_e2e_sampling import _hf_penalized_greedy
+    from tests.e2e.test_e2e_sampling import _hf_penalized_greedy
 
     model, tok = hf_model
     before = tight_server.wait_all_blocks_free()

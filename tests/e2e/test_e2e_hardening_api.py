@@ -14,9 +14,9 @@ import aiohttp
 import openai
 import pytest
 
-from tests.metrics_text import scrape
-from tests.polling import wait_until
-from tests.server import CandorServer
+from tests.support.metrics_text import scrape
+from tests.support.polling import wait_until
+from tests.support.server import CandorServer
 
 MODEL = "tiny-llama"
 CHAT = [{"role": "user", "content": "hi"}]

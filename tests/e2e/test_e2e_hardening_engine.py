@@ -10,9 +10,9 @@ import time
 import aiohttp
 import pytest
 
-from tests.metrics_text import scrape
-from tests.polling import wait_until
-from tests.server import CandorServer, free_port
+from tests.support.metrics_text import scrape
+from tests.support.polling import wait_until
+from tests.support.server import CandorServer, free_port
 
 MODEL = "tiny-llama"
 

@@ -20,9 +20,9 @@ import pytest
 import zmq
 
 from protocol import ipc
-from tests.metrics_text import scrape
-from tests.polling import wait_until
-from tests.server import REPO, CandorServer, free_port, pid_alive
+from tests.support.metrics_text import scrape
+from tests.support.polling import wait_until
+from tests.support.server import REPO, CandorServer, free_port, pid_alive
 
 MODEL = "tiny-ops"
 KEYS = {"flag": "sk-flag-key", "file": "sk-file-key", "env": "sk-env-key"}

@@ -17,14 +17,14 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tests.polling import wait_until
-from tests.server import REPO, CandorServer, role_of
+from tests.support.polling import wait_until
+from tests.support.server import REPO, CandorServer, role_of
 
 MODEL = "tiny-llama"
 CONTEXT = 1024
 TEMPLATES = Path("/work/shared/templates")
 if not TEMPLATES.is_dir():
-    TEMPLATES = Path(__file__).parent / "data/chat_templates"
+    TEMPLATES = Path(__file__).parents[1] / "support/data/chat_templates"
 # Inline --chat-template (vLLM accepts the template itself as the flag's value).
 INLINE_TEMPLATE = ("{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n"
                    "{{ m.content }}<|eot_id|>{% endfor %}"

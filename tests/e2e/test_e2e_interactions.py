@@ -15,7 +15,7 @@ their solo references; no step may fail (``aborts.error``) and every KV block mu
 afterwards. The engine feature itself must have been in play: a prefix hit reported in
 usage, a preemption counted, a prompt longer than the chunk budget.
 
-Rows come from a pairwise covering array (``tests/pairwise.py``): every pair of factor
+Rows come from a pairwise covering array (``tests/support/pairwise.py``): every pair of factor
 values meets in at least one cell. ``--full`` (or ``CANDOR_MATRIX_FULL=1``) runs every
 allowed pair in a cell of its own instead. Cells are grouped by server so each server
 starts once; ``base`` stays up for the references.
@@ -30,7 +30,7 @@ The ``store`` server (DP=2 round robin with a shared KV store) runs the ``dp2`` 
 cells; its hit cells wait for the warm-up's blocks to reach the store (written behind).
 
 Run-ahead has no switch in Candor (always on); the ``sync`` server turns it off through a
-test-side hook in the scheduler process (``tests/no_run_ahead_site``).
+test-side hook in the scheduler process (``tests/support/no_run_ahead_site``).
 """
 
 from __future__ import annotations
@@ -52,10 +52,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.metrics_text import scrape
-from tests.pairwise import complete, covering_array, every_pair
-from tests.polling import wait_until
-from tests.server import CandorServer
+from tests.support.metrics_text import scrape
+from tests.support.pairwise import complete, covering_array, every_pair
+from tests.support.polling import wait_until
+from tests.support.server import CandorServer
 
 MODEL = "tiny-llama"
 FULL_ENV = os.environ.get("CANDOR_MATRIX_FULL") == "1"  # as ``pytest --full``
@@ -71,7 +71,7 @@ COMMON_FLAGS = ("--served-model-name", MODEL, "--max-model-len", "1024",
                 # every matrix server can split reasoning; a request turns it off with
                 # chat_template_kwargs.thinking: false (the tiny template ignores the key)
                 "--reasoning-parser", "deepseek_r1")
-NO_RUN_AHEAD_SITE = Path(__file__).parent / "no_run_ahead_site"
+NO_RUN_AHEAD_SITE = Path(__file__).parents[1] / "support" / "no_run_ahead_site"
 # name -> extra flags; "sync" also gets the no-run-ahead hook. "base" is the reference.
 SERVERS: dict[str, tuple[str, ...]] = {
     "base": (),
@@ -992,7 +992,7 @@ def kv_moved(srv: CandorServer) -> float:
 
 # ------------------------------------------------------------------ the tests
 def test_covering_array_covers_every_allowed_pair():
-    from tests.pairwise import allowed_pairs
+    from tests.support.pairwise import allowed_pairs
     names = list(FACTORS)
     rows = covering_array(FACTORS, allowed)
     assert rows == covering_array(FACTORS, allowed), "not deterministic"

@@ -4,7 +4,7 @@ One server of a tiny Qwen2 over two tensor-parallel ranks (gloo), started with v
 flags: ``--enable-lora``, ``--lora-modules`` in both forms (name=path and JSON with
 ``base_model_name``), ``--max-loras 2``, ``--max-lora-rank 8``, ``--max-cpu-loras 2``,
 an API key and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``. The adapters are built here
-with peft (``tests/lora_zoo.py``), seeded so each one's greedy tokens differ from the
+with peft (``tests/support/lora_zoo.py``), seeded so each one's greedy tokens differ from the
 base model's and from each other's.
 
 - Requests for the base and for two adapters sent together give each its own reference
@@ -33,11 +33,11 @@ import aiohttp
 import pytest
 import torch
 
-from tests import lora_zoo, model_zoo
-from tests.faults import slow_env
-from tests.metrics_text import scrape
-from tests.polling import wait_until
-from tests.server import REPO, CandorServer
+from tests.support import lora_zoo, model_zoo
+from tests.support.faults import slow_env
+from tests.support.metrics_text import scrape
+from tests.support.polling import wait_until
+from tests.support.server import REPO, CandorServer
 
 KEY = "lora-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

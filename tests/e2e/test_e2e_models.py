@@ -1,6 +1,6 @@
 """Other architectures through all five processes: greedy tokens equal HF transformers'.
 
-Every architecture of ``tests/model_zoo.py`` is served once: three prompts (the longest
+Every architecture of ``tests/support/model_zoo.py`` is served once: three prompts (the longest
 near the advertised context, far past any sliding window) and one chat turn, each
 compared token for token with HF ``generate``. ``test_model_registry.py`` checks the
 same switches one by one at the runner level.
@@ -15,9 +15,9 @@ import aiohttp
 import pytest
 import torch
 
-from tests import model_zoo
-from tests.polling import wait_until
-from tests.server import CandorServer
+from tests.support import model_zoo
+from tests.support.polling import wait_until
+from tests.support.server import CandorServer
 
 MAX_NEW = 20
 

@@ -2,7 +2,7 @@
 --chat-template (a string-content template), --allow-request-chat-template,
 --scheduling-policy priority,
 --max-body-mb, and a failure after the stream started (a fault the test injects into the
-gpu_worker, tests/faults.py)."""
+gpu_worker, tests/support/faults.py)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ import aiohttp
 import openai
 import pytest
 
-from tests.faults import fault_env
-from tests.server import CandorServer
+from tests.support.faults import fault_env
+from tests.support.server import CandorServer
 
 MODEL = "tiny-llama"
 FAULT_TOKEN = 300
-TEMPLATE = Path(__file__).parent / "data/chat_templates/llama-3.2-3b-instruct.jinja"
+TEMPLATE = Path(__file__).parents[1] / "support/data/chat_templates/llama-3.2-3b-instruct.jinja"
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +110,7 @@ async def test_failure_after_stream_started_is_an_error_frame_then_done(policy_s
     assert status == 200  # the worker survived
 
 
-_TEMPLATES = Path(__file__).parent / "data/chat_templates"
+_TEMPLATES = Path(__file__).parents[1] / "support/data/chat_templates"
 _CASES = {c["id"]: c for c in json.loads((_TEMPLATES / "cases.json").read_text())["cases"]}
 # templates that concatenate tool-call arguments as text (an object would fail them)
 _TEXT_ARGUMENTS = {"deepseek-v3.1", "deepseek-r1-distill-llama-8b"}

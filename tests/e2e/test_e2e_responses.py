@@ -22,10 +22,10 @@ from pydantic import BaseModel, Field
 
 from api_frontend.endpoints.responses.store import ResponseStore
 from cluster.topology import ResponsesStoreSpec
-from tests.faults import fault_env
-from tests.metrics_text import scrape
-from tests.polling import wait_until
-from tests.server import CandorServer
+from tests.support.faults import fault_env
+from tests.support.metrics_text import scrape
+from tests.support.polling import wait_until
+from tests.support.server import CandorServer
 
 MODEL = "tiny-llama"
 FAULT_TOKEN = 300

@@ -6,7 +6,7 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
-from tests.server import CandorServer
+from tests.support.server import CandorServer
 
 MODEL = "tiny-llama"
 

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from protocol.ipc import GuidedSpec
-from tests.server import CandorServer
+from tests.support.server import CandorServer
 
 MODEL = "tiny-llama"
 MESSAGES = [{"role": "user", "content": "Describe a person as JSON."}]

@@ -20,7 +20,7 @@ from api_frontend.errors import ApiError
 from api_frontend.endpoints.chat.translate import chat_to_generate
 from cluster.topology import ApiSpec
 from protocol.openai_api import ChatCompletionRequest
-from tests.server import CandorServer
+from tests.support.server import CandorServer
 
 WEATHER = {"type": "object", "properties": {
     "city": {"type": "string", "enum": ["Paris", "Zürich", "Rome"]},
@@ -338,7 +338,7 @@ def test_reasoning_parser_fills_reasoning_content_whole_and_streamed(r1_server):
 
 
 # ------------------------------------------------ tool calls beside a reasoning parser
-# The gpu_worker writes scripted replies (tests/faults.py): a request's seed picks one.
+# The gpu_worker writes scripted replies (tests/support/faults.py): a request's seed picks one.
 
 DRAFT = ('<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>')
 WEATHER_CALL = ('<tool_call>{"name": "get_weather", "arguments": {"city": "Rome", "days": 2, '
@@ -357,7 +357,7 @@ SCRIPTS = {
 def think_server(tiny_model_dir):
     from tokenizers import Tokenizer
 
-    from tests.faults import script_env
+    from tests.support.faults import script_env
     tok = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
     eos = json.loads((tiny_model_dir / "config.json").read_text())["eos_token_id"]
     eos = eos[0] if isinstance(eos, list) else eos

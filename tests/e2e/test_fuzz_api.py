@@ -25,8 +25,8 @@ import pytest
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
-from tests import lora_zoo
-from tests.server import CandorServer
+from tests.support import lora_zoo
+from tests.support.server import CandorServer
 
 MODEL = "tiny-llama"
 ADAPTER = "fz"

@@ -1,7 +1,7 @@
 """Property-based fuzzing of /v1/embeddings, and of model routing, through a real
 two-model topology (a generation model and an embedding model behind one frontend).
 
-Bodies come from the server's OpenAPI document as in tests/test_fuzz_api.py (whose
+Bodies come from the server's OpenAPI document as in tests/e2e/test_fuzz_api.py (whose
 strategies and checks this reuses): schema-valid bodies whose ``model`` names either model
 (or neither) and whose ``input`` takes every form (strings, token ids in and out of the
 vocabulary, lists of either, empty ones), the same bodies with one field replaced by
@@ -18,8 +18,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.embedding_zoo import two_model_server
-from tests.test_fuzz_api import (HUGE_INTS, JSON_VALUES, Client, _assert_error_shape,
+from tests.support.embedding_zoo import two_model_server
+from tests.e2e.test_fuzz_api import (HUGE_INTS, JSON_VALUES, Client, _assert_error_shape,
                                  _check, _settings, from_schema)
 
 GEN = "tiny-llama"

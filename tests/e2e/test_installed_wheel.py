@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.server import REPO, CandorServer
+from tests.support.server import REPO, CandorServer
 
 # what a wheel build reads from the checkout: the packages (discovered) and the metadata
 _SKIP = shutil.ignore_patterns(".git", ".venv*", "__pycache__", "*.egg-info", "build", "dist",

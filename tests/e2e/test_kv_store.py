@@ -25,10 +25,10 @@ from launcher.serve_cli import ServeArgsError, serve_parser, serve_topology
 from cluster.topology import Topology
 from launcher.topology_check import TopologyError, check_topology
 from kv_store.tiers import Tiers
-from tests.metrics_text import scrape
-from tests.model_zoo import hf_greedy
-from tests.polling import wait_until
-from tests.server import CandorServer, role_of
+from tests.support.metrics_text import scrape
+from tests.support.model_zoo import hf_greedy
+from tests.support.polling import wait_until
+from tests.support.server import CandorServer, role_of
 
 MODEL = "tiny-llama"
 MAX_NEW = 12

@@ -14,8 +14,8 @@ import pytest
 
 from cluster.process_config import process_configs
 from cluster.topology import load_topology
-from tests.polling import wait_until
-from tests.server import REPO, CandorServer, pid_alive, role_of
+from tests.support.polling import wait_until
+from tests.support.server import REPO, CandorServer, pid_alive, role_of
 
 LEAN_ROLES = ("api_frontend", "tokenizer_worker", "scheduler", "detokenizer")
 

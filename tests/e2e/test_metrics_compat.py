@@ -16,7 +16,7 @@ import urllib.request
 import pytest
 
 from cluster import metrics_view
-from tests.metrics_text import Scrape, scrape
+from tests.support.metrics_text import Scrape, scrape
 
 MODEL = "tiny-llama"
 

@@ -12,7 +12,7 @@ import aiohttp
 import numpy as np
 import pytest
 
-from tests.embedding_zoo import hf_last_token, two_model_server
+from tests.support.embedding_zoo import hf_last_token, two_model_server
 
 GEN = "tiny-llama"
 EMB = "tiny-embed"

@@ -10,8 +10,8 @@ import time
 import aiohttp
 import pytest
 
-from tests.metrics_text import Scrape, scrape
-from tests.polling import wait_until
+from tests.support.metrics_text import Scrape, scrape
+from tests.support.polling import wait_until
 
 MODEL = "tiny-llama"
 C = "/v1/completions"
@@ -105,7 +105,7 @@ async def test_every_metric_is_prefixed_documented_and_unit_named(server):
     now = scrape(server)
     ours = {name: f for name, f in now.families.items() if name.startswith("candor_")}
     assert len(ours) >= 25, sorted(ours)
-    # besides ours: vLLM's names (tests/test_metrics_compat.py) and process_* per role
+    # besides ours: vLLM's names (tests/e2e/test_metrics_compat.py) and process_* per role
     others = {n for n in now.families if not n.startswith(("candor_", "vllm:", "process_"))}
     assert not others, others
     for name, family in ours.items():

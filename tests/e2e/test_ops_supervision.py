@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.metrics_text import Scrape, scrape
-from tests.polling import wait_until
-from tests.server import CandorServer, free_port, role_of
+from tests.support.metrics_text import Scrape, scrape
+from tests.support.polling import wait_until
+from tests.support.server import CandorServer, free_port, role_of
 
 MODEL = "tiny-llama"
 

@@ -17,10 +17,10 @@ import pytest
 from cluster.process_config import process_configs
 from cluster.topology import Topology
 from launcher.topology_check import TopologyError, check_topology
-from tests import model_zoo
-from tests.metrics_text import scrape
-from tests.polling import wait_until
-from tests.server import REPO, CandorServer, free_port
+from tests.support import model_zoo
+from tests.support.metrics_text import scrape
+from tests.support.polling import wait_until
+from tests.support.server import REPO, CandorServer, free_port
 
 MODEL = "tiny-llama"
 MAX_NEW = 12

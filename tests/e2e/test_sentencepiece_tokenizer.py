@@ -10,9 +10,9 @@ import urllib.request
 
 import pytest
 
-from tests import model_zoo
-from tests.sentencepiece_zoo import build_sentencepiece_tokenizer
-from tests.server import CandorServer
+from tests.support import model_zoo
+from tests.support.sentencepiece_zoo import build_sentencepiece_tokenizer
+from tests.support.server import CandorServer
 
 VOCAB = 1024
 MODEL = "sp"

@@ -27,10 +27,10 @@ from gpu_worker.model_config import load_config
 from gpu_worker.plan_order import PLAN_GAP_EXIT
 from gpu_worker.tp_shard import ShardError, shard_problems, tp_shard
 from protocol.ipc import PLACEHOLDER_TOKEN, SamplingParams, SeqChunk, StepPlan
-from tests import model_zoo
-from tests.faults import drop_plan_env
-from tests.polling import wait_until
-from tests.server import REPO, CandorServer, free_port, role_of
+from tests.support import model_zoo
+from tests.support.faults import drop_plan_env
+from tests.support.polling import wait_until
+from tests.support.server import REPO, CandorServer, free_port, role_of
 
 MAX_NEW = 12
 GREEDY = SamplingParams(temperature=0.0)

@@ -16,7 +16,7 @@ import pytest
 
 from gpu_worker.thread_governor import WAIT_LIMIT, ThreadGovernor, busy_seconds, run_queue_wait_seconds
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 WIDE = dict(hidden_size=512, intermediate_size=1536, num_attention_heads=8, num_key_value_heads=4,
             head_dim=64, num_hidden_layers=2)
 
@@ -200,7 +200,7 @@ def test_run_queue_wait_sums_every_thread(tmp_path):
 def test_the_start_up_log_says_what_was_chosen(tiny_model_dir, tmp_path):
     """By default the launcher and the worker say the count is adaptive and up to how
     many cores; ``--worker-threads`` fixes it and the worker says so. Both serve."""
-    from tests.server import CandorServer
+    from tests.support.server import CandorServer
 
     cores = len(os.sched_getaffinity(0))
     env = {"OMP_NUM_THREADS": ""}  # an operator's value would fix the count
@@ -237,8 +237,8 @@ def test_changing_threads_between_steps_keeps_every_bit(arch, tmp_path):
     tokens and logprobs, bit for bit. Run as the worker runs: MKL_CBWR set before torch."""
     env = {**os.environ, "MKL_CBWR": "AUTO,STRICT", "PYTHONPATH": str(REPO)}
     env.pop("OMP_NUM_THREADS", None)
-    proc = subprocess.run([sys.executable, "-m", "tests.test_thread_governor", arch, str(tmp_path)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([sys.executable, "-m", "tests.e2e.test_thread_governor", arch,
+                           str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "identical" in proc.stdout
 
@@ -247,8 +247,8 @@ def _child(arch: str, where: Path) -> None:
     import torch
 
     from gpu_worker.model_runner import ModelRunner
-    from tests import model_zoo
-    from tests.test_deterministic_runner import GREEDY, SEEDED, _scenarios, serve
+    from tests.support import model_zoo
+    from tests.unit.gpu_worker.test_deterministic_runner import GREEDY, SEEDED, _scenarios, serve
 
     path = model_zoo.build("qwen2", where / arch, **WIDE) if arch == "wide" else model_zoo.build(arch, where / arch)
     runner = ModelRunner(str(path), num_blocks=400)

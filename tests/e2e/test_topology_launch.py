@@ -7,8 +7,8 @@ import subprocess
 import sys
 import urllib.request
 
-from tests.polling import wait_until
-from tests.server import REPO, free_port
+from tests.support.polling import wait_until
+from tests.support.server import REPO, free_port
 
 
 def test_yaml_topology_serves_requests(tiny_model_dir, tmp_path):

@@ -20,7 +20,7 @@ from launcher.hf_cache import ModelNotFound, hub_cache_dir, resolve_model
 from launcher.preflight import settle_defaults
 from launcher.serve_cli import normalize_argv, parse_size, serve_parser
 from launch_cluster import serve_args_to_topology
-from tests.server import REPO, CandorServer
+from tests.support.server import REPO, CandorServer
 
 DOC = REPO / "docs" / "migrating-from-vllm.md"
 REV = "0123456789abcdef0123456789abcdef01234567"
@@ -342,8 +342,8 @@ def test_second_doc_command_line_serves(tmp_path, tiny_model_dir):
         assert status == 200 and "defaults" not in out["candor"]
         status, _, _ = _post(srv, "/v1/completions",
                              {"model": "tiny-llama", "prompt": "hello", "max_tokens": 2})
-        from tests.metrics_text import scrape
-        from tests.polling import wait_until
+        from tests.support.metrics_text import scrape
+        from tests.support.polling import wait_until
 
         # prefix counters are exported with the heartbeat that carries both requests' steps
         after = wait_until(lambda: scrape(srv), "a heartbeat after both requests' four steps",
@@ -357,7 +357,7 @@ def test_bench_says_why_requests_failed(capsys):
     """`candor bench` against a port where nothing listens: every request fails, and the
     table says why, counted by reason."""
     from launcher.loadgen import main as bench_main
-    from tests.server import free_port
+    from tests.support.server import free_port
 
     code = bench_main(["--base-url", f"http://127.0.0.1:{free_port()}", "--num-requests",
                        "3", "--concurrency", "3", "--prompt-len", "4", "--output-len", "2"])

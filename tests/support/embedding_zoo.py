@@ -1,7 +1,7 @@
 """Tiny embedding checkpoints written by sentence-transformers itself, and its encodings
 as the reference (nothing is downloaded).
 
-A zoo checkpoint (``tests/model_zoo.py``: a random tiny decoder with the project's
+A zoo checkpoint (``tests/support/model_zoo.py``: a random tiny decoder with the project's
 tokenizer) is wrapped by sentence-transformers' own ``Transformer`` + ``Pooling`` (+
 ``Normalize``) modules and saved with ``SentenceTransformer.save``: ``modules.json``,
 ``1_Pooling/config.json`` and a base-model checkpoint (``Qwen3Model``: no LM head, tensor
@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests import model_zoo
-from tests.server import CandorServer, free_port
+from tests.support import model_zoo
+from tests.support.server import CandorServer, free_port
 
 
 def build_embedding_model(out: Path, tokenizer_dir: Path, *, arch: str = "qwen3",

@@ -1,5 +1,5 @@
 """Hooks from the test side into a real server's processes (the children import
-``tests/fault_site/sitecustomize.py``, which patches a module as it is imported), or
+``tests/support/fault_site/sitecustomize.py``, which patches a module as it is imported), or
 in-process:
 
 - ``failing_forward`` / ``fault_env``: a step fails when it feeds a chosen token id.

@@ -14,9 +14,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from launcher.orphans import children_of as child_pids  # direct children, from /proc
-from tests.polling import wait_until
+from tests.support.polling import wait_until
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from tests.server import REPO
+from tests.support.server import REPO
 
 ROLES = ("api_frontend", "tokenizer_worker", "scheduler", "gpu_worker", "detokenizer", "kv_store")
 SHIPPED = ("protocol", "cluster", "tokenization", *ROLES, "launcher", "launch_cluster")

@@ -1,5 +1,5 @@
 """Imported by every Python process started with this directory on PYTHONPATH (see
-tests/faults.py). Each hook is switched on by its variable and patches one module right
+tests/support/faults.py). Each hook is switched on by its variable and patches one module right
 after its first import; every other process and module is left as it is:
 
 - CANDOR_TEST_FAULT_TOKEN, CANDOR_TEST_SCRIPTS, CANDOR_TEST_STEP_DELAY_S:
@@ -8,9 +8,9 @@ after its first import; every other process and module is left as it is:
 - CANDOR_TEST_DROP_PLAN (``INDEX:STEP``): the gpu_worker process ``INDEX`` never sees
   step plan STEP (protocol.transport's Receiver swallows it);
 - CANDOR_TEST_KV_FAULT: gpu_worker.kv_transfer's KvSender garbles, truncates, withholds
-  or stalls every KV transfer (tests/faults.py: faulty_kv_send);
+  or stalls every KV transfer (tests/support/faults.py: faulty_kv_send);
 - CANDOR_TEST_KV_LAYOUT (``FIELD=VALUE``): its KvSender declares that layout field
-  otherwise (tests/faults.py: misdeclared_kv_sender)."""
+  otherwise (tests/support/faults.py: misdeclared_kv_sender)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ class _PatchAfterImport(importlib.abc.MetaPathFinder):
 def _patch_runner(token: int | None, scripts: dict[int, list[int]] | None,
                   delay: float | None):
     def patch(module) -> None:
-        from tests.faults import failing_forward, scripted_execute, slow_execute
+        from tests.support.faults import failing_forward, scripted_execute, slow_execute
         runner = module.ModelRunner
         if token is not None:
             runner._forward = failing_forward(runner._forward, token)
@@ -57,7 +57,7 @@ def _patch_runner(token: int | None, scripts: dict[int, list[int]] | None,
 
 def _patch_receiver(index: int, step_id: int):
     def patch(module) -> None:
-        from tests.faults import dropping_plan
+        from tests.support.faults import dropping_plan
         module.Receiver.recv = dropping_plan(module.Receiver.recv, index, step_id)
     return patch
 
@@ -79,7 +79,7 @@ _kv_fault = os.environ.get("CANDOR_TEST_KV_FAULT")
 _kv_layout = os.environ.get("CANDOR_TEST_KV_LAYOUT")
 if _kv_fault or _kv_layout:
     def _patch_kv(module) -> None:
-        from tests.faults import faulty_kv_send, misdeclared_kv_sender
+        from tests.support.faults import faulty_kv_send, misdeclared_kv_sender
         if _kv_fault:
             module.KvSender.send = staticmethod(faulty_kv_send(module.KvSender.send,
                                                                _kv_fault))

@@ -1,5 +1,5 @@
 """Imported by every Python process started with this directory on PYTHONPATH (see
-``tests/test_e2e_interactions.py: no_run_ahead_env``). In the scheduler process only, it
+``tests/e2e/test_e2e_interactions.py: no_run_ahead_env``). In the scheduler process only, it
 turns run-ahead planning off: at most one step in flight, so step N+1 is planned after
 step N's tokens are known and no plan carries a placeholder. Candor has no switch for
 this (run-ahead is always on), and a test hook must not become a shipped flag."""
@@ -18,4 +18,4 @@ if _role == "scheduler":
     import scheduler.engine_loop as _loop
 
     _loop.MAX_STEPS_IN_FLIGHT = 1
-    print("scheduler: run-ahead off (tests/no_run_ahead_site)", file=sys.stderr, flush=True)
+    print("scheduler: run-ahead off (tests/support/no_run_ahead_site)", file=sys.stderr, flush=True)

@@ -10,7 +10,7 @@ import pytest
 from api_frontend import fields_doc
 from api_frontend.field_policy import UNKNOWN, FieldTable, Row
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[2]
 
 
 def test_checked_in_page_matches_the_table():

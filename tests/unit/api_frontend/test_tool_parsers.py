@@ -1,7 +1,7 @@
 """Tool-call parsers on the exact text each real chat template writes for a call.
 
 The model-side text comes from rendering an assistant turn with ``tool_calls`` through the
-checkpoint's own template (tests/data/chat_templates) and cutting off the prompt and the
+checkpoint's own template (tests/support/data/chat_templates) and cutting off the prompt and the
 end-of-turn token: that is what a model trained on the template emits. Each case is parsed
 whole and streamed in pieces of several sizes; the stream must concatenate to the whole
 answer, and no tag may reach ``content``.
@@ -18,7 +18,7 @@ from api_frontend import tool_parsers
 from api_frontend.tool_parsers.stream import ToolCallStream, parse_whole
 from tokenization.chat_template import ChatTemplate
 
-DATA = Path(__file__).parent / "data" / "chat_templates"
+DATA = Path(__file__).resolve().parents[2] / "support" / "data" / "chat_templates"
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "city"},
@@ -123,7 +123,7 @@ def test_parser_detected_from_template(stem, parser, special, eot, several):
 def test_detection_needs_one_format():
     assert tool_parsers.detect("{{ messages }}") is None
     assert tool_parsers.detect("<tool_call> [TOOL_CALLS]") is None
-    tiny = Path(__file__).parents[1] / "launcher" / "tiny_model" / "chat_template.jinja"
+    tiny = Path(__file__).resolve().parents[3] / "launcher" / "tiny_model" / "chat_template.jinja"
     assert tool_parsers.detect(tiny.read_text()) == "hermes"
 
 

@@ -5,7 +5,7 @@ import json
 from tokenizers import Tokenizer
 
 from bench.models import LLAMA3_8B, build_llama3_8b_dummy
-from tests.test_model_parity import tiny_dir  # noqa: F401  (pytest fixture)
+from tests.unit.gpu_worker.test_model_parity import tiny_dir  # noqa: F401  (pytest fixture)
 
 
 def test_llama3_8b_dummy_checkpoint(tiny_dir, tmp_path):

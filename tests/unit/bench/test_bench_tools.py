@@ -20,7 +20,7 @@ from bench import ab, box, procstat, profile, servers
 from bench.rounds import RoundPolicy, foreign_warning, measure_round
 from bench.stats import (Spread, pair_ratios, ratio_text, rel_mad, round_line,
                          summary_table)
-from tests.polling import wait_until
+from tests.support.polling import wait_until
 
 BURN = "import time\nt = time.process_time()\nwhile time.process_time() - t < {s}: pass\n"
 

@@ -174,7 +174,7 @@ def test_token_bytes_keep_what_the_text_of_a_partial_character_loses(tokenizer, 
     BPE piece, or sentencepiece ``<0xHH>`` byte fallback) decodes alone to U+FFFD, and
     carries its own bytes beside; whole tokens carry none (their text's UTF-8 is them)."""
     from detokenizer.logprobs import TokenTexts
-    from tests.sentencepiece_zoo import build_sentencepiece_tokenizer
+    from tests.support.sentencepiece_zoo import build_sentencepiece_tokenizer
     spm = Tokenizer.from_file(str(build_sentencepiece_tokenizer(tmp_path, 600)
                                   / "tokenizer.json"))
     for tok in (tokenizer, spm):

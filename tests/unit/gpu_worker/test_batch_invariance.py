@@ -19,7 +19,7 @@ from gpu_worker.attention import cpu_kernel_backend
 from gpu_worker.batch_invariant import INVARIANT_ACTIVATIONS, PACK_MIN_NUMEL, Numerics, measure_min_rows
 from gpu_worker.models.blocks import RMSNorm, activation
 from gpu_worker.sampler import top_logprobs
-from tests.test_decode_groups import _reference
+from tests.unit.gpu_worker.test_decode_groups import _reference
 
 KERNEL = cpu_kernel_backend.load()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no C++ toolchain for the CPU attention kernel")

@@ -7,7 +7,7 @@ from gpu_worker.attention import cpu_kernel_backend
 from gpu_worker.attention.base import AttentionSpec
 from gpu_worker.attention.cpu_kernel_backend import CpuKernelBackend, KernelStep
 from gpu_worker.attention.torch_backend import TorchBackend
-from tests.test_decode_groups import _reference
+from tests.unit.gpu_worker.test_decode_groups import _reference
 
 KERNEL = cpu_kernel_backend.load()
 pytestmark = pytest.mark.skipif(KERNEL is None, reason="no C++ toolchain for the CPU decode kernel")

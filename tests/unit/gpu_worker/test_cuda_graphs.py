@@ -1,7 +1,7 @@
 """Padded static-buffer decode (the CUDA-graph path) and the flashinfer backend, on CPU.
 
 No GPU here: the graph "replay" is the captured function called eagerly, and flashinfer
-is ``tests/fake_flashinfer.py`` (its real signatures, torch arithmetic). What the GPU adds
+is ``tests/support/fake_flashinfer.py`` (its real signatures, torch arithmetic). What the GPU adds
 (capture, the real kernels) is ``bench/gpu_check.sh``'s job.
 """
 
@@ -20,8 +20,8 @@ from gpu_worker.attention.registry import select_backend
 from gpu_worker.cuda_graphs import capture_sizes, pad_decodes, padded_size
 from gpu_worker.model_runner import ModelRunner
 from protocol.ipc import SeqChunk, StepPlan
-from tests import fake_flashinfer
-from tests.test_model_parity import (  # noqa: F401  (pytest fixtures)
+from tests.support import fake_flashinfer
+from tests.unit.gpu_worker.test_model_parity import (  # noqa: F401  (pytest fixtures)
     ARRIVALS,
     GREEDY,
     PROMPT_LENS,

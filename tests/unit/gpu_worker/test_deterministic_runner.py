@@ -16,7 +16,7 @@ import torch
 from gpu_worker.model_runner import ModelRunner
 from launcher.tiny_model import build_tiny_model
 from protocol.ipc import PLACEHOLDER_TOKEN, SamplingParams, SeqChunk, StepPlan
-from tests import model_zoo
+from tests.support import model_zoo
 
 GREEDY = SamplingParams(temperature=0.0, logprobs=5)
 SEEDED = SamplingParams(temperature=0.9, top_p=0.95, top_k=40, seed=77, logprobs=3)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.models import fused_moe
 from protocol.ipc import SamplingParams, SeqChunk, StepPlan
-from tests import model_zoo
+from tests.support import model_zoo
 
 MOE_ARCHS = [name for name, (cfg, _, _) in model_zoo.ARCHS.items() if cfg in ("Qwen3MoeConfig", "MixtralConfig")]
 E, H, I, K = 6, 40, 24, 2  # H and I not multiples of the kernel's 16-column panels

@@ -13,7 +13,7 @@ from gpu_worker.cpu_extension import build, build_dir
 from gpu_worker.grammar import apply_masks
 
 
-SOURCE = Path(__file__).parents[1] / "gpu_worker" / "bitmask.cpp"
+SOURCE = Path(__file__).resolve().parents[3] / "gpu_worker" / "bitmask.cpp"
 
 
 @pytest.fixture(scope="module")

@@ -19,9 +19,9 @@ from cluster.topology import LoraModuleSpec, LoraSpec
 from gpu_worker.lora.peft_files import AdapterError, read_adapter
 from gpu_worker.model_config import load_config
 from protocol.ipc import StepPlan
-from tests import lora_zoo, model_zoo
-from tests.server import free_port
-from tests.test_tensor_parallel import _generate
+from tests.support import lora_zoo, model_zoo
+from tests.support.server import free_port
+from tests.e2e.test_tensor_parallel import _generate
 
 MAX_NEW = 10
 

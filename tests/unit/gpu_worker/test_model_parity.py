@@ -17,7 +17,7 @@ from gpu_worker.model_runner import ModelRunner
 from gpu_worker.sampler import Sampler
 from launcher.tiny_model import build_tiny_model, init_weights
 from protocol.ipc import PLACEHOLDER_TOKEN, SamplingParams, SeqChunk, StepPlan
-from tests.faults import failing_forward
+from tests.support.faults import failing_forward
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPT_LENS = [1, 7, 16, 17, 64, 100, 190, 300]
@@ -44,7 +44,7 @@ def prompts(tiny_dir) -> list[list[int]]:
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(tiny_dir / "tokenizer.json"))
-    corpus = (Path(__file__).resolve().parents[1] / "launcher/tiny_model/corpus.txt").read_text()
+    corpus = (Path(__file__).resolve().parents[3] / "launcher/tiny_model/corpus.txt").read_text()
     ids = tok.encode(corpus, add_special_tokens=False).ids
     out = []
     for i, n in enumerate(PROMPT_LENS):

@@ -10,8 +10,8 @@ import torch
 from gpu_worker.attention.torch_backend import TorchBackend
 from gpu_worker.model_config import ARCHITECTURES, UnsupportedConfig, load_config, parse_config
 from gpu_worker.model_runner import ModelRunner
-from tests import model_zoo
-from tests.test_model_parity import GREEDY, run_continuous
+from tests.support import model_zoo
+from tests.unit.gpu_worker.test_model_parity import GREEDY, run_continuous
 
 PROMPT_LENS = (1, 20, 70, 120)
 NEW = 16
@@ -116,7 +116,7 @@ def test_flashinfer_per_layer_window_and_softcap(built, monkeypatch):
     import sys
 
     from gpu_worker.attention import flashinfer_backend
-    from tests import fake_flashinfer
+    from tests.support import fake_flashinfer
 
     monkeypatch.setitem(sys.modules, "flashinfer", fake_flashinfer)
     monkeypatch.setattr(flashinfer_backend, "SUPPORTED_DTYPES", (torch.float32,))

@@ -15,7 +15,7 @@ from launcher.topology_check import TopologyError, check_topology
 from gpu_worker.model_runner import ModelRunner
 from launcher.tiny_model import build_tiny_model
 from protocol.ipc import PoolingParams, SamplingParams, SeqChunk, StepPlan
-from tests.embedding_zoo import build_embedding_model, hf_last_token, st_encode
+from tests.support.embedding_zoo import build_embedding_model, hf_last_token, st_encode
 
 pytest.importorskip("sentence_transformers")
 

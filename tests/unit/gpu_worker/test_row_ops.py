@@ -1,7 +1,8 @@
 """The row-wise CPU kernels (``gpu_worker.models.row_ops``) against the torch ops they
 replace: RoPE and the residual add bit for bit, the RMS norm within fp32 rounding of
 torch's (its own fixed summation order), every row independent of its batch and of the
-thread count (``tests/test_batch_invariance.py`` runs the norm through ``RMSNorm`` too)."""
+thread count (``tests/unit/gpu_worker/test_batch_invariance.py`` runs the norm through
+``RMSNorm`` too)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ import pytest
 from gpu_worker.model_runner import ModelRunner
 from launcher.tiny_model import build_tiny_model
 from protocol.ipc import PLACEHOLDER_TOKEN, SamplingParams, SeqChunk, StepPlan
-from tests.faults import failing_forward
+from tests.support.faults import failing_forward
 
 GREEDY = SamplingParams(temperature=0.0)
 EOS = [4, 1]  # the tiny checkpoint's end-of-sequence ids

@@ -14,7 +14,7 @@ import pytest
 from gpu_worker.model_config import load_config, parse_config
 from launcher.tiny_model import SPECIAL_TOKENS, TOOL_TOKENS, build_tiny_model
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,8 @@
 
 transformers is only the reference here (the worker never imports it). Every template x case pair must either raise
 on both sides or render the identical string, and the render/raise outcome of each pair must match the matrix in
-tests/data/chat_templates/MANIFEST.md, so a comparison that silently breaks (e.g. both sides always raising) fails.
+tests/support/data/chat_templates/MANIFEST.md, so a comparison that silently breaks (e.g. both sides always
+raising) fails.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 from tokenizers import Tokenizer, models  # noqa: E402
 from transformers.utils import chat_template_utils as hf_chat_utils  # noqa: E402
 
-DATA = Path(__file__).parent / "data" / "chat_templates"
+DATA = Path(__file__).resolve().parents[2] / "support" / "data" / "chat_templates"
 CASES = json.loads((DATA / "cases.json").read_text(encoding="utf-8"))["cases"]
 FROZEN_NOW = dt.datetime(2025, 3, 14, 9, 26, 53)
 

@@ -242,4 +242,5 @@ def test_worker_modules_stay_lean():
 
     code = ("import sys, tokenization.tokenizer_files, tokenization.chat_template; "
             "heavy = {'transformers', 'torch'} & set(sys.modules); assert not heavy, heavy")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parent.parent)
+    subprocess.run([sys.executable, "-c", code], check=True,
+                   cwd=Path(__file__).resolve().parents[3])
