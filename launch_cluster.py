@@ -9,8 +9,8 @@
     candor keygen DIR                  # CURVE keys for the tcp:// sockets between nodes
 
 Both start paths build a ``Topology``, validate it whole (every problem named), and hand
-it to ``cluster.launch.launch``: one OS process per role instance of this node, owned and
-supervised by ``cluster.supervisor.NodeSupervisor``. A dead child is restarted when the
+it to ``launcher.launch.launch``: one OS process per role instance of this node, owned and
+supervised by ``launcher.supervisor.NodeSupervisor``. A dead child is restarted when the
 topology marks its role restartable, otherwise the launcher stops the rest and exits
 non-zero naming the role and exit code. SIGTERM and SIGINT drain (frontends refuse new
 work and finish what they hold) and exit 0; children also die with the launcher through
@@ -25,14 +25,14 @@ import sys
 
 import msgspec
 
-from cluster.gguf_checkpoint import served_name
-from cluster.hf_cache import ModelNotFound, resolve_model
-from cluster.launch import launch
-from cluster.serve_cli import (DEFAULT_MODEL_DIR, ServeArgsError, model_argument,
-                               normalize_argv, serve_parser, serve_topology)
-from cluster.supervisor import say
+from launcher.gguf_checkpoint import served_name
+from launcher.hf_cache import ModelNotFound, resolve_model
+from launcher.launch import launch
+from launcher.serve_cli import (DEFAULT_MODEL_DIR, ServeArgsError, model_argument,
+                                normalize_argv, serve_parser, serve_topology)
+from launcher.supervisor import say
 from cluster.topology import Topology, load_topology
-from cluster.topology_check import TopologyError, check_topology
+from launcher.topology_check import TopologyError, check_topology
 
 
 def cli(argv: list[str] | None = None) -> int:
@@ -67,7 +67,7 @@ def cli(argv: list[str] | None = None) -> int:
 
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
-        from bench.loadgen import main as bench_main
+        from launcher.loadgen import main as bench_main
         return bench_main(argv[1:])
     if argv[:1] == ["serve"]:
         return serve(argv[1:])
@@ -78,7 +78,7 @@ def cli(argv: list[str] | None = None) -> int:
               "client.key, client.key_secret); name it in security.curve.key_dir")
         return 0
     if args.command == "default-model":
-        from cluster.default_model import DefaultModelMissing, default_gguf
+        from launcher.default_model import DefaultModelMissing, default_gguf
         try:
             print(default_gguf())
         except DefaultModelMissing as err:
@@ -93,7 +93,7 @@ def cli(argv: list[str] | None = None) -> int:
         if args.if_missing and os.path.isfile(os.path.join(args.dir, "config.json")):
             print(f"candor: tiny model already present in {args.dir}")
             return 0
-        from gpu_worker.tiny_model import build_tiny_model
+        from launcher.tiny_model import build_tiny_model
         path = build_tiny_model(args.dir, overwrite=True)
         print(f"candor: tiny model written to {path}")
         return 0

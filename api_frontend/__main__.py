@@ -19,15 +19,15 @@ import uvloop
 from aiohttp import web
 
 from api_frontend.app import build_app
-from api_frontend.generate import LOG_REQUESTS_KEY
+from api_frontend.app_keys import LOG_REQUESTS_KEY
 from api_frontend.auth import ApiKeys, keys_from_env
 from api_frontend.cors import cors_middleware
 from api_frontend.engine_client import EngineClient
 from api_frontend.http_server import JsonErrorAppRunner
 from api_frontend.metrics import FrontendMetrics
 from api_frontend.ops import Ops, install_ops
-from api_frontend.responses_api.peers import ResponsePeers
-from api_frontend.responses_api.store import ResponseStore, StoreMetrics
+from api_frontend.endpoints.responses.peers import ResponsePeers
+from api_frontend.endpoints.responses.store import ResponseStore, StoreMetrics
 from api_frontend.served_models import ServedModel, ServedModels
 from api_frontend.topology_watch import TopologyWatch
 from cluster.checkpoint import effective_max_model_len

@@ -1,4 +1,6 @@
-"""The aiohttp application: routes, validation, SSE, and the error middleware.
+"""The aiohttp application: the error middleware, every endpoint's routes
+(``endpoints.registry``) and the routes around them (models, tokenize, capabilities,
+LoRA adapters, OpenAPI).
 
 The frontend never tokenizes or renders: it validates the body, hands a GenerateReq to
 the tokenizer workers, and turns the deltas that come back into OpenAI responses.
@@ -12,31 +14,26 @@ import logging
 
 from aiohttp import web
 
-from api_frontend import embeddings as embeddings_route
 from api_frontend import extra_routes, lora_routes
+from api_frontend.app_keys import (API_KEY, BODY_TIMEOUT_KEY, ENGINE_KEY, LOG_REQUESTS_KEY,
+                                   LORA_KEY, MODELS_KEY)
+from api_frontend.capabilities import capabilities as capabilities_body
+from api_frontend.endpoints.registry import ENDPOINTS
+from api_frontend.endpoints.responses.peers import ResponsePeers
+from api_frontend.endpoints.responses.routes import RESPONSES_KEY
+from api_frontend.endpoints.responses.store import ResponseStore
 from api_frontend.engine_client import EngineClient
 from api_frontend.errors import ApiError
-from api_frontend.generate import LOG_REQUESTS_KEY, REQUEST_ID_KEY, run_generation
-from api_frontend.json_body import check_json_body, decode_request, json_response
+from api_frontend.generate import REQUEST_ID_KEY
+from api_frontend.json_body import check_json_body, json_response
 from api_frontend.openapi import build_openapi
-from api_frontend.responses_api import routes as responses_routes
-from api_frontend.responses_api.peers import ResponsePeers
-from api_frontend.responses_api.store import ResponseStore
 from api_frontend.served_models import ServedModels
-from api_frontend.translate import prompt_list
 from cluster.topology import ApiSpec, LoraSpec
-from protocol.openai_api import ChatCompletionRequest, CompletionRequest, ModelList
+from protocol.openai_api import ModelList
 
 log = logging.getLogger("api_frontend")
 REQUEST_ID_HEADER = "X-Request-Id"
 MAX_REQUEST_ID_CHARS = 256
-
-ENGINE_KEY = web.AppKey("engine", EngineClient)
-MODELS_KEY = web.AppKey("models", ServedModels)  # every served model, by name
-API_KEY = web.AppKey("api", ApiSpec)
-BODY_TIMEOUT_KEY = web.AppKey("body_read_timeout_s", float)
-RESPONSES_KEY = web.AppKey("responses", ResponsePeers)  # the /v1/responses store, reachable
-LORA_KEY = web.AppKey("lora", LoraSpec)  # adapters and whether they may be loaded at runtime
 
 
 async def _read_body(request: web.Request) -> bytes:
@@ -89,46 +86,6 @@ async def error_middleware(request: web.Request, handler):
         return ApiError(500, "internal server error", None, "internal_error").response()
 
 
-async def _generate(request: web.Request, kind: type) -> web.StreamResponse:
-    # admission (topology health, queue bound) is ops_middleware's, before this runs
-    parsed, keys = decode_request(await request.read(), kind)
-    model, card = request.app[MODELS_KEY].of_kind(parsed.model, "generate", request.path)
-    return await run_generation(request, model.engine, card, request.app[API_KEY],
-                                parsed, keys)
-
-
-async def _render(request: web.Request, kind: type) -> web.Response:
-    parsed, keys = decode_request(await request.read(), kind)
-    model, card = request.app[MODELS_KEY].of_kind(parsed.model, "generate", request.path)
-    if isinstance(parsed, CompletionRequest) and len(prompt_list(parsed)) > 1:
-        raise ApiError(400, "render takes one prompt; send each prompt on its own", "prompt",
-                       "invalid_value")
-    return await extra_routes.render(request, model.engine, card, request.app[API_KEY],
-                                     parsed, keys)
-
-
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, ChatCompletionRequest)
-
-
-async def completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, CompletionRequest)
-
-
-async def chat_render(request: web.Request) -> web.Response:
-    return await _render(request, ChatCompletionRequest)
-
-
-async def completions_render(request: web.Request) -> web.Response:
-    return await _render(request, CompletionRequest)
-
-
-def _names(request: web.Request) -> list[str]:
-    """Every name /tokenize and /detokenize accept besides the primary: the aliases and
-    the adapters (an adapter tokenizes with its base model's tokenizer)."""
-    return [*request.app[ALIASES_KEY], *request.app[ENGINE_KEY].adapters()]
-
-
 async def tokenize(request: web.Request) -> web.Response:
     return await extra_routes.tokenize(request, request.app[MODELS_KEY], request.app[API_KEY])
 
@@ -142,30 +99,8 @@ async def tokenizer_info(request: web.Request) -> web.Response:
 
 
 async def capabilities(request: web.Request) -> web.Response:
-    return extra_routes.capabilities(request.app[MODELS_KEY], request.app[API_KEY],
-                                     request.app[ENGINE_KEY].stats, request.app[LORA_KEY])
-
-
-async def embeddings(request: web.Request) -> web.Response:
-    return await embeddings_route.create(request, request.app[MODELS_KEY], request.app[API_KEY])
-
-
-async def create_response(request: web.Request) -> web.StreamResponse:
-    app = request.app
-    return await responses_routes.create(request, app[MODELS_KEY], app[API_KEY],
-                                         app[RESPONSES_KEY])
-
-
-async def get_response(request: web.Request) -> web.Response:
-    return await responses_routes.retrieve(request, request.app[RESPONSES_KEY])
-
-
-async def delete_response(request: web.Request) -> web.Response:
-    return await responses_routes.delete(request, request.app[RESPONSES_KEY])
-
-
-async def response_input_items(request: web.Request) -> web.Response:
-    return await responses_routes.input_items(request, request.app[RESPONSES_KEY])
+    return capabilities_body(request.app[MODELS_KEY], request.app[API_KEY],
+                             request.app[ENGINE_KEY].stats, request.app[LORA_KEY])
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -208,19 +143,16 @@ def build_app(engine: EngineClient, models: ServedModels, max_body_bytes: int,
         ResponseStore(api.responses_store), 0, [engine.reply_to], engine.reply_to, engine.ctx)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model_id:.+}", get_model)
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/v1/chat/completions/render", chat_render)
-    app.router.add_post("/v1/completions/render", completions_render)
+    for endpoint in ENDPOINTS:
+        for route in endpoint.routes:
+            if route.method == "GET":  # add_get answers HEAD too
+                app.router.add_get(route.path, route.handler)
+            else:
+                app.router.add_route(route.method, route.path, route.handler)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/tokenizer_info", tokenizer_info)
     app.router.add_get("/v1/capabilities", capabilities)
-    app.router.add_post("/v1/embeddings", embeddings)
-    app.router.add_post("/v1/responses", create_response)
-    app.router.add_get("/v1/responses/{response_id}", get_response)
-    app.router.add_delete("/v1/responses/{response_id}", delete_response)
-    app.router.add_get("/v1/responses/{response_id}/input_items", response_input_items)
     app.router.add_post("/v1/load_lora_adapter", load_lora_adapter)
     app.router.add_post("/v1/unload_lora_adapter", unload_lora_adapter)
     app.router.add_get("/openapi.json", openapi)

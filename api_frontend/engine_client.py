@@ -140,7 +140,7 @@ class EngineClient:
         # middleware pops it to label candor_http_requests
         self.finish_reasons: dict[str, str] = {}
         # another frontend's question about a stored /v1/responses result, or the answer to
-        # ours: handed to the response store's peer link (api_frontend/responses_api)
+        # ours: handed to the response store's peer link (api_frontend/endpoints/responses)
         self.on_peer_message: Callable[[ipc.StoreQuery | ipc.StoreAnswer], None] | None = None
         self.served = cfg.served()  # every served model's processes
         self._served_by: dict[str, int] = {}  # rid -> the served model it went to

@@ -1,4 +1,5 @@
-"""Endpoints around generation: capabilities, render, tokenize, detokenize.
+"""Endpoints around generation: render (for the chat and completions endpoints),
+tokenize, detokenize, tokenizer_info.
 
 Render and (de)tokenize run on a tokenizer worker like any request (the frontend never
 tokenizes): a RenderReq goes out and a RenderResult (or RequestError) comes back.
@@ -7,22 +8,24 @@ tokenizes): a RenderReq goes out and a RenderResult (or RequestError) comes back
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 from aiohttp import web
 
-from api_frontend import field_policy
+from api_frontend.app_keys import API_KEY, MODELS_KEY
 from api_frontend.engine_client import EngineClient
 from api_frontend.errors import ApiError
 from api_frontend.generate import complete_report
-from api_frontend.json_body import decode, json_response
-from api_frontend.served_models import ROUTES, ServedModels
-from api_frontend.translate import chat_to_generate, completion_to_generate
-from cluster.topology import ApiSpec, LoraSpec
+from api_frontend.json_body import decode, decode_request, json_response
+from api_frontend.served_models import ServedModels
+from api_frontend.translate import Translated
+from cluster.topology import ApiSpec
 from protocol import ipc
-from protocol.openai_api import (ChatCompletionRequest, DetokenizeRequest,
-                                 DetokenizeResponse, ModelCard, RenderResponse, TemplateRef,
-                                 TokenizeRequest, TokenizeResponse, TokenizerInfoResponse)
+from protocol.openai_api import (DetokenizeRequest, DetokenizeResponse, RenderResponse,
+                                 TemplateRef, TokenizeRequest, TokenizeResponse,
+                                 TokenizerInfoResponse)
 
 
 async def _ask(engine: EngineClient, req: ipc.RenderReq) -> ipc.RenderResult:
@@ -41,13 +44,17 @@ def _template(result: ipc.RenderResult) -> TemplateRef | None:
     return None if t is None else TemplateRef(t.source, t.origin, t.sha256)
 
 
-async def render(request: web.Request, engine: EngineClient, card: ModelCard, api: ApiSpec,
-                 parsed, keys: list[str]) -> web.Response:
-    """The prompt text, ids and template provenance a generation request would get."""
+async def render(request: web.Request, kind: type, translate: Callable[..., Translated],
+                 check: Callable[[Any], None] | None = None) -> web.Response:
+    """The prompt text, ids and template provenance a generation request of ``kind``
+    would get (``check``: what the endpoint refuses to render)."""
+    parsed, keys = decode_request(await request.read(), kind)
+    model, card = request.app[MODELS_KEY].of_kind(parsed.model, "generate", request.path)
+    if check is not None:
+        check(parsed)
+    engine = model.engine
     rid = f"render-{uuid.uuid4().hex}"
-    translate = (chat_to_generate if isinstance(parsed, ChatCompletionRequest)
-                 else completion_to_generate)
-    tr = translate(parsed, rid, engine.reply_to, 0.0, keys, api)
+    tr = translate(parsed, rid, engine.reply_to, 0.0, keys, request.app[API_KEY])
     result = await _ask(engine, ipc.RenderReq(rid, engine.reply_to, gen=tr.gen))
     info = ipc.RequestInfo(rid, len(result.token_ids), result.template, result.adjustments)
     return json_response(RenderResponse(result.prompt_text, result.token_ids, card.id,
@@ -126,63 +133,3 @@ async def tokenizer_info(engine: EngineClient) -> web.Response:
         pad_token=special.get("pad_token"), unk_token=special.get("unk_token"),
         chat_template=info.chat_template)
     return json_response({**info.config, **special, **msgspec.to_builtins(effective)})
-
-
-DETERMINISM_SCOPE = (
-    "a greedy or seeded request gets bitwise the same tokens and logprobs (top_logprobs and "
-    "prompt logprobs included) alone or inside any batch, on a prefix-cache hit or miss, under "
-    "any --max-num-batched-tokens, preempted or not, on any replica and after a restart, within "
-    "one deployment (same hardware, software, flags and tensor-parallel size)")
-
-
-def determinism(stats: ipc.SchedulerStats | None) -> dict:
-    """Which numerics the engine runs (``enabled`` None until it has reported)."""
-    known = stats is not None and stats.worker_ready
-    return {"enabled": stats.deterministic if known else None,
-            "note": stats.deterministic_note if known else "the engine has not reported yet",
-            "scope": DETERMINISM_SCOPE}
-
-
-def capabilities(models: ServedModels, api: ApiSpec, stats: ipc.SchedulerStats | None = None,
-                 lora: LoraSpec | None = None) -> web.Response:
-    """The tier of every request field under this deployment's flags, and each served
-    model's runner (what it serves) and, for an embedding model, its pooling; the
-    numerics the engine runs; the LoRA settings (adapters are named in ``model``;
-    /v1/models lists them)."""
-    lora = lora or LoraSpec()
-    card = models.primary.card
-    generate, pooling = models.serves("generate"), models.serves("pooling")
-    fields, endpoints = {}, ["/v1/models"]
-    if generate:
-        fields.update({"/v1/chat/completions": field_policy.tiers("chat", api),
-                       "/v1/completions": field_policy.tiers("completions", api),
-                       "/v1/responses": field_policy.tiers("responses", api)})
-        endpoints += ["/v1/completions", "/v1/chat/completions", "/v1/responses",
-                      "/v1/responses/{id}", "/v1/responses/{id}/input_items",
-                      "/v1/completions/render", "/v1/chat/completions/render"]
-    if pooling:
-        fields["/v1/embeddings"] = field_policy.tiers("embeddings", api)
-        endpoints.append("/v1/embeddings")
-    if generate and lora.enabled and lora.allow_runtime_updates:
-        endpoints += ["/v1/load_lora_adapter", "/v1/unload_lora_adapter"]
-    endpoints += ["/tokenize", "/detokenize", "/tokenizer_info", "/v1/capabilities", "/health"]
-    return json_response({
-        "object": "capabilities",
-        "model": card.id,
-        "max_model_len": card.max_model_len,
-        "serves": (["chat.completions", "completions", "responses"] if generate else [])
-        + (["embeddings"] if pooling else []),
-        "models": [{"id": m.card.id, "aliases": m.aliases, "runner": m.runner,
-                    "routes": ROUTES[m.runner], "max_model_len": m.card.max_model_len,
-                    "pooling": msgspec.to_builtins(m.pooling) if m.pooling else None}
-                   for m in models.models],
-        "policy": msgspec.to_builtins(api),
-        "limits": msgspec.to_builtins(api.limits),
-        "lora": {"enabled": lora.enabled, "max_loras": lora.max_loras,
-                 "max_lora_rank": lora.max_lora_rank, "max_cpu_loras": lora.host_capacity,
-                 "runtime_updates": lora.enabled and lora.allow_runtime_updates},
-        "tiers": field_policy.TIER_MEANINGS,
-        "deterministic": determinism(stats),
-        "fields": fields,
-        "endpoints": endpoints,
-    })

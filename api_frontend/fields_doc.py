@@ -1,131 +1,61 @@
-"""Renders ``docs/fields.md`` from the field table (``field_policy``) and the request
-limits (``RequestLimits``), so the page cannot drift from what the server does.
+"""Renders ``docs/fields.md``: each endpoint's field table (``endpoints/*/fields.py``: the
+tiers the server acts on) joined with its prose (``docs/fields/*.yaml``: what Candor does,
+what vLLM and SGLang do, the tests that show it) and the request limits
+(``RequestLimits``), so the page cannot drift from what the server does.
 
-``python -m api_frontend.fields_doc`` rewrites the file; ``tests/test_fields_doc.py``
-fails when the checked-in page differs from ``render()``.
+``docs/fields/page.yaml`` holds the page's head and tail and names its sections in order;
+a section file names the endpoints whose tiers are its columns and holds one entry per row
+(found by its ``fields``, or by its ``key`` where the code derives them; an entry with only
+a ``label`` is a behaviour no field names). A row without prose, or prose without a row,
+is an error naming it. ``python -m api_frontend.fields_doc`` rewrites the page;
+``tests/unit/api_frontend/test_fields_doc.py`` fails when the checked-in page differs
+from ``render()``.
 """
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import msgspec
+import yaml
 
-from api_frontend.field_policy import (EMBEDDINGS_FOREIGN, EMBEDDINGS_ROWS, FOREIGN,
-                                      LORA_ROUTE_FIELDS, RESPONSES_ROWS, RESPONSES_UNBUILT, ROWS,
-                                      TIER_MEANINGS, UNKNOWN, Foreign, RouteField, Row)
+from api_frontend.endpoints.registry import ENDPOINTS
+from api_frontend.field_policy import TIER_MEANINGS, UNKNOWN, FieldTable, Foreign, Row
 from cluster.topology import RequestLimits
 
-PATH = Path(__file__).resolve().parent.parent / "docs" / "fields.md"
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+PATH = DOCS / "fields.md"
+DATA = DOCS / "fields"
 COMMAND = "python -m api_frontend.fields_doc"
 
-_INTRO = """\
-Tiers: {tiers}. A deployment shifts them: `--strict` (or `"strict": true` in a request) turns
-ignored and clamped into 400. The live table for a deployment is `GET /v1/capabilities`. Every
-response carries the report as the `candor` body field (first frame of a stream) and the
-`x-candor-adjustments` header (JSON).
 
-Tests are in `tests/`; `S` = test_e2e_sampling.py, `L` = test_e2e_logprobs.py,
-`C` = test_e2e_contract.py, `P` = test_e2e_policy.py, `X` = test_e2e_strict.py,
-`H` = test_e2e_http.py, `U` = test_sampler_processors.py, `A` = test_e2e_hardening_api.py,
-`T` = test_e2e_tools.py, `G` = test_e2e_structured.py, `TP` = test_tool_parsers.py,
-`K` = test_e2e_composition.py, `D` = test_e2e_determinism.py, `LR` = test_e2e_lora.py.
+class DocDrift(ValueError):
+    """The prose and the code's rows do not match one to one."""
 
-`null` for any optional field means absent (SDKs send explicit nulls): it is dropped before
-decoding and never reported (A `test_null_means_absent_on_both_endpoints`). Every integer is
-bounded to int64 at decode and token ids to 0..2³¹-1, so an out-of-range number is a 400
-naming the field (A `test_integers_past_int64_are_400_and_release_the_request`).
-"""
 
-_FOREIGN_INTRO = """\
-## vLLM and SGLang fields Candor does not implement
+def _load(name: str) -> dict[str, Any]:
+    return yaml.safe_load((DATA / f"{name}.yaml").read_text(encoding="utf-8"))
 
-A field that would change the output is rejected: 400 `unsupported_field` naming it (never
-ignored); a value that asks for Candor's own behaviour (e.g. `use_beam_search: false`) is
-ignored and reported. A field that cannot change the tokens here is ignored and reported.
-Tests: A `test_fields_that_would_change_output_are_rejected`,
-A `test_harmless_foreign_fields_are_reported_ignored`,
-A `test_capabilities_publish_limits_and_foreign_field_tiers`.
-"""
 
-_RESPONSES_INTRO = """\
-## `/v1/responses`
+def tables() -> dict[str, FieldTable]:
+    """Every endpoint's field table, by its name (the column it is in the page)."""
+    return {ep.fields.name: ep.fields for ep in ENDPOINTS}
 
-OpenAI's Responses API on the same pipeline as chat (api_frontend/responses_api): the
-conversation is rendered by the chat template, tools, grammars and the reasoning parser are
-chat's, and the report is the `candor` field of the response object (the `response.created`
-event's and the final one) and the `x-candor-adjustments` header. `GET /v1/responses/{id}`,
-`DELETE /v1/responses/{id}` and `GET /v1/responses/{id}/input_items` (newest first; `order`,
-`limit`, `after`, `before`) read the store from any frontend. `R` = test_e2e_responses.py.
-"""
 
-_EMBEDDINGS_INTRO = """\
-## `/v1/embeddings`
+def _key(row: Row) -> str:
+    return row.key or ", ".join(row.fields)
 
-Served by a pooling model (`--runner pooling`, vLLM's flag; `--task embed`; `runner: pooling`
-in a topology, where it may sit beside a generation model behind the same frontends, routed
-by `model`). Each input is a prefill whose output is the pooled hidden state, batched by the
-model's scheduler with other requests. The report is the response's `candor` field and the
-`x-candor-adjustments` header. `E` = test_e2e_embeddings.py, `PR` = test_pooling_runner.py,
-`MM` = test_multi_model.py.
-"""
 
-_LORA_INTRO = """\
-## LoRA adapter routes
-
-With `--enable-lora`, a request runs on an adapter when its `model` names one (the rows above).
-`POST /v1/load_lora_adapter` and `POST /v1/unload_lora_adapter` take vLLM's bodies, need the
-API key, and answer 404 unless runtime loading is allowed (`--allow-runtime-lora-updating` or
-`VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`); an unknown field is a 400. `LR` = test_e2e_lora.py.
-"""
-
-_OUTRO = """\
-## Endpoints, limits, HTTP
-
-Endpoints: `/v1/chat/completions/render` and `/v1/completions/render` (prompt, ids, template
-source + sha256; C `test_render_tokenize_detokenize_agree_with_generation`), `/tokenize`,
-`/detokenize`, `/v1/capabilities` (C `test_capabilities_publish_every_tier`), `/v1/embeddings`
-on a deployment without an embedding model → 404 naming what is served
-(C `test_embeddings_404_says_what_is_served`), 413 for bodies over
-`--max-body-mb` (P `test_body_too_large_is_413`), a failure after the stream started is one
-`data:` error frame then `[DONE]` (P `test_failure_after_stream_started_is_an_error_frame_then_done`).
-
-Request limits (`ApiSpec.limits`: {limits}) are set in the topology YAML's `api.limits`
-(`candor serve`: `--max-logprobs`, `--max-n`, `--max-prompts`, `--max-request-share`),
-published under `limits` in `/v1/capabilities`, and checked before any work: 400
-`limit_exceeded` naming the field and the limit. A request's n × prompts sequences count
-against the engine's waiting queue as that many (503 `queue_full` when they do not fit now,
-400 when they exceed the per-request share).
-
-HTTP: a POST body sent with a Content-Type other than JSON → 415 `unsupported_media_type`;
-JSON nested too deeply → 400 `invalid_json`; an over-long request line or header (aiohttp's
-parser) → 400 in the error shape; a client that goes away is one log line naming its
-`X-Request-Id`, which every response echoes (A `test_wrong_content_type_is_415_in_error_shape`,
-A `test_over_long_request_line_and_header_are_error_shaped`,
-A `test_request_id_is_echoed_and_disconnects_log_one_line`).
-"""
+def _entry_key(entry: dict[str, Any]) -> str | None:
+    if "key" in entry:
+        return entry["key"]
+    return ", ".join(entry["fields"]) if "fields" in entry else None
 
 
 def _code(value: object) -> str:
     return f"`{msgspec.json.encode(value).decode()}`"
-
-
-def _row(row: Row) -> str:
-    label = row.label or ", ".join(f"`{f}`" for f in row.fields)
-    cells = (label, row.chat or "—", row.completions or "—", row.candor, row.vllm,
-             row.sglang, row.tests)
-    return "| " + " | ".join(cells) + " |"
-
-
-def _endpoint_row(row: Row, kind: str = "responses") -> str:
-    label = row.label or ", ".join(f"`{f}`" for f in row.fields)
-    return "| " + " | ".join((label, row.tier(kind) or "—", row.candor, row.vllm,
-                              row.tests)) + " |"
-
-
-def _route_field(spec: RouteField) -> str:
-    return f"| `{spec.route}` | `{spec.field}` | {spec.candor} | {spec.vllm} | {spec.tests} |"
 
 
 def _foreign(spec: Foreign) -> str:
@@ -135,61 +65,113 @@ def _foreign(spec: Foreign) -> str:
     return f"| `{spec.field}` | {what} | {spec.reason} |"
 
 
+def _joined(name: str, section: dict[str, Any],
+            columns: list[FieldTable]) -> list[tuple[dict[str, Any], list[Row | None]]]:
+    """Each prose entry with the row it documents in each column (None: not a field
+    there); every row of every column is documented exactly once."""
+    by_key = [{_key(row): row for row in table.rows} for table in columns]
+    out, seen = [], set()
+    for entry in section["rows"]:
+        key = _entry_key(entry)
+        if key is None:  # a behaviour, no fields: no tier anywhere
+            out.append((entry, [None] * len(columns)))
+            continue
+        if key in seen:
+            raise DocDrift(f"docs/fields/{name}.yaml documents {key!r} twice")
+        seen.add(key)
+        rows = [table.get(key) for table in by_key]
+        if not any(rows):
+            raise DocDrift(f"docs/fields/{name}.yaml documents {key!r}, which no table of "
+                           f"{[t.name for t in columns]} has")
+        out.append((entry, rows))
+    for table, keys in zip(columns, by_key):
+        missing = [k for k in keys if k not in seen]
+        if missing:
+            raise DocDrift(f"{table.name}: rows {missing} have no prose in "
+                           f"docs/fields/{name}.yaml")
+    return out
+
+
+def _label(entry: dict[str, Any], rows: list[Row | None]) -> str:
+    if "label" in entry:
+        return entry["label"]
+    fields = next(row for row in rows if row is not None).fields
+    return ", ".join(f"`{f}`" for f in fields)
+
+
+def _table(name: str, section: dict[str, Any], all_tables: dict[str, FieldTable]) -> list[str]:
+    columns = [all_tables[c] for c in section["columns"]]
+    compare = section["compare"]
+    tier_heads = [t.name for t in columns] if len(columns) > 1 else ["tier"]
+    heads = ["field", *tier_heads, "Candor", *compare, "test"]
+    lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
+    for entry, rows in _joined(name, section, columns):
+        cells = [_label(entry, rows), *(row.tier if row else "—" for row in rows),
+                 entry["candor"], *(entry.get(c.lower(), "—") for c in compare),
+                 entry.get("tests", "")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _foreign_table(section: dict[str, Any], all_tables: dict[str, FieldTable]) -> list[str]:
+    spec = section["foreign"]
+    owns = [all_tables[c].own_foreign for c in section["columns"]]
+    if any(own != owns[0] for own in owns):
+        raise DocDrift(f"the columns {section['columns']} name different foreign fields")
+    return [spec["caption"], f"| field | {spec['header']} | why |", "|---|---|---|",
+            *map(_foreign, owns[0]), ""]
+
+
+def route_fields() -> list[dict[str, Any]]:
+    """The body fields of the management routes (LoRA adapters), as documented."""
+    return _load("lora_routes")["route_fields"]
+
+
+def _route_table(section: dict[str, Any]) -> list[str]:
+    lines = ["| route | field | Candor | vLLM | test |", "|---|---|---|---|---|"]
+    for f in section["route_fields"]:
+        lines.append(f"| `{f['route']}` | `{f['field']}` | {f['candor']} | "
+                     f"{f.get('vllm', 'same')} | {f.get('tests', '')} |")
+    return lines
+
+
+def _fill(text: str, values: dict[str, str]) -> str:
+    """``{tiers}``, ``{limits}``, ``{unknown}`` filled in; other braces (``{id}``) kept."""
+    for name, value in values.items():
+        text = text.replace("{" + name + "}", value)
+    return text
+
+
 def render() -> str:
     """The whole text of ``docs/fields.md``."""
-    tiers = ", ".join(f"**{t}** ({meaning})" for t, meaning in TIER_MEANINGS.items())
-    limits = ", ".join(f"`{name}` {value}" for name, value in
-                       msgspec.structs.asdict(RequestLimits()).items())
-    unknown = f"`{UNKNOWN}`"
-    lines = [
-        "# Request fields: what Candor does with each one",
-        "",
-        f"<!-- Generated from api_frontend/field_policy.py by `{COMMAND}`; edit the table "
-        "there, not this file. -->",
-        "",
-        _INTRO.format(tiers=tiers),
-        f"The chat / completions columns give each field's tier on that endpoint (— : not a "
-        f"field there); {unknown} is every field the table does not name.",
-        "",
-        "| field | chat | completions | Candor | vLLM | SGLang | test |",
-        "|---|---|---|---|---|---|---|",
-        *map(_row, ROWS),
-        "",
-        _FOREIGN_INTRO,
-        "| field | tier (both endpoints) | why |",
-        "|---|---|---|",
-        *map(_foreign, FOREIGN),
-        "",
-        _RESPONSES_INTRO,
-        "| field | tier | Candor | vLLM | test |",
-        "|---|---|---|---|---|",
-        *map(_endpoint_row, RESPONSES_ROWS),
-        "",
-        "OpenAI Responses fields Candor does not build (the vLLM / SGLang fields above are "
-        "rejected or ignored here too):",
-        "",
-        "| field | tier | why |",
-        "|---|---|---|",
-        *map(_foreign, RESPONSES_UNBUILT),
-        "",
-        _EMBEDDINGS_INTRO,
-        "| field | tier | Candor | vLLM | test |",
-        "|---|---|---|---|---|",
-        *(_endpoint_row(row, "embeddings") for row in EMBEDDINGS_ROWS),
-        "",
-        "Fields of vLLM's embeddings API Candor does not build:",
-        "",
-        "| field | tier | why |",
-        "|---|---|---|",
-        *map(_foreign, EMBEDDINGS_FOREIGN),
-        "",
-        _LORA_INTRO,
-        "| route | field | Candor | vLLM | test |",
-        "|---|---|---|---|---|",
-        *map(_route_field, LORA_ROUTE_FIELDS),
-        "",
-        _OUTRO.format(limits=limits),
-    ]
+    page = _load("page")
+    values = {
+        "tiers": ", ".join(f"**{t}** ({meaning})" for t, meaning in TIER_MEANINGS.items()),
+        "limits": ", ".join(f"`{name}` {value}" for name, value in
+                            msgspec.structs.asdict(RequestLimits()).items()),
+        "unknown": f"`{UNKNOWN}`",
+    }
+    all_tables = tables()
+    shown = set()
+    lines = [f"# {page['title']}", "",
+             f"<!-- Generated from the field tables (api_frontend/endpoints/*/fields.py, "
+             f"api_frontend/generation_fields.py) and their prose (docs/fields/*.yaml) "
+             f"by `{COMMAND}`; edit those, not this file. -->", "",
+             _fill(page["intro"], values)]
+    for name in page["sections"]:
+        section = _load(name)
+        lines.append(_fill(section["intro"], values))
+        if "rows" in section:
+            lines += [*_table(name, section, all_tables), ""]
+            shown.update(section["columns"])
+        if "foreign" in section:
+            lines += _foreign_table(section, all_tables)
+        if "route_fields" in section:
+            lines += [*_route_table(section), ""]
+    undocumented = sorted(set(all_tables) - shown)
+    if undocumented:
+        raise DocDrift(f"endpoints {undocumented} have no section in docs/fields/page.yaml")
+    lines.append(_fill(page["outro"], values))
     return "\n".join(lines)
 
 

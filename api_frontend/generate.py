@@ -1,5 +1,7 @@
 """One generation request end to end on the frontend: translate, submit every choice,
 wait for the tokenizer's RequestInfo (template, clamps), then answer whole or as SSE.
+Chat and completions run it with their own translation and assembler (``Generation``);
+/v1/responses runs ``Flight`` with its own builder.
 
 The report of what was done (``candor`` body field / first stream frame and the
 ``x-candor-adjustments`` header) is complete before the first byte goes out: the
@@ -13,28 +15,29 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 from aiohttp import web
 
+from api_frontend.app_keys import API_KEY, LOG_REQUESTS_KEY, MODELS_KEY
+from api_frontend.assembly import DONE_FRAME, Assembler, Collected, sse
 from api_frontend.engine_client import EngineClient
 from api_frontend.errors import RETRY_AFTER_S, ApiError
-from api_frontend.served_models import adapter_of
+from api_frontend.json_body import decode_request
 from api_frontend.limits import check_share
-from api_frontend.responses import (DONE_FRAME, ChatAssembler, Collected,
-                                   CompletionAssembler, sse)
+from api_frontend.served_models import adapter_of
 from api_frontend.tools import FirstCallCut
-from api_frontend.translate import Translated, chat_to_generate, completion_to_generate
+from api_frontend.translate import Translated
 from cluster.topology import ApiSpec
 from protocol import ipc
-from protocol.openai_api import (CandorReport, ChatCompletionRequest, FieldNote, ModelCard,
-                                 TemplateRef)
+from protocol.openai_api import CandorReport, FieldNote, ModelCard, TemplateRef
 
 _JSON = msgspec.json.Encoder()
 log = logging.getLogger("api_frontend")
 
-
-LOG_REQUESTS_KEY = web.AppKey("log_requests", bool)
 REQUEST_ID_KEY = "client_request_id"  # request[...]: the client's X-Request-Id, if sent
 
 
@@ -52,16 +55,6 @@ def complete_report(report: CandorReport, info: ipc.RequestInfo) -> CandorReport
         t = info.template
         report.chat_template = TemplateRef(t.source, t.origin, t.sha256)
     return report
-
-
-def _chat_echo(req: ChatCompletionRequest) -> str | None:
-    """vLLM's chat echo: the final message's content, when it is the assistant's."""
-    if not req.echo or not req.messages or req.messages[-1].role != "assistant":
-        return None
-    content = req.messages[-1].content
-    if isinstance(content, list):
-        return "\n".join(p.text or "" for p in content if p.type == "text")
-    return content or ""
 
 
 def _fold_reports(report: CandorReport, infos: list[ipc.RequestInfo]) -> CandorReport:
@@ -154,13 +147,35 @@ class Flight:
                 self.engine.release(sub)
 
 
+@dataclass(frozen=True)
+class Generation:
+    """What a generation endpoint brings to ``run_generation``: its request struct, the
+    prefix of its ids, its translation (``chat_to_generate``'s signature) and its
+    assembler, built from (rid, created, model card, request, translation, report, the
+    RequestInfo of each prompt's first choice)."""
+
+    request: type
+    rid_prefix: str
+    translate: Callable[..., Translated]
+    assembler: Callable[[str, int, ModelCard, Any, Translated, CandorReport,
+                         list[ipc.RequestInfo]], Assembler]
+
+
+async def serve_generation(request: web.Request, generation: Generation) -> web.StreamResponse:
+    """The route handler's whole work: decode, find the model, run."""
+    # admission (topology health, queue bound) is ops_middleware's, before this runs
+    parsed, keys = decode_request(await request.read(), generation.request)
+    model, card = request.app[MODELS_KEY].of_kind(parsed.model, "generate", request.path)
+    return await run_generation(request, model.engine, card, request.app[API_KEY],
+                                parsed, keys, generation)
+
+
 async def run_generation(request: web.Request, engine: EngineClient, card: ModelCard,
-                         api: ApiSpec, parsed, keys) -> web.StreamResponse:
-    is_chat = isinstance(parsed, ChatCompletionRequest)
-    rid = f"{'chatcmpl' if is_chat else 'cmpl'}-{uuid.uuid4().hex}"
+                         api: ApiSpec, parsed, keys, generation: Generation
+                         ) -> web.StreamResponse:
+    rid = f"{generation.rid_prefix}-{uuid.uuid4().hex}"
     arrival = time.time()
-    tr: Translated = (chat_to_generate if is_chat else completion_to_generate)(
-        parsed, rid, engine.reply_to, arrival, keys, api)
+    tr: Translated = generation.translate(parsed, rid, engine.reply_to, arrival, keys, api)
     for gen in tr.gens:
         gen.lora = adapter_of(card)
     flight = Flight(engine, tr, api)
@@ -177,23 +192,8 @@ async def run_generation(request: web.Request, engine: EngineClient, card: Model
         report.deterministic = flight.deterministic()
         headers = {"X-Request-Id": response_key,
                    "x-candor-adjustments": _JSON.encode(report).decode()}
-        logprobs = (parsed.logprobs if is_chat else parsed.logprobs is not None)
-        common = dict(n=tr.n, report=report, logprobs=bool(logprobs),
-                      logprobs_k=tr.gen.sampling.logprobs,
-                      prompt_logprobs_k=parsed.prompt_logprobs)
-        if is_chat:
-            assembler = ChatAssembler(rid, int(arrival), card.id, parsed.return_token_ids,
-                                      echo_text=_chat_echo(parsed), tools=tr.tools,
-                                      reasoning_parser=tr.reasoning, **common)
-        else:
-            echo = offsets = None
-            if parsed.echo:
-                echo = [infos[f].prompt_text or "" for f in firsts]
-                offsets = [infos[f].prompt_offsets or [] for f in firsts]
-            assembler = CompletionAssembler(rid, int(arrival), card.id, parsed.return_token_ids,
-                                            echo_texts=echo, echo_offsets=offsets,
-                                            prompts=len(tr.gens), **common)
-
+        assembler = generation.assembler(rid, int(arrival), card, parsed, tr, report,
+                                         [infos[f] for f in firsts])
         if not parsed.stream:
             got: list[Collected | None] = [None] * tr.num_choices
             for sub, idxs in tr.choices.items():
@@ -217,7 +217,7 @@ async def run_generation(request: web.Request, engine: EngineClient, card: Model
 
 
 async def _stream(request: web.Request, engine: EngineClient, parsed, tr: Translated,
-                  assembler, flight: Flight, headers: dict[str, str],
+                  assembler: Assembler, flight: Flight, headers: dict[str, str],
                   response_key: str) -> web.StreamResponse:
     opts = parsed.stream_options
     include_usage = bool(opts and opts.include_usage)
@@ -225,18 +225,18 @@ async def _stream(request: web.Request, engine: EngineClient, parsed, tr: Transl
     response = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
     await response.prepare(request)
-    is_chat = isinstance(assembler, ChatAssembler)
-    if is_chat:
-        for i in range(tr.num_choices):
-            await response.write(sse(assembler.role_chunk(i)))
+    for chunk in assembler.opening_chunks(tr.num_choices):
+        await response.write(sse(chunk))
     started: set[int] = set()
     lasts: dict[int, ipc.TextDelta] = {}
     try:
         async for delta in flight.deltas():
             for choice in tr.choices[delta.rid]:
-                if not is_chat and assembler.echo_texts is not None and choice not in started:
+                if choice not in started:
                     started.add(choice)
-                    await response.write(sse(assembler.echo_chunk(choice, delta)))
+                    first = assembler.first_chunk(choice, delta)
+                    if first is not None:
+                        await response.write(sse(first))
                 if delta.text or delta.finish_reason is not None or (
                         assembler.with_ids and delta.token_ids) or (
                         assembler.logprobs and delta.logprobs):

@@ -9,22 +9,16 @@ from typing import Any
 
 import msgspec
 
-from protocol.openai_api import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                 EmbeddingRequest, ErrorBody, LoadLoraAdapterRequest,
+from api_frontend.endpoints.registry import ENDPOINTS
+from protocol.openai_api import (DetokenizeRequest, ErrorBody, LoadLoraAdapterRequest,
                                  TokenizeRequest, UnloadLoraAdapterRequest)
-from protocol.responses_api import ResponsesRequest
 from protocol.version import VERSION
 
 _REF = "#/components/schemas/{name}"
 
-# POST route -> the struct its body decodes into
+# POST route -> the struct its body decodes into: every endpoint's, then the routes around them
 REQUEST_BODIES: dict[str, type] = {
-    "/v1/chat/completions": ChatCompletionRequest,
-    "/v1/completions": CompletionRequest,
-    "/v1/responses": ResponsesRequest,
-    "/v1/embeddings": EmbeddingRequest,
-    "/v1/chat/completions/render": ChatCompletionRequest,
-    "/v1/completions/render": CompletionRequest,
+    **{r.path: r.body for ep in ENDPOINTS for r in ep.routes if r.body is not None},
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
     # 404 unless the deployment allows runtime LoRA updates (api_frontend/lora_routes.py)
@@ -32,9 +26,9 @@ REQUEST_BODIES: dict[str, type] = {
     "/v1/unload_lora_adapter": UnloadLoraAdapterRequest,
 }
 GET_ROUTES = ("/v1/models", "/v1/models/{model_id}", "/v1/capabilities", "/health",
-              "/health/generate", "/metrics", "/version", "/v1/responses/{response_id}",
-              "/v1/responses/{response_id}/input_items")
-DELETE_ROUTES = ("/v1/responses/{response_id}",)
+              "/health/generate", "/metrics", "/version",
+              *(r.path for ep in ENDPOINTS for r in ep.routes if r.method == "GET"))
+DELETE_ROUTES = tuple(r.path for ep in ENDPOINTS for r in ep.routes if r.method == "DELETE")
 
 
 def _error_responses() -> dict[str, Any]:

@@ -16,6 +16,7 @@ import time
 import msgspec
 from aiohttp import web
 
+from api_frontend.endpoints.registry import ENDPOINTS
 from api_frontend.engine_client import EngineClient
 from api_frontend.errors import RETRY_AFTER_S, ApiError
 from api_frontend.metrics import FrontendMetrics
@@ -28,8 +29,8 @@ from protocol.version import VERSION
 
 PROBE_TIMEOUT_S = 10.0
 FLUSH_S = 1.0  # after the drain limit: time for cut streams to write their last frames
-GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses",
-                     "/v1/embeddings")
+# the routes refused while generation would hang: each endpoint's own
+GENERATION_ROUTES = frozenset(endpoint.path for endpoint in ENDPOINTS)
 
 
 class Ops:

@@ -1,23 +1,33 @@
-"""OpenAI request bodies -> GenerateReq: sampling, detokenization, prompts, tools and
-constraints, after ``field_policy`` has decided each field's tier (the ``candor`` report,
-strict mode, the 400 for unsupported fields) and ``limits`` its bounds.
+"""The generation pipeline's translation, shared by chat and completions: sampling,
+detokenization, scheduling and the one constraint of a request -> the parts of its
+GenerateReq, after its endpoint's field table has decided each field's tier (the
+``candor`` report, strict mode, the 400 for unsupported fields) and ``limits`` its bounds.
+Each endpoint adds its own part (``endpoints/chat/translate.py``: messages and tools;
+``endpoints/completions/translate.py``: prompts and echo).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
-from api_frontend import field_policy, limits, reasoning
+from api_frontend import limits
 from api_frontend.constraints import guided_spec
 from api_frontend.errors import ApiError
-from api_frontend.tools import ToolPlan, tool_plan
+from api_frontend.field_policy import FieldTable
+from api_frontend.tools import ToolPlan
 from cluster.topology import ApiSpec
 from protocol import ipc
 from protocol.openai_api import (INT64_MIN, TOKEN_ID_MAX, CandorReport, ChatCompletionRequest,
                                  CompletionRequest)
+
+
+# an endpoint's reading of its logprobs fields: (logprobs, prompt_logprobs) for the sampler,
+# -1 = none, k = top-k alternatives (a 400 for a combination it does not take)
+LogprobsK = Callable[[Any], tuple[int, int]]
 
 
 def _choice_seed(seed: int, i: int) -> int:
@@ -95,22 +105,8 @@ def _logit_bias(req: CompletionRequest | ChatCompletionRequest) -> list[tuple[in
     return out
 
 
-def _logprobs(req: CompletionRequest | ChatCompletionRequest) -> tuple[int, int]:
-    """(logprobs, prompt_logprobs) for the sampler: -1 = none, k = top-k alternatives.
-    Completions' echo + logprobs and ``prompt_logprobs`` share one prompt computation
-    at the larger k; the response trims each to its own."""
-    prompt_k = -1 if req.prompt_logprobs is None else req.prompt_logprobs
-    if isinstance(req, ChatCompletionRequest):
-        if req.top_logprobs is not None and not req.logprobs:
-            raise ApiError(400, "`top_logprobs` requires `logprobs: true`", "top_logprobs",
-                           "invalid_value")
-        return (req.top_logprobs or 0) if req.logprobs else -1, prompt_k
-    k = -1 if req.logprobs is None else req.logprobs
-    return k, max(prompt_k, k if req.echo and k >= 0 else -1)
-
-
-def _checked(req: CompletionRequest | ChatCompletionRequest, raw_keys: list[str],
-             api: ApiSpec) -> CandorReport:
+def checked(req: CompletionRequest | ChatCompletionRequest, raw_keys: list[str],
+            api: ApiSpec, table: FieldTable) -> CandorReport:
     """The checks both endpoints start with (limits, ``priority`` only under priority
     scheduling, the field policy, prompt_logprobs without streaming: vLLM's
     ``prompt_logprobs`` comes only in a whole response); the report so far."""
@@ -120,19 +116,19 @@ def _checked(req: CompletionRequest | ChatCompletionRequest, raw_keys: list[str]
                        "not run: waiting requests are served in arrival order (start the "
                        "server with --scheduling-policy priority to honour it)", "priority",
                        "unsupported_field")
-    report = field_policy.report(raw_keys, req, api)
+    report = table.report(raw_keys, req, api)
     if req.prompt_logprobs is not None and req.stream:
         raise ApiError(400, "`prompt_logprobs` is not available with `stream: true`",
                        "prompt_logprobs", "invalid_value")
     return report
 
 
-def _sampling(req: CompletionRequest | ChatCompletionRequest,
-              report: CandorReport) -> ipc.SamplingParams:
+def _sampling(req: CompletionRequest | ChatCompletionRequest, report: CandorReport,
+              logprobs_k: LogprobsK) -> ipc.SamplingParams:
     """The request's sampling fields; one it omitted takes the deployment's default
     (``report.defaults``, from the checkpoint's generation_config.json) where there is
     one, else the API's."""
-    logprobs, prompt_logprobs = _logprobs(req)
+    logprobs, prompt_logprobs = logprobs_k(req)
     d = {note.field: note.to for note in report.defaults}
     top_k = req.top_k if "top_k" not in d else d["top_k"]
     return ipc.SamplingParams(
@@ -154,115 +150,24 @@ def _detok(req: CompletionRequest | ChatCompletionRequest) -> ipc.DetokParams:
                            min_tokens=req.min_tokens or 0)
 
 
-def _common(req: CompletionRequest | ChatCompletionRequest, rid: str, reply_to: str,
-            arrival: float, report: CandorReport) -> dict[str, Any]:
+def common(req: CompletionRequest | ChatCompletionRequest, rid: str, reply_to: str,
+           arrival: float, report: CandorReport, logprobs_k: LogprobsK) -> dict[str, Any]:
+    """The GenerateReq fields both endpoints fill alike."""
     _check_stream_options(req)
     strict = report.strict
-    return dict(rid=rid, reply_to=reply_to, sampling=_sampling(req, report),
+    return dict(rid=rid, reply_to=reply_to, sampling=_sampling(req, report, logprobs_k),
                 detok=_detok(req),
                 stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
                 min_tokens=req.min_tokens, arrival_time=arrival, priority=req.priority,
                 cache_salt=req.cache_salt, strict=strict)
 
 
-def _translated(gens: list[ipc.GenerateReq], req, report: CandorReport) -> Translated:
+def translated(gens: list[ipc.GenerateReq], req, report: CandorReport) -> Translated:
     return Translated(gens, req.n, req.n > 1 and gens[0].sampling.temperature == 0, report)
 
 
-def prompt_list(req: CompletionRequest) -> list[str | list[int]]:
-    """``prompt`` as a list of prompts: a string, a list of token ids, a list of strings
-    or a list of token-id lists (one kind, every prompt non-empty)."""
-    prompt = req.prompt
-    if isinstance(prompt, str) or not prompt or all(isinstance(p, int) for p in prompt):
-        prompts = [prompt]
-    else:
-        if len({type(p) for p in prompt}) != 1:
-            raise ApiError(400, "`prompt` must be a string, a list of token ids, a list of "
-                           "strings or a list of token-id lists, not a mix", "prompt",
-                           "invalid_value")
-        prompts = list(prompt)
-    for i, p in enumerate(prompts):
-        if not p:
-            where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
-            raise ApiError(400, f"`{where}` must not be empty", where, "invalid_value")
-    return prompts
-
-
-# The legacy completions contract documents a default of 16 tokens; chat's default is
-# "until the context is full", which is what None means downstream.
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16
-
-
-def completion_to_generate(req: CompletionRequest, rid: str, reply_to: str, arrival: float,
-                           raw_keys: list[str] = (), api: ApiSpec | None = None) -> Translated:
-    api = api or ApiSpec()
-    report = _checked(req, raw_keys, api)
-    prompts = prompt_list(req)
-    max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-    common = _common(req, rid, reply_to, arrival, report)
-    guided = _constraint(req, None, report)
-    gens = [ipc.GenerateReq(prompt=p, max_tokens=max_tokens, echo_prompt=req.echo,
-                            guided=guided, **common) for p in prompts]
-    return _translated(gens, req, report)
-
-
-def chat_to_generate(req: ChatCompletionRequest, rid: str, reply_to: str, arrival: float,
-                     raw_keys: list[str] = (), api: ApiSpec | None = None) -> Translated:
-    api = api or ApiSpec()
-    report = _checked(req, raw_keys, api)
-    if req.chat_template is not None and not api.allow_request_chat_template:
-        raise ApiError(400, "`chat_template` in a request is disabled on this deployment "
-                       "(start the server with --allow-request-chat-template)",
-                       "chat_template", "unsupported_field")
-    if not req.messages:
-        raise ApiError(400, "`messages` must contain at least one message", "messages",
-                       "invalid_value")
-    if req.add_generation_prompt and req.continue_final_message:
-        raise ApiError(400, "`add_generation_prompt` and `continue_final_message` cannot "
-                       "both be true", "continue_final_message", "invalid_value")
-    for i, message in enumerate(req.messages):
-        if message.role in ("system", "developer", "user") and not (
-                message.content or message.content == ""):
-            raise ApiError(400, f"a {message.role} message needs `content` (a string or a "
-                           "list of text parts)", f"messages[{i}].content", "invalid_value")
-        if isinstance(message.content, list):
-            for j, part in enumerate(message.content):
-                if part.type != "text" or part.text is None:
-                    raise ApiError(400, f"content part type {part.type!r} is not supported "
-                                   "by this text-only model (only 'text' parts are)",
-                                   f"messages[{i}].content[{j}].type", "unsupported_content")
-    if req.max_completion_tokens is not None:
-        max_tokens, field = req.max_completion_tokens, "max_completion_tokens"
-    else:
-        max_tokens, field = req.max_tokens, "max_tokens"
-    messages = [msgspec.to_builtins(m) for m in req.messages]
-    plan = tool_plan(req, api)
-    guided = _constraint(req, plan, report)
-    common = _common(req, rid, reply_to, arrival, report)
-    parser = plan.parser()
-    if parser is not None:
-        report.tool_parser = parser.name
-        if parser.special_markers and "skip_special_tokens" not in raw_keys:
-            # the parser's tags are special tokens: they must reach the text to be read
-            common["detok"] = msgspec.structs.replace(common["detok"], skip_special_tokens=False)
-    gen = ipc.GenerateReq(
-        messages=messages, tools=plan.tools, add_generation_prompt=req.add_generation_prompt,
-        continue_final_message=req.continue_final_message,
-        chat_template_kwargs=dict(req.chat_template_kwargs or {}),
-        max_tokens=max_tokens, max_tokens_field=field, chat_template=req.chat_template,
-        guided=guided, **common)
-    out = _translated([gen], req, report)
-    out.tools = plan
-    if api.reasoning_parser is not None and reasoning.get(api.reasoning_parser).active(
-            gen.chat_template_kwargs):
-        out.reasoning = report.reasoning_parser = api.reasoning_parser
-        if gen.guided is not None:  # the constraint applies to the answer after <think>
-            gen.guided = msgspec.structs.replace(gen.guided, reasoning=api.reasoning_parser)
-    return out
-
-
-def _constraint(req: CompletionRequest | ChatCompletionRequest, plan: ToolPlan | None,
-                report: CandorReport) -> ipc.GuidedSpec | None:
+def constraint(req: CompletionRequest | ChatCompletionRequest, plan: ToolPlan | None,
+               report: CandorReport) -> ipc.GuidedSpec | None:
     """The one grammar this request decodes under (tool_choice required/named or an
     output format), recorded in the report."""
     guided = guided_spec(req)

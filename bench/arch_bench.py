@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 from bench.compare import vllm_server
-from bench.loadgen import Workload
+from launcher.loadgen import Workload
 from bench.models import ARCH_SHAPES, build_arch, build_tiny, num_params
 from bench.rounds import add_round_args, policy_from, run_rounds
 from bench.servers import candor_server, start_warm

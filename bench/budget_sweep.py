@@ -15,7 +15,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from bench.loadgen import run
+from launcher.loadgen import run
 from bench.servers import WARMUP, candor_server
 from bench.workloads import KV_BLOCKS, WORKLOADS, build_models, round_workload
 

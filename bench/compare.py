@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 from bench import box, procstat
-from bench.loadgen import Workload
+from launcher.loadgen import Workload
 from bench.profile import profile_table
 from bench.rounds import add_round_args, foreign_warning, policy_from, run_rounds
 from bench.servers import REPO, Server, candor_server, free_port, start_warm

@@ -29,7 +29,7 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
-from bench.loadgen import Workload, run
+from launcher.loadgen import Workload, run
 from bench.models import build_llama_100m, build_tiny
 from bench.servers import REPO, candor_server
 

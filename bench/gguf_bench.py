@@ -94,7 +94,7 @@ print(json.dumps({{"load_s": round(load, 2), "rss_mb": round(rss, 1), "tok_s_bat
 
 
 def main(argv: list[str] | None = None) -> int:
-    from cluster.default_model import default_gguf
+    from launcher.default_model import default_gguf
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, default=None, help="a GGUF file (default: make serve's)")

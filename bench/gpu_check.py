@@ -98,7 +98,7 @@ def _prompts(tiny: Path) -> list[list[int]]:
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(tiny / "tokenizer.json"))
-    corpus = (Path(__file__).resolve().parents[1] / "gpu_worker/tiny_model/corpus.txt").read_text()
+    corpus = (Path(__file__).resolve().parents[1] / "launcher/tiny_model/corpus.txt").read_text()
     ids = tok.encode(corpus, add_special_tokens=False).ids
     return [[0] + ids[997 * i: 997 * i + n - 1] for i, n in enumerate(PROMPT_LENS)]
 
@@ -160,7 +160,7 @@ def _teacher_forced(runner, prompts, ref_tokens) -> list[torch.Tensor]:
 def _parity_case(path: Path, dtype: str, eager: bool, prompts, refs: dict) -> dict:
     from gpu_worker.model_runner import ModelRunner
     from protocol.ipc import SamplingParams
-    from tests.test_model_parity import run_continuous
+    from tests.unit.gpu_worker.test_model_parity import run_continuous
 
     runner = ModelRunner(str(path), device=DEVICE, dtype=dtype, block_size=16, num_blocks=512,
                          enforce_eager=eager, max_num_seqs=16)
@@ -275,7 +275,7 @@ def decode_bench(args) -> int:
 
 def serve(args) -> int:
     from bench.servers import candor_server
-    from bench.loadgen import Workload, run
+    from launcher.loadgen import Workload, run
     from bench.models import build_llama3_8b_dummy, build_tiny
 
     path = build_llama3_8b_dummy(ROOT, build_tiny(ROOT)) if not args.small else build_tiny(ROOT)
@@ -328,7 +328,7 @@ def _greedy_ids(url: str, name: str, prompt: list[int], n: int) -> list[int]:
 
 def tensor_parallel(args) -> int:
     from bench.servers import candor_server
-    from bench.loadgen import Workload, run
+    from launcher.loadgen import Workload, run
     from bench.models import build_gqa_hd128, build_tiny
 
     tiny = build_tiny(ROOT)

@@ -15,7 +15,7 @@
 #     flashinfer-python==0.6.13 apache-tvm-ffi==0.1.15.post2 pyzmq==27.3.0 msgspec==0.23.0
 # (18 MB together; the device tool carries at most 64 MiB, so flashinfer-python 0.7.x,
 # 62-101 MB wheels, does not fit. Candor's calls were read against 0.7.4 and 0.6.13, whose
-# signatures agree for them; tests/test_cuda_graphs.py::test_fake_signatures_match_real
+# signatures agree for them; tests/unit/gpu_worker/test_cuda_graphs.py::test_fake_signatures_match_real
 # re-checks against whichever is installed.)
 # flashinfer-python 0.6.13's own Requires-Dist: apache-tvm-ffi (carried above), click,
 # cuda-tile[tileiras], einops, ninja, numpy, nvidia-cudnn-frontend>=1.13, nvidia-cutlass-dsl
@@ -69,8 +69,8 @@ cat "$OUT/env.txt"
 # Kernel builds in the background; pytest (CPU-side tests + the real-signature check) meanwhile.
 timeout -k 15 240 python3 -m bench.gpu_check warm --out "$OUT/warm.json" >"$OUT/warm.log" 2>&1 &
 WARM=$!
-stage pytest 150 "$OUT/pytest.txt" python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py \
-  tests/test_attention_backend.py tests/test_bench_models.py
+stage pytest 150 "$OUT/pytest.txt" python3 -m pytest -q -p no:cacheprovider tests/unit/gpu_worker/test_cuda_graphs.py \
+  tests/unit/gpu_worker/test_attention_backend.py tests/unit/bench/test_bench_models.py
 tail -5 "$OUT/pytest.txt"
 echo "=== warm: waiting (started at +0s)"
 wait $WARM

@@ -29,7 +29,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def build_tiny(root: Path) -> Path:
-    from gpu_worker.tiny_model import build_tiny_model
+    from launcher.tiny_model import build_tiny_model
 
     path = root / "tiny-llama"
     if not (path / "config.json").exists():

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from bench import procstat, profile
 from bench.box import BoxMeter
-from bench.loadgen import run
+from launcher.loadgen import run
 from bench.servers import Server, wait_settled
 from bench.stats import rel_mad, round_line
 from bench.workloads import Bench, round_workload

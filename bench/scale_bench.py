@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 from bench.servers import candor_server
-from bench.loadgen import Workload, run
+from launcher.loadgen import Workload, run
 from bench.models import build_llama_100m, build_tiny
 
 TOPOLOGIES = {"TP=1 DP=1": [], "TP=2": ["--tensor-parallel-size", "2"],

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench import procstat
-from bench.loadgen import Workload, run
+from launcher.loadgen import Workload, run
 
 REPO = Path(__file__).resolve().parents[1]
 WARMUP = Workload(num_requests=4, concurrency=4, prompt_len=(64, 64), output_len=(8, 8),

@@ -48,7 +48,7 @@ def main() -> None:
     args = parser.parse_args()
     model_dir = args.model_dir
     if model_dir is None:
-        from gpu_worker.tiny_model import build_tiny_model
+        from launcher.tiny_model import build_tiny_model
         model_dir = build_tiny_model(Path(tempfile.mkdtemp()) / "tiny-llama")
     tokenizer = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
     ids = tokenizer.encode(TEXT, add_special_tokens=False).ids

@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 from bench.servers import candor_server
-from bench.loadgen import Workload, run
+from launcher.loadgen import Workload, run
 from bench.models import build_llama_100m, build_tiny
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.loadgen import Workload
+from launcher.loadgen import Workload
 from bench.models import build_llama_100m, build_tiny, build_tiny_hd64
 
 

@@ -14,7 +14,8 @@ import msgspec
 from cluster.topology import (LOCAL_NODE, ApiSpec, DisaggregationSpec, EngineGroup,
                               EngineSpec, HttpSpec, KvStoreSpec, LoraSpec, ReplicaRole,
                               ResolvedAddresses,
-                              RouterSpec, SecuritySpec, SupervisionSpec, Topology, resolve)
+                              RouterSpec, SupervisionSpec, Topology, resolve)
+from protocol.security import SecuritySpec
 
 
 class ProcessConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True,

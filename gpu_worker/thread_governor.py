@@ -29,7 +29,7 @@ So the governor decides twice, before each step:
 
 The deterministic mode is unaffected: every kernel gives a row the same bits at any
 thread count (``MKL_CBWR=AUTO,STRICT`` for the matmuls; the attention and MoE kernels
-split rows, never a row's sum), pinned by ``tests/test_thread_governor.py``.
+split rows, never a row's sum), pinned by ``tests/e2e/test_thread_governor.py``.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ import zmq.asyncio
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from cluster.topology import CurveSpec, SecuritySpec
+from protocol.security import CurveSpec, SecuritySpec
 
 T = TypeVar("T")
 log = logging.getLogger("candor.transport")

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from tests.server import CandorServer
+from tests.support.server import CandorServer
 
 
 def pytest_addoption(parser):
     parser.addoption("--full", action="store_true",
-                     help="tests/test_e2e_interactions.py: every allowed pair of features in "
+                     help="tests/e2e/test_e2e_interactions.py: every allowed pair of features in "
                           "a cell of its own instead of the pairwise covering array")
 
 
@@ -26,7 +26,7 @@ def threads(request):
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    from gpu_worker.tiny_model import build_tiny_model
+    from launcher.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama")
 

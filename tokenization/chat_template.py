@@ -3,7 +3,7 @@
 The tokenizer worker has to stay a lean process (no torch, no transformers), yet the prompt it builds must be
 byte-for-byte the one the model was trained with, i.e. what ``tokenizer.apply_chat_template(..., tokenize=False)``
 returns. So this module reproduces HF's rendering contract (checked against transformers 5.24 / jinja2 3.1.6, see
-``tests/data/chat_templates/MANIFEST.md``):
+``tests/support/data/chat_templates/MANIFEST.md``):
 
 * a sandboxed ``ImmutableSandboxedEnvironment`` with ``trim_blocks``/``lstrip_blocks``, ``loopcontrols`` and a
   ``{% generation %}`` tag (ours also sizes every value a template builds before building it: template_sandbox.py), plus HF's globals (``raise_exception``, ``strftime_now``, a restricted ``dict``, a

@@ -8,7 +8,7 @@ gguf_file=...)``: vocabulary, merges, pre-tokenizer, special and control tokens,
 templates llama.cpp also reads (``tokenizer.chat_template.NAME``, e.g. ``tool_use``),
 which transformers leaves out, go to ``additional_chat_templates/NAME.jinja``.
 
-Run once per file by the launcher (``cluster.gguf_checkpoint``), in a process of its
+Run once per file by the launcher (``launcher.gguf_checkpoint``), in a process of its
 own: transformers (and the torch it imports) never enters a serving process this way.
 """
 

@@ -7,5 +7,5 @@ process starts.
 Adding a model: a module here whose ``Architecture`` sets the switches its HF class
 hard-codes (``ModelConfig``'s fields; a behaviour the decoder lacks is a new switch and
 a block in ``models/``), and one line per model_type in ``model_config.ARCHITECTURES``;
-then a tiny checkpoint of it in ``tests/model_zoo.py`` checks it against HF.
+then a tiny checkpoint of it in ``tests/support/model_zoo.py`` checks it against HF.
 """

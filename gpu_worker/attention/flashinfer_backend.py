@@ -3,8 +3,8 @@
 Status: every call here was read against flashinfer-python 0.7.4's source (``decode.py``,
 ``prefill.py``, ``jit/utils.py``, ``aot.py``) and cross-checked with 0.6.13 (the version
 ``bench/gpu_check.sh`` carries: 0.7's wheels are too big to carry), whose signatures are
-the same for what we use. It has NEVER RUN ON A GPU. On CPU, ``tests/test_cuda_graphs.py``
-drives it through ``tests/fake_flashinfer.py`` (0.7.4's signatures, torch arithmetic) to
+the same for what we use. It has NEVER RUN ON A GPU. On CPU,
+``tests/unit/gpu_worker/test_cuda_graphs.py`` drives it through ``tests/support/fake_flashinfer.py`` (0.7.4's signatures, torch arithmetic) to
 greedy parity with HF, graph-mode wrappers included; the real kernels, their numerics
 and CUDA-graph capture are ``bench/gpu_check.sh``'s to check.
 

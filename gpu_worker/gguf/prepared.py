@@ -1,7 +1,7 @@
 """How a prepared directory points at its GGUF file.
 
 Every role reads a model directory (config.json, tokenizer files); a GGUF file gets one
-(``cluster.gguf_checkpoint``), whose config.json names the file under ``POINTER`` with
+(``launcher.gguf_checkpoint``), whose config.json names the file under ``POINTER`` with
 the size and mtime it had when prepared. The weights are read from the file itself.
 """
 

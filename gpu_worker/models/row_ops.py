@@ -17,9 +17,9 @@ ties go to the first index, NaN counts as the max). SiLU uses its own fixed ``ex
 polynomial (within 1e-6 of float64 SiLU) for every element. The norm sums a row's squares in a fixed order of its own
 (16 lanes, then a fixed tree) where torch's reduction order is another, so it differs
 from HF's in the last bit now and then, never in greedy tokens on the zoo
-(``tests/test_model_registry.py``); the rest is HF's order of operations. Every row is
-computed by the same instructions whatever the batch, its place in it or the thread
-count, so the deterministic mode holds (``tests/test_batch_invariance.py``).
+(``tests/unit/gpu_worker/test_model_registry.py``); the rest is HF's order of operations.
+Every row is computed by the same instructions whatever the batch, its place in it or the thread
+count, so the deterministic mode holds (``tests/unit/gpu_worker/test_batch_invariance.py``).
 
 Used for float32 tensors on CPU; anything else, or a machine where the build fails,
 keeps the torch path. ``CANDOR_CPU_ROW_OPS=0`` turns it off (a check against torch).

@@ -1,0 +1,81 @@
+"""A /v1/chat/completions body -> its GenerateReq: the generation pipeline's part
+(``api_frontend.translate``) plus messages, the chat template's switches, tools and the
+reasoning parser."""
+
+from __future__ import annotations
+
+import msgspec
+
+from api_frontend import reasoning
+from api_frontend.endpoints.chat.fields import TABLE
+from api_frontend.errors import ApiError
+from api_frontend.tools import tool_plan
+from api_frontend.translate import Translated, checked, common, constraint, translated
+from cluster.topology import ApiSpec
+from protocol import ipc
+from protocol.openai_api import ChatCompletionRequest
+
+
+def logprobs_k(req: ChatCompletionRequest) -> tuple[int, int]:
+    """(logprobs, prompt_logprobs): ``top_logprobs`` alternatives when ``logprobs`` is
+    true, and only then."""
+    prompt_k = -1 if req.prompt_logprobs is None else req.prompt_logprobs
+    if req.top_logprobs is not None and not req.logprobs:
+        raise ApiError(400, "`top_logprobs` requires `logprobs: true`", "top_logprobs",
+                       "invalid_value")
+    return (req.top_logprobs or 0) if req.logprobs else -1, prompt_k
+
+
+def chat_to_generate(req: ChatCompletionRequest, rid: str, reply_to: str, arrival: float,
+                     raw_keys: list[str] = (), api: ApiSpec | None = None) -> Translated:
+    api = api or ApiSpec()
+    report = checked(req, raw_keys, api, TABLE)
+    if req.chat_template is not None and not api.allow_request_chat_template:
+        raise ApiError(400, "`chat_template` in a request is disabled on this deployment "
+                       "(start the server with --allow-request-chat-template)",
+                       "chat_template", "unsupported_field")
+    if not req.messages:
+        raise ApiError(400, "`messages` must contain at least one message", "messages",
+                       "invalid_value")
+    if req.add_generation_prompt and req.continue_final_message:
+        raise ApiError(400, "`add_generation_prompt` and `continue_final_message` cannot "
+                       "both be true", "continue_final_message", "invalid_value")
+    for i, message in enumerate(req.messages):
+        if message.role in ("system", "developer", "user") and not (
+                message.content or message.content == ""):
+            raise ApiError(400, f"a {message.role} message needs `content` (a string or a "
+                           "list of text parts)", f"messages[{i}].content", "invalid_value")
+        if isinstance(message.content, list):
+            for j, part in enumerate(message.content):
+                if part.type != "text" or part.text is None:
+                    raise ApiError(400, f"content part type {part.type!r} is not supported "
+                                   "by this text-only model (only 'text' parts are)",
+                                   f"messages[{i}].content[{j}].type", "unsupported_content")
+    if req.max_completion_tokens is not None:
+        max_tokens, field = req.max_completion_tokens, "max_completion_tokens"
+    else:
+        max_tokens, field = req.max_tokens, "max_tokens"
+    messages = [msgspec.to_builtins(m) for m in req.messages]
+    plan = tool_plan(req, api)
+    guided = constraint(req, plan, report)
+    fields = common(req, rid, reply_to, arrival, report, logprobs_k)
+    parser = plan.parser()
+    if parser is not None:
+        report.tool_parser = parser.name
+        if parser.special_markers and "skip_special_tokens" not in raw_keys:
+            # the parser's tags are special tokens: they must reach the text to be read
+            fields["detok"] = msgspec.structs.replace(fields["detok"], skip_special_tokens=False)
+    gen = ipc.GenerateReq(
+        messages=messages, tools=plan.tools, add_generation_prompt=req.add_generation_prompt,
+        continue_final_message=req.continue_final_message,
+        chat_template_kwargs=dict(req.chat_template_kwargs or {}),
+        max_tokens=max_tokens, max_tokens_field=field, chat_template=req.chat_template,
+        guided=guided, **fields)
+    out = translated([gen], req, report)
+    out.tools = plan
+    if api.reasoning_parser is not None and reasoning.get(api.reasoning_parser).active(
+            gen.chat_template_kwargs):
+        out.reasoning = report.reasoning_parser = api.reasoning_parser
+        if gen.guided is not None:  # the constraint applies to the answer after <think>
+            gen.guided = msgspec.structs.replace(gen.guided, reasoning=api.reasoning_parser)
+    return out

@@ -1,0 +1,137 @@
+"""Property-based fuzzing of /v1/embeddings, and of model routing, through a real
+two-model topology (a generation model and an embedding model behind one frontend).
+
+Bodies come from the server's OpenAPI document as in tests/e2e/test_fuzz_api.py (whose
+strategies and checks this reuses): schema-valid bodies whose ``model`` names either model
+(or neither) and whose ``input`` takes every form (strings, token ids in and out of the
+vocabulary, lists of either, empty ones), the same bodies with one field replaced by
+arbitrary JSON, arbitrary JSON, and raw bytes. Whatever arrives: no 5xx, OpenAI's error
+shape on a refusal, a vector per input on success; afterwards both engines are healthy and
+hold no KV block.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tests.support.embedding_zoo import two_model_server
+from tests.e2e.test_fuzz_api import (HUGE_INTS, JSON_VALUES, Client, _assert_error_shape,
+                                 _check, _settings, from_schema)
+
+GEN = "tiny-llama"
+EMB = "tiny-embed"
+ROUTE = "/v1/embeddings"
+IDS = st.lists(st.integers(min_value=-2, max_value=2100), max_size=6)
+TEXT = st.text(max_size=40)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    srv = two_model_server(tmp_path_factory.mktemp("topo"), tiny_model_dir, GEN, [EMB],
+                           generate_len=256, embed_len=128)
+    yield srv
+    assert srv.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return Client(server.base_url)
+
+
+def _embedding_schema(doc: dict) -> tuple[dict, dict]:
+    components = copy.deepcopy(doc["components"]["schemas"])
+    ref = doc["paths"][ROUTE]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    return components[ref["$ref"].rsplit("/", 1)[1]], components
+
+
+def _bodies(doc: dict) -> st.SearchStrategy:
+    body, components = _embedding_schema(doc)
+    valid = from_schema(body, components)
+    inputs = (TEXT | IDS | st.lists(TEXT, max_size=4) | st.lists(IDS, max_size=4)
+              | st.lists(TEXT | IDS | st.integers(0, 10), max_size=4))
+    models = st.sampled_from([EMB, EMB, GEN, "nope"])
+    # every schema field drawn (most draws then hold some refused value), or only the
+    # common ones (so that successes are frequent too)
+    narrowed = st.tuples(valid, inputs, models).map(
+        lambda t: {**t[0], "input": t[1], "model": t[2]}) | st.fixed_dictionaries(
+        {"model": models, "input": inputs},
+        optional={"encoding_format": st.sampled_from(["float", "base64"]), "user": TEXT})
+
+    def mutate(b):
+        return st.tuples(st.sampled_from(sorted(b)), JSON_VALUES | HUGE_INTS).map(
+            lambda kv: {**b, kv[0]: kv[1]})
+
+    return st.one_of(narrowed, narrowed.flatmap(mutate), JSON_VALUES)
+
+
+def test_embedding_bodies_never_5xx(client):
+    doc = client.get("/openapi.json").json()
+    statuses: set[int] = set()
+
+    @_settings
+    @given(body=_bodies(doc))
+    def run(body):
+        resp = client.post(ROUTE, json_body=body)
+        _check(resp, body)
+        statuses.add(resp.status_code)
+        if resp.status_code == 200:
+            reply = resp.json()
+            assert reply["object"] == "list" and reply["model"] == EMB, reply
+            inputs = body["input"]
+            many = isinstance(inputs, list) and inputs and not isinstance(inputs[0], int)
+            assert len(reply["data"]) == (len(inputs) if many else 1), (body, reply)
+            assert reply["usage"]["prompt_tokens"] > 0
+
+    run()
+    assert {200, 400, 404} <= statuses, statuses  # the bodies reached every outcome
+
+
+def test_raw_bytes_never_5xx(client):
+    @_settings
+    @given(raw=st.binary(max_size=200) | st.text(max_size=200).map(str.encode),
+           ctype=st.sampled_from(["application/json", "text/plain", ""]))
+    def run(raw, ctype):
+        resp = client.post(ROUTE, content=raw, headers={"Content-Type": ctype} if ctype else {})
+        _check(resp, raw)
+
+    run()
+
+
+def test_generation_routes_with_either_model_never_5xx(client):
+    """Routing by ``model``: the generation routes refuse the embedding model with a 400,
+    serve the generation model."""
+    @_settings
+    @given(model=st.sampled_from([EMB, GEN, "nope"]),
+           route=st.sampled_from(["/v1/chat/completions", "/v1/completions",
+                                  "/v1/responses"]))
+    def run(model, route):
+        body = {"model": model, "max_tokens": 2, "max_output_tokens": 2,
+                "messages": [{"role": "user", "content": "hi"}], "prompt": "hi",
+                "input": "hi"}
+        body = {k: v for k, v in body.items() if k in {
+            "/v1/chat/completions": {"model", "max_tokens", "messages"},
+            "/v1/completions": {"model", "max_tokens", "prompt"},
+            "/v1/responses": {"model", "max_output_tokens", "input"}}[route]}
+        resp = client.post(route, json_body=body)
+        _check(resp, body)
+        if model != GEN:
+            assert resp.status_code == (400 if model == EMB else 404), resp.text
+            _assert_error_shape(resp)
+        else:
+            assert resp.status_code == 200, resp.text
+
+    run()
+
+
+def test_both_engines_healthy_and_nothing_held_after_fuzzing(server, client):
+    assert client.get("/health").status_code == 200
+    server.wait_all_blocks_free(timeout=30)
+    resp = client.post(ROUTE, json_body={"model": EMB, "input": "still here"})
+    assert resp.status_code == 200, resp.text
+    resp = client.post("/v1/completions", json_body={"model": GEN, "prompt": "hi",
+                                                     "max_tokens": 2})
+    assert resp.status_code == 200, resp.text

@@ -1,0 +1,242 @@
+"""GGUF weights kept in their GGML blocks, against ``gguf.quants`` (llama.cpp's own code).
+
+- The kernel dequantizes every type bitwise as ``gguf.quants.dequantize``; its matmul is
+  within float rounding of that dequantized weight times x in fp32, and a row's result
+  is bitwise the same in every batch of 1..32 rows, at any position, at 1 and 2 threads.
+- The torch path (no kernel) computes the same values.
+- A tiny Qwen2 served from blocks (Q4_1 everywhere; a Q4_K_M-like mix whose fused q|k|v
+  holds Q4_K and Q6_K parts apart; Q8_0 with Q5_0 / Q5_1) gives the greedy tokens of
+  HF transformers on the dequantized checkpoint, alone and in a batch, also over two
+  tensor-parallel ranks, and with a LoRA adapter those of PEFT on the dequantized model.
+- A row-parallel split inside a block is refused in one line naming the tensor.
+
+The GGUF reader itself is another module's: here a safetensors file holds the raw blocks
+under HF names and the test gives the runner the spec the reader would build.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from gpu_worker.quantization import kernels
+from gpu_worker.quantization.spec import GGML_TYPES, GgmlSpec
+from tests.support import ggml_zoo, lora_zoo, model_zoo
+from tests.support.server import free_port
+from tests.e2e.test_tensor_parallel import _generate
+
+TYPES = list(GGML_TYPES)
+MAX_NEW = 10
+# hidden 256: whole K-quant blocks of 256 along every input
+SHAPE = dict(hidden_size=256, intermediate_size=512, head_dim=64, num_attention_heads=4, num_key_value_heads=2)
+
+
+def _kernel():
+    k = kernels.load()
+    assert k is not None, "the quantized-matmul kernel did not build"
+    return k
+
+
+def _raw(type_name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return ggml_zoo.blocks(type_name, rng.standard_normal((rows, cols)).astype(np.float32) * 0.3, rng)
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_kernel_dequantizes_every_type_bitwise_as_gguf(type_name):
+    raw = _raw(type_name, 37, 512)
+    want = dequantize(raw, GGMLQuantizationType[type_name])
+    got = _kernel().ggml_dequantize(torch.from_numpy(raw), GGML_TYPES[type_name][0], 512).numpy()
+    assert got.tobytes() == want.astype(np.float32).tobytes()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("type_name", TYPES)
+def test_kernel_matmul_is_the_dequantized_product_and_batch_invariant(type_name, threads):
+    k, n, big = 512, 45, 32  # 45 features: a partial work item of 4
+    raw = _raw(type_name, n, k, seed=1)
+    w = torch.from_numpy(dequantize(raw, GGMLQuantizationType[type_name]).copy())
+    blocks = torch.from_numpy(raw)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(big, k, generator=gen)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        def run(rows: torch.Tensor) -> torch.Tensor:
+            out = torch.full((rows.shape[0], n + 7), float("nan"))
+            _kernel().ggml_linear(rows.contiguous(), blocks, GGML_TYPES[type_name][0], out[:, 3:3 + n])
+            assert out[:, :3].isnan().all() and out[:, 3 + n:].isnan().all()  # wrote its columns only
+            return out[:, 3:3 + n]
+
+        ref = run(x)
+        torch.testing.assert_close(ref, x.double().mm(w.double().T).float(), rtol=1e-5, atol=1e-4)
+        for m in range(1, big + 1):
+            rows = torch.randperm(big, generator=gen)[:m]
+            assert torch.equal(run(x[rows]), ref[rows]), m
+    finally:
+        torch.set_num_threads(before)
+
+
+class _Layer(torch.nn.Module):
+    """What a method needs of a layer: its logical shape and the group's numerics."""
+
+    def __init__(self, out_features: int, in_features: int) -> None:
+        super().__init__()
+        from gpu_worker.models.parallel import TPGroup
+        from gpu_worker.tp_shard import TPShard
+        self.out_features, self.in_features = out_features, in_features
+        self.tp = TPGroup(TPShard(0, 1, 1, 0, 1, 0, 1, 1, 0, 1, 1))
+
+
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q6_K"])
+def test_the_torch_path_computes_the_same_values(type_name, monkeypatch):
+    from gpu_worker.quantization.ggml import GgmlLinear
+
+    raw = torch.from_numpy(_raw(type_name, 300, 256, seed=2))  # more rows than one slab
+    layer = _Layer(300, 256)
+    method = GgmlLinear({None: type_name})
+    method.create_weights(layer)
+    layer.weight.data.copy_(raw)
+    x = torch.randn(5, 256)
+    bias = torch.randn(300)
+    fast = method.apply(layer, x, bias)
+    monkeypatch.setattr(kernels, "load", lambda: None)
+    slow = method.apply(layer, x, bias)
+    torch.testing.assert_close(slow, fast, rtol=1e-5, atol=1e-4)
+    ids = torch.tensor([[3, 299], [0, 150]])
+    want = torch.from_numpy(dequantize(raw.numpy(), GGMLQuantizationType[type_name]).copy())[ids]
+    assert torch.equal(method.embed(layer, ids), want)
+
+
+# ---------------------------------------------------------------- served from blocks
+
+def _q4_k_m(name: str, shape: tuple) -> str:
+    """Ollama's Q4_K_M mix, roughly: Q6_K for v, down and the head, Q4_K elsewhere."""
+    return "Q6_K" if any(p in name for p in ("v_proj", "down_proj", "lm_head", "embed")) else "Q4_K"
+
+
+MIXES = {
+    "q4_1": lambda name, shape: "Q4_1",
+    "q4_k_m": _q4_k_m,
+    "q8_0-q5": lambda name, shape: "Q8_0" if "self_attn" in name else ("Q5_0" if "mlp" in name else "Q5_1"),
+}
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ggml-zoo")
+    base = model_zoo.build("qwen2", root / "base", **SHAPE)
+    out = {"base": base}
+    for mix, type_of in MIXES.items():
+        ggml_zoo.quantize_checkpoint(base, root / mix, root / f"{mix}-ref", type_of)
+        out[mix], out[f"{mix}-ref"] = root / mix, root / f"{mix}-ref"
+    out["adapter"] = lora_zoo.build_adapter(out["q4_k_m-ref"], root / "adapter", rank=8, alpha=16, seed=4)
+    return out
+
+
+def _use_ggml_specs() -> None:
+    """What the GGUF reader does: the model config of a block checkpoint names its types
+    (here from the ggml_types.json the zoo wrote beside it)."""
+    from gpu_worker import model_runner
+
+    load = model_runner.load_config
+
+    def with_spec(path):
+        cfg = load(path)
+        types = Path(path) / "ggml_types.json"
+        if types.exists():
+            cfg = msgspec.structs.replace(cfg, quantization=GgmlSpec(json.loads(types.read_text())))
+        return cfg
+
+    model_runner.load_config = with_spec
+
+
+@pytest.fixture
+def ggml_specs(monkeypatch):
+    from gpu_worker import model_runner
+
+    monkeypatch.setattr(model_runner, "load_config", model_runner.load_config)
+    _use_ggml_specs()
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    return [[0] + torch.randint(6, model_zoo.VOCAB, (n - 1,), generator=g).tolist() for n in (9, 30, 4)]
+
+
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_blocks_serve_the_greedy_tokens_of_the_dequantized_model(zoo, mix, ggml_specs):
+    from gpu_worker.model_runner import ModelRunner
+
+    runner = ModelRunner(str(zoo[mix]), num_blocks=64)
+    methods = {type(m.method).__name__ for m in runner.model.modules() if hasattr(m, "method")}
+    assert methods == {"GgmlLinear"}, methods  # every linear layer and the embedding/head
+    assert runner.deterministic
+    hf = model_zoo.hf_model(zoo[f"{mix}-ref"])
+    want = [model_zoo.hf_greedy(hf, p, MAX_NEW) for p in _prompts()]
+    assert _generate(runner, _prompts(), MAX_NEW) == want
+    for i, p in enumerate(_prompts()):  # alone as in the batch
+        assert _generate(ModelRunner(str(zoo[mix]), num_blocks=64), [p], MAX_NEW) == [want[i]]
+    held = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    dense = (zoo[f"{mix}-ref"] / "model.safetensors").stat().st_size  # float32
+    assert held < dense * (0.2 if mix == "q4_1" else 0.3), (held, dense)  # 5 bits of 32 (Q4_1)
+
+
+def _rank_main(rank: int, size: int, port: int, path: str, results) -> None:
+    torch.set_num_threads(1)
+    _use_ggml_specs()
+    from gpu_worker.distributed import init_ranks
+    from gpu_worker.model_runner import ModelRunner
+
+    ranks = init_ranks(rank, size, f"tcp://127.0.0.1:{port}", torch.device("cpu"))
+    tokens = _generate(ModelRunner(path, num_blocks=64, ranks=ranks), _prompts(), MAX_NEW)
+    if rank == 0:
+        results["tokens"] = tokens
+
+
+def test_two_tensor_parallel_ranks_split_rows_and_whole_blocks(zoo):
+    """Q4_1's 32-element blocks: column layers split rows of blocks, row layers whole
+    blocks along the input (o_proj 128 columns per rank, down_proj 256)."""
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_rank_main, args=(2, free_port(), str(zoo["q4_1"]), results), nprocs=2, join=True)
+        tokens = results["tokens"]
+    hf = model_zoo.hf_model(zoo["q4_1-ref"])
+    assert tokens == [model_zoo.hf_greedy(hf, p, MAX_NEW) for p in _prompts()]
+
+
+def test_a_row_split_inside_a_block_is_refused_naming_the_tensor(zoo, ggml_specs):
+    """Two ranks over Q4_K's 256-element blocks: o_proj's 256 input columns would split
+    into 128 each, half a block."""
+    from gpu_worker.distributed import Ranks
+    from gpu_worker.model_runner import ModelRunner
+
+    with pytest.raises(ValueError) as err:
+        ModelRunner(str(zoo["q4_k_m"]), num_blocks=64, ranks=Ranks(1, 2))  # rank 1's shard: fails before any collective
+    message = str(err.value)
+    assert "\n" not in message and "layers.0.self_attn.o_proj" in message
+    assert "cut a Q4_K block of 256" in message
+
+
+def test_lora_on_a_quantized_base_gives_peft_tokens_on_the_dequantized_model(zoo, ggml_specs):
+    from cluster.topology import LoraModuleSpec, LoraSpec
+    from gpu_worker.model_runner import ModelRunner
+
+    spec = LoraSpec(enabled=True, modules=[LoraModuleSpec(name="a", path=str(zoo["adapter"]))], max_loras=2)
+    runner = ModelRunner(str(zoo["q4_k_m"]), num_blocks=64, lora=spec)
+    prompts = _prompts()
+    got = _generate(runner, prompts, MAX_NEW, [0, 1, 1])
+    peft = lora_zoo.peft_model(zoo["q4_k_m-ref"], zoo["adapter"])
+    hf = model_zoo.hf_model(zoo["q4_k_m-ref"])
+    want = [model_zoo.hf_greedy(hf, prompts[0], MAX_NEW)] + [lora_zoo.peft_greedy(peft, p, MAX_NEW)
+                                                            for p in prompts[1:]]
+    assert got == want
+    assert got[1] != model_zoo.hf_greedy(hf, prompts[1], MAX_NEW)  # the adapter changes them
