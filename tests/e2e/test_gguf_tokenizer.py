@@ -21,7 +21,7 @@ from tests.support import gguf_zoo
 from tests.unit.tokenization.test_chat_templates import FROZEN_NOW, frozen_hf_clock  # noqa: F401 - a fixture
 from tests.unit.tokenization.test_tokenizer_files import STRINGS, assert_equivalent
 
-DATA = Path(__file__).parent / "data" / "chat_templates"
+DATA = Path(__file__).resolve().parents[1] / "support" / "data" / "chat_templates"
 CASES = json.loads((DATA / "cases.json").read_text(encoding="utf-8"))["cases"]
 TOOL_TEMPLATE = "TOOLS {{ tools | length }}{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
 # file -> (architecture of the tiny file, the shared template its metadata carries)

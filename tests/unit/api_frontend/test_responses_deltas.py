@@ -1,6 +1,6 @@
 """A ``/v1/responses`` reply is the same however its text is split into deltas.
 
-The detokenizer hands the builder (``api_frontend/responses_api/builder.py``) whatever text
+The detokenizer hands the builder (``api_frontend/endpoints/responses/builder.py``) whatever text
 one step released: one token's, several (a stop string held back, speculative decoding),
 or the whole reply. The reference is the reply fed one character at a time (no token is
 shorter); every other split must give the same output items and the same stream events
@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from api_frontend.responses_api.builder import ResponseBuilder
+from api_frontend.endpoints.responses.builder import ResponseBuilder
 from api_frontend.tool_parsers.deepseek_v31 import CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, SEP
 from api_frontend.tools import ToolPlan
 from protocol import ipc
