@@ -72,6 +72,9 @@ class LoraSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         return list(dict.fromkeys(os.path.abspath(os.path.expanduser(d)) for d in dirs))
 
 
+QUANTIZATION_CHOICES = ("gptq", "gptq_marlin", "awq", "awq_marlin", "compressed-tensors", "fp8", "gguf")
+
+
 class ModelSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """``served_model_name``: one name or several (aliases; the first is the primary,
     every one answers). ``generation_config``: where requests that omit a sampling
@@ -91,6 +94,8 @@ class ModelSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_model_len: Annotated[int, Meta(ge=16)] | None = None
     dtype: Literal["auto", "half", "float16", "bfloat16", "float", "float32"] = "auto"
     load_format: Literal["auto", "dummy"] = "auto"
+    # vLLM's --quantization names: checked against the checkpoint's own format
+    quantization: Literal[QUANTIZATION_CHOICES] | None = None
     runner: Literal["auto", "generate", "pooling"] = "auto"
     lora: LoraSpec = msgspec.field(default_factory=LoraSpec)
 

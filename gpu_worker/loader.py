@@ -95,6 +95,7 @@ def load_weights(model: nn.Module, path: str | Path | None, load_format: str = "
     missing = [n for n, p in params.items() if written[n] != p.numel()]
     if missing:
         raise ValueError(f"parameters not (fully) loaded from checkpoint: {missing[:10]}")
+    params.clear()  # (its references would keep the checkpoint's layout alive past finish)
     finish_methods(model)
 
 

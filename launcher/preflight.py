@@ -94,6 +94,7 @@ def _check_model(group: EngineGroup, tp_keys: dict[int, str]) -> None:
         cfg = load_config(path)
     except UnsupportedConfig as err:
         raise SystemExit(f"candor: cannot serve {path}: {err}") from None
+    _check_quantization(group.model.quantization, path)
     for size, key in tp_keys.items():
         problems = shard_problems(cfg, size, key)
         if problems:
@@ -110,6 +111,22 @@ def _check_model(group: EngineGroup, tp_keys: dict[int, str]) -> None:
         say(f"{group.model.name()!r}: embeddings by {pooling.method} pooling"
             f"{', L2-normalised' if pooling.normalize else ''}, {pooling.dimension} "
             f"dimensions ({pooling.source})")
+
+
+def _check_quantization(asked: str | None, path: str) -> None:
+    """``--quantization`` names the format the checkpoint is in (vLLM's names and
+    aliases); Candor quantizes nothing at load, so an unquantized checkpoint is refused."""
+    if asked is None:
+        return
+    from cluster.checkpoint import read_model_config
+    from gpu_worker.quantization.spec import QUANTIZATION_NAMES
+    stored = (read_model_config(path).get("quantization_config") or {}).get("quant_method")
+    if stored is None:
+        raise SystemExit(f"candor: --quantization {asked}: {path} is not quantized (no "
+                         "quantization_config), and Candor does not quantize weights at load")
+    if QUANTIZATION_NAMES[asked] != str(stored).lower():
+        raise SystemExit(f"candor: --quantization {asked}: {path} is quantized with {stored} "
+                         "(its quantization_config.quant_method)")
 
 
 def check_lora_adapters(topology: Topology) -> None:

@@ -17,7 +17,7 @@ import re
 
 import msgspec
 
-from cluster.topology import Topology
+from cluster.topology import QUANTIZATION_CHOICES, Topology
 
 DEFAULT_MODEL_DIR = os.path.expanduser(
     os.environ.get("CANDOR_MODEL_DIR", "~/.cache/candor/models/tiny-llama"))
@@ -32,7 +32,6 @@ VLLM_ELSEWHERE = {
                       "(HF_HOME / HF_HUB_CACHE) or a checkpoint directory",
     "--swap-space": "Candor preempts by recomputing; there is no CPU swap space",
     "--kv-cache-dtype": "the KV cache uses the compute dtype (--dtype)",
-    "--quantization": "quantized checkpoints are not supported yet",
     "--lora-dtype": "adapters compute in the model's dtype (--dtype)",
     "--fully-sharded-loras": "Candor shards every adapter like the layer it adapts (B by "
                              "its output rows, A by its input columns on row-parallel "
@@ -158,6 +157,9 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                    choices=["auto", "half", "float16", "bfloat16", "float", "float32"],
                    help="auto: the checkpoint's dtype on CUDA, float32 on CPU")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    g.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_CHOICES,
+                   help="the checkpoint's quantized format, checked against its "
+                        "quantization_config (default: read from it); weights stay quantized")
     g.add_argument("--runner", default=None, choices=["auto", "generate", "pooling"],
                    help="generate: the completion routes; pooling: /v1/embeddings (the "
                         "checkpoint's sentence-transformers pooling, else last token + L2); "
@@ -457,6 +459,7 @@ def serve_topology(args: argparse.Namespace, model_path: str, default_name: str,
                   "served_model_name": names if len(names) > 1 else names[0],
                   "max_model_len": args.max_model_len, "dtype": args.dtype,
                   "load_format": args.load_format, "runner": runner(args),
+                  "quantization": args.quantization,
                   "generation_config": args.generation_config,
                   "lora": {"enabled": args.enable_lora, "modules": args.lora_modules,
                            "max_loras": args.max_loras, "max_lora_rank": args.max_lora_rank,

@@ -143,3 +143,23 @@ def test_a_split_that_cuts_a_block_is_refused_naming_it(zoo):
     problems = shard_problems(load_config(zoo["fp8-block"][0]), 2)
     assert problems == ["KV heads' rows per rank (64) cut a block of 128 (output dimension) with "
                         "tensor_parallel=2"], problems
+
+
+def test_the_quantization_flag_is_checked_against_the_checkpoint(zoo):
+    """vLLM's ``--quantization`` names (and ``_marlin`` aliases) must name the checkpoint's
+    own format; an unquantized checkpoint is refused (Candor quantizes nothing at load)."""
+    from cluster.topology import QUANTIZATION_CHOICES
+    from gpu_worker.quantization.spec import QUANTIZATION_NAMES
+    from launch_cluster import serve_args_to_topology
+    from launcher.preflight import check_model_config
+
+    assert set(QUANTIZATION_CHOICES) == set(QUANTIZATION_NAMES)  # the flag's names, one list each side of the floor
+
+    gptq, dense = str(zoo["gptq"][0]), str(zoo["gptq"][1])
+    for name in ("gptq", "gptq_marlin"):
+        check_model_config(serve_args_to_topology([gptq, "--quantization", name], environ={})[0])
+    with pytest.raises(SystemExit, match=r"^candor: --quantization awq: .* is quantized with gptq \(its "
+                                         r"quantization_config.quant_method\)$"):
+        check_model_config(serve_args_to_topology([gptq, "-q", "awq"], environ={})[0])
+    with pytest.raises(SystemExit, match=r"--quantization fp8: .* is not quantized"):
+        check_model_config(serve_args_to_topology([dense, "--quantization", "fp8"], environ={})[0])
