@@ -135,7 +135,7 @@ from gpu_worker import model_runner
 from gpu_worker.quantization.spec import GgmlSpec
 path = sys.argv[1]
 types = os.path.join(path, "ggml_types.json")
-if os.path.exists(types):  # what a GGUF reader's config carries (see tests/ggml_zoo.py)
+if os.path.exists(types):  # what a GGUF reader's config carries (see tests/support/ggml_zoo.py)
     load = model_runner.load_config
     model_runner.load_config = lambda p: msgspec.structs.replace(load(p), quantization=GgmlSpec(json.load(open(types))))
 before, _ = rss()
@@ -156,7 +156,7 @@ def rss(args) -> None:
     from safetensors.torch import load_file, save_file
 
     from bench.models import build_llama_100m, build_tiny
-    from tests import quant_zoo
+    from tests.support import quant_zoo
 
     root = Path(args.root)
     base = build_llama_100m(root, build_tiny(root))
