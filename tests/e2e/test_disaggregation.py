@@ -67,8 +67,8 @@ def test_kv_transfer_params_row_says_the_split_is_the_deployments():
     Candor ignores the field because its split is the deployment's: the field table says
     so, naming serve flags that exist (it used to say disaggregation was not part of
     Candor)."""
-    from api_frontend.field_policy import FOREIGN_FIELDS
-    row = FOREIGN_FIELDS["kv_transfer_params"]
+    from api_frontend.generation_fields import FOREIGN
+    row = next(f for f in FOREIGN if f.field == "kv_transfer_params")
     assert row.tier == "ignored"
     flags = set(re.findall(r"--[a-z][a-z-]+", row.reason))
     assert {"--prefill-replicas", "--decode-replicas"} <= flags, row.reason

@@ -109,7 +109,7 @@ def test_build_kernels_leaves_each_kernel_where_a_worker_loads_it():
                          env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    assert len(lines) == 4 and all(": ready (" in line for line in lines), out.stdout
+    assert len(lines) == 5 and all(": ready (" in line for line in lines), out.stdout
     where = subprocess.run([sys.executable, "-c", (
         "from pathlib import Path\n"
         "from gpu_worker.cpu_extension import build_dir\n"

@@ -69,7 +69,7 @@ def hf_model(arch: str):
 
 def _tokens():
     """The tiny tokenizer as GGUF gpt2 vocabulary fields."""
-    from gpu_worker import tiny_model
+    from launcher import tiny_model
 
     tok = tiny_model.build_tokenizer()
     backend = json.loads(tok.backend_tokenizer.to_str())
