@@ -3,7 +3,8 @@
 Every feature is tested alone elsewhere; here they meet. A *cell* is one request built
 from a row of factor values (engine features: server config, prefix-cache hit, n, stream;
 request features: sampling, penalties, logit_bias, min_tokens, stops, logprobs, echo,
-prompt_logprobs, constraints, tools, reasoning, parallel_tool_calls), sent beside two
+prompt_logprobs, constraints, tools, reasoning, parallel_tool_calls, a LoRA adapter
+(every server but ``pd``, which refuses LoRA, serves one: ``ADAPTER``)), sent beside two
 ordinary *bystander* requests. Each cell is checked against its *reference*: the same
 request, one choice at a time, alone on the ``base`` server (default engine, cache miss,
 not streamed). Tokens, text, tool calls, finish reasons and usage must be equal; logprobs
@@ -64,6 +65,11 @@ FULL_ENV = os.environ.get("CANDOR_MATRIX_FULL") == "1"  # as ``pytest --full``
 # row-parallel layers split each dot product at the rank boundary.
 CROSS_TP_ATOL = 1e-4
 CLIENT_TIMEOUT_S = 180.0
+# a PEFT adapter of the tiny model (tests/lora_zoo.py), served by every server that can
+# (``pd`` refuses LoRA): an adapter cell asks for it by name, and its rows must be as
+# batch-invariant as the base model's
+ADAPTER = "tiny-lora"
+NO_LORA_SERVERS = ("pd",)
 FUZZ_EXAMPLES = int(os.environ.get("CANDOR_MATRIX_FUZZ_EXAMPLES", "24"))
 
 # ------------------------------------------------------------------ the servers
@@ -165,6 +171,7 @@ FACTORS: dict[str, list[Any]] = {
                    "tools_auto"],
     "reasoning": [False, True],
     "parallel_tool_calls": [None, False],
+    "adapter": [False, True],
 }
 TOOL_CONSTRAINTS = ("tools_required", "tools_named", "tools_auto")
 
@@ -184,6 +191,10 @@ def valid(row: Mapping[str, Any]) -> bool:
     if has("parallel_tool_calls", False) and has(
             "constraint", "none", "json_schema", "regex", "choice"):
         return False
+    if has("adapter", True) and has("server", *NO_LORA_SERVERS):
+        return False
+    if has("adapter", True) and has("server", "store") and has("cache", "hit"):
+        return False  # adapters never share the store (ids are per replica): no hit there
     return True
 
 
@@ -295,7 +306,7 @@ class Cell:
 def _cells(full: bool) -> list:
     make = every_pair if full else covering_array
     rows = make(FACTORS, allowed)
-    rows += [{**r, "server": name} for name, like in MIRRORED.items() for r in rows
+    rows += [_mirrored(r, name) for name, like in MIRRORED.items() for r in rows
              if r["server"] == like]
     params = [pytest.param(Cell(r), id=Cell(r).id) for r in rows]
     for known in KNOWN:
@@ -306,6 +317,17 @@ def _cells(full: bool) -> list:
     order = list(SERVERS)  # grouped by server (a stable sort): each starts once
     params.sort(key=lambda p: order.index(p.values[0].row["server"]))
     return params
+
+
+def _mirrored(row: dict[str, Any], server: str) -> dict[str, Any]:
+    """``row`` on ``server``; a row it cannot serve under the adapter runs on the base
+    model there (an adapter never reads the store, and the store's hit cells are its
+    point)."""
+    out = {**row, "server": server}
+    if not allowed(out):
+        out["adapter"] = False
+    assert allowed(out), out
+    return out
 
 
 def _completed(partial: dict[str, Any]) -> dict[str, Any]:
@@ -333,8 +355,8 @@ def constraint_fields(constraint: str) -> dict[str, Any]:
 def build_body(cell: Cell) -> dict[str, Any]:
     """The cell's request without ``stop`` / ``cache_salt`` (set per send)."""
     chat = cell.endpoint == "chat"
-    body: dict[str, Any] = {"model": MODEL, "max_tokens": MAX_TOKENS[cell.constraint],
-                            "return_token_ids": True}
+    body: dict[str, Any] = {"model": ADAPTER if cell.adapter else MODEL,
+                            "max_tokens": MAX_TOKENS[cell.constraint], "return_token_ids": True}
     if chat:
         body["messages"] = MESSAGES
         body["chat_template_kwargs"] = {} if cell.reasoning else dict(THINKING_OFF)
@@ -775,15 +797,17 @@ class ServerPool:
     """``base`` for the whole module, plus one other config at a time (cells come
     grouped by server, so each starts once)."""
 
-    def __init__(self, model_dir: Path, log_dir: Path) -> None:
+    def __init__(self, model_dir: Path, log_dir: Path, adapter_dir: Path) -> None:
         self.model_dir, self.log_dir = model_dir, log_dir
+        self.lora_flags = ("--enable-lora", "--lora-modules", f"{ADAPTER}={adapter_dir}")
         self.base = self._start("base")
         self.current: tuple[str, CandorServer] | None = None
 
     def _start(self, name: str) -> CandorServer:
         env = no_run_ahead_env() if name == "sync" else None
         log = self.log_dir / f"{name}.log"
-        srv = CandorServer(self.model_dir, *COMMON_FLAGS, *SERVERS[name], env=env)
+        lora = () if name in NO_LORA_SERVERS else self.lora_flags
+        srv = CandorServer(self.model_dir, *COMMON_FLAGS, *lora, *SERVERS[name], env=env)
         return srv.start(timeout=300, log_path=log)
 
     def get(self, name: str) -> CandorServer:
@@ -810,7 +834,10 @@ class ServerPool:
 
 @pytest.fixture(scope="module")
 def pool(tiny_model_dir, tmp_path_factory):
-    servers = ServerPool(tiny_model_dir, tmp_path_factory.mktemp("interaction-logs"))
+    from tests import lora_zoo
+    adapter = lora_zoo.build_adapter(tiny_model_dir, tmp_path_factory.mktemp("lora") / ADAPTER,
+                                     rank=8, alpha=16, seed=29)
+    servers = ServerPool(tiny_model_dir, tmp_path_factory.mktemp("interaction-logs"), adapter)
     yield servers
     servers.close()
 
@@ -1008,6 +1035,11 @@ def test_covering_array_covers_every_allowed_pair():
     assert len(rows) < len(full) / 4, (len(rows), len(full))
     for known in KNOWN:
         assert not any(known.check is None and known.matches(r) for r in rows), known
+    cells = [p.values[0] for p in _cells(False)]
+    for server in MIRRORED:  # the mirror's own engine feature: hits through the store
+        assert any(c.server == server and c.cache == "hit" and c.logprobs not in (
+            "echo", "prompt_logprobs") for c in cells), f"{server}: no cell takes a hit"
+    assert {c.server for c in cells if c.adapter} == set(SERVERS) - set(NO_LORA_SERVERS)
 
 
 def test_conflict_refusals_follow_the_policy():
@@ -1041,7 +1073,7 @@ def test_request_features_are_engaged(pool):
         want = asyncio.run(tokens(base))
         for name, value in [("penalty", "presence"), ("penalty", "frequency"),
                             ("penalty", "repetition"), ("logit_bias", True),
-                            ("min_tokens", True), ("sampling", "seeded")]:
+                            ("min_tokens", True), ("sampling", "seeded"), ("adapter", True)]:
             got = asyncio.run(tokens(Cell({**base.row, name: value})))
             assert got != want, f"{endpoint}: {name}={value} does not change the output"
 
