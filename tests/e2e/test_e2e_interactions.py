@@ -306,8 +306,8 @@ class Cell:
 def _cells(full: bool) -> list:
     make = every_pair if full else covering_array
     rows = make(FACTORS, allowed)
-    rows += [{**r, "server": name} for name, like in MIRRORED.items() for r in rows
-             if r["server"] == like and allowed({**r, "server": name})]
+    rows += [_mirrored(r, name) for name, like in MIRRORED.items() for r in rows
+             if r["server"] == like]
     params = [pytest.param(Cell(r), id=Cell(r).id) for r in rows]
     for known in KNOWN:
         cell = Cell(_completed({k: values[0] for k, values in known.combo}),
@@ -317,6 +317,17 @@ def _cells(full: bool) -> list:
     order = list(SERVERS)  # grouped by server (a stable sort): each starts once
     params.sort(key=lambda p: order.index(p.values[0].row["server"]))
     return params
+
+
+def _mirrored(row: dict[str, Any], server: str) -> dict[str, Any]:
+    """``row`` on ``server``; a row it cannot serve under the adapter runs on the base
+    model there (an adapter never reads the store, and the store's hit cells are its
+    point)."""
+    out = {**row, "server": server}
+    if not allowed(out):
+        out["adapter"] = False
+    assert allowed(out), out
+    return out
 
 
 def _completed(partial: dict[str, Any]) -> dict[str, Any]:
@@ -1024,6 +1035,11 @@ def test_covering_array_covers_every_allowed_pair():
     assert len(rows) < len(full) / 4, (len(rows), len(full))
     for known in KNOWN:
         assert not any(known.check is None and known.matches(r) for r in rows), known
+    cells = [p.values[0] for p in _cells(False)]
+    for server in MIRRORED:  # the mirror's own engine feature: hits through the store
+        assert any(c.server == server and c.cache == "hit" and c.logprobs not in (
+            "echo", "prompt_logprobs") for c in cells), f"{server}: no cell takes a hit"
+    assert {c.server for c in cells if c.adapter} == set(SERVERS) - set(NO_LORA_SERVERS)
 
 
 def test_conflict_refusals_follow_the_policy():
