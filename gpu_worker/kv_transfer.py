@@ -180,7 +180,11 @@ class KvSender:
     def export(self, runner, exports: list[ipc.KvExport], failed: dict) -> None:
         for exp in exports:
             if exp.rid in failed or exp.rid not in runner.block_tables:
-                continue  # it has no first token: nothing to hand off
+                # it has no first token: nothing to hand off (its decode replica times
+                # out and recomputes: said here, so a timeout can be traced to its cause)
+                log.warning("KV of %s not sent: %s", exp.rid, "its step failed"
+                            if exp.rid in failed else "this rank holds no blocks for it")
+                continue
             started = time.time()
             n = -(-exp.num_tokens // runner.block_size)
             table = runner.block_tables[exp.rid][exp.first_block:n]
