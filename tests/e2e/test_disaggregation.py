@@ -482,7 +482,7 @@ def test_a_layout_mismatch_is_refused_at_start_in_one_line(tiny_model_dir, tmp_p
     """A prefill rank that would send KV of another dtype or block size (as a node
     started with another configuration would) greets its decode peers at start; the
     decode rank refuses in one line naming the field, and the topology does not serve."""
-    from gpu_worker.kv_transfer import LAYOUT_MISMATCH_EXIT
+    from gpu_worker.kv_connectors.pd_transfer import LAYOUT_MISMATCH_EXIT
     srv = CandorServer(tiny_model_dir, "--served-model-name", MODEL, "--prefill-replicas",
                        "1", "--decode-replicas", "1", env=kv_layout_env(field, value))
     try:
@@ -594,7 +594,7 @@ def test_a_decode_rank_assembles_pieces_and_parts_and_refuses_a_mismatch(tmp_pat
 
     from cluster.metrics import KvTransferMetrics
     from cluster.process_config import process_configs
-    from gpu_worker.kv_transfer import KvHeader, KvLayout, KvPart, KvReceiver
+    from gpu_worker.kv_connectors.pd_transfer import KvHeader, KvLayout, KvPart, KvReceiver
     from gpu_worker.tp_shard import kv_routes
     from protocol import ipc
     from protocol.transport import Receiver
