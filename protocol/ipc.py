@@ -305,7 +305,13 @@ class SeqChunk(msgspec.Struct, array_like=True):
 
     ``context``: the ids at positions ``0..start_pos-1`` when the worker was never fed
     them (a prefix-cache hit), sent once, with the first chunk of a request whose sampling
-    reads its token history (penalties, min_tokens); empty otherwise (one byte)."""
+    reads its token history (penalties, min_tokens); empty otherwise (one byte).
+
+    ``draft``: speculative decoding's guesses at the tokens after ``token_ids`` (a decode
+    chunk only, its last token known). The worker feeds them at the next positions and
+    verifies them: it keeps the longest run equal to what it samples at each position and
+    samples one token after that run (``StepResult.accepted``); the KV slots of the rest
+    are rewritten later and never cached."""
 
     rid: str
     token_ids: list[int]
@@ -314,6 +320,7 @@ class SeqChunk(msgspec.Struct, array_like=True):
     sample: bool
     kept_blocks: int = 0
     context: list[int] = []
+    draft: list[int] = []
 
 
 class KvExport(msgspec.Struct, array_like=True):
@@ -431,10 +438,12 @@ class TokenLogprob(msgspec.Struct, array_like=True):
 
 class SampleLogprobs(msgspec.Struct, array_like=True):
     """Logprobs of one sampled token; ``prompt`` rides along on a request's first sample
-    when prompt logprobs were asked for (all prompt positions, in order)."""
+    when prompt logprobs were asked for (all prompt positions, in order). ``accepted``:
+    those of the drafts kept before it (speculative decoding), in order."""
 
     token: TokenLogprob
     prompt: list[TokenLogprob] | None = None
+    accepted: list[TokenLogprob] = []
 
 
 class RequestFailure(msgspec.Struct, array_like=True, frozen=True):
@@ -485,6 +494,9 @@ class StepResult(_Message, tag="result"):
     # a pooling deployment: each sampling row's pooled vector (little-endian float32
     # bytes, OpenAI's base64 layout), aligned with ``sampled`` (whose ids are then 0)
     pooled: list[bytes] = []
+    # speculative decoding: how many of each sampling chunk's ``draft`` were kept before
+    # its ``sampled`` token, aligned with ``sampled`` (empty: no chunk had drafts)
+    accepted: list[int] = []
 
 
 class KvReceived(_Message, tag="kv_received"):

@@ -70,12 +70,14 @@ class InFlight:
 def _output(rid: str, ids: list[int], reason: str | None, lp: ipc.SampleLogprobs | None,
             cached_tokens: int | None = None,
             failure: ipc.RequestFailure | None = None) -> ipc.TokenOutput:
-    """A TokenOutput, carrying the token's (and on the first one, the prompt's) logprobs,
-    on the first one the prefix-cache hit, and why a request failed on its own."""
+    """A TokenOutput, carrying the tokens' (and on the first one, the prompt's) logprobs,
+    on the first one the prefix-cache hit, and why a request failed on its own. ``ids``
+    may be several (kept drafts, then the sampled token; cut where the request ended)."""
     if lp is None:
         return ipc.TokenOutput(rid, ids, reason, cached_tokens=cached_tokens, failure=failure)
+    entries = [*lp.accepted, lp.token][:len(ids)]
     return ipc.TokenOutput(rid, ids, reason, cached_tokens=cached_tokens,
-                           logprobs=[lp.token] if lp.token.token_id >= 0 else None,
+                           logprobs=entries if lp.token.token_id >= 0 else None,
                            prompt_logprobs=lp.prompt)
 
 
@@ -231,7 +233,8 @@ class EngineLoop:
         self.planner = Planner(BlockAllocator(msg.num_blocks), msg.block_size,
                                eng.max_num_seqs, eng.max_num_batched_tokens,
                                enable_prefix_caching=eng.enable_prefix_caching,
-                               max_loras=self.cfg.lora.max_loras if self.adapters.enabled else 0)
+                               max_loras=self.cfg.lora.max_loras if self.adapters.enabled else 0,
+                               speculative=eng.speculative_config)
         if self.store is not None:
             self.store.namespace = msg.kv_namespace
         self.log.info("worker ready: %d KV blocks of %d tokens, %d rank(s)", msg.num_blocks,
@@ -444,7 +447,8 @@ class EngineLoop:
             return
         self.ops.worker_result(msg.idle_s, msg.forward_s, self.work_after_last_result,
                                msg.timings)
-        for s in self.planner.postprocess(planned, msg.sampled, msg.failed):
+        for s in self.planner.postprocess(planned, msg.sampled, msg.failed,
+                                                 msg.accepted):
             sreq = s.req
             if s.failure is not None and s.failure.recompute:  # its imported KV is lost
                 self._recompute(sreq, s.failure)
@@ -461,18 +465,19 @@ class EngineLoop:
                     sreq.rid, msg.pooled[s.row], len(sreq.req.prompt_token_ids)))
                 continue
             lp = msg.logprobs[s.row] if msg.logprobs else None
+            ids = [*s.drafted, s.token]
             # the hit is reported once, with the request's first token
-            cached = sreq.cached_tokens if sreq.num_generated == 1 else None
+            cached = sreq.cached_tokens if sreq.num_generated == len(ids) else None
             if self.handoffs is not None and self.handoffs.hands_on(sreq.rid,
                                                                    s.finish_reason):
                 # it goes on on a decode replica, which emits its first token
-                self.handoffs.hand_off(_output(sreq.rid, [s.token], None, lp, cached))
+                self.handoffs.hand_off(_output(sreq.rid, ids, None, lp, cached))
                 self.requests.pop(sreq.rid, None)
                 self.ops.forget(sreq.rid)
             elif s.finish_reason is not None:
-                self._finish(sreq, s.finish_reason, [s.token], batches, cached, lp)
+                self._finish(sreq, s.finish_reason, ids, batches, cached, lp)
             else:
-                self._emit(sreq, [s.token], None, lp, cached, batches)
+                self._emit(sreq, ids, None, lp, cached, batches)
         phases = self.ops.phases
         phases.postprocess += time.perf_counter() - t0
         # next step first, detokenizer I/O while the worker computes
