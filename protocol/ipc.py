@@ -542,6 +542,9 @@ class TokenOutput(msgspec.Struct, array_like=True):
     prompt_logprobs: list[TokenLogprob] | None = None
     # why, when finish_reason is "error" (None: a step it was in failed)
     failure: RequestFailure | None = None
+    # speculative decoding, on the last output: draft tokens verified, and those kept
+    spec_drafted: int = 0
+    spec_accepted: int = 0
 
 
 class TokenBatch(_Message, tag="tokens"):
@@ -566,6 +569,8 @@ class TextDelta(msgspec.Struct, array_like=True):
     cached_tokens: int = 0  # prompt tokens served by the prefix cache
     logprobs: list[DecodedLogprob] | None = None  # aligned with token_ids
     prompt_logprobs: list[DecodedLogprob] | None = None  # once, with the first delta
+    spec_drafted: int = 0  # on the last delta: speculative draft tokens verified
+    spec_accepted: int = 0  # and of those, the ones kept
 
 
 class TopLogprob(msgspec.Struct, array_like=True):
@@ -645,6 +650,12 @@ class SchedulerStats(_Message, tag="stats"):
     lora_adapters: list[LoraAdapterInfo] = []
     lora_running: dict[str, int] = {}
     lora_waiting: dict[str, int] = {}
+    # speculative decoding (cumulative, vLLM's spec_decode counters): steps' requests
+    # that carried drafts, draft tokens, accepted ones, and accepted ones by position
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = []
 
 
 class LoraAdapterInfo(msgspec.Struct):

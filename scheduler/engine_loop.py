@@ -160,8 +160,10 @@ class EngineLoop:
               batches: dict[int, list[ipc.TokenOutput]],
               failure: ipc.RequestFailure | None = None) -> None:
         sender = self._detok_for(sreq.rid)
-        batches.setdefault(id(sender), []).append(_output(sreq.rid, ids, reason, lp, cached,
-                                                          failure))
+        out = _output(sreq.rid, ids, reason, lp, cached, failure)
+        if reason is not None:  # the request's speculation, for its report
+            out.spec_drafted, out.spec_accepted = sreq.spec_drafted, sreq.spec_accepted
+        batches.setdefault(id(sender), []).append(out)
 
     def _flush(self, batches: dict[int, list[ipc.TokenOutput]]) -> None:
         for sender in self.to_detok:
@@ -540,7 +542,7 @@ class EngineLoop:
             replica=self.cfg.replica,
             deterministic=self.worker_ready.deterministic if self.worker_ready else False,
             deterministic_note=self.worker_ready.deterministic_note if self.worker_ready else "",
-            **self._lora_stats())
+            **self._lora_stats(), **self._spec_stats())
         self.stats_pub.send(stats)
         self.ops.metrics.export(stats)
         if self.intake is not None:  # transfer deadlines
@@ -548,6 +550,15 @@ class EngineLoop:
         if self.in_flight or self.adapters.loading:  # a rank that lost the newest plan
             # (or adapter load, which the ranks answer together) notices (plan_order.py)
             self.to_worker.send(ipc.PlanMark(self.step_id))
+
+    def _spec_stats(self) -> dict:
+        drafts = self.planner.drafts if self.planner is not None else None
+        if drafts is None:
+            return {}
+        c = drafts.counts
+        return dict(spec_drafts=c.drafts, spec_draft_tokens=c.draft_tokens,
+                    spec_accepted_tokens=c.accepted_tokens,
+                    spec_accepted_per_pos=list(c.accepted_per_pos))
 
     def _lora_stats(self) -> dict:
         """The heartbeat's LoRA fields: adapters served, requests per adapter name."""

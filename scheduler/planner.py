@@ -349,6 +349,21 @@ class Planner:
         req.block_table.extend(blocks)
         return True
 
+    def _speculates(self, req: SchedRequest) -> bool:
+        sreq = req.req
+        return (self.drafts is not None and bool(req.num_generated)
+                and sreq.sampling.grammar is None and sreq.pooling is None
+                and self.drafts.allowed(len(self.running)))
+
+    def _waits_to_draft(self, req: SchedRequest) -> bool:
+        """Whether ``req``, its next token still being sampled, skips running ahead so
+        that its next step can carry drafts (they must follow the real token): only
+        while the drafter finds a match for its known tail (copying), so a request
+        with nothing to copy keeps the run-ahead step."""
+        if not req.samples_in_flight or not self._speculates(req):
+            return False
+        return self.drafts.worth_waiting(req, req.token_ids)
+
     def _draft(self, req: SchedRequest, n: int, budget: int) -> list[int]:
         """Speculative drafts for ``req``'s next decode (see ``scheduler.speculation``):
         only for a decode whose last token is known (no placeholder), never past
@@ -356,9 +371,7 @@ class Planner:
         and never for a constrained or pooling request (its grammar matcher is not rolled
         back: such requests do not speculate)."""
         sreq = req.req
-        if (self.drafts is None or n != 1 or req.samples_in_flight or not req.num_generated
-                or sreq.sampling.grammar is not None or sreq.pooling is not None
-                or not self.drafts.allowed(len(self.running))):
+        if n != 1 or req.samples_in_flight or not self._speculates(req):
             return []
         room = min(sreq.max_tokens - req.num_generated - 1, budget - n)
         req.ngram, draft = self.drafts.propose(req.ngram, req.token_ids, room)
@@ -400,7 +413,7 @@ class Planner:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_pending, budget)
-            if n == 0:
+            if n == 0 or (lookahead and self._waits_to_draft(req)):
                 i += 1
                 continue
             draft = self._draft(req, n, budget)

@@ -92,6 +92,12 @@ class Drafts:
         limit = self.spec.disable_by_batch_size
         return limit is None or running < limit
 
+    def worth_waiting(self, req, ids: list[int]) -> bool:
+        """Whether the drafter matches ``ids``' tail now (``req.ngram`` created on first
+        use): a request copying text is likely to match after its next token too."""
+        req.ngram, draft = self.propose(req.ngram, ids, 1)
+        return bool(draft)
+
     def propose(self, index: NgramIndex | None, ids: list[int], k: int) -> tuple[NgramIndex, list[int]]:
         """(the request's index, created on first use; up to ``k`` drafts after ``ids``)."""
         if index is None:
