@@ -108,25 +108,34 @@ async def test_on_equals_off_alone_and_batched(servers):
     on.wait_all_blocks_free()
 
 
+def _per_choice(chunks: list[dict]) -> dict[int, dict]:
+    """A stream's choices, each one's text, token ids and logprobs in order (the
+    choices of n > 1 interleave however their tokens came)."""
+    out: dict[int, dict] = {}
+    for chunk in chunks:
+        for ch in chunk["choices"]:
+            got = out.setdefault(ch["index"], {"text": "", "ids": [], "logprobs": []})
+            got["text"] += ch.get("text") or (ch.get("delta") or {}).get("content") or ""
+            got["ids"] += ch.get("token_ids") or []
+            if ch.get("logprobs"):
+                got["logprobs"].append(ch["logprobs"])
+            if ch.get("finish_reason"):
+                got["finish_reason"] = ch["finish_reason"]
+    for got in out.values():  # completions' logprobs split by chunk: flatten them
+        lps = got.pop("logprobs")
+        got["logprobs"] = [e for lp in lps for e in (lp.get("content") or list(zip(
+            lp.get("tokens") or [], lp.get("token_logprobs") or [],
+            [json.dumps(t, sort_keys=True) for t in lp.get("top_logprobs") or []])))]
+    return out
+
+
 async def test_on_equals_off_streamed(servers):
     off, on = servers
     want = await _all(off, concurrent=False, stream=True)
     got = await _all(on, concurrent=True, stream=True)
+    assert _per_choice(want["greedy"])[0]["logprobs"]
     for name in PROBES:
-        text = lambda chunks: "".join(c["choices"][0].get("text") or
-                                      (c["choices"][0].get("delta") or {}).get("content") or ""
-                                      for c in chunks if c["choices"])
-        assert text(got[name]) == text(want[name]), f"{name} streamed: text differs"
-        ids = lambda chunks: [t for c in chunks for ch in c["choices"]
-                              for t in (ch.get("token_ids") or [])]
-        assert ids(got[name]) == ids(want[name]), f"{name} streamed: token ids differ"
-        lps = lambda chunks: [ch.get("logprobs") for c in chunks for ch in c["choices"]
-                              if ch.get("logprobs")]
-        flat = lambda chunks: [e for lp in lps(chunks) for e in (lp.get("content") or
-                               list(zip(lp.get("tokens") or [], lp.get("token_logprobs") or [],
-                                        [json.dumps(t, sort_keys=True) for t in
-                                         lp.get("top_logprobs") or []])))]
-        assert flat(got[name]) == flat(want[name]), f"{name} streamed: logprobs differ"
+        assert _per_choice(got[name]) == _per_choice(want[name]), f"{name} streamed: differs"
 
 
 def test_metrics_count_drafts_with_vllm_names(servers):
@@ -147,3 +156,61 @@ def test_metrics_count_drafts_with_vllm_names(servers):
     if accepted:
         assert s.total("vllm:spec_decode_num_accepted_tokens_per_pos_total", position="0") > 0
     assert scrape(off).total("vllm:spec_decode_num_drafts_total") == 0
+
+
+PARAGRAPH = ("The library opens at nine in the morning and closes at six in the evening. "
+             "Visitors may borrow up to five books at a time, and each loan lasts three weeks. "
+             "Books returned late are charged ten cents a day.")
+COPY_CHAT = {"messages": [{"role": "user", "content": "Repeat this paragraph verbatim, "
+                           f"word for word:\n\n{PARAGRAPH}"}],
+             "max_tokens": 64, "temperature": 0, "logprobs": True, "top_logprobs": 3}
+
+
+@pytest.fixture(scope="module")
+def smollm2_pair(tmp_path_factory):
+    from launcher.default_model import SERVED_NAME, default_gguf
+
+    logs = tmp_path_factory.mktemp("spec-smollm2")
+    common = ("--served-model-name", SERVED_NAME, "--max-model-len", "2048",
+              "--kv-cache-memory", "512MiB")
+    env = {"CANDOR_GGUF_CACHE": str(logs / "cache")}
+    off = CandorServer(default_gguf(), *common, env=env).start(timeout=300, log_path=logs / "off")
+    try:
+        on = CandorServer(default_gguf(), *common, "--speculative-config", SPEC,
+                          env=env).start(timeout=300, log_path=logs / "on")
+    except BaseException:
+        off.stop()
+        raise
+    try:
+        yield SERVED_NAME, off, on
+    finally:
+        assert on.stop() == 0 and off.stop() == 0
+
+
+async def _copy(session, srv: CandorServer, model: str, seed: int | None = None) -> dict:
+    body = {"model": model, **COPY_CHAT}
+    if seed is not None:
+        body.update(temperature=0.8, seed=seed)
+    async with session.post(srv.base_url + "/v1/chat/completions", json=body) as resp:
+        payload = await resp.json()
+        assert resp.status == 200, payload
+        return payload
+
+
+async def test_real_model_copy_accepts_drafts_and_equals_off(smollm2_pair):
+    model, off, on = smollm2_pair
+    async with aiohttp.ClientSession() as session:
+        want = [await _copy(session, off, model), await _copy(session, off, model, seed=11)]
+        alone = [await _copy(session, on, model), await _copy(session, on, model, seed=11)]
+        batched = await asyncio.gather(*(_copy(session, on, model, seed)
+                                         for seed in (None, 11, None, 11)))
+    assert "library" in want[0]["choices"][0]["message"]["content"], want[0]
+    for got, where in ((alone, "alone"), (batched[:2], "batched"), (batched[2:], "batched")):
+        for g, w in zip(got, want):
+            assert g["choices"] == w["choices"], f"{where}: speculation changed the answer"
+    report = alone[0]["candor"]["speculative"]
+    assert report["accepted"] > 0, report
+    deadline = time.monotonic() + 30
+    while scrape(on).total("vllm:spec_decode_num_accepted_tokens_total") == 0:
+        assert time.monotonic() < deadline, "no accepted drafts in the metrics after 30 s"
+        time.sleep(0.5)
