@@ -353,7 +353,7 @@ class Planner:
         sreq = req.req
         return (self.drafts is not None and bool(req.num_generated)
                 and sreq.sampling.grammar is None and sreq.pooling is None
-                and self.drafts.allowed(len(self.running)))
+                and self.drafts.allowed(len(self.running)) and not self.drafts.gave_up(req))
 
     def _waits_to_draft(self, req: SchedRequest) -> bool:
         """Whether ``req``, its next token still being sampled, skips running ahead so

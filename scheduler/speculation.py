@@ -28,6 +28,12 @@ from dataclasses import dataclass, field
 from cluster.topology import SpeculativeSpec
 
 
+# A request whose drafts were verified PROBATION times over and kept under LOW_ACCEPTANCE
+# of the time stops speculating: each drafting step costs it the run-ahead overlap.
+PROBATION = 12
+LOW_ACCEPTANCE = 0.25
+
+
 @dataclass
 class NgramIndex:
     """The latest start of every n-gram (for each n of the range) that some id follows
@@ -92,9 +98,16 @@ class Drafts:
         limit = self.spec.disable_by_batch_size
         return limit is None or running < limit
 
+    @staticmethod
+    def gave_up(req) -> bool:
+        """``req``'s drafts have mostly been rejected (under ``LOW_ACCEPTANCE`` after
+        ``PROBATION`` of them): it decodes on as without speculation."""
+        return req.spec_drafted >= PROBATION and req.spec_accepted < LOW_ACCEPTANCE * req.spec_drafted
+
     def worth_waiting(self, req, ids: list[int]) -> bool:
-        """Whether the drafter matches ``ids``' tail now (``req.ngram`` created on first
-        use): a request copying text is likely to match after its next token too."""
+        """Whether ``req`` should give up its run-ahead step for drafts: the drafter
+        matches ``ids``' tail now (a request copying text is likely to match after its
+        next token too)."""
         req.ngram, draft = self.propose(req.ngram, ids, 1)
         return bool(draft)
 

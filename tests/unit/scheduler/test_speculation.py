@@ -131,3 +131,45 @@ def test_bad_configs_are_refused_naming_what(bad, why):
     import msgspec
     with pytest.raises(msgspec.ValidationError, match=why):
         msgspec.convert({"num_speculative_tokens": 2, **bad}, SpeculativeSpec)
+
+
+def _decoding(planner: Planner, prompt: list[int], first: int) -> SchedRequest:
+    req = _req("r", prompt)
+    planner.waiting.push(req)
+    planner.postprocess(planner.plan(), [first])
+    return req
+
+
+def test_a_copying_request_skips_run_ahead_so_its_next_step_drafts():
+    """In the loop a step is always in flight: a request that ran ahead would never
+    have its last token known when planned, and never draft."""
+    planner = _planner(k=3)
+    text = [10, 11, 12, 13, 14, 15, 16]
+    req = _decoding(planner, [30, 31] + text + [20] + text[:2], 12)
+    step = planner.plan()
+    assert step.chunks[0].draft == [13, 14, 15]
+    planner.postprocess(step, [13], accepted=[0])  # all three rejected
+    plain = planner.plan()  # [12, 13]'s successor: 14 — it drafts again
+    assert plain.chunks[0].draft
+    assert planner.plan(lookahead=True).chunks == []  # its drafts are in flight
+
+
+def test_a_request_with_nothing_to_copy_keeps_run_ahead():
+    planner = _planner(k=3)
+    req = _decoding(planner, [40, 41, 42, 43, 44], 45)
+    step = planner.plan()
+    assert step.chunks[0].draft == []  # no n-gram recurs
+    ahead = planner.plan(lookahead=True)
+    assert [c.rid for c in ahead.chunks] == ["r"]  # the placeholder step, as without spec
+    assert req.samples_in_flight == 2
+
+
+def test_drafts_mostly_rejected_turn_speculation_off_for_that_request():
+    from scheduler.speculation import PROBATION
+
+    planner = _planner(k=3)
+    text = [10, 11, 12, 13, 14, 15, 16]
+    req = _decoding(planner, text + [20] + text[:2], 12)
+    req.spec_drafted, req.spec_accepted = PROBATION, 0  # its history so far
+    planner.plan()  # in flight, its token unknown
+    assert [c.rid for c in planner.plan(lookahead=True).chunks] == ["r"]  # runs ahead
