@@ -614,7 +614,8 @@ class SchedulerStats(_Message, tag="stats"):
 
     CUMULATIVE: ClassVar[tuple[str, ...]] = (
         "steps", "prefix_hit_blocks", "worker_idle_s", "worker_busy_s", "preemptions",
-        "aborts", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "step_phases_s")
+        "aborts", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "step_phases_s",
+        "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens", "spec_accepted_per_pos")
 
     time: float
     running: int
@@ -655,7 +656,7 @@ class SchedulerStats(_Message, tag="stats"):
     spec_drafts: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
-    spec_accepted_per_pos: list[int] = []
+    spec_accepted_per_pos: dict[str, int] = {}  # by position ("0" first), summed key by key
 
 
 class LoraAdapterInfo(msgspec.Struct):

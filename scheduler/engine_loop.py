@@ -558,7 +558,8 @@ class EngineLoop:
         c = drafts.counts
         return dict(spec_drafts=c.drafts, spec_draft_tokens=c.draft_tokens,
                     spec_accepted_tokens=c.accepted_tokens,
-                    spec_accepted_per_pos=list(c.accepted_per_pos))
+                    spec_accepted_per_pos={str(pos): n for pos, n in
+                                           enumerate(c.accepted_per_pos)})
 
     def _lora_stats(self) -> dict:
         """The heartbeat's LoRA fields: adapters served, requests per adapter name."""

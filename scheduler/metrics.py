@@ -136,8 +136,8 @@ class SchedulerMetrics:
         self._add("spec_drafts", self.spec_drafts, stats.spec_drafts)
         self._add("spec_draft_tokens", self.spec_draft_tokens, stats.spec_draft_tokens)
         self._add("spec_accepted", self.spec_accepted_tokens, stats.spec_accepted_tokens)
-        for pos, total in enumerate(stats.spec_accepted_per_pos):
-            self._add(f"spec_pos:{pos}", self.spec_accepted_per_pos.labels(str(pos)), total)
+        for pos, total in stats.spec_accepted_per_pos.items():
+            self._add(f"spec_pos:{pos}", self.spec_accepted_per_pos.labels(pos), total)
 
     def _export_lora(self, stats: ipc.SchedulerStats) -> None:
         self.lora_slots.set(stats.max_loras)
