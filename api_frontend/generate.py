@@ -33,7 +33,8 @@ from api_frontend.tools import FirstCallCut
 from api_frontend.translate import Translated
 from cluster.topology import ApiSpec
 from protocol import ipc
-from protocol.openai_api import CandorReport, FieldNote, ModelCard, TemplateRef
+from protocol.openai_api import (CandorReport, FieldNote, ModelCard, SpeculativeReport,
+                                 TemplateRef)
 
 _JSON = msgspec.json.Encoder()
 log = logging.getLogger("api_frontend")
@@ -55,6 +56,14 @@ def complete_report(report: CandorReport, info: ipc.RequestInfo) -> CandorReport
         t = info.template
         report.chat_template = TemplateRef(t.source, t.origin, t.sha256)
     return report
+
+
+def speculative_counts(got: list[Collected | None]) -> SpeculativeReport | None:
+    """The drafts verified and accepted over a response's sequences (n identical choices
+    share one), or None where none drafted."""
+    lasts = {id(c): c.last for c in got if c is not None and c.last is not None}.values()
+    drafted = sum(d.spec_drafted for d in lasts)
+    return SpeculativeReport(drafted, sum(d.spec_accepted for d in lasts)) if drafted else None
 
 
 def _fold_reports(report: CandorReport, infos: list[ipc.RequestInfo]) -> CandorReport:
@@ -203,6 +212,7 @@ async def run_generation(request: web.Request, engine: EngineClient, card: Model
             async for d in flight.deltas():
                 got[tr.choices[d.rid][0]].add(d)
                 flight.finished(d)
+            report.speculative = speculative_counts(got)
             body = _JSON.encode(assembler.final(got))
             engine.record_finish(response_key, got[0].last.finish_reason or "none")
             return web.Response(body=body, content_type="application/json", headers=headers)

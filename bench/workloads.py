@@ -15,6 +15,7 @@ tiny-hd64 is the tiny checkpoint's shape (hidden 64, 4 layers, its tokenizer) wi
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,4 +87,4 @@ def build_models(models_dir: Path, keys: list[str]) -> dict[str, Path]:
 
 def round_workload(bench: Bench, round_index: int) -> Workload:
     """A fresh seed per round (so no prefix cache carries over), the same for every side."""
-    return Workload(**{**bench.workload.__dict__, "seed": 1000 * round_index + 1})
+    return dataclasses.replace(bench.workload, seed=1000 * round_index + 1)

@@ -84,6 +84,11 @@ RENAMED = {
     # the transfer to the KV usable on the decode side); its vllm:nixl_bytes_transferred
     # is a histogram of bytes per transfer, which Candor does not keep, so it has no alias
     "candor_kv_transfer_seconds": ("vllm:nixl_xfer_time_seconds",),
+    "candor_spec_decode_num_drafts": ("vllm:spec_decode_num_drafts",),
+    "candor_spec_decode_num_draft_tokens": ("vllm:spec_decode_num_draft_tokens",),
+    "candor_spec_decode_num_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens",),
+    "candor_spec_decode_num_accepted_tokens_per_pos": (
+        "vllm:spec_decode_num_accepted_tokens_per_pos",),
 }
 # vLLM's finished_reason values; each is exported from the start (0), so a panel or an
 # alert on abort shows 0 rather than "no data" before the first one

@@ -124,6 +124,48 @@ class ModelSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         return self.names()[0]
 
 
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model", "eagle", "eagle3", "medusa", "mlp_speculator",
+                       "mtp")
+SERVED_SPECULATIVE_METHODS = ("ngram",)
+
+
+class SpeculativeSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Speculative decoding (vLLM's ``--speculative-config`` JSON, its keys): each decode
+    step feeds up to ``num_speculative_tokens`` drafted tokens after the last one and
+    keeps the longest run the model itself would have produced, plus one token of its
+    own, so the answer is the same bits as without it (scheduler/speculation.py).
+
+    ``method`` ngram (prompt lookup): the drafts follow the latest earlier occurrence of
+    the sequence's last n tokens, longest n first, ``prompt_lookup_min`` <= n <=
+    ``prompt_lookup_max`` (vLLM's defaults: both 5 when neither is given, else the one
+    given). ``disable_by_batch_size``: no drafts while this many requests or more are
+    running (a full batch is compute-bound; verifying drafts then costs more than it
+    saves). Other methods are refused at start: not yet served."""
+
+    method: Literal[SPECULATIVE_METHODS] = "ngram"
+    num_speculative_tokens: Annotated[int, Meta(ge=1, le=32)]
+    prompt_lookup_min: Annotated[int, Meta(ge=1, le=64)] | None = None
+    prompt_lookup_max: Annotated[int, Meta(ge=1, le=64)] | None = None
+    disable_by_batch_size: Annotated[int, Meta(ge=2)] | None = None
+    model: str | None = None  # a draft checkpoint (draft_model, eagle*): not yet served
+
+    def __post_init__(self) -> None:
+        if self.method not in SERVED_SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method {self.method!r} is not yet served (served: "
+                             f"{', '.join(SERVED_SPECULATIVE_METHODS)})")
+        if self.model is not None:
+            raise ValueError(f"speculative method {self.method!r} takes no `model` (it drafts "
+                             "from the sequence itself)")
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if low is None and high is None:
+            low = high = 5
+        low, high = low or high, high or low
+        if low > high:
+            raise ValueError(f"prompt_lookup_min ({low}) is greater than prompt_lookup_max "
+                             f"({high})")
+        self.prompt_lookup_min, self.prompt_lookup_max = low, high
+
+
 class EngineSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """``device`` auto: CUDA when torch sees it, else CPU. KV cache size, first set wins:
     ``num_kv_blocks``, ``kv_cache_memory_mb``, else sized from free memory (on CUDA,
@@ -148,6 +190,8 @@ class EngineSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # where the device has them (CPU, fp32), else off with the reason reported; true =
     # required (a worker that cannot refuses to start); false = off, for speed.
     deterministic: bool | None = None
+    # Speculative decoding (None: off); vLLM's --speculative-config
+    speculative_config: SpeculativeSpec | None = None
 
 
 class CorsSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

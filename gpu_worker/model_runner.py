@@ -20,6 +20,16 @@ its chunks are not fed (a run-ahead step queued behind the failure would feed a 
 nobody sampled) until the scheduler releases it. A step that raises (an engine fault)
 fails every request in it the same way, and the step queued behind it runs for the rest.
 
+Speculative decoding: a chunk's ``draft`` is fed after its last token (the chunk is then
+a short prefill of 1 + k positions) and every one of those positions is sampled as a
+decode row would be (``_verify_rows``): the same numerics row for row (batch-invariant
+layers and attention make an M = 1 + k row equal an M = 1 decode row, bitwise), the same
+processors over the history up to that position (penalties, min_tokens, logit_bias), the
+same seeded noise at the same generated position (the sampler). The longest run of drafts
+equal to the rows' own tokens is kept, plus the token after it; the step's result says how
+many (``StepResult.accepted``). Constrained requests are never sent drafts (their matcher
+would need rolling back); a chunk that has both is refused as a plan error.
+
 With LoRA enabled, ``adapters`` (``lora.store``) holds the adapters and groups each
 step's rows by adapter before the forward pass; a step with adapter rows runs eagerly
 (no CUDA graph: the groups change from step to step).
@@ -162,6 +172,7 @@ class ModelRunner:
         self.tracker = RequestTracker()  # token history (penalties) and prompt logprobs
         self.timings = WorkerTimings()  # cumulative, sent with every result
         self.pooler = None if pooling is None else Pooler(pooling, self.model.final_norm)
+        self.accepted: dict[int, int] = {}  # id(chunk) -> drafts kept, this step
         # the KV connectors' loads into the cache, (runner, plan) -> None, run before the
         # forward of a plan with KV work (gpu_worker/kv_connectors: KvConnectors.load)
         self.load_kv = None
@@ -360,6 +371,14 @@ class ModelRunner:
                 raise ValueError(f"{seq.rid}: placeholder token but nothing sampled for it yet")
             seq.token_ids[-1] = last
 
+    def _feed_drafts(self, seq: SeqChunk) -> None:
+        """A decode chunk with drafts feeds them after its token (verified in ``_sample``)."""
+        if not seq.draft:
+            return
+        if not seq.sample or len(seq.token_ids) != 1 or self.grammars.constrained([seq.rid]):
+            raise ValueError(f"{seq.rid}: drafts on a chunk that is not an unconstrained decode")
+        seq.token_ids = [*seq.token_ids, *seq.draft]
+
     def _apply_blocks(self, seq: SeqChunk) -> None:
         """This rid's table := its first ``kept_blocks`` ids + ``new_blocks``."""
         table = self.block_tables.setdefault(seq.rid, [])
@@ -402,7 +421,9 @@ class ModelRunner:
             live = [s for s in plan.seqs if s.rid not in self.failed] if self.failed else plan.seqs
             for seq in live:
                 self._fill_placeholder(seq)
+                self._feed_drafts(seq)
                 self._check(seq)
+            self.accepted.clear()
             sampled: list[int] = []
             logprobs: list[SampleLogprobs | None] = []
             pooled: list[bytes] = []
@@ -427,10 +448,13 @@ class ModelRunner:
             if pooled:
                 vectors = dict(zip((id(s) for s in live if s.sample), pooled))
                 pooled = [vectors.get(id(s), b"") for s in plan.seqs if s.sample]
+        accepted = ([self.accepted.get(id(s), 0) for s in plan.seqs if s.sample]
+                    if self.accepted else [])
         total = time.perf_counter() - t0
         tm.prepare += total - (tm.forward + tm.sample + tm.grammar - inner_before)
         return StepResult(step_id=plan.step_id, sampled=sampled, forward_s=total,
-                          logprobs=logprobs, timings=tm, failed=failed, pooled=pooled)
+                          logprobs=logprobs, timings=tm, failed=failed, pooled=pooled,
+                          accepted=accepted)
 
     def _forward(self, seqs: list[SeqChunk]) -> _Sampled:
         # Flattened order: prefill chunks, then decodes (attention batches those).
@@ -519,33 +543,75 @@ class ModelRunner:
                 self.tracker.add_prompt_logprobs(s, params, chunk_logits)
         if not to_sample:  # (then no mask is pending)
             return [], [], {}
-        rows = torch.tensor([last_row[id(s)] for s in to_sample], dtype=torch.long, device=dev)
-        logits = self.model.compute_logits(hidden[rows])
         params = [self.sampling[s.rid] for s in to_sample]
+        rows, row_params, row_histories, follow, first = self._verify_rows(batch, params)
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=dev)])
         masks, failed = None, {}
         if pending is not None:  # the grammars' failures: their rows allow no token
             t0 = time.perf_counter()
             bitmask, failed = pending[1].result()
-            masks = (pending[0], bitmask)
+            masks = ([first[i] for i in pending[0]], bitmask)  # (constrained: one row each)
             waited = time.perf_counter() - t0
             self.timings.grammar += waited
             self.timings.sample -= waited  # _run adds the whole of _sample
-        tokens, token_lps, unsampled = self.sampler.sample(
+        generators = [self.generators.get(s.rid) for s in to_sample]
+        row_tokens, row_lps, unsampled = self.sampler.sample(
             logits,
-            params,
-            [self.generators.get(s.rid) for s in to_sample],
-            [self.tracker.history(s.rid, p) for s, p in zip(to_sample, params)],
+            row_params,
+            [generators[i] for i in self._owners(first, len(rows))],
+            row_histories,
             masks,
+            follow if len(rows) > len(to_sample) else None,
         )
-        tokens = self.ranks.rank0_ints(tokens)  # rank 0's outcome, failures included
+        row_tokens = self.ranks.rank0_ints(row_tokens)  # rank 0's outcome, failures included
+        tokens: list[int] = []
         out: list[SampleLogprobs | None] = []
-        for i, (s, p, token, lp) in enumerate(zip(to_sample, params, tokens, token_lps)):
+        for i, (s, p) in enumerate(zip(to_sample, params)):
+            r0 = first[i]
+            kept = 0
+            while kept < len(s.draft) and row_tokens[r0 + kept] == s.draft[kept]:
+                kept += 1
+            if s.draft:
+                self.accepted[id(s)] = kept
+            token, lp = row_tokens[r0 + kept], row_lps[r0 + kept]
+            tokens.append(token)
             if token == NO_TOKEN:
-                failed.setdefault(s.rid, unsampled.get(i, _NOT_SAMPLED))
+                failed.setdefault(s.rid, unsampled.get(r0 + kept, _NOT_SAMPLED))
                 out.append(None)
                 continue
             self.last_sampled[s.rid] = token
             prompt = self.tracker.take_prompt_logprobs(s.rid) if p.prompt_logprobs >= 0 else None
             out.append(None if lp is None and prompt is None else
-                       SampleLogprobs(lp if lp is not None else TokenLogprob(-1, None), prompt))
+                       SampleLogprobs(lp if lp is not None else TokenLogprob(-1, None), prompt,
+                                      row_lps[r0:r0 + kept] if lp is not None else []))
         return tokens, (out if any(x is not None for x in out) else []), failed
+
+    def _verify_rows(self, batch: _Batch, params: list[SamplingParams]):
+        """The hidden-state rows to sample, one per sampling chunk, or 1 + k for a chunk
+        with k drafts (its last 1 + k positions, each a decode position of its own), with
+        each row's params and token history (the history up to that row's position:
+        penalties and min_tokens see the drafts before it as generated), ``follow`` (the
+        draft the next row of a group was fed, None at a group's end) and each chunk's
+        first row."""
+        rows: list[int] = []
+        row_params: list[SamplingParams] = []
+        histories = []
+        follow: list[int | None] = []
+        first: list[int] = []
+        for s, p in zip(batch.to_sample, params):
+            last, k = batch.last_row[id(s)], len(s.draft)
+            history = self.tracker.history(s.rid, p)
+            first.append(len(rows))
+            for j in range(k + 1):
+                rows.append(last - k + j)
+                row_params.append(p)
+                follow.append(s.draft[j] if j < k else None)
+                histories.append(history if history is None or j == k
+                                 else (history[0][:len(history[0]) - k + j], history[1]))
+        return rows, row_params, histories, follow, first
+
+    @staticmethod
+    def _owners(first: list[int], num_rows: int) -> list[int]:
+        """For each verify row, the index of the sampling chunk it belongs to."""
+        bounds = [*first, num_rows]
+        return [i for i in range(len(first)) for _ in range(bounds[i + 1] - bounds[i])]

@@ -18,6 +18,16 @@ Drawing uses the exponential race (argmax p_i / E_i with E_i ~ Exp(1), equivalen
 sampling from p), so a row's draw consumes a fixed amount of randomness from its own
 generator regardless of what else is in the batch: a seeded request reproduces its tokens
 alone or batched.
+
+Speculative decoding verifies a request's drafts on consecutive rows (``follow``: the
+draft the next row of the group was fed, which that row's token must equal for the next
+row to count). A drafter that is deterministic proposes a point mass q, and rejection
+sampling against a point mass is exactly this: draw the row's token from p as without
+drafts; accept the draft iff it is that token (probability p(d) = min(1, p/q)); on a
+mismatch the drawn token is a draw from p without d, the residual distribution. A seeded
+row draws its noise from its own generator row by row and stops at the first mismatch,
+so the generator is consumed exactly as many times as tokens are kept: the same noise at
+the same generated position as a run without drafts, hence the same tokens.
 """
 
 from __future__ import annotations
@@ -52,12 +62,16 @@ class Sampler:
         generators: list[torch.Generator | None],
         histories: list[History | None] | None = None,
         masks: tuple[list[int], torch.Tensor] | None = None,
+        follow: list[int | None] | None = None,
     ) -> tuple[list[int], list[TokenLogprob | None], dict[int, RequestFailure]]:
         """logits: [rows, vocab], modified in place (bias, masks, penalties): the caller
         must not reuse them. ``generators[i]`` is row i's own generator, or None;
         ``histories[i]`` row i's token history (needed only where ``needs_history``);
         ``masks``: (rows, packed allowed-token bitmasks) of constrained rows, applied
         after every other processor so nothing can re-allow a disallowed token.
+        ``follow[i]``: the draft row i+1 was fed (speculative decoding; see the module
+        docstring): a seeded row after a row whose token differs from its ``follow`` is
+        not drawn (its id is then meaningless, and its generator untouched).
         Returns the sampled ids, per row its logprobs (None where not asked for), and
         why each row that could not be sampled (id ``NO_TOKEN``) failed."""
         histories = histories or [None] * len(params)
@@ -71,7 +85,8 @@ class Sampler:
         if rand_rows:
             sub = [params[i] for i in rand_rows]
             probs = self._probs(logits[rand_rows], sub)
-            tokens[rand_rows] = self._draw(probs, [generators[i] for i in rand_rows])
+            tokens[rand_rows] = self._draw(probs, [generators[i] for i in rand_rows],
+                                           [follow[i] for i in rand_rows] if follow else None)
         out_lp: list[TokenLogprob | None] = [None] * len(params)
         if lp_rows:
             chosen = tokens[lp_rows]
@@ -133,18 +148,28 @@ class Sampler:
             probs = probs.masked_fill(~keep, 0.0)  # the race needs no renormalisation
         return probs
 
-    def _draw(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    def _draw(self, probs: torch.Tensor, generators: list[torch.Generator | None],
+              follow: list[int | None] | None = None) -> torch.Tensor:
         noise = torch.empty_like(probs)
         shared = [i for i, g in enumerate(generators) if g is None]
         if shared:
             noise[shared] = torch.empty(len(shared), probs.shape[1], device=probs.device).exponential_(
                 generator=self.generator
             )
+        stopped = False  # a seeded group's draft was refused: its later rows are not drawn
+        tiny = torch.finfo(noise.dtype).tiny
         for i, g in enumerate(generators):
-            if g is not None:
+            if g is None:
+                continue
+            if stopped:
+                noise[i] = 1.0
+            else:
                 noise[i].exponential_(generator=g)
+            if follow is not None:  # decide now whether the group's next row is drawn
+                stopped = follow[i] is not None and (stopped or int(
+                    (probs[i] / noise[i].clamp(min=tiny)).argmax()) != follow[i])
         # An exact 0 draw would turn a filtered-out p=0 into 0/0 = NaN, which argmax picks.
-        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+        noise.clamp_(min=tiny)
         return (probs / noise).argmax(dim=-1)
 
 

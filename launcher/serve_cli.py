@@ -55,6 +55,18 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * _UNIT[unit])
 
 
+def _json_object(text: str) -> dict:
+    """A JSON object flag (vLLM's --speculative-config); its keys are checked by the
+    topology's struct, which names a bad one."""
+    try:
+        value = json.loads(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"not JSON: {err}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
+
+
 def _str_list(text: str) -> list[str]:
     """vLLM passes lists as JSON ('["*"]'); a comma-separated list works too."""
     text = text.strip()
@@ -243,6 +255,11 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                         "the device supports it, reported in /v1/capabilities; "
                         "--deterministic: refuse to start without it; --no-deterministic: "
                         "off, for speed)")
+    g.add_argument("--speculative-config", "-sc", type=_json_object, default=None,
+                   metavar="JSON",
+                   help='speculative decoding, vLLM\'s keys, e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\'; the answer '
+                        'is the same bits as without it')
 
     g = serve.add_argument_group("LoRA adapters (vLLM's names)")
     g.add_argument("--enable-lora", action="store_true",
@@ -477,7 +494,8 @@ def serve_topology(args: argparse.Namespace, model_path: str, default_name: str,
                    "max_waiting_requests": args.max_waiting_requests,
                    "enable_prefix_caching": args.enable_prefix_caching,
                    "device": args.device, "enforce_eager": args.enforce_eager,
-                   "deterministic": args.deterministic},
+                   "deterministic": args.deterministic,
+                   "speculative_config": args.speculative_config},
         "http": {"host": args.host, "port": args.port, "max_body_mb": args.max_body_mb,
                  "keepalive_timeout_s": args.keepalive_timeout_s,
                  "body_read_timeout_s": args.body_read_timeout_s,

@@ -305,7 +305,13 @@ class SeqChunk(msgspec.Struct, array_like=True):
 
     ``context``: the ids at positions ``0..start_pos-1`` when the worker was never fed
     them (a prefix-cache hit), sent once, with the first chunk of a request whose sampling
-    reads its token history (penalties, min_tokens); empty otherwise (one byte)."""
+    reads its token history (penalties, min_tokens); empty otherwise (one byte).
+
+    ``draft``: speculative decoding's guesses at the tokens after ``token_ids`` (a decode
+    chunk only, its last token known). The worker feeds them at the next positions and
+    verifies them: it keeps the longest run equal to what it samples at each position and
+    samples one token after that run (``StepResult.accepted``); the KV slots of the rest
+    are rewritten later and never cached."""
 
     rid: str
     token_ids: list[int]
@@ -314,6 +320,7 @@ class SeqChunk(msgspec.Struct, array_like=True):
     sample: bool
     kept_blocks: int = 0
     context: list[int] = []
+    draft: list[int] = []
 
 
 class KvExport(msgspec.Struct, array_like=True):
@@ -454,10 +461,12 @@ class TokenLogprob(msgspec.Struct, array_like=True):
 
 class SampleLogprobs(msgspec.Struct, array_like=True):
     """Logprobs of one sampled token; ``prompt`` rides along on a request's first sample
-    when prompt logprobs were asked for (all prompt positions, in order)."""
+    when prompt logprobs were asked for (all prompt positions, in order). ``accepted``:
+    those of the drafts kept before it (speculative decoding), in order."""
 
     token: TokenLogprob
     prompt: list[TokenLogprob] | None = None
+    accepted: list[TokenLogprob] = []
 
 
 class RequestFailure(msgspec.Struct, array_like=True, frozen=True):
@@ -508,6 +517,9 @@ class StepResult(_Message, tag="result"):
     # a pooling deployment: each sampling row's pooled vector (little-endian float32
     # bytes, OpenAI's base64 layout), aligned with ``sampled`` (whose ids are then 0)
     pooled: list[bytes] = []
+    # speculative decoding: how many of each sampling chunk's ``draft`` were kept before
+    # its ``sampled`` token, aligned with ``sampled`` (empty: no chunk had drafts)
+    accepted: list[int] = []
 
 
 class KvReceived(_Message, tag="kv_received"):
@@ -553,6 +565,9 @@ class TokenOutput(msgspec.Struct, array_like=True):
     prompt_logprobs: list[TokenLogprob] | None = None
     # why, when finish_reason is "error" (None: a step it was in failed)
     failure: RequestFailure | None = None
+    # speculative decoding, on the last output: draft tokens verified, and those kept
+    spec_drafted: int = 0
+    spec_accepted: int = 0
 
 
 class TokenBatch(_Message, tag="tokens"):
@@ -577,6 +592,8 @@ class TextDelta(msgspec.Struct, array_like=True):
     cached_tokens: int = 0  # prompt tokens served by the prefix cache
     logprobs: list[DecodedLogprob] | None = None  # aligned with token_ids
     prompt_logprobs: list[DecodedLogprob] | None = None  # once, with the first delta
+    spec_drafted: int = 0  # on the last delta: speculative draft tokens verified
+    spec_accepted: int = 0  # and of those, the ones kept
 
 
 class TopLogprob(msgspec.Struct, array_like=True):
@@ -620,7 +637,8 @@ class SchedulerStats(_Message, tag="stats"):
 
     CUMULATIVE: ClassVar[tuple[str, ...]] = (
         "steps", "prefix_hit_blocks", "worker_idle_s", "worker_busy_s", "preemptions",
-        "aborts", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "step_phases_s")
+        "aborts", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "step_phases_s",
+        "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens", "spec_accepted_per_pos")
 
     time: float
     running: int
@@ -656,6 +674,12 @@ class SchedulerStats(_Message, tag="stats"):
     lora_adapters: list[LoraAdapterInfo] = []
     lora_running: dict[str, int] = {}
     lora_waiting: dict[str, int] = {}
+    # speculative decoding (cumulative, vLLM's spec_decode counters): steps' requests
+    # that carried drafts, draft tokens, accepted ones, and accepted ones by position
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: dict[str, int] = {}  # by position ("0" first), summed key by key
 
 
 class LoraAdapterInfo(msgspec.Struct):

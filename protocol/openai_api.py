@@ -146,6 +146,14 @@ class TemplateRef(msgspec.Struct):
     sha256: str
 
 
+class SpeculativeReport(msgspec.Struct):
+    """Speculative decoding on one response (all its choices): draft tokens the model
+    verified, and those it accepted (each the token it would have produced anyway)."""
+
+    drafted: int = 0
+    accepted: int = 0
+
+
 class CandorReport(msgspec.Struct, omit_defaults=True):
     """What Candor did with the request (the ``candor`` extension field and the
     ``x-candor-adjustments`` header): clamps, ignored fields, extensions used, template,
@@ -164,6 +172,8 @@ class CandorReport(msgspec.Struct, omit_defaults=True):
     # The replica that answered ran batch-invariant kernels: a greedy or seeded request's
     # tokens and logprobs are the same bits whatever else ran beside it.
     deterministic: bool | None = None
+    # speculative decoding's counts (a whole, non-streamed response that drafted only)
+    speculative: SpeculativeReport | None = None
 
 
 class TopLogprobEntry(msgspec.Struct):

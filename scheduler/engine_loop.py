@@ -73,12 +73,14 @@ class InFlight:
 def _output(rid: str, ids: list[int], reason: str | None, lp: ipc.SampleLogprobs | None,
             cached_tokens: int | None = None,
             failure: ipc.RequestFailure | None = None) -> ipc.TokenOutput:
-    """A TokenOutput, carrying the token's (and on the first one, the prompt's) logprobs,
-    on the first one the prefix-cache hit, and why a request failed on its own."""
+    """A TokenOutput, carrying the tokens' (and on the first one, the prompt's) logprobs,
+    on the first one the prefix-cache hit, and why a request failed on its own. ``ids``
+    may be several (kept drafts, then the sampled token; cut where the request ended)."""
     if lp is None:
         return ipc.TokenOutput(rid, ids, reason, cached_tokens=cached_tokens, failure=failure)
+    entries = [*lp.accepted, lp.token][:len(ids)]
     return ipc.TokenOutput(rid, ids, reason, cached_tokens=cached_tokens,
-                           logprobs=[lp.token] if lp.token.token_id >= 0 else None,
+                           logprobs=entries if lp.token.token_id >= 0 else None,
                            prompt_logprobs=lp.prompt)
 
 
@@ -157,8 +159,10 @@ class EngineLoop:
               batches: dict[int, list[ipc.TokenOutput]],
               failure: ipc.RequestFailure | None = None) -> None:
         sender = self._detok_for(sreq.rid)
-        batches.setdefault(id(sender), []).append(_output(sreq.rid, ids, reason, lp, cached,
-                                                          failure))
+        out = _output(sreq.rid, ids, reason, lp, cached, failure)
+        if reason is not None:  # the request's speculation, for its report
+            out.spec_drafted, out.spec_accepted = sreq.spec_drafted, sreq.spec_accepted
+        batches.setdefault(id(sender), []).append(out)
 
     def _flush(self, batches: dict[int, list[ipc.TokenOutput]]) -> None:
         for sender in self.to_detok:
@@ -230,7 +234,8 @@ class EngineLoop:
         self.planner = Planner(BlockAllocator(msg.num_blocks), msg.block_size,
                                eng.max_num_seqs, eng.max_num_batched_tokens,
                                enable_prefix_caching=eng.enable_prefix_caching,
-                               max_loras=self.cfg.lora.max_loras if self.adapters.enabled else 0)
+                               max_loras=self.cfg.lora.max_loras if self.adapters.enabled else 0,
+                               speculative=eng.speculative_config)
         self.kv.worker_ready(msg)
         self.log.info("worker ready: %d KV blocks of %d tokens, %d rank(s)", msg.num_blocks,
                       msg.block_size, self.ranks)
@@ -426,7 +431,8 @@ class EngineLoop:
             return
         self.ops.worker_result(msg.idle_s, msg.forward_s, self.work_after_last_result,
                                msg.timings)
-        for s in self.planner.postprocess(planned, msg.sampled, msg.failed):
+        for s in self.planner.postprocess(planned, msg.sampled, msg.failed,
+                                                 msg.accepted):
             sreq = s.req
             if s.failure is not None and s.failure.recompute:  # its imported KV is lost
                 self._recompute(sreq, s.failure)
@@ -443,18 +449,19 @@ class EngineLoop:
                     sreq.rid, msg.pooled[s.row], len(sreq.req.prompt_token_ids)))
                 continue
             lp = msg.logprobs[s.row] if msg.logprobs else None
+            ids = [*s.drafted, s.token]
             # the hit is reported once, with the request's first token
-            cached = sreq.cached_tokens if sreq.num_generated == 1 else None
+            cached = sreq.cached_tokens if sreq.num_generated == len(ids) else None
             taker = self.kv.hands_on(sreq.rid, s.finish_reason)
             if taker is not None:
-                # it goes on on another replica (a decode one), which emits this token
-                taker.hand_off(_output(sreq.rid, [s.token], None, lp, cached))
+                # it goes on on another replica (a decode one), which emits these tokens
+                taker.hand_off(_output(sreq.rid, ids, None, lp, cached))
                 self.requests.pop(sreq.rid, None)
                 self.ops.forget(sreq.rid)
             elif s.finish_reason is not None:
-                self._finish(sreq, s.finish_reason, [s.token], batches, cached, lp)
+                self._finish(sreq, s.finish_reason, ids, batches, cached, lp)
             else:
-                self._emit(sreq, [s.token], None, lp, cached, batches)
+                self._emit(sreq, ids, None, lp, cached, batches)
         phases = self.ops.phases
         phases.postprocess += time.perf_counter() - t0
         # next step first, detokenizer I/O while the worker computes
@@ -512,12 +519,22 @@ class EngineLoop:
             replica=self.cfg.replica,
             deterministic=self.worker_ready.deterministic if self.worker_ready else False,
             deterministic_note=self.worker_ready.deterministic_note if self.worker_ready else "",
-            **self._lora_stats())
+            **self._lora_stats(), **self._spec_stats())
         self.stats_pub.send(stats)
         self.ops.metrics.export(stats)
         if self.in_flight or self.adapters.loading:  # a rank that lost the newest plan
             # (or adapter load, which the ranks answer together) notices (plan_order.py)
             self.to_worker.send(ipc.PlanMark(self.step_id))
+
+    def _spec_stats(self) -> dict:
+        drafts = self.planner.drafts if self.planner is not None else None
+        if drafts is None:
+            return {}
+        c = drafts.counts
+        return dict(spec_drafts=c.drafts, spec_draft_tokens=c.draft_tokens,
+                    spec_accepted_tokens=c.accepted_tokens,
+                    spec_accepted_per_pos={str(pos): n for pos, n in
+                                           enumerate(c.accepted_per_pos)})
 
     def _lora_stats(self) -> dict:
         """The heartbeat's LoRA fields: adapters served, requests per adapter name."""

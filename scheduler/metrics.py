@@ -89,6 +89,19 @@ class SchedulerMetrics:
         self.lora_slots = Gauge(
             "candor_lora_max_adapters", "Distinct LoRA adapters one step may run "
             "(--max-loras); absent while LoRA is off", multiprocess_mode="livemax", registry=None)
+        self.spec_drafts = Counter(
+            "candor_spec_decode_num_drafts", "Speculative decoding: a request's decode "
+            "steps that carried draft tokens", registry=None)
+        self.spec_draft_tokens = Counter(
+            "candor_spec_decode_num_draft_tokens", "Speculative decoding: draft tokens "
+            "verified", registry=None)
+        self.spec_accepted_tokens = Counter(
+            "candor_spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens "
+            "accepted (each one the token the model would have produced)", registry=None)
+        self.spec_accepted_per_pos = Counter(
+            "candor_spec_decode_num_accepted_tokens_per_pos", "Speculative decoding: "
+            "draft tokens accepted, by position in the draft (0 first)", ["position"],
+            registry=None)
         self._lora_labels: set[tuple[str, str]] = set()
         self._exported: dict[str, float] = {}
 
@@ -120,6 +133,11 @@ class SchedulerMetrics:
             self._add(f"phase:{phase}", self.step_phases.labels(phase), total)
         if stats.max_loras:
             self._export_lora(stats)
+        self._add("spec_drafts", self.spec_drafts, stats.spec_drafts)
+        self._add("spec_draft_tokens", self.spec_draft_tokens, stats.spec_draft_tokens)
+        self._add("spec_accepted", self.spec_accepted_tokens, stats.spec_accepted_tokens)
+        for pos, total in stats.spec_accepted_per_pos.items():
+            self._add(f"spec_pos:{pos}", self.spec_accepted_per_pos.labels(pos), total)
 
     def _export_lora(self, stats: ipc.SchedulerStats) -> None:
         self.lora_slots.set(stats.max_loras)

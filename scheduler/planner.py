@@ -58,10 +58,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cluster.topology import SpeculativeSpec
 from protocol.ipc import (PLACEHOLDER_TOKEN, PoolingParams, RequestFailure, SamplingParams,
                           SeqChunk)
 from scheduler.block_manager import BlockAllocator, BlockKey
 from scheduler.request import SchedRequest
+from scheduler.speculation import Drafts
 from scheduler.waiting import WaitQueue
 
 
@@ -100,20 +102,24 @@ class FillingBlock:
 class Sampled:
     """One token a returned step sampled for a live request. ``row`` indexes the
     StepResult's ``sampled``/``logprobs``; ``finish_reason`` set means it was the last.
-    A request that failed on its own has ``failure`` (finish_reason "error", no token)."""
+    A request that failed on its own has ``failure`` (finish_reason "error", no token).
+    ``drafted``: the drafts the worker kept before ``token`` (speculative decoding): the
+    request's new ids are ``drafted + [token]``."""
 
     req: SchedRequest
     token: int
     row: int
     finish_reason: str | None
     failure: RequestFailure | None = None
+    drafted: list[int] = field(default_factory=list)
 
 
 class Planner:
     def __init__(self, allocator: BlockAllocator, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, enable_prefix_caching: bool = True,
-                 max_loras: int = 0) -> None:
+                 max_loras: int = 0, speculative: SpeculativeSpec | None = None) -> None:
         self.allocator = allocator
+        self.drafts = Drafts(speculative) if speculative is not None else None
         self.max_loras = max_loras  # distinct adapters running at once (0: LoRA off)
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -160,14 +166,18 @@ class Planner:
             req.step_returned(n, chunk.sample)
 
     def postprocess(self, step: PlannedStep, sampled: list[int],
-                    failed: dict[str, RequestFailure] | None = None) -> list[Sampled]:
+                    failed: dict[str, RequestFailure] | None = None,
+                    accepted: list[int] | None = None) -> list[Sampled]:
         """A step came back with ``sampled`` (one id per sampling chunk, plan order):
         commit written blocks to the prefix cache, append each live request's token and
         finish those it ends. Requests finished meanwhile (aborts) are skipped; those
         that ``failed`` on their own are finished, their blocks never offered to the
-        cache (the worker may not have written them)."""
+        cache (the worker may not have written them). ``accepted``: per sampling chunk,
+        how many of its drafts were kept before its token (speculative decoding); they
+        are appended first, each checked for the end as a sampled token is."""
         self._returned(step)
         failed = failed or {}
+        accepted = accepted or []
         out: list[Sampled] = []
         row = 0
         for (req, _), chunk in zip(step.members, step.chunks):
@@ -182,16 +192,28 @@ class Planner:
                 out.extend(Sampled(b, -1, -1, "error", lent)
                            for b in self._fail_borrowers(step, req.rid))
                 continue
+            kept = chunk.draft[:accepted[row - 1]] if chunk.draft and accepted else []
+            if chunk.draft:
+                req.drafts_accepted(len(kept))
+                req.spec_drafted += len(chunk.draft)
+                req.spec_accepted += len(kept)
+                if self.drafts is not None:
+                    self.drafts.counts.add(len(chunk.draft), len(kept))
             self.commit(req)
             if not chunk.sample:
                 continue
-            token = sampled[row - 1]
-            req.token_ids.append(token)
-            req.num_generated += 1
-            reason = req.finish_reason_after(token)
+            reason = None
+            new = [*kept, sampled[row - 1]]
+            for i, token in enumerate(new):
+                req.token_ids.append(token)
+                req.num_generated += 1
+                reason = req.finish_reason_after(token)
+                if reason is not None:
+                    del new[i + 1:]
+                    break
             if reason is not None:
                 self.finish(req)
-            out.append(Sampled(req, token, row - 1, reason))
+            out.append(Sampled(req, new[-1], row - 1, reason, drafted=new[:-1]))
         return out
 
     def step_failed(self, step: PlannedStep) -> list[SchedRequest]:
@@ -327,7 +349,36 @@ class Planner:
         req.block_table.extend(blocks)
         return True
 
-    def _add(self, step: PlannedStep, req: SchedRequest, n: int) -> None:
+    def _speculates(self, req: SchedRequest) -> bool:
+        sreq = req.req
+        return (self.drafts is not None and bool(req.num_generated)
+                and sreq.sampling.grammar is None and sreq.pooling is None
+                and self.drafts.allowed(len(self.running)) and not self.drafts.gave_up(req))
+
+    def _waits_to_draft(self, req: SchedRequest) -> bool:
+        """Whether ``req``, its next token still being sampled, skips running ahead so
+        that its next step can carry drafts (they must follow the real token): only
+        while the drafter finds a match for its known tail (copying), so a request
+        with nothing to copy keeps the run-ahead step."""
+        if not req.samples_in_flight or not self._speculates(req):
+            return False
+        return self.drafts.worth_waiting(req, req.token_ids)
+
+    def _draft(self, req: SchedRequest, n: int, budget: int) -> list[int]:
+        """Speculative drafts for ``req``'s next decode (see ``scheduler.speculation``):
+        only for a decode whose last token is known (no placeholder), never past
+        ``max_tokens`` (one token of the step is the worker's own) or the step's budget,
+        and never for a constrained or pooling request (its grammar matcher is not rolled
+        back: such requests do not speculate)."""
+        sreq = req.req
+        if n != 1 or req.samples_in_flight or not self._speculates(req):
+            return []
+        room = min(sreq.max_tokens - req.num_generated - 1, budget - n)
+        req.ngram, draft = self.drafts.propose(req.ngram, req.token_ids, room)
+        return draft
+
+    def _add(self, step: PlannedStep, req: SchedRequest, n: int,
+             draft: list[int] | None = None) -> None:
         start = req.num_scheduled
         tokens = req.token_ids[start:start + n]
         if len(tokens) < n:  # the token a step in flight samples
@@ -339,10 +390,11 @@ class Planner:
         context = (req.token_ids[:start] if start and not req.seen_by_worker
                    and sampling.needs_history() else [])
         step.chunks.append(SeqChunk(req.rid, tokens, start, req.block_table[kept:], sample, kept,
-                                    context))
+                                    context, draft or []))
         req.blocks_sent = len(req.block_table)
         self._note_writes(step, req, start, n)
         req.scheduled(n, sample)
+        req.speculating = bool(draft)
         step.members.append((req, n))
         if not req.seen_by_worker:
             step.new_sampling[req.rid] = sampling
@@ -361,9 +413,12 @@ class Planner:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_pending, budget)
-            if n == 0:
+            if n == 0 or (lookahead and self._waits_to_draft(req)):
                 i += 1
                 continue
+            draft = self._draft(req, n, budget)
+            if draft and not self._grow(req, n + len(draft)):
+                draft = []  # no blocks for the drafts: a plain decode
             while not self._grow(req, n):
                 if lookahead:
                     return step  # out of blocks: preempt later, with nothing in flight
@@ -372,8 +427,8 @@ class Planner:
                 if victim is req:
                     break
             else:
-                self._add(step, req, n)
-                budget -= n
+                self._add(step, req, n, draft)
+                budget -= n + len(draft)
                 i += 1
                 continue
             # req itself was preempted; the loop index now points at the next one

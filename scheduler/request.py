@@ -28,6 +28,12 @@ class SchedRequest:
     blocks_sent: int = 0  # leading blocks of block_table the worker already holds
     finished: bool = False  # finished or aborted: later samples for it are dropped
     adapter: int = 0  # LoRA adapter id (scheduler.adapters); 0: the base model
+    # speculative decoding: a step in flight feeds drafts after this request's last token
+    # (until it returns, where the request stands is unknown: no run-ahead for it)
+    speculating: bool = False
+    ngram: object | None = None  # its drafter's index (scheduler.speculation.NgramIndex)
+    spec_drafted: int = 0  # draft tokens verified for it, and those accepted (its report)
+    spec_accepted: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -66,6 +72,8 @@ class SchedRequest:
         last token). A token a step in flight is sampling counts: the next step can feed
         it as a placeholder the worker fills in, unless that token is the last one
         ``max_tokens`` allows."""
+        if self.speculating:
+            return 0
         if self.samples_in_flight and self.num_generated + self.samples_in_flight >= self.req.max_tokens:
             return 0
         return len(self.token_ids) + self.samples_in_flight - self.num_scheduled
@@ -85,6 +93,12 @@ class SchedRequest:
         self.num_computed += n
         self.samples_in_flight -= sampled
         self.steps_in_flight -= 1
+        self.speculating = False
+
+    def drafts_accepted(self, n: int) -> None:
+        """``n`` drafts fed after the last token were kept: their KV is in the cache."""
+        self.num_computed += n
+        self.num_scheduled += n
 
     def reset_computed(self, num_computed: int = 0) -> None:
         """Back to ``num_computed`` cached tokens (preemption, prefix match); only with

@@ -26,6 +26,9 @@ and each gets a dedicated cell marked ``xfail(strict=True)``: when a fix lands, 
 passes, the strict xfail fails loudly, and the entry is deleted here so the pair returns
 to the covering array.
 
+The ``spec`` server (speculative decoding, n-gram) runs the ``base`` rows, so its answers
+are checked bitwise against base's own references.
+
 The ``store`` server (DP=2 round robin with a shared KV store) runs the ``dp2`` rows
 (``MIRRORED``) rather than joining the covering array, which would change every server's
 cells; its hit cells wait for the warm-up's blocks to reach the store (written behind).
@@ -96,6 +99,11 @@ SERVERS: dict[str, tuple[str, ...]] = {
     # last: the combination fuzz reuses it (preemption, prefix hits and run-ahead at once;
     # priority scheduling on, so the fuzz's non-zero `priority` is served, not refused)
     "preempt": ("--num-kv-blocks", "40", "--scheduling-policy", "priority"),
+    # speculative decoding (n-gram drafts, verified by the model): base's rows, whose
+    # answers it must not change (tokens and logprobs bitwise)
+    "spec": ("--speculative-config", json.dumps({
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+        "prompt_lookup_max": 3})),
 }
 
 
@@ -154,7 +162,7 @@ MAX_TOKENS = {"none": 48, "json_schema": 48, "regex": 48, "choice": 8, "tools_re
 # ------------------------------------------------------------------ the factors
 # servers that run another server's cells instead of joining the covering array (which
 # would then change for every server): store runs dp2's rows
-MIRRORED = {"store": "dp2"}
+MIRRORED = {"store": "dp2", "spec": "base"}
 FACTORS: dict[str, list[Any]] = {
     "server": [name for name in SERVERS if name not in MIRRORED],
     "cache": ["miss", "hit"],
@@ -1095,6 +1103,8 @@ def topology_problem(name: str, srv: CandorServer, log: str) -> str | None:
                                                                 "scheduler": 1})
     if status != 200 or counts != want:
         return f"{name}: /health {status}, processes {counts}, want {want}"
+    if name == "spec" and "spec_drafts" not in srv.engine_stats():
+        return "speculative decoding is not on in the scheduler"
     if name == "sync" and "run-ahead off" not in log:
         return "the no-run-ahead hook did not load in the scheduler"
     return None

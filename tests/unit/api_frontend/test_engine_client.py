@@ -78,6 +78,17 @@ def test_combined_stats_add_dict_fields_key_by_key():
     assert (both.running, both.steps) == (3, 7)
 
 
+def test_combined_stats_add_speculation_counts_per_position():
+    a = ipc.SchedulerStats(0.0, 1, 0, 8, 8, 3, True, spec_drafts=2, spec_draft_tokens=6,
+                           spec_accepted_tokens=3, spec_accepted_per_pos={"0": 2, "1": 1})
+    b = ipc.SchedulerStats(0.0, 1, 0, 8, 8, 3, True, replica=1, spec_drafts=1,
+                           spec_draft_tokens=3, spec_accepted_tokens=1,
+                           spec_accepted_per_pos={"0": 1})
+    both = engine_client.combine_stats([a, b])
+    assert (both.spec_drafts, both.spec_draft_tokens, both.spec_accepted_tokens) == (3, 9, 4)
+    assert both.spec_accepted_per_pos == {"0": 3, "1": 1}
+
+
 async def test_a_lost_tokenizer_worker_fails_what_the_engine_does_not_have_yet(tmp_path):
     """A request stays its tokenizer worker's until the engine has it (``EngineHas``), not
     just until the worker's RequestInfo: a worker killed between the two leaves a request

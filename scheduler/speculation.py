@@ -1,0 +1,119 @@
+"""Draft tokens for speculative decoding, proposed by the scheduler from a request's own ids.
+
+The drafter is deterministic (prompt lookup, vLLM's ``ngram``): the drafts after a
+sequence are the tokens that followed the latest earlier occurrence of its last ``n`` ids,
+for the longest ``n`` in ``prompt_lookup_min..prompt_lookup_max`` that occurs. The worker
+verifies them (gpu_worker/model_runner.py ``_verify``): it keeps the longest run of drafts
+equal to what it would have sampled at each position and adds the token it samples after
+them, so a draft never changes the answer, only how many positions one step computes.
+
+Why the scheduler drafts: it holds every request's ids (prompt, hits and all), and a plan
+is where the KV slots for the drafts are reserved. The price is run-ahead: while a step
+with drafts is in flight the next plan cannot know where the request stands (how many of
+them the worker keeps), so a speculating request sits out the step planned behind its own
+(``SchedRequest.speculating``); every other request of the batch still runs ahead. With
+nothing else running that costs one scheduler round trip per step; with a busy batch it
+would halve the request's steps, which is why ``disable_by_batch_size`` turns drafting off
+there (see ``Drafts.allowed``).
+
+Index: per request and n, a dict from each n-gram that has a successor to its latest start
+(updated incrementally as ids are appended: ids never change once in the list), so a
+proposal costs ``max - min + 1`` dict lookups, whatever the context length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cluster.topology import SpeculativeSpec
+
+
+# A request whose drafts were verified PROBATION times over and kept under LOW_ACCEPTANCE
+# of the time stops speculating: each drafting step costs it the run-ahead overlap.
+PROBATION = 12
+LOW_ACCEPTANCE = 0.25
+
+
+@dataclass
+class NgramIndex:
+    """The latest start of every n-gram (for each n of the range) that some id follows
+    (``upto``: the n-grams ending before that index are in)."""
+
+    low: int
+    high: int
+    upto: int = 0
+    starts: dict[int, dict[tuple[int, ...], int]] = field(default_factory=dict)
+
+    def extend(self, ids: list[int]) -> None:
+        """Index the n-grams of ``ids`` that end before its last id (so each has a
+        successor)."""
+        end = len(ids) - 1  # n-grams must end at an index < end
+        for n in range(self.low, self.high + 1):
+            table = self.starts.setdefault(n, {})
+            for start in range(max(0, self.upto - n), end - n + 1):
+                table[tuple(ids[start:start + n])] = start
+        self.upto = max(self.upto, end)
+
+    def propose(self, ids: list[int], k: int) -> list[int]:
+        """Up to ``k`` ids that followed the latest earlier occurrence of the longest
+        matching suffix of ``ids`` (none: no n-gram of the range recurs)."""
+        self.extend(ids)
+        for n in range(min(self.high, len(ids) - 1), self.low - 1, -1):
+            start = self.starts.get(n, {}).get(tuple(ids[len(ids) - n:]))
+            if start is not None:
+                return ids[start + n:start + n + k]
+        return []
+
+
+@dataclass
+class SpecCounts:
+    """Cumulative speculative-decoding counts (vLLM's spec_decode metrics): steps that
+    carried drafts, drafted tokens, accepted ones, and accepted ones by draft position."""
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def add(self, drafted: int, accepted: int) -> None:
+        self.drafts += 1
+        self.draft_tokens += drafted
+        self.accepted_tokens += accepted
+        if len(self.accepted_per_pos) < drafted:
+            self.accepted_per_pos.extend([0] * (drafted - len(self.accepted_per_pos)))
+        for pos in range(accepted):
+            self.accepted_per_pos[pos] += 1
+
+
+class Drafts:
+    """The drafter of one engine replica (``SpeculativeSpec``)."""
+
+    def __init__(self, spec: SpeculativeSpec) -> None:
+        self.spec = spec
+        self.counts = SpecCounts()
+
+    def allowed(self, running: int) -> bool:
+        """Whether this step drafts at all: not once ``disable_by_batch_size`` requests
+        run (vLLM's rule), where the batch keeps the worker busy without them."""
+        limit = self.spec.disable_by_batch_size
+        return limit is None or running < limit
+
+    @staticmethod
+    def gave_up(req) -> bool:
+        """``req``'s drafts have mostly been rejected (under ``LOW_ACCEPTANCE`` after
+        ``PROBATION`` of them): it decodes on as without speculation."""
+        return req.spec_drafted >= PROBATION and req.spec_accepted < LOW_ACCEPTANCE * req.spec_drafted
+
+    def worth_waiting(self, req, ids: list[int]) -> bool:
+        """Whether ``req`` should give up its run-ahead step for drafts: the drafter
+        matches ``ids``' tail now (a request copying text is likely to match after its
+        next token too)."""
+        req.ngram, draft = self.propose(req.ngram, ids, 1)
+        return bool(draft)
+
+    def propose(self, index: NgramIndex | None, ids: list[int], k: int) -> tuple[NgramIndex, list[int]]:
+        """(the request's index, created on first use; up to ``k`` drafts after ``ids``)."""
+        if index is None:
+            index = NgramIndex(self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
+        k = min(k, self.spec.num_speculative_tokens)
+        return index, (index.propose(ids, k) if k > 0 else [])

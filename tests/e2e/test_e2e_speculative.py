@@ -1,0 +1,216 @@
+"""Speculative decoding never changes an answer, through the real processes: one server
+with ``--speculative-config`` ngram and one without answer greedy and seeded requests
+with bitwise the same choices (text, token ids, logprobs, top_logprobs), alone and in a
+concurrent batch, streamed, with stop strings, n > 1 and penalties; the server with it
+on counts drafts in vLLM's spec_decode metrics and in the response's ``candor`` report."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aiohttp
+import pytest
+
+from tests.support.metrics_text import scrape
+from tests.support.server import CandorServer
+
+MODEL = "tiny-llama"
+SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+                   "prompt_lookup_max": 4})
+# repeated phrases: the prompt-lookup drafter finds n-gram matches to propose
+COPY = ("Repeat exactly: the quick brown fox jumps over the lazy dog. the quick brown fox "
+        "jumps over the lazy dog. the quick brown fox jumps over the lazy dog. the quick")
+PROBES: dict[str, tuple[str, dict]] = {
+    "greedy": ("/v1/completions", {"prompt": COPY, "max_tokens": 200, "temperature": 0,
+                                   "logprobs": 5}),
+    "seeded": ("/v1/completions", {"prompt": COPY, "max_tokens": 32, "temperature": 0.9,
+                                   "top_p": 0.9, "seed": 77, "logprobs": 3}),
+    "penalties": ("/v1/completions", {"prompt": COPY, "max_tokens": 32, "temperature": 0,
+                                      "frequency_penalty": 0.7, "presence_penalty": 0.4,
+                                      "repetition_penalty": 1.2, "logprobs": 2}),
+    "n3": ("/v1/completions", {"prompt": COPY, "max_tokens": 24, "temperature": 1.0,
+                               "seed": 5, "n": 3, "logprobs": 2}),
+    "stop": ("/v1/completions", {"prompt": COPY, "max_tokens": 32, "temperature": 0,
+                                 "stop": ["fox"], "ignore_eos": False}),
+    "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": COPY}],
+                                      "max_tokens": 32, "temperature": 0.7, "seed": 3,
+                                      "logprobs": True, "top_logprobs": 4}),
+}
+
+
+async def _post(session, srv: CandorServer, name: str, stream: bool = False):
+    path, body = PROBES[name]
+    req = {"model": MODEL, "ignore_eos": True, "return_token_ids": True, **body}
+    if stream:
+        req["stream"] = True
+        chunks = []
+        async with session.post(srv.base_url + path, json=req) as resp:
+            assert resp.status == 200, await resp.text()
+            async for line in resp.content:
+                line = line.strip()
+                if line.startswith(b"data: ") and line != b"data: [DONE]":
+                    chunk = json.loads(line[6:])
+                    chunk.pop("candor", None)
+                    chunk.pop("id", None)
+                    chunk.pop("created", None)
+                    chunks.append(chunk)
+        return chunks
+    async with session.post(srv.base_url + path, json=req) as resp:
+        payload = await resp.json()
+        assert resp.status == 200, payload
+        return payload
+
+
+def _choices(payload: dict) -> list:
+    return payload["choices"]
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model_dir, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("spec")
+    flags = ("--served-model-name", MODEL, "--max-model-len", "1024")
+    off = CandorServer(tiny_model_dir, *flags).start(log_path=logs / "off")
+    try:
+        on = CandorServer(tiny_model_dir, *flags, "--speculative-config", SPEC).start(
+            log_path=logs / "on")
+    except BaseException:
+        off.stop()
+        raise
+    try:
+        yield off, on
+    finally:
+        assert on.stop() == 0 and off.stop() == 0
+
+
+async def _all(srv: CandorServer, concurrent: bool, stream: bool = False) -> dict:
+    async with aiohttp.ClientSession() as session:
+        if concurrent:
+            got = await asyncio.gather(*(_post(session, srv, n, stream) for n in PROBES))
+            return dict(zip(PROBES, got))
+        return {n: await _post(session, srv, n, stream) for n in PROBES}
+
+
+async def test_on_equals_off_alone_and_batched(servers):
+    off, on = servers
+    want = await _all(off, concurrent=False)
+    assert want["greedy"]["choices"][0]["logprobs"]["top_logprobs"]
+    for concurrent in (False, True):
+        got = await _all(on, concurrent)
+        for name in PROBES:
+            assert _choices(got[name]) == _choices(want[name]), \
+                f"{name} (concurrent={concurrent}): speculation changed the answer"
+    counted = [got[n]["candor"].get("speculative") for n in PROBES]  # greedy: 200 tokens
+    assert any(c and c["drafted"] > 0 for c in counted), counted
+    assert all(c is None or 0 <= c["accepted"] <= c["drafted"] for c in counted), counted
+    assert all("speculative" not in want[n]["candor"] for n in PROBES)
+    on.wait_all_blocks_free()
+
+
+def _per_choice(chunks: list[dict]) -> dict[int, dict]:
+    """A stream's choices, each one's text, token ids and logprobs in order (the
+    choices of n > 1 interleave however their tokens came)."""
+    out: dict[int, dict] = {}
+    for chunk in chunks:
+        for ch in chunk["choices"]:
+            got = out.setdefault(ch["index"], {"text": "", "ids": [], "logprobs": []})
+            got["text"] += ch.get("text") or (ch.get("delta") or {}).get("content") or ""
+            got["ids"] += ch.get("token_ids") or []
+            if ch.get("logprobs"):
+                got["logprobs"].append(ch["logprobs"])
+            if ch.get("finish_reason"):
+                got["finish_reason"] = ch["finish_reason"]
+    for got in out.values():  # completions' logprobs split by chunk: flatten them
+        lps = got.pop("logprobs")
+        got["logprobs"] = [e for lp in lps for e in (lp.get("content") or list(zip(
+            lp.get("tokens") or [], lp.get("token_logprobs") or [],
+            [json.dumps(t, sort_keys=True) for t in lp.get("top_logprobs") or []])))]
+    return out
+
+
+async def test_on_equals_off_streamed(servers):
+    off, on = servers
+    want = await _all(off, concurrent=False, stream=True)
+    got = await _all(on, concurrent=True, stream=True)
+    assert _per_choice(want["greedy"])[0]["logprobs"]
+    for name in PROBES:
+        assert _per_choice(got[name]) == _per_choice(want[name]), f"{name} streamed: differs"
+
+
+def test_metrics_count_drafts_with_vllm_names(servers):
+    off, on = servers
+    deadline = time.monotonic() + 30
+    while True:  # the counters follow the scheduler's heartbeat
+        s = scrape(on)
+        drafts = s.total("vllm:spec_decode_num_drafts_total")
+        if drafts > 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert drafts > 0, "no drafts counted after the speculative requests (30 s)"
+    tokens = s.total("vllm:spec_decode_num_draft_tokens_total")
+    accepted = s.total("vllm:spec_decode_num_accepted_tokens_total")
+    per_pos = s.total("vllm:spec_decode_num_accepted_tokens_per_pos_total")
+    assert drafts <= tokens <= 4 * drafts and 0 <= accepted <= tokens
+    assert per_pos == accepted
+    if accepted:
+        assert s.total("vllm:spec_decode_num_accepted_tokens_per_pos_total", position="0") > 0
+    assert scrape(off).total("vllm:spec_decode_num_drafts_total") == 0
+
+
+PARAGRAPH = ("The library opens at nine in the morning and closes at six in the evening. "
+             "Visitors may borrow up to five books at a time, and each loan lasts three weeks. "
+             "Books returned late are charged ten cents a day.")
+COPY_CHAT = {"messages": [{"role": "user", "content": "Repeat this paragraph verbatim, "
+                           f"word for word:\n\n{PARAGRAPH}"}],
+             "max_tokens": 64, "temperature": 0, "logprobs": True, "top_logprobs": 3}
+
+
+@pytest.fixture(scope="module")
+def smollm2_pair(tmp_path_factory):
+    from launcher.default_model import SERVED_NAME, default_gguf
+
+    logs = tmp_path_factory.mktemp("spec-smollm2")
+    common = ("--served-model-name", SERVED_NAME, "--max-model-len", "2048",
+              "--kv-cache-memory", "512MiB")
+    env = {"CANDOR_GGUF_CACHE": str(logs / "cache")}
+    off = CandorServer(default_gguf(), *common, env=env).start(timeout=300, log_path=logs / "off")
+    try:
+        on = CandorServer(default_gguf(), *common, "--speculative-config", SPEC,
+                          env=env).start(timeout=300, log_path=logs / "on")
+    except BaseException:
+        off.stop()
+        raise
+    try:
+        yield SERVED_NAME, off, on
+    finally:
+        assert on.stop() == 0 and off.stop() == 0
+
+
+async def _copy(session, srv: CandorServer, model: str, seed: int | None = None) -> dict:
+    body = {"model": model, **COPY_CHAT}
+    if seed is not None:
+        body.update(temperature=0.8, seed=seed)
+    async with session.post(srv.base_url + "/v1/chat/completions", json=body) as resp:
+        payload = await resp.json()
+        assert resp.status == 200, payload
+        return payload
+
+
+async def test_real_model_copy_accepts_drafts_and_equals_off(smollm2_pair):
+    model, off, on = smollm2_pair
+    async with aiohttp.ClientSession() as session:
+        want = [await _copy(session, off, model), await _copy(session, off, model, seed=11)]
+        alone = [await _copy(session, on, model), await _copy(session, on, model, seed=11)]
+        batched = await asyncio.gather(*(_copy(session, on, model, seed)
+                                         for seed in (None, 11, None, 11)))
+    assert "library" in want[0]["choices"][0]["message"]["content"], want[0]
+    for got, where in ((alone, "alone"), (batched[:2], "batched"), (batched[2:], "batched")):
+        for g, w in zip(got, want):
+            assert g["choices"] == w["choices"], f"{where}: speculation changed the answer"
+    report = alone[0]["candor"]["speculative"]
+    assert report["accepted"] > 0, report
+    deadline = time.monotonic() + 30
+    while scrape(on).total("vllm:spec_decode_num_accepted_tokens_total") == 0:
+        assert time.monotonic() < deadline, "no accepted drafts in the metrics after 30 s"
+        time.sleep(0.5)

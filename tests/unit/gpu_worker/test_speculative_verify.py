@@ -1,0 +1,207 @@
+"""Speculative verification at the runner: a request fed drafts gets bitwise the tokens and
+logprobs (top_logprobs included) it gets decoding one token a step, whatever the drafts
+(all right, all wrong, right up to some position), greedy or seeded, with penalties,
+min_tokens and logit_bias, alone or beside other requests. And the M = 1 vs M = 1 + k row
+harness: a verify chunk's rows equal decode rows, kernel by kernel."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpu_worker.attention import cpu_kernel_backend
+from gpu_worker.model_runner import ModelRunner
+from launcher.tiny_model import build_tiny_model
+from protocol.ipc import SamplingParams, SeqChunk, StepPlan
+from tests.support import model_zoo
+
+PROMPT = 40
+NEW = 24
+GREEDY = SamplingParams(temperature=0.0, logprobs=5)
+SEEDED = SamplingParams(temperature=0.9, top_p=0.95, top_k=40, seed=77, logprobs=3)
+PENALIZED = SamplingParams(temperature=0.8, seed=5, logprobs=4, presence_penalty=0.7,
+                           frequency_penalty=0.4, repetition_penalty=1.3,
+                           logit_bias=[(7, 2.5), (9, -1.0)], min_tokens=6,
+                           min_tokens_stop_ids=[0, 1, 2], num_prompt_tokens=PROMPT)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def _prompt(seed: int, n: int = PROMPT) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(6, model_zoo.VOCAB) for _ in range(n)]
+
+
+def generate(runner: ModelRunner, prompts: dict[str, tuple[list[int], SamplingParams]],
+             drafter=None, new: int = NEW) -> dict[str, list]:
+    """Prefill each prompt in one chunk, then decode until ``new`` tokens each (no
+    placeholders). ``drafter(rid, step, out)`` -> drafts for that request's next decode
+    (None: no speculation). Returns rid -> [(token, TokenLogprob)]; asserts every kept
+    count is in range."""
+    bs = runner.block_size
+    free = list(range(runner.num_blocks))
+    random.Random(3).shuffle(free)
+    tables = {rid: [free.pop() for _ in range(-(-(len(p) + new + 8) // bs))]
+              for rid, (p, _) in prompts.items()}
+    out: dict[str, list] = {rid: [] for rid in prompts}
+    pos: dict[str, int] = {}
+    step = 0
+    sent: set[str] = set()
+    while any(len(o) < new for o in out.values()):
+        step += 1
+        seqs = []
+        for rid, (prompt, _) in prompts.items():
+            if len(out[rid]) >= new:
+                continue
+            kept = len(tables[rid]) if rid in sent else 0
+            blocks = [] if rid in sent else tables[rid]
+            if rid not in pos:
+                seqs.append(SeqChunk(rid, list(prompt), 0, blocks, True, kept))
+                continue
+            draft = drafter(rid, step, out[rid]) if drafter else []
+            draft = draft[:new - len(out[rid]) - 1]
+            seqs.append(SeqChunk(rid, [out[rid][-1][0]], pos[rid], blocks, True, kept, [], draft))
+        new_sampling = {rid: prompts[rid][1] for rid in prompts if rid not in sent}
+        sent |= set(new_sampling)
+        result = runner.execute(StepPlan(step, seqs, new_sampling, []))
+        assert not result.failed, result.failed
+        accepted = result.accepted or [0] * len(seqs)
+        for s, token, lp, m in zip(seqs, result.sampled, result.logprobs, accepted):
+            assert 0 <= m <= len(s.draft)
+            kept = list(zip(s.draft[:m], lp.accepted))
+            assert all(e.token_id == t for t, e in kept)
+            out[s.rid] += [*kept, (token, lp.token)]
+            pos[s.rid] = len(prompts[s.rid][0]) + len(out[s.rid]) - 1
+    runner.execute(StepPlan(step + 1, [], {}, released=list(prompts)))
+    return {rid: o[:new] for rid, o in out.items()}
+
+
+def _drafters(want: list):
+    """name -> drafter over the reference output ``want`` (tokens only)."""
+    truth = [t for t, _ in want]
+
+    def right(k):
+        return lambda rid, step, out: truth[len(out):len(out) + k]
+
+    def wrong(k):
+        return lambda rid, step, out: [(t + 1) % model_zoo.VOCAB for t in truth[len(out):len(out) + k]]
+
+    def partial(k):
+        def f(rid, step, out):
+            d = truth[len(out):len(out) + k]
+            cut = step % (k + 1)
+            return d[:cut] + [(t + 3) % model_zoo.VOCAB for t in d[cut:]]
+        return f
+    return {"right k=4": right(4), "right k=1": right(1), "wrong k=3": wrong(3),
+            "partial k=5": partial(5)}
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED, PENALIZED], ids=["greedy", "seeded", "penalties"])
+def test_drafts_never_change_tokens_or_logprobs(tiny_dir, params):
+    runner = ModelRunner(str(tiny_dir), num_blocks=200)
+    assert runner.deterministic, runner.deterministic_note
+    prompts = {"t": (_prompt(1), params)}
+    want = generate(runner, prompts)["t"]
+    assert len({t for t, _ in want}) >= 3 and all(lp is not None for _, lp in want)
+    for name, drafter in _drafters(want).items():
+        got = generate(runner, prompts, drafter)["t"]
+        assert got == want, f"{name}: tokens or logprobs differ from decoding without drafts"
+
+
+def test_drafts_in_a_batch_match_each_request_alone(tiny_dir):
+    runner = ModelRunner(str(tiny_dir), num_blocks=400)
+    prompts = {f"r{i}": (_prompt(10 + i, 20 + 7 * i), p)
+               for i, p in enumerate([GREEDY, SEEDED, PENALIZED, GREEDY, SamplingParams(
+                   temperature=0.7, seed=4, logprobs=20)])}
+    alone = {rid: generate(runner, {rid: v})[rid] for rid, v in prompts.items()}
+    truth = {rid: [t for t, _ in o] for rid, o in alone.items()}
+
+    def drafter(rid, step, out):  # right for some, wrong for others, changing each step
+        d = truth[rid][len(out):len(out) + 1 + (step + len(rid)) % 4]
+        return d if (step + int(rid[1:])) % 3 else [(t + 1) % model_zoo.VOCAB for t in d]
+    got = generate(runner, prompts, drafter)
+    for rid in prompts:
+        assert got[rid] == alone[rid], f"{rid}: differs in a speculating batch"
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gemma2", "mistral-window", "phi3"])
+def test_verify_rows_equal_decode_rows_on_the_zoo(arch, tmp_path):
+    """The model-level M = 1 vs M = 1 + k harness: every architecture's switches (MoE
+    experts, windows, soft-caps, fused projections) give a verify chunk's rows the bits of
+    decode rows."""
+    runner = ModelRunner(str(model_zoo.build(arch, tmp_path / arch)), num_blocks=200)
+    assert runner.deterministic, runner.deterministic_note
+    prompts = {"t": (_prompt(2), GREEDY)}
+    want = generate(runner, prompts, new=12)["t"]
+    truth = [t for t, _ in want]
+    got = generate(runner, prompts, lambda rid, step, out: truth[len(out):len(out) + 3], new=12)
+    assert got["t"] == want
+
+
+def test_a_constrained_chunk_with_drafts_is_a_plan_error(tiny_dir):
+    runner = ModelRunner(str(tiny_dir), num_blocks=50)
+    params = SamplingParams(temperature=0.0, grammar='{"grammars": [{"lark_grammar": "start: /[a-z]+/"}]}')
+    plan = StepPlan(1, [SeqChunk("g", [5, 6], 0, [0], True, 0, [], [7])], {"g": params}, [])
+    with pytest.raises(ValueError, match="drafts on a chunk that is not an unconstrained decode"):
+        runner.execute(plan)
+
+
+# ------------------------------------------------------------ the kernels, M = 1 vs 1 + k
+
+KERNEL = cpu_kernel_backend.load()
+
+
+def test_each_kernel_gives_a_verify_row_the_bits_of_a_decode_row(tiny_dir):
+    """Per kernel of the decode path, on the tiny model's own weights and shapes: the
+    matmuls (through ``Numerics``, padded as served), the norm, the activation, paged
+    attention, the LM head, log-softmax and top-k: row j of an M = 1 + k batch equals
+    the same row computed alone (M = 1), k = 1..8."""
+    runner = ModelRunner(str(tiny_dir), num_blocks=50)
+    numerics = runner.numerics
+    g = torch.Generator().manual_seed(0)
+    model = runner.model
+    hidden = runner.config.hidden_size
+    for k in range(1, 9):
+        x = torch.randn(k + 1, hidden, generator=g)
+        for weight, bias in model.matmuls():
+            if weight.is_meta and id(weight) not in numerics.packed:
+                continue
+            xin = torch.randn(k + 1, weight.shape[1], generator=g)
+            batched = numerics.linear(xin, weight, bias)
+            for j in range(k + 1):
+                assert torch.equal(numerics.linear(xin[j:j + 1], weight, bias)[0], batched[j]), \
+                    f"matmul {tuple(weight.shape)}: row {j} of {k + 1}"
+        act = numerics.activation("silu")
+        norm = model.final_norm
+        for name, f in (("silu", act), ("final norm", norm), ("log_softmax",
+                        lambda t: torch.log_softmax(t, dim=-1))):
+            batched = f(x)
+            for j in range(k + 1):
+                assert torch.equal(f(x[j:j + 1])[0], batched[j]), f"{name}: row {j} of {k + 1}"
+        logits = model.compute_logits(x)
+        values, ids = logits.topk(5, dim=-1)
+        for j in range(k + 1):
+            assert torch.equal(model.compute_logits(x[j:j + 1])[0], logits[j]), f"LM head row {j}"
+            v1, i1 = logits[j:j + 1].topk(5, dim=-1)
+            assert torch.equal(v1[0], values[j]) and torch.equal(i1[0], ids[j])
+
+
+@pytest.mark.skipif(KERNEL is None, reason="no C++ toolchain for the CPU attention kernel")
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_attention_verify_chunk_rows_equal_decode_rows(k):
+    """Paged attention: the 1 + k rows of a verify chunk at the end of a sequence, beside
+    other sequences' decode rows, equal each row attended alone."""
+    from tests.unit.gpu_worker.test_batch_invariance import Sequences
+    seqs = Sequences([37 + k, 20, 64], 4, 2, 32, seed=k)
+    alone = seqs.alone()
+    n = seqs.lens[0]
+    rows = [(1, 19), *[(0, p) for p in range(n - k - 1, n)], (2, 63)]
+    out = seqs.attend(rows)
+    for i, row in enumerate(rows):
+        assert torch.equal(out[i], alone[row]), f"row {row} of a verify chunk of {k + 1}"

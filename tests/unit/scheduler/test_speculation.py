@@ -1,0 +1,175 @@
+"""Speculative decoding in the scheduler: the n-gram drafter, drafts on decode chunks with
+KV slots reserved for them, kept drafts appended and checked for the end one by one,
+rejected drafts' slots never offered to the prefix cache, no run-ahead for a request
+whose drafts are in flight, and the counts."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.topology import SpeculativeSpec
+from protocol.ipc import DetokParams, SamplingParams, TokenizedReq
+from scheduler.block_manager import BlockAllocator
+from scheduler.planner import Planner
+from scheduler.request import SchedRequest
+from scheduler.speculation import NgramIndex
+
+BS = 4
+
+
+def _req(rid: str, prompt: list[int], max_tokens: int = 30, grammar: str | None = None) -> SchedRequest:
+    tok = TokenizedReq(rid=rid, reply_to="ipc://x", prompt_token_ids=prompt, max_tokens=max_tokens,
+                       sampling=SamplingParams(temperature=0.0, grammar=grammar),
+                       detok=DetokParams(), eos_token_ids=[0])
+    return SchedRequest(tok, 0)
+
+
+def _planner(k: int = 3, **kw) -> Planner:
+    spec = SpeculativeSpec(num_speculative_tokens=k, prompt_lookup_min=2, prompt_lookup_max=3, **kw)
+    return Planner(BlockAllocator(64), block_size=BS, max_num_seqs=8, max_num_batched_tokens=64,
+                   speculative=spec)
+
+
+def test_ngram_proposes_what_followed_the_latest_longest_match():
+    idx = NgramIndex(2, 3)
+    ids = [1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 1, 2, 3]
+    # the suffix [1, 2, 3] occurred at 0 (followed by 4, 5, 9); [2, 3] later at 6 (7, 8)
+    assert idx.propose(ids, 3) == [4, 5, 9]
+    ids += [4]
+    assert idx.propose(ids, 2) == [5, 9]  # [2, 3, 4] at 1, incrementally indexed
+    assert NgramIndex(2, 3).propose([5, 6, 7, 8], 3) == []  # nothing recurs
+    assert NgramIndex(1, 1).propose([5, 6, 5], 4) == [6, 5]  # never past the end
+
+
+def test_copy_heavy_decode_carries_drafts_and_kept_ones_are_appended():
+    planner = _planner(k=3)
+    text = [10, 11, 12, 13, 14, 15, 16]
+    req = _req("a", text + [20] + text[:3])
+    planner.waiting.push(req)
+    first = planner.plan()
+    assert first.chunks[0].draft == []  # the prompt's chunk never drafts
+    planner.postprocess(first, [13])
+    step = planner.plan()
+    (chunk,) = step.chunks
+    assert chunk.token_ids == [13] and chunk.draft == [14, 15, 16]
+    assert req.speculating and req.num_pending == 0
+    # KV slots for the token and its three drafts
+    assert len(req.block_table) * BS >= chunk.start_pos + 4
+    assert planner.plan(lookahead=True).chunks == []  # no run-ahead while it speculates
+    out = planner.postprocess(step, [99], accepted=[2])
+    assert [(s.drafted, s.token) for s in out] == [([14, 15], 99)]
+    assert req.token_ids[-3:] == [14, 15, 99] and req.num_generated == 4
+    assert req.num_computed == chunk.start_pos + 3 == req.num_scheduled
+    assert (req.spec_drafted, req.spec_accepted) == (3, 2)
+    counts = planner.drafts.counts
+    assert (counts.drafts, counts.draft_tokens, counts.accepted_tokens) == (1, 3, 2)
+    assert counts.accepted_per_pos == [1, 1, 0]
+    nxt = planner.plan().chunks[0]
+    assert nxt.start_pos == chunk.start_pos + 3 and nxt.token_ids == [99]
+
+
+def test_a_kept_draft_that_ends_the_request_ends_it_there():
+    planner = _planner(k=3)
+    req = _req("a", [7, 5, 6, 9, 0, 8, 7, 5], max_tokens=10)
+    planner.waiting.push(req)
+    planner.postprocess(planner.plan(), [6])
+    step = planner.plan()
+    assert step.chunks[0].draft == [9, 0, 8]
+    out = planner.postprocess(step, [42], accepted=[3])
+    assert [(s.drafted, s.token, s.finish_reason) for s in out] == [([9], 0, "stop")]
+    assert req.finished and req.token_ids[-1] == 0
+
+
+def test_drafts_stay_within_max_tokens_and_the_budget():
+    planner = _planner(k=8)
+    text = list(range(10, 30))
+    req = _req("a", text + text[:2], max_tokens=4)
+    planner.waiting.push(req)
+    planner.postprocess(planner.plan(), [12])
+    step = planner.plan()
+    assert len(step.chunks[0].draft) == 2  # 1 generated, this step's own token, 2 drafts
+
+
+def test_rejected_draft_slots_never_enter_the_prefix_cache():
+    planner = _planner(k=3)
+    text = [10, 11, 12, 13, 14, 15, 16]
+    req = _req("a", text + [20] + text[:3])  # 11 ids: two full blocks
+    planner.waiting.push(req)
+    planner.postprocess(planner.plan(), [13])
+    cached = planner.allocator.num_cached
+    step = planner.plan()
+    planner.postprocess(step, [77], accepted=[0])  # every draft refused
+    # 12 ids computed: three full blocks at most, whose ids are the kept tokens only
+    assert planner.allocator.num_cached == cached + 1 == 3
+    assert req.token_ids[9:] == [11, 12, 13, 77]
+    assert req.num_computed == 12  # the drafts' slots (positions 12..14) count for nothing
+    # the cached blocks hold kept ids only: block 2 is [10, 11, 12, 13]
+    assert planner.cached_run(req, 3) == req.block_table[:3]
+
+
+def test_constrained_requests_and_big_batches_do_not_speculate():
+    planner = _planner(k=3, disable_by_batch_size=2)
+    text = [10, 11, 12, 10, 11]
+    grammar = _req("g", text, grammar="start: /x/")
+    planner.waiting.push(grammar)
+    planner.postprocess(planner.plan(), [12])
+    assert planner.plan().chunks[0].draft == []
+    planner2 = _planner(k=3, disable_by_batch_size=2)
+    a, b = _req("a", text), _req("b", text)
+    planner2.waiting.push(a)
+    planner2.waiting.push(b)
+    planner2.postprocess(planner2.plan(), [12, 12])
+    assert [c.draft for c in planner2.plan().chunks] == [[], []]
+
+
+@pytest.mark.parametrize("bad,why", [
+    ({"method": "suffix"}, "not yet served"),
+    ({"model": "/x"}, "takes no `model`"),
+    ({"prompt_lookup_min": 4, "prompt_lookup_max": 2}, "greater than"),
+])
+def test_bad_configs_are_refused_naming_what(bad, why):
+    import msgspec
+    with pytest.raises(msgspec.ValidationError, match=why):
+        msgspec.convert({"num_speculative_tokens": 2, **bad}, SpeculativeSpec)
+
+
+def _decoding(planner: Planner, prompt: list[int], first: int) -> SchedRequest:
+    req = _req("r", prompt)
+    planner.waiting.push(req)
+    planner.postprocess(planner.plan(), [first])
+    return req
+
+
+def test_a_copying_request_skips_run_ahead_so_its_next_step_drafts():
+    """In the loop a step is always in flight: a request that ran ahead would never
+    have its last token known when planned, and never draft."""
+    planner = _planner(k=3)
+    text = [10, 11, 12, 13, 14, 15, 16]
+    req = _decoding(planner, [30, 31] + text + [20] + text[:2], 12)
+    step = planner.plan()
+    assert step.chunks[0].draft == [13, 14, 15]
+    planner.postprocess(step, [13], accepted=[0])  # all three rejected
+    plain = planner.plan()  # [12, 13]'s successor: 14 — it drafts again
+    assert plain.chunks[0].draft
+    assert planner.plan(lookahead=True).chunks == []  # its drafts are in flight
+
+
+def test_a_request_with_nothing_to_copy_keeps_run_ahead():
+    planner = _planner(k=3)
+    req = _decoding(planner, [40, 41, 42, 43, 44], 45)
+    step = planner.plan()
+    assert step.chunks[0].draft == []  # no n-gram recurs
+    ahead = planner.plan(lookahead=True)
+    assert [c.rid for c in ahead.chunks] == ["r"]  # the placeholder step, as without spec
+    assert req.samples_in_flight == 2
+
+
+def test_drafts_mostly_rejected_turn_speculation_off_for_that_request():
+    from scheduler.speculation import PROBATION
+
+    planner = _planner(k=3)
+    text = [10, 11, 12, 13, 14, 15, 16]
+    req = _decoding(planner, text + [20] + text[:2], 12)
+    req.spec_drafted, req.spec_accepted = PROBATION, 0  # its history so far
+    planner.plan()  # in flight, its token unknown
+    assert [c.rid for c in planner.plan(lookahead=True).chunks] == ["r"]  # runs ahead
