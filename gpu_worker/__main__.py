@@ -132,7 +132,8 @@ def main() -> None:
                            dtype=str(runner.dtype).removeprefix("torch."),
                            deterministic=runner.deterministic,
                            deterministic_note=runner.deterministic_note,
-                           kv_namespace=store.namespace if store is not None else b""))
+                           kv_namespace=store.namespace if store is not None else b"",
+                           bidirectional=runner.config.encoder is not None))
 
     last_sent = time.perf_counter()
     order = PlanOrder()

@@ -20,10 +20,10 @@ from typing import Any, Literal
 
 import msgspec
 
-from gpu_worker.architectures import (gemma, granite, llama, mixtral, olmo2, phi3, qwen, smollm3,
-                                      starcoder2)
-from gpu_worker.architectures.hf_config import (Architecture, LayerSpec, MoeConfig, RopeConfig,
-                                                UnsupportedConfig)
+from gpu_worker.architectures import (bert, gemma, granite, llama, mixtral, olmo2, phi3, qwen,
+                                      smollm3, starcoder2)
+from gpu_worker.architectures.hf_config import (Architecture, EncoderSpec, LayerSpec, MoeConfig,
+                                                RopeConfig, UnsupportedConfig)
 from gpu_worker.quantization.spec import QuantSpec, parse_quantization
 
 # model_type -> its family's declaration: the one table of supported architectures
@@ -41,6 +41,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     "olmo2": olmo2.OLMO2,
     "smollm3": smollm3.SMOLLM3,
     "starcoder2": starcoder2.STARCODER2,
+    "bert": bert.ENCODER,
+    "roberta": bert.ENCODER,
+    "xlm-roberta": bert.ENCODER,
 }
 
 
@@ -85,6 +88,7 @@ class ModelConfig(msgspec.Struct, frozen=True):
     eos_token_ids: list[int] = []
     dtype: str = "float32"
     quantization: QuantSpec | None = None  # the weights' quantized format (quantization.spec)
+    encoder: EncoderSpec | None = None  # set: a bidirectional encoder (models/encoder.py)
 
     @property
     def q_size(self) -> int:

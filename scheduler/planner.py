@@ -112,8 +112,11 @@ class Sampled:
 class Planner:
     def __init__(self, allocator: BlockAllocator, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, enable_prefix_caching: bool = True,
-                 max_loras: int = 0) -> None:
+                 max_loras: int = 0, whole_prompts: bool = False) -> None:
         self.allocator = allocator
+        # a bidirectional encoder's prompt is never split: it waits for a step with room
+        # for all of it (the launcher makes max_num_batched_tokens cover the context)
+        self.whole_prompts = whole_prompts
         self.max_loras = max_loras  # distinct adapters running at once (0: LoRA off)
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -361,7 +364,7 @@ class Planner:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_pending, budget)
-            if n == 0:
+            if n == 0 or (self.whole_prompts and n < req.num_pending):
                 i += 1
                 continue
             while not self._grow(req, n):
@@ -389,6 +392,8 @@ class Planner:
                 if req.adapter not in adapters and len(adapters) >= self.max_loras:
                     at += 1
                     continue
+            if self.whole_prompts and req.num_pending > budget:
+                break  # FCFS: it runs first in a step with room for its whole prompt
             matched = self._match_prefix(req)
             n = min(req.num_pending, budget)
             if not self._grow(req, n):
