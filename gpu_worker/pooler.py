@@ -10,7 +10,8 @@ request afresh (a recompute after preemption feeds it again). At the request's l
 bytes (OpenAI's base64 layout).
 
 A classification checkpoint (``PoolingConfig.task`` classify: a cross-encoder) sends its
-head's raw logits (``head``: the model's ``classify``) of the pooled state instead; the
+head's raw logits (``head``: the model's ``classify``, one row at a time, so a row's
+logits never depend on the batch) of the pooled state instead; the
 frontend applies the activation its route documents.
 
 Under tensor parallelism every rank holds the whole hidden state (the last layer's
@@ -78,8 +79,9 @@ class Pooler:
                                    for s in finishing])
         else:
             vectors = torch.stack([self._partial.pop(s.rid) for s in finishing])
-        if self.head is not None:  # a classifier's logits, in the model's dtype
-            vectors = self.head(vectors.to(hidden.dtype)).float()
+        if self.head is not None:  # a classifier's logits, one row at a time (batch-invariant)
+            rows = vectors.to(hidden.dtype)
+            vectors = torch.cat([self.head(rows[i:i + 1]) for i in range(len(rows))]).float()
         out = []
         for s, vector in zip(finishing, vectors.cpu()):  # one device sync
             dims = self.params.get(s.rid, PoolingParams()).dimensions

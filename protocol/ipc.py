@@ -153,6 +153,9 @@ class PoolReq(_Message, tag="pool", omit_defaults=True):
     priority: int = 0
     replica: int = 0  # the engine replica the frontend's router chose
     probe: bool = False  # /health/generate on an embedding model: ahead of queued traffic
+    # a text pair (a cross-encoder's query + document): tokenized together as the
+    # tokenizer pairs them; its second text's tokens take token type 1
+    pair: str | None = None
 
 
 class TemplateInfo(msgspec.Struct, frozen=True):

@@ -170,9 +170,10 @@ class EncoderModel(nn.Module):
         raise ValueError("this encoder has no classification head")
 
     def matmuls(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """The batched matmuls (the head's run one row at a time: ``Pooler``)."""
         out = []
-        for module in self.modules():
-            if isinstance(module, QuantizableLinear):
+        for name, module in self.named_modules():
+            if isinstance(module, QuantizableLinear) and not name.startswith(("pooler", "classifier")):
                 out += module.method.probes(module)
         return out
 

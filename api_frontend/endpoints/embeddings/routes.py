@@ -101,6 +101,10 @@ async def create(request: web.Request) -> web.Response:
                        "(or add one to the topology's models).", "model", "model_not_found")
     req, keys = decode_request(await request.read(), EmbeddingRequest)
     model, card = models.of_kind(req.model, "pooling", ROUTE)
+    if model.pooling is not None and model.pooling.task == "classify":
+        raise ApiError(400, f"The model {card.id!r} is a classifier (a cross-encoder): it "
+                       "serves /v1/score, /v1/rerank and /classify, not /v1/embeddings",
+                       "model", "wrong_model_task")
     report = TABLE.report(keys, req, api)
     if req.priority != 0 and not api.priority_scheduling:
         raise ApiError(400, "`priority` needs priority scheduling, which this deployment does "
