@@ -52,3 +52,22 @@ def test_an_input_past_max_seq_length_is_a_400_naming_it(minilm_server):
     assert status == 400, body
     assert body["error"]["param"] == "input[1]"
     assert body["error"]["code"] == "context_length_exceeded"
+
+
+def test_score_on_an_embedding_model_is_the_cosine_of_sentence_transformers_embeddings(minilm_server):
+    docs = TEXTS[:3]
+    status, body = minilm_server.post_json("/v1/score", {
+        "model": "all-minilm-l6-v2", "text_1": "Which city is the capital of France?",
+        "text_2": docs})
+    assert status == 200, body
+    query, *refs = st_encode(minilm_dir(), ["Which city is the capital of France?", *docs])
+    want = [_cos(query, ref) for ref in refs]
+    np.testing.assert_allclose([d["score"] for d in body["data"]], want, atol=1e-5)
+    status, body = minilm_server.post_json("/v1/rerank", {
+        "model": "all-minilm-l6-v2", "query": "Which city is the capital of France?",
+        "documents": docs, "top_n": 1})
+    assert status == 200, body
+    assert body["results"][0]["index"] == int(np.argmax(want)) == 2
+    # an embedding model has no labels
+    status, body = minilm_server.post_json("/classify", {"model": "all-minilm-l6-v2", "input": "x"})
+    assert (status, body["error"]["code"]) == (400, "wrong_model_task"), body
