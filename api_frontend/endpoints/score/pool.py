@@ -12,7 +12,6 @@ A failure of any input fails the request with a 4xx naming it; the others are ab
 
 from __future__ import annotations
 
-import asyncio
 import math
 import time
 import uuid
@@ -24,6 +23,7 @@ from aiohttp import web
 from api_frontend.app_keys import API_KEY, MODELS_KEY
 from api_frontend.errors import RETRY_AFTER_S, ApiError
 from api_frontend.limits import check_share
+from api_frontend.pooled import collect
 from protocol import ipc
 
 
@@ -85,35 +85,8 @@ async def run_pooled(request: web.Request, model, inputs: list[tuple[str, str, s
     arrival = time.time()
     subs = [ipc.PoolReq(f"{rid}-{i}", engine.reply_to, text, ipc.PoolingParams(), True, arrival,
                         priority, pair=pair) for i, (_, text, pair) in enumerate(inputs)]
-    index = {sub.rid: i for i, sub in enumerate(subs)}
-    outputs: list[list[float]] = [[] for _ in subs]
-    tokens = 0
-    queue: asyncio.Queue = asyncio.Queue()
-    pending: set[str] = set()
-    try:
-        for sub in subs:
-            await engine.submit(sub, queue)
-            pending.add(sub.rid)
-        while pending:
-            msg = await queue.get()
-            i = index.get(msg.rid)
-            if i is None or msg.rid not in pending:
-                continue
-            if isinstance(msg, ipc.RequestError):
-                pending.discard(msg.rid)
-                engine.release(msg.rid)
-                err = ApiError.from_engine(msg)
-                param = inputs[i][0]
-                err.param, err.message = param, f"{param}: {err.message}"
-                raise err
-            if isinstance(msg, ipc.Pooled):
-                pending.discard(msg.rid)
-                engine.release(msg.rid)
-                outputs[i], tokens = _floats(msg.data), tokens + msg.prompt_tokens
-    finally:
-        for sub_rid in pending:  # an error, or the client left: free their blocks
-            await engine.abort(sub_rid, "disconnect")
-    return Pooled(outputs, tokens)
+    outputs, tokens = await collect(engine, subs, [param for param, _, _ in inputs])
+    return Pooled([_floats(data) for data in outputs], tokens)
 
 
 def sigmoid(x: float) -> float:
