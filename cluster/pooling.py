@@ -10,9 +10,9 @@ L2-normalised (vLLM's default for decoder embedding models). A module or mode th
 change the vector and that Candor does not compute (``Dense``, ``max`` pooling ...) is
 refused at start, naming it, rather than served differently.
 
-A ``*ForSequenceClassification`` checkpoint of an encoder (a cross-encoder) is a
-``classify`` model: its output is the head's ``num_labels`` logits of the first token's
-state (``dimension`` is ``num_labels``), never normalised; it serves /v1/score,
+A ``*ForSequenceClassification`` checkpoint (a cross-encoder) is a ``classify`` model:
+its output is the head's ``num_labels`` logits (``dimension`` is ``num_labels``), never
+normalised, of the first token's state for an encoder, the last token's for a decoder; it serves /v1/score,
 /v1/rerank and /classify, not /v1/embeddings.
 
 Matryoshka (the ``dimensions`` request field) follows vLLM's convention: ``config.json``
@@ -155,14 +155,16 @@ def read_pooling_config(model_path: str) -> PoolingConfig:
 
 
 def _classifier(config: dict[str, Any], archs: list[str]) -> PoolingConfig:
-    if config.get("model_type") not in ENCODER_TYPES:
-        raise UnsupportedPooling(f"{archs[0]}: sequence classification is served for encoder "
-                                 f"models ({', '.join(ENCODER_TYPES)}) only")
+    """An encoder's head reads the first token; a decoder's (``score``) the last one's
+    normed state (HF's ``*ForSequenceClassification`` on an unpadded sequence)."""
+    encoder = config.get("model_type") in ENCODER_TYPES
     id2label = config.get("id2label") or {}
     n = int(config.get("num_labels") or len(id2label) or 2)
     labels = [str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(n)]
-    return PoolingConfig("cls", False, n, f"{archs[0]}: its classification head on the first "
-                         "token", task="classify", labels=labels)
+    where = "first" if encoder else "last"
+    return PoolingConfig("cls" if encoder else "last", False, n, f"{archs[0]}: its "
+                         f"classification head on the {where} token", task="classify",
+                         labels=labels)
 
 
 def auto_runner(model_path: str) -> str:

@@ -89,6 +89,8 @@ class ModelConfig(msgspec.Struct, frozen=True):
     dtype: str = "float32"
     quantization: QuantSpec | None = None  # the weights' quantized format (quantization.spec)
     encoder: EncoderSpec | None = None  # set: a bidirectional encoder (models/encoder.py)
+    # a decoder *ForSequenceClassification: its ``score`` head's outputs (0: none)
+    score_labels: int = 0
 
     @property
     def q_size(self) -> int:
@@ -140,6 +142,9 @@ def parse_config(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None = No
     gen_eos = _int_list((generation_cfg or {}).get("eos_token_id"))
     kwargs["eos_token_ids"] = gen_eos or _int_list(cfg.get("eos_token_id"))
     kwargs["quantization"] = parse_quantization(cfg)
+    archs = [str(a) for a in cfg.get("architectures") or []]
+    if kwargs.get("encoder") is None and any(a.endswith("ForSequenceClassification") for a in archs):
+        kwargs["score_labels"] = int(cfg.get("num_labels") or len(cfg.get("id2label") or {}) or 2)
     return ModelConfig(**kwargs)
 
 

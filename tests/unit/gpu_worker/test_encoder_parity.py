@@ -85,3 +85,58 @@ def test_roberta_positions_start_after_the_padding_id(tmp_path):
     path = encoder_zoo.build("roberta", tmp_path / "r", tokenizer=False)
     cfg = load_config(path)
     assert (cfg.encoder.position_offset, cfg.max_position_embeddings) == (2, 128)
+
+
+@pytest.mark.parametrize("num_labels", [1, 2])
+def test_a_decoder_sequence_classifier_matches_transformers(num_labels, tmp_path):
+    """Qwen3ForSequenceClassification (the converted form of a yes/no reranker such as
+    Qwen3-Reranker: ``score`` = lm_head[yes] - lm_head[no]): its last token's logits."""
+    import transformers
+
+    from tests.support import model_zoo
+
+    config = transformers.Qwen3Config(**{**model_zoo._COMMON, "num_labels": num_labels})
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForSequenceClassification(config).float()
+    model_zoo.perturb(model)
+    model.eval().save_pretrained(tmp_path)
+    pooling = read_pooling_config(str(tmp_path))
+    assert (pooling.task, pooling.method, pooling.dimension) == ("classify", "last", num_labels)
+    runner = ModelRunner(str(tmp_path), block_size=BLOCK, num_blocks=64, pooling=pooling)
+    prompts = [[1, 7, 9, 11, 300], [1, 40, 41], list(range(6, 90))]  # (5 is the pad id)
+    got = _run(runner, prompts, [None] * 3, False)
+    for p, logits in zip(prompts, got):
+        with torch.no_grad():
+            want = model(torch.tensor([p])).logits[0]
+        torch.testing.assert_close(logits, want, atol=2e-5, rtol=1e-5)
+    assert runner.deterministic  # the head runs one row at a time
+
+
+def test_a_yes_no_reranker_converted_to_a_classifier_scores_as_its_lm_heads_yes_no_softmax(tmp_path):
+    """Qwen3-Reranker style: a causal LM judged by P("yes") = softmax([l_no, l_yes])[1] at
+    the last position. Converted as vLLM's ``classifier_from_token`` does (one ``score``
+    row = lm_head[yes] - lm_head[no]), the served score sigmoid(logit) equals that
+    probability computed from transformers' logits of the causal LM."""
+    import transformers
+
+    from tests.support import model_zoo
+
+    causal = model_zoo.build("qwen3", tmp_path / "lm")
+    lm = model_zoo.hf_model(causal)
+    yes, no = 300, 301  # the tiny vocabulary's stand-ins for "yes" and "no"
+    config = transformers.Qwen3Config.from_pretrained(causal)
+    config.architectures, config.num_labels = ["Qwen3ForSequenceClassification"], 1
+    seq = transformers.Qwen3ForSequenceClassification(config).float()
+    seq.model.load_state_dict(lm.model.state_dict())
+    with torch.no_grad():
+        seq.score.weight.copy_(lm.lm_head.weight[yes] - lm.lm_head.weight[no])
+    seq.save_pretrained(tmp_path / "seq-cls")
+    pooling = read_pooling_config(str(tmp_path / "seq-cls"))
+    runner = ModelRunner(str(tmp_path / "seq-cls"), block_size=BLOCK, num_blocks=64, pooling=pooling)
+    prompts = [[1, 7, 9, 11, 300, 12], list(range(6, 70))]
+    got = _run(runner, prompts, [None, None], False)
+    for p, logit in zip(prompts, got):
+        with torch.no_grad():
+            last = lm(torch.tensor([p])).logits[0, -1]
+        want = torch.softmax(torch.stack([last[no], last[yes]]), dim=0)[1]
+        torch.testing.assert_close(torch.sigmoid(logit[0]), want, atol=1e-5, rtol=1e-5)
