@@ -28,8 +28,12 @@ def effective_max_model_len(model_path: str, requested: int | None) -> int:
     """The context the deployment serves: the checkpoint's limit (an embedding
     checkpoint's sentence-transformers ``max_seq_length`` bounds it too: longer inputs
     were never trained), or less if asked."""
-    limit = int(read_model_config(model_path).get("max_position_embeddings", 2048))
+    config = read_model_config(model_path)
+    limit = int(config.get("max_position_embeddings", 2048))
     what = "max_position_embeddings"
+    if config.get("model_type") in ("roberta", "xlm-roberta"):  # positions start at pad + 1
+        limit -= int(config.get("pad_token_id", 1)) + 1
+        what = "max_position_embeddings less its padding offset"
     st_limit = max_seq_length(model_path)
     if st_limit is not None and st_limit < limit:
         limit, what = st_limit, "sentence-transformers max_seq_length"

@@ -10,6 +10,11 @@ L2-normalised (vLLM's default for decoder embedding models). A module or mode th
 change the vector and that Candor does not compute (``Dense``, ``max`` pooling ...) is
 refused at start, naming it, rather than served differently.
 
+A ``*ForSequenceClassification`` checkpoint (a cross-encoder) is a ``classify`` model:
+its output is the head's ``num_labels`` logits (``dimension`` is ``num_labels``), never
+normalised, of the first token's state for an encoder, the last token's for a decoder; it serves /v1/score,
+/v1/rerank and /classify, not /v1/embeddings.
+
 Matryoshka (the ``dimensions`` request field) follows vLLM's convention: ``config.json``
 (or ``config_sentence_transformers.json``) declares ``matryoshka_dimensions`` (the sizes
 allowed) or ``is_matryoshka: true`` (any size up to the full one).
@@ -26,6 +31,8 @@ import msgspec
 from cluster.checkpoint import read_model_config
 
 Method = Literal["last", "mean", "cls"]
+Task = Literal["embed", "classify"]
+ENCODER_TYPES = ("bert", "roberta", "xlm-roberta")
 RUNNERS = ("generate", "pooling")
 # sentence-transformers' pooling modes -> ours; the others are refused
 _ST_MODES: dict[str, Method] = {"lasttoken": "last", "mean": "mean", "cls": "cls"}
@@ -51,6 +58,8 @@ class PoolingConfig(msgspec.Struct, frozen=True):
     source: str
     matryoshka: bool = False
     matryoshka_dimensions: list[int] = []
+    task: Task = "embed"
+    labels: list[str] = []  # classify: the label of each logit (config.json id2label)
 
     def check_dimensions(self, dimensions: int) -> str | None:
         """Why ``dimensions`` cannot be served (None: it can)."""
@@ -131,6 +140,9 @@ def _matryoshka(model_path: str, config: dict[str, Any]) -> tuple[bool, list[int
 def read_pooling_config(model_path: str) -> PoolingConfig:
     """The pooling a ``--runner pooling`` deployment of ``model_path`` computes."""
     config = read_model_config(model_path)
+    archs = [str(a) for a in config.get("architectures") or []]
+    if any(a.endswith("ForSequenceClassification") for a in archs):
+        return _classifier(config, archs)
     modules_path = os.path.join(model_path, "modules.json")
     if os.path.isfile(modules_path):
         method, normalize, source = _from_sentence_transformers(model_path, _json(modules_path))
@@ -142,11 +154,24 @@ def read_pooling_config(model_path: str) -> PoolingConfig:
     return PoolingConfig(method, normalize, int(config["hidden_size"]), source, matryoshka, dims)
 
 
+def _classifier(config: dict[str, Any], archs: list[str]) -> PoolingConfig:
+    """An encoder's head reads the first token; a decoder's (``score``) the last one's
+    normed state (HF's ``*ForSequenceClassification`` on an unpadded sequence)."""
+    encoder = config.get("model_type") in ENCODER_TYPES
+    id2label = config.get("id2label") or {}
+    n = int(config.get("num_labels") or len(id2label) or 2)
+    labels = [str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(n)]
+    where = "first" if encoder else "last"
+    return PoolingConfig("cls" if encoder else "last", False, n, f"{archs[0]}: its "
+                         f"classification head on the {where} token", task="classify",
+                         labels=labels)
+
+
 def auto_runner(model_path: str) -> str:
     """``--runner auto``: pooling for a checkpoint without a language-model head (its
     architectures name a base model, ``Qwen3Model``, as sentence-transformers saves
-    one), generate otherwise (vLLM's rule for ``*Model`` architectures)."""
+    one, or a classifier, ``BertForSequenceClassification``), generate otherwise (vLLM's rule for ``*Model`` architectures)."""
     archs = read_model_config(model_path).get("architectures") or []
-    if archs and all(str(a).endswith("Model") for a in archs):
+    if archs and all(str(a).endswith(("Model", "ForSequenceClassification")) for a in archs):
         return "pooling"
     return "generate"

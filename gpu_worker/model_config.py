@@ -20,10 +20,10 @@ from typing import Any, Literal
 
 import msgspec
 
-from gpu_worker.architectures import (gemma, granite, llama, mixtral, olmo2, phi3, qwen, smollm3,
-                                      starcoder2)
-from gpu_worker.architectures.hf_config import (Architecture, LayerSpec, MoeConfig, RopeConfig,
-                                                UnsupportedConfig)
+from gpu_worker.architectures import (bert, gemma, granite, llama, mixtral, olmo2, phi3, qwen,
+                                      smollm3, starcoder2)
+from gpu_worker.architectures.hf_config import (Architecture, EncoderSpec, LayerSpec, MoeConfig,
+                                                RopeConfig, UnsupportedConfig)
 from gpu_worker.quantization.spec import QuantSpec, parse_quantization
 
 # model_type -> its family's declaration: the one table of supported architectures
@@ -41,6 +41,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     "olmo2": olmo2.OLMO2,
     "smollm3": smollm3.SMOLLM3,
     "starcoder2": starcoder2.STARCODER2,
+    "bert": bert.ENCODER,
+    "roberta": bert.ENCODER,
+    "xlm-roberta": bert.ENCODER,
 }
 
 
@@ -85,6 +88,9 @@ class ModelConfig(msgspec.Struct, frozen=True):
     eos_token_ids: list[int] = []
     dtype: str = "float32"
     quantization: QuantSpec | None = None  # the weights' quantized format (quantization.spec)
+    encoder: EncoderSpec | None = None  # set: a bidirectional encoder (models/encoder.py)
+    # a decoder *ForSequenceClassification: its ``score`` head's outputs (0: none)
+    score_labels: int = 0
 
     @property
     def q_size(self) -> int:
@@ -136,6 +142,9 @@ def parse_config(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None = No
     gen_eos = _int_list((generation_cfg or {}).get("eos_token_id"))
     kwargs["eos_token_ids"] = gen_eos or _int_list(cfg.get("eos_token_id"))
     kwargs["quantization"] = parse_quantization(cfg)
+    archs = [str(a) for a in cfg.get("architectures") or []]
+    if kwargs.get("encoder") is None and any(a.endswith("ForSequenceClassification") for a in archs):
+        kwargs["score_labels"] = int(cfg.get("num_labels") or len(cfg.get("id2label") or {}) or 2)
     return ModelConfig(**kwargs)
 
 

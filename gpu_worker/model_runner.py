@@ -59,6 +59,7 @@ from gpu_worker.lora.store import AdapterStore
 from gpu_worker.model_config import load_config
 from gpu_worker.models import fused_moe, row_ops
 from gpu_worker.models.decoder import DecoderForCausalLM
+from gpu_worker.models.encoder import EncoderModel
 from gpu_worker.pooler import Pooler
 from gpu_worker.quantization import kernels as quant_kernels
 from gpu_worker.quantization.plan import quantize_layers
@@ -67,7 +68,7 @@ from gpu_worker.progress import Progress
 from gpu_worker.request_state import RequestTracker
 from gpu_worker.tp_shard import tp_shard
 from gpu_worker.sampler import NO_TOKEN, Sampler
-from protocol.ipc import (PLACEHOLDER_TOKEN, RequestFailure, SampleLogprobs, SamplingParams,
+from protocol.ipc import (PLACEHOLDER_TOKEN, PoolingParams, RequestFailure, SampleLogprobs, SamplingParams,
                           SeqChunk, StepPlan, StepResult, TokenLogprob, WorkerTimings)
 
 log = logging.getLogger(__name__)
@@ -171,7 +172,9 @@ class ModelRunner:
         self.failed: dict[str, RequestFailure] = {}  # rid -> why; not fed until released
         self.tracker = RequestTracker()  # token history (penalties) and prompt logprobs
         self.timings = WorkerTimings()  # cumulative, sent with every result
-        self.pooler = None if pooling is None else Pooler(pooling, self.model.final_norm)
+        self.pooler = None if pooling is None else Pooler(
+            pooling, self.model.final_norm,
+            self.model.classify if pooling.task == "classify" else None)
         self.accepted: dict[int, int] = {}  # id(chunk) -> drafts kept, this step
         # the KV connectors' loads into the cache, (runner, plan) -> None, run before the
         # forward of a plan with KV work (gpu_worker/kv_connectors: KvConnectors.load)
@@ -181,11 +184,13 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ start-up steps
 
-    def _build_model(self, model_path: str, load_format: str, seed: int) -> DecoderForCausalLM:
+    def _build_model(self, model_path: str, load_format: str, seed: int) -> DecoderForCausalLM | EncoderModel:
         """This rank's shard of the model, its weights loaded (or seeded, ``dummy``). Built
-        on meta (no init cost), then materialised; the loader writes every weight."""
+        on meta (no init cost), then materialised; the loader writes every weight. An
+        encoder config (BERT family) builds the bidirectional ``EncoderModel``."""
+        kind = EncoderModel if self.config.encoder is not None else DecoderForCausalLM
         with torch.device("meta"):
-            model = DecoderForCausalLM(self.config, max_positions=self.max_model_len, device=self.device,
+            model = kind(self.config, max_positions=self.max_model_len, device=self.device,
                                        dtype=self.dtype,
                                        tp=self.ranks.tp_group(self.shard, self.numerics),
                                        lm_head=self.pooling is None)
@@ -249,8 +254,12 @@ class ModelRunner:
     def _allocate_kv_cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Every layer's K and V: [blocks + the scratch block, block_size, kv_heads, head_dim].
         Zeros, not empty: padded decode slots are masked but still multiplied, and
-        uninitialised memory could hold NaN/inf."""
+        uninitialised memory could hold NaN/inf. An encoder keeps no KV between steps:
+        empty tensors (its blocks only bound how many tokens run at once)."""
         cfg = self.config
+        if cfg.encoder is not None:
+            empty = torch.empty(0, dtype=self.dtype, device=self.device)
+            return [(empty, empty)] * cfg.num_layers
         shape = (self.num_blocks + 1, self.block_size, self.shard.kv_heads, cfg.head_dim)
         kv_bytes = (self.num_blocks + 1) * self.block_bytes
         progress = Progress("allocating the KV cache", kv_bytes)
@@ -269,8 +278,8 @@ class ModelRunner:
         cfg, shard = self.config, self.shard
         spec = AttentionSpec(shard.heads, shard.kv_heads, cfg.head_dim, self.block_size, self.dtype,
                              self.device, cfg.scale, tuple((layer.window, cfg.attn_softcap) for layer in cfg.layers),
-                             batch_invariant=batch_invariant)
-        return spec, select_backend(spec)
+                             batch_invariant=batch_invariant, causal=cfg.encoder is None)
+        return spec, select_backend(spec, None if spec.causal else ["bidirectional"])
 
     @property
     def deterministic(self) -> bool:
@@ -509,11 +518,15 @@ class ModelRunner:
                 hidden = self.decode_graphs.run(chunks, ids, positions)
             else:
                 meta = self.attn_backend.build(chunks, len(decodes))
+                extra = {}
+                if self.config.encoder is not None:  # each row's segment (a pair's second text: 1)
+                    extra["token_types"] = self._token_types(ordered, dev)
                 hidden = self.model(
                     torch.tensor(ids, dtype=torch.long, device=dev),
                     torch.tensor(positions, dtype=torch.long, device=dev),
                     self.kv_caches,
                     meta,
+                    **extra,
                 )
         finally:
             if adapted:
@@ -527,6 +540,19 @@ class ModelRunner:
             return self._sample(batch, hidden, pending)
         finally:
             tm.sample += time.perf_counter() - t_sample
+
+    def _token_types(self, ordered: list[SeqChunk], dev: torch.device) -> torch.Tensor:
+        """Each row's token type: 1 from a text pair's ``second_segment`` on, else 0."""
+        types: list[int] = []
+        for s in ordered:
+            split = self.pooler.params.get(s.rid, PoolingParams()).second_segment
+            n = len(s.token_ids)
+            if split is None:
+                types.extend([0] * n)
+            else:
+                first = max(0, min(n, split - s.start_pos))
+                types.extend([0] * first + [1] * (n - first))
+        return torch.tensor(types, dtype=torch.long, device=dev)
 
     def _sample(self, batch: _Batch, hidden: torch.Tensor,
                 pending: tuple[list[int], concurrent.futures.Future] | None) -> _Sampled:

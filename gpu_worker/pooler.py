@@ -9,6 +9,11 @@ request afresh (a recompute after preemption feeds it again). At the request's l
 (Matryoshka), normalised where the checkpoint says so, and sent as little-endian float32
 bytes (OpenAI's base64 layout).
 
+A classification checkpoint (``PoolingConfig.task`` classify: a cross-encoder) sends its
+head's raw logits (``head``: the model's ``classify``, one row at a time, so a row's
+logits never depend on the batch) of the pooled state instead; the
+frontend applies the activation its route documents.
+
 Under tensor parallelism every rank holds the whole hidden state (the last layer's
 all-reduce), and pooling runs no collective, so rank 0's vector is the answer.
 """
@@ -25,9 +30,11 @@ from protocol.ipc import PoolingParams, SeqChunk
 
 
 class Pooler:
-    def __init__(self, config: PoolingConfig, final_norm: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def __init__(self, config: PoolingConfig, final_norm: Callable[[torch.Tensor], torch.Tensor],
+                 head: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.config = config
         self.final_norm = final_norm
+        self.head = head
         self.params: dict[str, PoolingParams] = {}
         self._partial: dict[str, torch.Tensor] = {}  # mean: fp32 sum so far; cls: first state
         self._ready: list[bytes] = []  # the last step's vectors, until the result takes them
@@ -72,12 +79,15 @@ class Pooler:
                                    for s in finishing])
         else:
             vectors = torch.stack([self._partial.pop(s.rid) for s in finishing])
+        if self.head is not None:  # a classifier's logits, one row at a time (batch-invariant)
+            rows = vectors.to(hidden.dtype)
+            vectors = torch.cat([self.head(rows[i:i + 1]) for i in range(len(rows))]).float()
         out = []
         for s, vector in zip(finishing, vectors.cpu()):  # one device sync
             dims = self.params.get(s.rid, PoolingParams()).dimensions
             if dims is not None:
                 vector = vector[:dims]
-            if self.config.normalize:
+            if self.config.normalize and self.head is None:
                 vector = F.normalize(vector, dim=-1)
             out.append(vector.numpy().astype("<f4").tobytes())
         self._ready = out

@@ -64,7 +64,8 @@ class WorkerLoop:
             runner.num_blocks, runner.block_size, runner.max_model_len,
             device=str(runner.device), dtype=str(runner.dtype).removeprefix("torch."),
             deterministic=runner.deterministic,
-            deterministic_note=runner.deterministic_note)))
+            deterministic_note=runner.deterministic_note,
+            bidirectional=runner.config.encoder is not None)))
 
     def run(self, stop: StopFlag) -> None:
         self.announce()

@@ -12,6 +12,7 @@ import socket
 
 import msgspec
 
+from cluster.checkpoint import effective_max_model_len
 from cluster.generation_config import GenerationConfigError, sampling_defaults
 from launcher.supervisor import say
 from cluster.topology import EngineGroup, HttpSpec, NodeSpec, Topology
@@ -100,14 +101,25 @@ def _check_model(group: EngineGroup, tp_keys: dict[int, str]) -> None:
         if problems:
             raise SystemExit(f"candor: cannot split {path} over {size} ranks: "
                              f"{'; '.join(problems)}")
-    if group.runner == "generate" and auto_runner(path) == "pooling":
-        raise SystemExit(f"candor: {path} has no language-model head (a base model "
-                         "architecture): serve it with --runner pooling (runner: pooling)")
+    if group.runner == "generate" and (auto_runner(path) == "pooling" or cfg.encoder is not None):
+        raise SystemExit(f"candor: {path} has no language-model head (a base model, a "
+                         "classifier or an encoder): serve it with --runner pooling "
+                         "(runner: pooling)")
+    context = effective_max_model_len(path, group.model.max_model_len)
+    if cfg.encoder is not None and group.engine.max_num_batched_tokens < context:
+        raise SystemExit(f"candor: {path} is a bidirectional encoder, whose prompts are "
+                         "computed whole in one step: --max-num-batched-tokens "
+                         f"{group.engine.max_num_batched_tokens} is below its context "
+                         f"({context} tokens); raise it or lower --max-model-len")
     if group.runner == "pooling":
         try:
             pooling = read_pooling_config(path)
         except (UnsupportedPooling, OSError, ValueError) as err:
             raise SystemExit(f"candor: cannot pool {path}: {err}") from None
+        if pooling.task == "classify":
+            say(f"{group.model.name()!r}: {pooling.dimension} classification logits "
+                f"({pooling.source})")
+            return
         say(f"{group.model.name()!r}: embeddings by {pooling.method} pooling"
             f"{', L2-normalised' if pooling.normalize else ''}, {pooling.dimension} "
             f"dimensions ({pooling.source})")

@@ -174,10 +174,12 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                         "quantization_config (default: read from it); weights stay quantized")
     g.add_argument("--runner", default=None, choices=["auto", "generate", "pooling"],
                    help="generate: the completion routes; pooling: /v1/embeddings (the "
-                        "checkpoint's sentence-transformers pooling, else last token + L2); "
+                        "checkpoint's sentence-transformers pooling, else last token + L2), "
+                        "/v1/score, /v1/rerank, /classify (a cross-encoder's head); "
                         "auto (default): pooling for a checkpoint without an LM head")
-    g.add_argument("--task", default=None, metavar="auto|generate|embed",
-                   help="vLLM's older spelling: embed (or embedding) is --runner pooling")
+    g.add_argument("--task", default=None, metavar="auto|generate|embed|classify|score",
+                   help="vLLM's older spelling: embed (embedding), classify and score are "
+                        "--runner pooling")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="gpu_worker ranks sharing the model (torch.distributed: NCCL on "
                         "CUDA, gloo on CPU)")
@@ -390,7 +392,9 @@ def model_argument(args: argparse.Namespace) -> str:
     return args.model_tag or args.model or DEFAULT_MODEL_DIR
 
 
-_TASKS = {"auto": "auto", "generate": "generate", "embed": "pooling", "embedding": "pooling"}
+# classify / score: a cross-encoder on the pooling runner (/v1/score, /v1/rerank, /classify)
+_TASKS = {"auto": "auto", "generate": "generate", "embed": "pooling", "embedding": "pooling",
+          "classify": "pooling", "score": "pooling"}
 
 
 def runner(args: argparse.Namespace) -> str:
@@ -399,7 +403,7 @@ def runner(args: argparse.Namespace) -> str:
         return args.runner or "auto"
     if args.task not in _TASKS:
         raise ServeArgsError(f"--task {args.task} is not served by Candor (auto, generate, "
-                             "embed); classify, score and reward models are not supported")
+                             "embed, classify, score); reward models are not supported")
     if args.runner is not None and args.runner != _TASKS[args.task]:
         raise ServeArgsError(f"--task {args.task} means --runner {_TASKS[args.task]}, but "
                              f"--runner {args.runner} was given; give one")

@@ -77,9 +77,12 @@ class GuidedSpec(msgspec.Struct, frozen=True):
 class PoolingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     """What the gpu_worker needs to pool one sequence of a pooling deployment (the
     method and normalisation are the checkpoint's, fixed at start): ``dimensions`` keeps
-    the first n values (Matryoshka) before the vector is normalised."""
+    the first n values (Matryoshka) before the vector is normalised.
+    ``second_segment``: where a text pair's second text starts (a cross-encoder's
+    query + document): its tokens take token type 1 (None: one text, all type 0)."""
 
     dimensions: int | None = None
+    second_segment: int | None = None
 
 
 class DetokParams(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -150,6 +153,9 @@ class PoolReq(_Message, tag="pool", omit_defaults=True):
     priority: int = 0
     replica: int = 0  # the engine replica the frontend's router chose
     probe: bool = False  # /health/generate on an embedding model: ahead of queued traffic
+    # a text pair (a cross-encoder's query + document): tokenized together as the
+    # tokenizer pairs them; its second text's tokens take token type 1
+    pair: str | None = None
 
 
 class TemplateInfo(msgspec.Struct, frozen=True):
@@ -446,6 +452,7 @@ class WorkerReady(_Message, tag="ready"):
     deterministic: bool = False  # batch-invariant kernels in use (see gpu_worker.batch_invariant)
     deterministic_note: str = ""  # what was decided and why
     kv_namespace: bytes = b""  # the shared KV store's key prefix of this replica's KV
+    bidirectional: bool = False  # an encoder: prompts are never split across steps
 
 
 class TokenLogprob(msgspec.Struct, array_like=True):

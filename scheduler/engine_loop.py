@@ -235,7 +235,8 @@ class EngineLoop:
                                eng.max_num_seqs, eng.max_num_batched_tokens,
                                enable_prefix_caching=eng.enable_prefix_caching,
                                max_loras=self.cfg.lora.max_loras if self.adapters.enabled else 0,
-                               speculative=eng.speculative_config)
+                               speculative=eng.speculative_config,
+                               whole_prompts=msg.bidirectional)
         self.kv.worker_ready(msg)
         self.log.info("worker ready: %d KV blocks of %d tokens, %d rank(s)", msg.num_blocks,
                       msg.block_size, self.ranks)
@@ -259,6 +260,12 @@ class EngineLoop:
             self._reject(req, 400, f"this input has {len(req.prompt_token_ids)} tokens but "
                          f"this deployment's KV cache holds {capacity}; shorten it", "input",
                          "kv_cache_too_small")
+            return
+        step_tokens = self.planner.max_num_batched_tokens
+        if self.planner.whole_prompts and len(req.prompt_token_ids) > step_tokens:
+            self._reject(req, 400, f"this input has {len(req.prompt_token_ids)} tokens but an "
+                         f"encoder computes a prompt in one step of at most {step_tokens} "
+                         "(max_num_batched_tokens); shorten it", "input", "context_length_exceeded")
             return
         needed = len(req.prompt_token_ids) + req.max_tokens
         if needed > capacity and req.pooling is None:

@@ -117,9 +117,13 @@ class Sampled:
 class Planner:
     def __init__(self, allocator: BlockAllocator, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, enable_prefix_caching: bool = True,
-                 max_loras: int = 0, speculative: SpeculativeSpec | None = None) -> None:
+                 max_loras: int = 0, speculative: SpeculativeSpec | None = None,
+                 whole_prompts: bool = False) -> None:
         self.allocator = allocator
         self.drafts = Drafts(speculative) if speculative is not None else None
+        # a bidirectional encoder's prompt is never split: it waits for a step with room
+        # for all of it (the launcher makes max_num_batched_tokens cover the context)
+        self.whole_prompts = whole_prompts
         self.max_loras = max_loras  # distinct adapters running at once (0: LoRA off)
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -413,7 +417,8 @@ class Planner:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_pending, budget)
-            if n == 0 or (lookahead and self._waits_to_draft(req)):
+            if n == 0 or (lookahead and self._waits_to_draft(req)) or \
+                    (self.whole_prompts and n < req.num_pending):
                 i += 1
                 continue
             draft = self._draft(req, n, budget)
@@ -444,6 +449,8 @@ class Planner:
                 if req.adapter not in adapters and len(adapters) >= self.max_loras:
                     at += 1
                     continue
+            if self.whole_prompts and req.num_pending > budget:
+                break  # FCFS: it runs first in a step with room for its whole prompt
             matched = self._match_prefix(req)
             n = min(req.num_pending, budget)
             if not self._grow(req, n):

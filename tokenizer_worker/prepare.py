@@ -346,16 +346,34 @@ class RequestPreparer:
         (its special tokens added, as sentence-transformers does), at most the whole
         context (nothing is generated after it); never truncated. Errors name ``input``
         (the frontend names the index)."""
+        pooling = req.pooling
         try:
-            ids = self._pooling_ids(req)
+            if req.pair is not None:
+                ids, second = self._pair_ids(req)
+                pooling = msgspec.structs.replace(pooling, second_segment=second)
+            else:
+                ids = self._pooling_ids(req)
         except _Rejected as rej:
             return rej.error
         tokenized = ipc.TokenizedReq(
             rid=req.rid, reply_to=req.reply_to, prompt_token_ids=ids, max_tokens=1,
             sampling=ipc.SamplingParams(), detok=ipc.DetokParams(),
-            arrival_time=req.arrival_time, priority=req.priority, pooling=req.pooling,
+            arrival_time=req.arrival_time, priority=req.priority, pooling=pooling,
             probe=req.probe)
         return tokenized, ipc.RequestInfo(req.rid, len(ids))
+
+    def _pair_ids(self, req: ipc.PoolReq) -> tuple[list[int], int | None]:
+        """A text pair as the checkpoint's tokenizer pairs them (BERT: [CLS] a [SEP] b
+        [SEP]), and where its token type 1 starts (None: the tokenizer gives none, as
+        RoBERTa's). Never truncated: too long is a 400."""
+        enc = self.tokenizer.backend.encode(req.input, req.pair,
+                                            add_special_tokens=req.add_special_tokens)
+        ids, types = list(enc.ids), list(enc.type_ids)
+        if len(ids) > self.max_model_len:
+            self._fail(req, f"the pair has {len(ids)} tokens; this model's maximum context "
+                       f"length is {self.max_model_len} tokens. Shorten it.", "input",
+                       "context_length_exceeded")
+        return ids, types.index(1) if 1 in types else None
 
     def _pooling_ids(self, req: ipc.PoolReq) -> list[int]:
         limit = self.max_model_len

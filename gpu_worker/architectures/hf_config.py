@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -58,6 +58,18 @@ class MoeConfig(msgspec.Struct, frozen=True):
     top_k: int
     intermediate_size: int
     renormalize: bool  # top-k weights divided by their sum (Mixtral always, Qwen3-MoE by flag)
+
+
+class EncoderSpec(msgspec.Struct, frozen=True):
+    """What a bidirectional encoder (BERT family) has beyond the decoder's switches:
+    token-type embeddings, where position ids start, and its classification head
+    (``none``: a base model; ``bert``: pooler + classifier; ``roberta``: classifier.dense
+    + out_proj), with ``num_labels`` outputs."""
+
+    type_vocab_size: int = 2
+    position_offset: int = 0
+    head: Literal["none", "bert", "roberta"] = "none"
+    num_labels: int = 0
 
 
 class LayerSpec(msgspec.Struct, frozen=True):

@@ -51,6 +51,7 @@ class AttentionSpec:
     scale: float
     layer_kinds: tuple[LayerKind, ...] = ((None, None),)
     batch_invariant: bool = False  # the deterministic mode (see the module docstring)
+    causal: bool = True  # False: a bidirectional encoder (attention/bidirectional.py)
 
     @property
     def kinds(self) -> list[LayerKind]:

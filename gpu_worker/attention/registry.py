@@ -24,6 +24,8 @@ BACKENDS: dict[str, str] = {
     "flashinfer": "gpu_worker.attention.flashinfer_backend:FlashInferBackend",
     "cpu_kernel": "gpu_worker.attention.cpu_kernel_backend:CpuKernelBackend",
     "torch": "gpu_worker.attention.torch_backend:TorchBackend",
+    # encoders only (declines every causal spec; the others serve causal specs only)
+    "bidirectional": "gpu_worker.attention.bidirectional:BidirectionalBackend",
 }
 
 

@@ -276,6 +276,9 @@ class DecoderForCausalLM(nn.Module):
         self.lm_head = (VocabParallelEmbedding(cfg.hidden_size, tp)
                         if lm_head and not cfg.tie_word_embeddings else None)
         self.has_lm_head = lm_head
+        # a *ForSequenceClassification's head over the last token's normed state
+        self.score = (ReplicatedLinear(cfg.hidden_size, cfg.score_labels, False, tp)
+                      if cfg.score_labels else None)
         self.rotary = [RotaryEmbedding(cfg.head_dim, rope, max_positions, device, dtype,
                                        config_max_positions=cfg.max_position_embeddings)
                        for rope in cfg.ropes]
@@ -297,6 +300,10 @@ class DecoderForCausalLM(nn.Module):
         """The last norm over selected rows: HF's ``last_hidden_state`` (what pooling reads)."""
         return self.model.norm(hidden)
 
+    def classify(self, last: torch.Tensor) -> torch.Tensor:
+        """A sequence classifier's logits [rows, labels] from the pooled (normed) state."""
+        return self.score(last)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits for selected rows only; the final norm is row-wise so it can run here."""
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
@@ -314,6 +321,8 @@ class DecoderForCausalLM(nn.Module):
         deterministic mode checks at start-up."""
         out = []
         for module in self.modules():
+            if module is self.score:  # (run one row at a time: gpu_worker.pooler)
+                continue
             if isinstance(module, QuantizableLinear):
                 out += module.method.probes(module)
             elif isinstance(module, Experts) and module.w13.shape[0]:
@@ -333,6 +342,8 @@ class DecoderForCausalLM(nn.Module):
     def checkpoint_target(self, name: str) -> tuple[str, tuple] | None:
         """Checkpoint tensor ``name`` -> (our parameter, the ids its layer's weight_loader
         takes), or None for a tensor that carries nothing we use."""
+        if name.startswith("score.") and self.score is not None:
+            return name, ()
         if not name.startswith(("model.", "lm_head.")):  # a base model's checkpoint
             name = "model." + name
         if name.startswith("lm_head.") and not self.has_lm_head:

@@ -1,4 +1,5 @@
-"""Property-based fuzzing of /v1/embeddings, and of model routing, through a real
+"""Property-based fuzzing of /v1/embeddings and the scoring routes (/v1/score,
+/v1/rerank, /v2/rerank, /classify), and of model routing, through a real
 two-model topology (a generation model and an embedding model behind one frontend).
 
 Bodies come from the server's OpenAPI document as in tests/e2e/test_fuzz_api.py (whose
@@ -125,6 +126,69 @@ def test_generation_routes_with_either_model_never_5xx(client):
             assert resp.status_code == 200, resp.text
 
     run()
+
+
+SCORE_ROUTES = ("/v1/score", "/v1/rerank", "/v2/rerank", "/classify")
+WORD = st.text(min_size=1, max_size=20)  # mostly servable, so that successes are frequent
+TEXTS = TEXT | st.lists(TEXT, max_size=4) | WORD | st.lists(WORD, min_size=1, max_size=3)
+
+
+def _score_bodies(doc: dict, route: str) -> st.SearchStrategy:
+    components = copy.deepcopy(doc["components"]["schemas"])
+    ref = doc["paths"][route]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    valid = from_schema(components[ref["$ref"].rsplit("/", 1)[1]], components)
+    models = st.sampled_from([EMB, EMB, GEN, "nope"])
+    common = st.fixed_dictionaries(
+        {"model": models, "text_1": TEXTS, "text_2": TEXTS, "query": TEXT | WORD,
+         "documents": st.lists(TEXT, max_size=4) | st.lists(WORD, min_size=1, max_size=3),
+         "input": TEXTS},
+        optional={"top_n": st.integers(-1, 5), "return_documents": st.booleans(), "user": TEXT})
+    fields = set(components[ref["$ref"].rsplit("/", 1)[1]]["properties"])
+    narrowed = (st.tuples(valid, models).map(lambda t: {**t[0], "model": t[1]})
+                | common.map(lambda b: {k: v for k, v in b.items() if k in fields}))
+
+    def mutate(b):
+        return st.tuples(st.sampled_from(sorted(b)), JSON_VALUES | HUGE_INTS).map(
+            lambda kv: {**b, kv[0]: kv[1]})
+
+    return st.one_of(narrowed, narrowed.flatmap(mutate), JSON_VALUES)
+
+
+@pytest.mark.parametrize("route", SCORE_ROUTES)
+def test_score_rerank_and_classify_bodies_never_5xx(client, route):
+    """On an embedding model: score and rerank by cosine, /classify a 400 (no labels); a
+    generation model a 400 naming its runner; whatever the body, no 5xx."""
+    doc = client.get("/openapi.json").json()
+    statuses: set[int] = set()
+
+    @_settings
+    @given(body=_score_bodies(doc, route))
+    def run(body):
+        resp = client.post(route, json_body=body)
+        _check(resp, body)
+        statuses.add(resp.status_code)
+        if resp.status_code == 200:
+            reply = resp.json()
+            assert reply["model"] == EMB, reply
+            if route == "/v1/score":
+                assert all(-1.0001 <= d["score"] <= 1.0001 for d in reply["data"]), reply
+            else:
+                assert route != "/classify", reply
+                scores = [r["relevance_score"] for r in reply["results"]]
+                assert scores == sorted(scores, reverse=True), reply
+
+    run()
+    assert 400 in statuses, statuses
+    good = {"model": EMB, "text_1": "a", "text_2": ["b", "c"], "query": "a",
+            "documents": ["b", "c"], "input": "a"}
+    resp = client.post(route, json_body={k: v for k, v in good.items()
+                                         if k in _score_fields(doc, route)})
+    assert resp.status_code == (400 if route == "/classify" else 200), resp.text
+
+
+def _score_fields(doc: dict, route: str) -> set[str]:
+    ref = doc["paths"][route]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    return set(doc["components"]["schemas"][ref["$ref"].rsplit("/", 1)[1]]["properties"])
 
 
 def test_both_engines_healthy_and_nothing_held_after_fuzzing(server, client):

@@ -99,11 +99,12 @@ def test_runner_and_its_task_alias(tiny_model_dir, capsys):
     topo, _ = serve_args_to_topology([str(tiny_model_dir)], environ={})
     assert topo.model.runner == "auto" and topo.model.runner_kind() == "generate"
     for flags in (["--runner", "pooling"], ["--task", "embed"], ["--task", "embedding"],
-                  ["--task", "embed", "--runner", "pooling"]):
+                  ["--task", "embed", "--runner", "pooling"], ["--task", "classify"],
+                  ["--task", "score"]):
         topo, _ = serve_args_to_topology([str(tiny_model_dir), *flags], environ={})
         assert topo.model.runner_kind() == "pooling", flags
     for flags, says in ((["--task", "embed", "--runner", "generate"], "give one"),
-                        (["--task", "classify"], "auto, generate, embed")):
+                        (["--task", "reward"], "auto, generate, embed, classify, score")):
         with pytest.raises(SystemExit):
             serve_args_to_topology([str(tiny_model_dir), *flags], environ={})
         assert says in capsys.readouterr().err

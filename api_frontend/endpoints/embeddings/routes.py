@@ -9,7 +9,6 @@ naming ``input[i]``; the other inputs are aborted (their KV blocks freed).
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import sys
 import time
@@ -25,6 +24,7 @@ from api_frontend.endpoints.spec import Endpoint, Route
 from api_frontend.errors import RETRY_AFTER_S, ApiError
 from api_frontend.generate import client_request_id
 from api_frontend.json_body import decode_request
+from api_frontend.pooled import collect
 from api_frontend.limits import check_share
 from cluster.pooling import PoolingConfig
 from cluster.topology import RequestLimits
@@ -75,14 +75,6 @@ def _pooling_params(dimensions: int | None, pooling: PoolingConfig | None) -> ip
     return ipc.PoolingParams(dimensions)
 
 
-def _named(err: ApiError, param: str) -> ApiError:
-    """An input's error under that input's name (``input[i]``)."""
-    if err.param == "input" and param != "input":
-        err.param = param
-        err.message = f"{param}: {err.message}"
-    return err
-
-
 def _vector(data: bytes, encoding: str) -> list[float] | str:
     if encoding == "base64":
         return base64.b64encode(data).decode("ascii")
@@ -101,6 +93,10 @@ async def create(request: web.Request) -> web.Response:
                        "(or add one to the topology's models).", "model", "model_not_found")
     req, keys = decode_request(await request.read(), EmbeddingRequest)
     model, card = models.of_kind(req.model, "pooling", ROUTE)
+    if model.pooling is not None and model.pooling.task == "classify":
+        raise ApiError(400, f"The model {card.id!r} is a classifier (a cross-encoder): it "
+                       "serves /v1/score, /v1/rerank and /classify, not /v1/embeddings",
+                       "model", "wrong_model_task")
     report = TABLE.report(keys, req, api)
     if req.priority != 0 and not api.priority_scheduling:
         raise ApiError(400, "`priority` needs priority scheduling, which this deployment does "
@@ -119,32 +115,7 @@ async def create(request: web.Request) -> web.Response:
     subs = [ipc.PoolReq(f"{rid}-{i}", engine.reply_to, value, pooling,
                         req.add_special_tokens, arrival, req.priority)
             for i, (_, value) in enumerate(inputs)]
-    index = {sub.rid: i for i, sub in enumerate(subs)}
-    vectors: list[bytes | None] = [None] * len(subs)
-    tokens = [0] * len(subs)
-    queue: asyncio.Queue = asyncio.Queue()
-    pending: set[str] = set()
-    try:
-        for sub in subs:
-            await engine.submit(sub, queue)
-            pending.add(sub.rid)
-        while pending:
-            msg = await queue.get()
-            i = index.get(msg.rid)
-            if i is None or msg.rid not in pending:
-                continue
-            if isinstance(msg, ipc.RequestError):
-                pending.discard(msg.rid)
-                engine.release(msg.rid)
-                raise _named(ApiError.from_engine(msg), inputs[i][0])
-            if isinstance(msg, ipc.Pooled):
-                vectors[i], tokens[i] = msg.data, msg.prompt_tokens
-                pending.discard(msg.rid)
-                engine.release(msg.rid)
-    finally:
-        for sub_rid in pending:  # an error, or the client left: free their KV blocks
-            await engine.abort(sub_rid, "disconnect")
-    total = sum(tokens)
+    vectors, total = await collect(engine, subs, [param for param, _ in inputs])
     body = EmbeddingResponse(
         data=[EmbeddingData(i, _vector(v, req.encoding_format)) for i, v in enumerate(vectors)],
         model=card.id, usage=EmbeddingUsage(total, total), candor=report)

@@ -1,5 +1,7 @@
 """Scheduler policy without processes: chunking, block accounting, preemption."""
 
+import msgspec
+
 from protocol.ipc import DetokParams, SamplingParams, TokenizedReq
 from scheduler.block_manager import BlockAllocator
 from scheduler.planner import Planner
@@ -272,3 +274,24 @@ def test_prefix_hits_count_only_admitted_requests():
     planner.waiting.push(fits)
     assert [c.start_pos for c in planner.plan().chunks] == [8]
     assert planner.prefix_hit_blocks == 2
+
+
+def test_an_encoder_prompt_is_never_split_it_waits_for_a_step_with_room():
+    """``whole_prompts`` (a bidirectional encoder): a prompt that does not fit the step's
+    remaining budget waits for the next step rather than being chunked."""
+    from protocol.ipc import PoolingParams
+
+    def pooled(rid, n):
+        req = _req(rid, n, max_tokens=1)
+        req.req = msgspec.structs.replace(req.req, pooling=PoolingParams())
+        return req
+
+    planner = Planner(BlockAllocator(64), block_size=4, max_num_seqs=8, max_num_batched_tokens=16,
+                      whole_prompts=True)
+    a = pooled("a", 10)
+    _wait(planner, a, pooled("b", 10), pooled("c", 6))
+    first = _run_step(planner)
+    assert [(c.rid, c.start_pos, len(c.token_ids)) for c in first] == [("a", 0, 10)]
+    planner.finish(a)  # its one output ends it (the engine loop's rule for pooling)
+    second = _run_step(planner)
+    assert [(c.rid, c.start_pos, len(c.token_ids)) for c in second] == [("b", 0, 10), ("c", 0, 6)]

@@ -1,0 +1,152 @@
+"""/v1/score, /v1/rerank, /v2/rerank and /classify through the real processes, on tiny
+random BERT cross-encoders built with transformers' own classes, against
+sentence-transformers' CrossEncoder on the same checkpoint; and what a generation
+server answers on these routes."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from tests.support.server import CandorServer
+
+pytest.importorskip("sentence_transformers")
+
+from tests.support import encoder_zoo  # noqa: E402
+
+QUERY = "What is the capital of France?"
+DOCS = ["Paris is the capital of France.", "Berlin is the capital of Germany.",
+        "The quick brown fox jumps over the lazy dog.", "a cat"]
+
+
+@pytest.fixture(scope="module")
+def reranker(tmp_path_factory):
+    return encoder_zoo.build("bert", tmp_path_factory.mktemp("ce") / "bert-ce", classifier=True,
+                             num_labels=1)
+
+
+@pytest.fixture(scope="module")
+def rerank_server(reranker):
+    srv = CandorServer(reranker, "--served-model-name", "tiny-reranker", "--runner", "pooling").start()
+    yield srv
+    assert srv.stop() == 0
+
+
+def _cross_encoder(path):
+    from sentence_transformers import CrossEncoder
+    return CrossEncoder(str(path), device="cpu")
+
+
+def test_cross_encoder_scores_equal_sentence_transformers_cross_encoder(rerank_server, reranker):
+    want = _cross_encoder(reranker).predict([(QUERY, d) for d in DOCS])
+    status, body = rerank_server.post_json("/v1/score", {"model": "tiny-reranker",
+                                                         "text_1": QUERY, "text_2": DOCS})
+    assert status == 200, body
+    assert body["object"] == "list" and [d["index"] for d in body["data"]] == [0, 1, 2, 3]
+    np.testing.assert_allclose([d["score"] for d in body["data"]], want, atol=1e-5)
+    assert body["usage"]["prompt_tokens"] > 0
+    # two lists pair item by item
+    status, body = rerank_server.post_json("/v1/score", {"model": "tiny-reranker",
+                                                         "text_1": [QUERY, DOCS[3]],
+                                                         "text_2": [DOCS[0], DOCS[1]]})
+    assert status == 200, body
+    pair_want = _cross_encoder(reranker).predict([(QUERY, DOCS[0]), (DOCS[3], DOCS[1])])
+    np.testing.assert_allclose([d["score"] for d in body["data"]], pair_want, atol=1e-5)
+    for route in ("/v1/rerank", "/v2/rerank"):
+        status, body = rerank_server.post_json(route, {"model": "tiny-reranker", "query": QUERY,
+                                                       "documents": DOCS})
+        assert status == 200, body
+        got = {r["index"]: r["relevance_score"] for r in body["results"]}
+        np.testing.assert_allclose([got[i] for i in range(len(DOCS))], want, atol=1e-5)
+        assert [r["index"] for r in body["results"]] == list(np.argsort(-want, kind="stable"))
+        assert body["usage"]["total_tokens"] > 0
+
+
+def test_rerank_sorts_cuts_to_top_n_and_drops_documents(rerank_server, reranker):
+    want = _cross_encoder(reranker).predict([(QUERY, d) for d in DOCS])
+    status, body = rerank_server.post_json("/v1/rerank", {
+        "model": "tiny-reranker", "query": QUERY, "documents": DOCS, "top_n": 2,
+        "return_documents": False})
+    assert status == 200, body
+    assert [r["index"] for r in body["results"]] == list(np.argsort(-want, kind="stable")[:2])
+    assert all("document" not in r for r in body["results"])
+    status, body = rerank_server.post_json("/v1/rerank", {
+        "model": "tiny-reranker", "query": QUERY, "documents": DOCS, "top_n": 1})
+    best = int(np.argmax(want))
+    assert body["results"] == [{"index": best, "relevance_score": pytest.approx(float(want[best]), abs=1e-5),
+                                "document": {"text": DOCS[best]}}]
+
+
+def test_classify_gives_softmax_probs_and_labels(tmp_path):
+    path = encoder_zoo.build("bert", tmp_path / "clf", classifier=True, num_labels=3)
+    texts = ["a quick fox", DOCS[0]]
+    srv = CandorServer(path, "--served-model-name", "clf", "--runner", "pooling").start()
+    try:
+        status, body = srv.post_json("/classify", {"model": "clf", "input": texts})
+        assert status == 200, body
+        for text, row in zip(texts, body["data"]):
+            ref = encoder_zoo.hf_logits(path, _bert_ids(path, text)).tolist()
+            exps = [math.exp(x - max(ref)) for x in ref]
+            probs = [e / sum(exps) for e in exps]
+            np.testing.assert_allclose(row["probs"], probs, atol=1e-5)
+            assert row["num_classes"] == 3
+            assert row["label"] == f"LABEL_{int(np.argmax(probs))}"
+        # a classifier with 3 labels does not rerank; nor does it embed
+        status, body = srv.post_json("/v1/rerank", {"model": "clf", "query": "q", "documents": ["d"]})
+        assert (status, body["error"]["code"]) == (400, "wrong_model_task"), body
+        status, body = srv.post_json("/v1/embeddings", {"model": "clf", "input": "d"})
+        assert (status, body["error"]["code"]) == (400, "wrong_model_task"), body
+    finally:
+        assert srv.stop() == 0
+
+
+def _bert_ids(path, text):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path)(text)["input_ids"]
+
+
+def _error(status, body, want_status, param, code):
+    assert status == want_status, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert (err["param"], err["code"]) == (param, code), err
+    return err["message"]
+
+
+def test_bad_inputs_are_400s_naming_the_field(rerank_server):
+    post = rerank_server.post_json
+    _error(*post("/v1/score", {"model": "tiny-reranker", "text_1": ["a", "b"],
+                               "text_2": ["a", "b", "c"]}), 400, "text_2", "invalid_value")
+    _error(*post("/v1/score", {"model": "tiny-reranker", "text_1": "a", "text_2": ["b", ""]}),
+           400, "text_2[1]", "invalid_value")
+    _error(*post("/v1/rerank", {"model": "tiny-reranker", "query": "q", "documents": []}),
+           400, "documents", "invalid_value")
+    _error(*post("/v1/rerank", {"model": "tiny-reranker", "query": "q",
+                                "documents": ["fine", "word " * 200]}),
+           400, "documents[1]", "context_length_exceeded")
+    _error(*post("/v1/rerank", {"model": "tiny-reranker", "query": "q", "documents": ["d"],
+                                "truncate_prompt_tokens": 8}), 400, "truncate_prompt_tokens",
+           "unsupported_field")
+    _error(*post("/v1/rerank", {"model": "nope", "query": "q", "documents": ["d"]}),
+           404, "model", "model_not_found")
+    _error(*post("/classify", {"model": "tiny-reranker", "input": "x", "priority": 3}),
+           400, "priority", "unsupported_field")
+    status, body = post("/v1/score", {"model": "tiny-reranker", "text_1": "a", "text_2": "b",
+                                      "user": "u", "colour": 1})
+    assert status == 200, body
+    assert {n["field"] for n in body["candor"]["ignored"]} >= {"user", "colour"}
+    assert post("/v1/score", {"model": "tiny-reranker", "text_1": "a", "text_2": "b",
+                              "user": "u", "strict": True})[0] == 400
+    # the engine is still serving
+    assert post("/v1/score", {"model": "tiny-reranker", "text_1": "a", "text_2": "b"})[0] == 200
+
+
+def test_a_generation_server_answers_score_routes_with_a_404_naming_what_to_serve(server):
+    for path, body in (("/v1/score", {"model": "tiny-llama", "text_1": "a", "text_2": "b"}),
+                       ("/v1/rerank", {"model": "tiny-llama", "query": "a", "documents": ["b"]}),
+                       ("/v2/rerank", {"model": "tiny-llama", "query": "a", "documents": ["b"]}),
+                       ("/classify", {"model": "tiny-llama", "input": "a"})):
+        message = _error(*server.post_json(path, body), 404, "model", "model_not_found")
+        assert "--runner pooling" in message and "tiny-llama" in message
