@@ -275,6 +275,8 @@ class TokenizedReq(_Message, tag="tokenized", omit_defaults=True):
     pooling: PoolingParams | None = None
     lora: str | None = None  # LoRA adapter name (the scheduler resolves it; None: the base)
     decode_replica: int = -1  # disaggregation: hand it there after its first token
+    # the prompt's images (LLaVA-style checkpoints): pixels and placeholder spans, in order
+    images: list[ImageInput] = []
 
 
 class KvHandoff(_Message, tag="kv_handoff"):
