@@ -244,6 +244,22 @@ class RenderResult(_Message, tag="render_result", omit_defaults=True):
 # ---------------------------------------------------------------- tokenizer -> scheduler
 
 
+class ImageInput(msgspec.Struct, array_like=True, frozen=True):
+    """One image of a prompt, preprocessed by the model's HF image processor in the
+    tokenizer worker: its pixel values as raw bytes (C order, ``dtype`` as numpy names it,
+    ``shape`` e.g. [3, 336, 336]) and where its placeholder tokens sit in the prompt
+    (``offset``, ``length``: the span the vision tower's embeddings replace).
+    ``content_hash`` (sha256 of the pixel values) keys the prefix cache: two different
+    images behind the same placeholder ids must never share KV."""
+
+    pixels: bytes
+    shape: list[int]
+    dtype: str
+    offset: int
+    length: int
+    content_hash: bytes
+
+
 class TokenizedReq(_Message, tag="tokenized", omit_defaults=True):
     """A request ready to schedule: prompt ids and an exact token budget."""
 
@@ -265,6 +281,8 @@ class TokenizedReq(_Message, tag="tokenized", omit_defaults=True):
     pooling: PoolingParams | None = None
     lora: str | None = None  # LoRA adapter name (the scheduler resolves it; None: the base)
     decode_replica: int = -1  # disaggregation: hand it there after its first token
+    # the prompt's images (LLaVA-style checkpoints): pixels and placeholder spans, in order
+    images: list[ImageInput] = []
 
 
 class KvHandoff(_Message, tag="kv_handoff"):

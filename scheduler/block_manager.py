@@ -22,7 +22,9 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 
-BlockKey = tuple[int, str | None, tuple[int, ...]]
+# (parent hash, cache salt, the block's token ids then the content hash of each image
+# whose placeholder span the block overlaps: two images behind the same ids never alias)
+BlockKey = tuple[int, str | None, tuple[int | bytes, ...]]
 
 ROOT_HASH = 0  # the "parent" of a base-model prompt's first block (adapter n: n)
 

@@ -64,7 +64,11 @@ class SchedRequest:
         base model), so every block of the chain is the adapter's own: a block computed
         under one adapter never serves another adapter or the base model."""
         parent = self.block_hashes[i - 1] if i else ROOT_HASH + self.adapter
-        return parent, self.req.cache_salt, tuple(self.token_ids[i * block_size:(i + 1) * block_size])
+        start, end = i * block_size, (i + 1) * block_size
+        tokens = tuple(self.token_ids[start:end])
+        images = tuple(im.content_hash for im in self.req.images
+                       if im.offset < end and im.offset + im.length > start)
+        return parent, self.req.cache_salt, tokens + images
 
     @property
     def num_pending(self) -> int:

@@ -26,6 +26,22 @@ def logprobs_k(req: ChatCompletionRequest) -> tuple[int, int]:
     return (req.top_logprobs or 0) if req.logprobs else -1, prompt_k
 
 
+def _check_image_url(image_url: object, param: str) -> None:
+    """The URL's shape only (DESIGN: images are decoded in the tokenizer worker): an object
+    with a string ``url``; remote URLs are refused, as no operator allow-list exists."""
+    url = image_url.get("url") if isinstance(image_url, dict) else None
+    if not isinstance(url, str):
+        raise ApiError(400, "an image_url part needs `image_url: {\"url\": ...}`", param,
+                       "invalid_value")
+    if url.startswith(("http://", "https://")):
+        raise ApiError(400, "remote image URLs are not fetched by this deployment; send the "
+                       "image inline as a data: URL (data:image/png;base64,...)",
+                       f"{param}.url", "unsupported_image_url")
+    if not url.startswith("data:"):
+        raise ApiError(400, "an image URL must be a data: URL (data:image/png;base64,...)",
+                       f"{param}.url", "invalid_value")
+
+
 def chat_to_generate(req: ChatCompletionRequest, rid: str, reply_to: str, arrival: float,
                      raw_keys: list[str] = (), api: ApiSpec | None = None) -> Translated:
     api = api or ApiSpec()
@@ -47,6 +63,8 @@ def chat_to_generate(req: ChatCompletionRequest, rid: str, reply_to: str, arriva
                            "list of text parts)", f"messages[{i}].content", "invalid_value")
         if isinstance(message.content, list):
             for j, part in enumerate(message.content):
+                if part.type == "image_url":
+                    _check_image_url(part.image_url, f"messages[{i}].content[{j}].image_url")
                 if part.type != "text" or part.text is None:
                     raise ApiError(400, f"content part type {part.type!r} is not supported "
                                    "by this text-only model (only 'text' parts are)",

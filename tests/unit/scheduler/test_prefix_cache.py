@@ -357,3 +357,30 @@ def test_a_hit_sends_its_prompt_ids_once_to_requests_that_read_their_history():
     assert got["plain"].context == [] and got["pen"].context == prompt[:8]
     got = {c.rid: c for c in _step(planner)}
     assert got["pen"].context == []  # the worker has it now
+
+
+def _image(offset, length, content_hash):
+    from protocol.ipc import ImageInput
+
+    return ImageInput(pixels=b"", shape=[0], dtype="float32", offset=offset, length=length,
+                      content_hash=content_hash)
+
+
+def test_blocks_covering_different_images_never_share():
+    """Same prompt ids (the placeholders of an image at positions 5..9), different image
+    content: the text-only block before the image is shared, every block the image
+    overlaps is not; the same image again shares them all."""
+    planner = _planner()
+    prompt = list(range(1, 13))
+    a = _req("a", prompt)
+    a.req.images.append(_image(5, 5, b"cat"))
+    planner.waiting.push(a)
+    _step(planner)
+    other, same = _req("other", prompt, seq=1), _req("same", prompt, seq=2)
+    other.req.images.append(_image(5, 5, b"dog"))
+    same.req.images.append(_image(5, 5, b"cat"))
+    _wait(planner, other, same)
+    _step(planner)
+    assert other.cached_tokens == 4 and other.block_table[0] == a.block_table[0]
+    assert not set(other.block_table[1:]) & set(a.block_table)
+    assert same.cached_tokens == 8

@@ -1,0 +1,80 @@
+"""An ``image_url`` content part -> a decoded RGB image, inside the deployment's limits.
+
+Images are decoded here, in the tokenizer worker, and nowhere else (DESIGN's process split):
+the frontend only checks the URL's shape. Every failure is an ``ImageError`` whose message
+says what was wrong, so the caller can answer a 400 naming the message and part; Pillow's own
+exceptions (truncated file, unknown format, decompression bomb) never escape.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import re
+
+import msgspec
+from PIL import Image
+
+_DATA_URL = re.compile(r"data:(?P<mime>image/[A-Za-z0-9.+-]+)?(?P<params>(;[^;,]*)*?);base64,",
+                       re.IGNORECASE)
+DEFAULT_MAX_BYTES = 20 * 1024 * 1024
+DEFAULT_MAX_PIXELS = 4096 * 4096
+
+
+class ImageLimits(msgspec.Struct, frozen=True):
+    """The most one image may be: ``max_bytes`` of encoded file, ``max_pixels`` once decoded
+    (width x height, checked from the header before the pixels are decoded)."""
+
+    max_bytes: int = DEFAULT_MAX_BYTES
+    max_pixels: int = DEFAULT_MAX_PIXELS
+
+
+class ImageError(ValueError):
+    """An image the request must be refused for; the message is the client's."""
+
+
+def image_bytes(url: str, limits: ImageLimits) -> bytes:
+    """The encoded file inside a ``data:image/...;base64,`` URL. Remote URLs are not fetched
+    (no operator allow-list exists yet)."""
+    if url.startswith(("http://", "https://")):
+        raise ImageError("remote image URLs are not fetched by this deployment; send the "
+                         "image inline as a data: URL (data:image/png;base64,...)")
+    match = _DATA_URL.match(url)
+    if match is None:
+        raise ImageError("an image URL must be a base64 data: URL "
+                         "(data:image/png;base64,...)")
+    payload = url[match.end():]
+    # base64 is 4 characters per 3 bytes: refuse before decoding what is too big anyway
+    if len(payload) * 3 // 4 > limits.max_bytes + 2:
+        raise ImageError(f"the image is larger than this deployment's limit of "
+                         f"{limits.max_bytes} bytes")
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise ImageError("the image's data: URL is not valid base64") from None
+    if len(data) > limits.max_bytes:
+        raise ImageError(f"the image is {len(data)} bytes, more than this deployment's limit "
+                         f"of {limits.max_bytes}")
+    return data
+
+
+def decode_image(data: bytes, limits: ImageLimits) -> Image.Image:
+    """The image as RGB (what the HF image processors convert to), its size checked from the
+    header first so a small file that decodes to a huge image is refused unread."""
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            width, height = img.size
+            if width * height > limits.max_pixels:
+                raise ImageError(f"the image is {width}x{height} pixels, more than this "
+                                 f"deployment's limit of {limits.max_pixels}")
+            img.load()
+            return img.convert("RGB")
+    except ImageError:
+        raise
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
+        raise ImageError(f"the image cannot be decoded ({type(exc).__name__})") from None
+
+
+def load_image(url: str, limits: ImageLimits) -> Image.Image:
+    return decode_image(image_bytes(url, limits), limits)
