@@ -129,11 +129,14 @@ def llamacpp_server(python: str, gguf: Path, served_name: str, threads: int,
                     context: int, log_dir: Path | None = None) -> Server:
     """llama-cpp-python's OpenAI server (``make bench-peers`` builds its venv) on a GGUF
     file: ``threads`` for decode and prompt alike, a ``context``-token context. It takes
-    no token ids and has no ignore_eos: text prompts and ``min_tokens``."""
+    no token ids and has no ignore_eos: text prompts and ``min_tokens``. It runs one
+    request at a time; by default a waiting request cuts the running one's stream short
+    (``interrupt_requests``): off, so concurrent requests queue as on any server."""
     port = free_port()
     cmd = [python, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", served_name,
            "--host", "127.0.0.1", "--port", str(port), "--n_threads", str(threads),
-           "--n_threads_batch", str(threads), "--n_ctx", str(context)]
+           "--n_threads_batch", str(threads), "--n_ctx", str(context),
+           "--interrupt_requests", "False"]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     return Server("llamacpp", cmd, env, port, log_dir=log_dir, length_by="min_tokens",
                   health_path="/v1/models")

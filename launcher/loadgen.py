@@ -8,7 +8,8 @@ Clock definitions (also in the README):
 - output tokens: ``usage.completion_tokens`` of the final usage chunk
   (``stream_options.include_usage``), so a frame carrying several tokens counts right. A
   server that sends no usage in a stream (llama-cpp-python) is counted ``max_tokens``
-  when it finished for ``length``, else one per text frame.
+  when it finished for ``length``, else one per text frame. A stream that ends before
+  any ``finish_reason`` or usage was cut short: an error.
 
 Prompts are token-id lists drawn from a fixed seed, so every server sees the same
 workload and prompt lengths are exact; ``ignore_eos`` makes output lengths exact. For a
@@ -106,6 +107,8 @@ async def _one(session: aiohttp.ClientSession, url: str, model: str, prompt: lis
                 data = line[6:]
                 now = time.perf_counter()
                 if data == b"[DONE]":
+                    if finish is None and tokens is None:  # llama-cpp-python's interrupt
+                        return RequestResult(False, error="[DONE] before any finish_reason")
                     if tokens is None:  # no usage chunk: see the module's docstring
                         tokens = max_tokens if finish == "length" else frames
                     return RequestResult(True, (first or now) - start, now - start, itl, tokens)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -39,7 +40,9 @@ async def completions(request):
     for _ in range(n):
         await resp.write(b"data: " + json.dumps({"choices": [{"text": " x", "finish_reason": None}]}).encode() + b"\\n\\n")
     last = {"choices": [{"text": "", "finish_reason": "length" if n == body["max_tokens"] else "stop"}]}
-    await resp.write(b"data: " + json.dumps(last).encode() + b"\\n\\ndata: [DONE]\\n\\n")
+    if not body.get("cut"):  # what interrupt_requests does to a running stream: [DONE] at once
+        await resp.write(b"data: " + json.dumps(last).encode() + b"\\n\\n")
+    await resp.write(b"data: [DONE]\\n\\n")
     return resp
 
 app = web.Application()
@@ -89,6 +92,9 @@ def test_a_server_without_ignore_eos_or_usage_is_measured_exactly(llama_like, to
     as_candor.proc = llama_like.proc
     res = measure_round(as_candor, "m", text, box.BoxMeter(lambda: [llama_like.pid]))
     assert res["errors"] == 0 and res["output_tokens"] == 4
+    # a stream cut short before its finish_reason is a failed request, not a short one
+    cut = measure_round(llama_like, "m", replace(text, extra_body={"cut": True}), box.BoxMeter())
+    assert cut["errors"] == 2 and cut["first_error"] == "[DONE] before any finish_reason"
     # token ids are refused, as llama-cpp-python refuses them
     ids = measure_round(llama_like, "m", Workload(num_requests=1, concurrency=1, prompt_len=(4, 4),
                                                   output_len=(2, 2)), box.BoxMeter())
