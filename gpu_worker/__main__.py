@@ -5,26 +5,21 @@ counts across replicas). Every rank subscribes
 to the scheduler's plan publisher and runs every plan; rank 0 alone answers (ready,
 results, errors). A rank other than 0 holds nothing worth draining and may be blocked in
 a collective a dead peer will never join, so SIGTERM ends it at once.
+
+``main`` loads the model and sizes the threads; the loop (``worker_loop.WorkerLoop``)
+then owns the sockets and runs a step per plan.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import time
-import traceback
-
-import zmq
 
 from cluster.checkpoint import effective_max_model_len
-from cluster.pooling import read_pooling_config
 from cluster.lifecycle import StopFlag, die_with_parent, read_config, setup_logging
-from cluster.metrics import dropped_messages
+from cluster.pooling import read_pooling_config
 from cluster.process_config import WorkerConfig
-from gpu_worker.plan_order import PLAN_GAP_EXIT, PlanGap, PlanOrder
-from protocol import ipc
-from protocol.transport import Receiver, Sender, sync_context
 
 
 def fixed_threads(asked: int | None) -> tuple[int | None, str]:
@@ -35,26 +30,6 @@ def fixed_threads(asked: int | None) -> tuple[int | None, str]:
     if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
         return int(os.environ["OMP_NUM_THREADS"]), "OMP_NUM_THREADS"
     return None, ""
-
-
-def answer_adapter(runner, msg: ipc.LoadAdapter | ipc.DropAdapter, answer) -> None:
-    """Register or drop a LoRA adapter on this rank (every rank agrees on a load's
-    outcome before rank 0 answers it)."""
-    from gpu_worker.lora.peft_files import AdapterError
-
-    if runner.adapters is None:  # the scheduler only sends these with LoRA enabled
-        if isinstance(msg, ipc.LoadAdapter):
-            answer(ipc.AdapterLoaded(msg.adapter_id, "LoRA is not enabled on this engine"))
-        return
-    if isinstance(msg, ipc.DropAdapter):
-        runner.adapters.drop(msg.adapter_id)
-        return
-    try:
-        runner.adapters.register(msg.adapter_id, msg.name, msg.path)
-    except AdapterError as err:
-        answer(ipc.AdapterLoaded(msg.adapter_id, str(err)))
-        return
-    answer(ipc.AdapterLoaded(msg.adapter_id))
 
 
 def main() -> None:
@@ -76,6 +51,7 @@ def main() -> None:
     from gpu_worker.kv_budget import resolve_device
     from gpu_worker.model_runner import ModelRunner
     from gpu_worker.thread_governor import for_this_process, usable_cpus
+    from gpu_worker.worker_loop import WorkerLoop  # (its KV connectors import torch)
 
     eng = cfg.engine
     device, device_why = resolve_device(eng.device)
@@ -108,77 +84,7 @@ def main() -> None:
     governor = None if threads else for_this_process(torch.set_num_threads)
     log.info("threads: %s", threads_why or governor.describe())
 
-    ctx = sync_context(cfg.security, dropped_messages(cfg.role))
-    plans: Receiver = Receiver(ctx, cfg.addresses.worker_in, ipc.WorkerInbound, bind=False,
-                               kind=zmq.SUB)
-    results = Sender(ctx, cfg.addresses.worker_out) if rank == 0 else None
-
-    def answer(msg) -> None:
-        if results is not None:
-            results.send(msg)
-
-    from gpu_worker.kv_transfer import KvTransfer
-    transfer = KvTransfer.for_worker(ctx, cfg, runner)
-    if transfer is not None:
-        transfer.attach(runner)
-        log.info("disaggregation: this is a %s replica", cfg.replica_role)
-    from gpu_worker.kv_store_client import StoreClient
-    store = StoreClient.for_worker(ctx, cfg, runner)
-    if store is not None:
-        store.attach(runner)
-
-    answer(ipc.WorkerReady(runner.num_blocks, runner.block_size, runner.max_model_len,
-                           device=str(runner.device),
-                           dtype=str(runner.dtype).removeprefix("torch."),
-                           deterministic=runner.deterministic,
-                           deterministic_note=runner.deterministic_note,
-                           kv_namespace=store.namespace if store is not None else b""))
-
-    last_sent = time.perf_counter()
-    order = PlanOrder()
-    while not stop.is_set():
-        msg = plans.recv(timeout_ms=200) if transfer is None \
-            else transfer.recv_plan(plans, 200)
-        if msg is None:
-            continue
-        if isinstance(msg, ipc.Shutdown):
-            break
-        try:
-            if isinstance(msg, ipc.PlanMark):
-                order.check(msg)
-                continue
-            order.accept(msg)
-        except PlanGap as gap:  # computing on would pair collectives of different steps
-            log.critical("rank %d %s; stopping so the topology does not compute on", rank,
-                         gap)
-            logging.shutdown()
-            os._exit(PLAN_GAP_EXIT)
-        if isinstance(msg, (ipc.LoadAdapter, ipc.DropAdapter)):
-            answer_adapter(runner, msg, answer)
-            continue
-        idle = time.perf_counter() - last_sent
-        try:
-            if governor is not None:
-                governor.before_step(sum(len(s.token_ids) for s in msg.seqs))
-            result = runner.execute(msg)
-            if governor is not None:
-                governor.after_step(result.forward_s)
-            result.idle_s = idle
-            sending = time.perf_counter()
-            answer(result)
-            if msg.kv_exports:  # before the next plan can reuse the blocks
-                transfer.after_step(runner, msg, result.failed)
-            if msg.kv_store_puts:  # likewise: copied out before a later plan reuses them
-                store.after_step(runner, msg, result.failed)
-            last_sent = time.perf_counter()
-            runner.timings.send += last_sent - sending  # reported with the next result
-        except Exception:  # a failed step fails its requests, not the process
-            log.exception("step %d failed", msg.step_id)
-            answer(ipc.WorkerError(msg.step_id, traceback.format_exc(limit=3)))
-            last_sent = time.perf_counter()
-    if store is not None:
-        store.close()
-    ctx.destroy(linger=0)
+    WorkerLoop(cfg, runner, governor).run(stop)
 
 
 if __name__ == "__main__":

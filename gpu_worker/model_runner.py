@@ -162,8 +162,9 @@ class ModelRunner:
         self.tracker = RequestTracker()  # token history (penalties) and prompt logprobs
         self.timings = WorkerTimings()  # cumulative, sent with every result
         self.pooler = None if pooling is None else Pooler(pooling, self.model.final_norm)
-        # disaggregated decode: writes a plan's KvImports into the cache (kv_transfer)
-        self.kv_import = None
+        # the KV connectors' loads into the cache, (runner, plan) -> None, run before the
+        # forward of a plan with KV work (gpu_worker/kv_connectors: KvConnectors.load)
+        self.load_kv = None
 
         self.decode_graphs = self._capture_graphs(enforce_eager, max_num_seqs)
 
@@ -395,8 +396,8 @@ class ModelRunner:
         inner_before = tm.forward + tm.sample + tm.grammar
         try:
             self._update_requests(plan)
-            if plan.kv_imports:
-                self.kv_import(self, plan.kv_imports)
+            if plan.kv:
+                self.load_kv(self, plan)
             for seq in plan.seqs:  # tables first: a later failure leaves them consistent
                 self._apply_blocks(seq)
             live = [s for s in plan.seqs if s.rid not in self.failed] if self.failed else plan.seqs

@@ -345,6 +345,29 @@ class KvStorePut(msgspec.Struct, array_like=True):
     hashes: list[bytes]
 
 
+class PdTransferPlan(msgspec.Struct, tag_field="connector", tag="pd_transfer",
+                     omit_defaults=True):
+    """The prefill/decode transfer's work in a step: a prefill rank's ``exports`` after it,
+    a decode rank's ``imports`` before its forward."""
+
+    exports: list[KvExport] = []
+    imports: list[KvImport] = []
+
+
+class KvStorePlan(msgspec.Struct, tag_field="connector", tag="kv_store", omit_defaults=True):
+    """The shared KV store's work in a step: blocks it found written in before the forward
+    (``imports``), full blocks copied out to it after the step (``puts``)."""
+
+    imports: list[KvImport] = []
+    puts: list[KvStorePut] = []
+
+
+# What a step asks of one KV connector (gpu_worker/kv_connectors/): one struct per
+# connector, tagged with its name, so a new connector adds a member here and no StepPlan
+# field.
+KvConnectorPlan = Union[PdTransferPlan, KvStorePlan]
+
+
 class StepPlan(_Message, tag="step", omit_defaults=True):
     """One forward pass over a batch. ``step_id`` numbers the plans from 1 without gaps
     (every rank checks it: gpu_worker/plan_order.py; the adapter messages below take
@@ -358,9 +381,9 @@ class StepPlan(_Message, tag="step", omit_defaults=True):
     seqs: list[SeqChunk]
     new_sampling: dict[str, SamplingParams] = {}
     released: list[str] = []
-    kv_exports: list[KvExport] = []  # disaggregation only (a prefill replica)
-    kv_imports: list[KvImport] = []  # a decode replica's, or blocks the KV store found
-    kv_store_puts: list[KvStorePut] = []  # a shared KV store only
+    # the KV connectors' work around this step, one entry per connector that has some
+    # (none configured, or nothing to move: empty, and not on the wire)
+    kv: list[KvConnectorPlan] = []
     new_pooling: dict[str, PoolingParams] = {}  # pooling rids among new_sampling's
     new_adapters: dict[str, int] = {}
 

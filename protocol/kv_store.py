@@ -2,8 +2,8 @@
 
 A store key is ``namespace + rank + chain hash``: the namespace digests everything that
 makes two replicas' KV incompatible (checkpoint, dtype, block size, layers, heads, head
-size, TP size; ``gpu_worker.kv_store_client.namespace_of``), the rank picks the TP shard,
-and the chain hash (``scheduler.store_reads.store_chain``) covers the block's tokens, every
+size, TP size; ``gpu_worker.kv_connectors.kv_store.namespace_of``), the rank picks the TP shard,
+and the chain hash (``scheduler.kv_connectors.kv_store.store_chain``) covers the block's tokens, every
 token before it and the request's ``cache_salt``. Python's ``hash`` (the local prefix
 cache's) differs between processes for a salt, so the store has its own (blake2b).
 

@@ -24,6 +24,11 @@ may still drop a plan while a subscriber reconnects, so plans are numbered witho
 and each heartbeat with steps in flight repeats the newest number (``PlanMark``): a rank
 that lost one stops instead of computing on (gpu_worker/plan_order.py).
 
+KV that moves between this replica's cache and elsewhere (a prefill replica's transfer
+to a decode replica, a shared KV store) is the KV connectors' business
+(``kv_connectors``): the loop calls the policies its topology configured at each point of
+a request's life and puts their work in each plan's ``kv``, naming none of them.
+
 LoRA adapters (``adapters``) are loaded and dropped on the ranks through the same
 socket, numbered in the same sequence as the plans (a rank that lost one stops just the
 same); a load is answered to its frontend once rank 0 says every rank holds it, and the
@@ -41,16 +46,14 @@ import zmq
 
 from cluster.process_config import SchedulerConfig
 from protocol import ipc
-from protocol.kv_store import StoreHeld
 from protocol.routing import detokenizer_index
 from protocol.transport import Receiver, Sender, SenderPool
 from scheduler.adapters import AdapterRegistry
 from scheduler.block_manager import BlockAllocator
-from scheduler.handoff import DecodeIntake, PrefillHandoffs
+from scheduler.kv_connectors.registry import KvPolicies
 from scheduler.metrics import SchedulerOps
 from scheduler.planner import PlannedStep, Planner
 from scheduler.request import SchedRequest
-from scheduler.store_reads import StoreReads
 
 HEARTBEAT_S = 0.25
 # An abort can overtake its request (the client left, or the frontend failed it, while
@@ -115,12 +118,9 @@ class EngineLoop:
         self.work_after_last_result = False  # did the worker's last idle gap have work?
         self.ops = SchedulerOps(cfg.replica)
         self.adapters = AdapterRegistry(cfg.lora, cfg.replica)
-        # disaggregation: one of these on a prefill / decode replica, neither otherwise
-        role = cfg.replica_role
-        self.handoffs = PrefillHandoffs(ctx, cfg) if role == "prefill" else None
-        self.intake = DecodeIntake(cfg) if role == "decode" else None
-        # a KV store shared by the replicas (None: none, and no work for it anywhere)
-        self.store = StoreReads(ctx, cfg) if cfg.kv_store is not None else None
+        # the KV connectors' policies this topology configured (prefill/decode handoff,
+        # the shared KV store; none: every call on it is a no-op)
+        self.kv = KvPolicies.for_scheduler(ctx, cfg)
 
     # ------------------------------------------------------------------ helpers
     def _detok_for(self, rid: str) -> Sender:
@@ -144,8 +144,7 @@ class EngineLoop:
             self._drop_adapter(self.adapters.release(sreq.adapter))
         self.planner.finish(sreq)
         self.ops.forget(sreq.rid)
-        if self.handoffs is not None:
-            self.handoffs.forget(sreq.rid)
+        self.kv.finished(sreq.rid)
         if sreq.req.pooling is None:
             self._emit(sreq, new_ids, reason, logprobs, cached_tokens, batches, failure)
         elif reason == "error":  # (an abort came from the frontend: nobody waits)
@@ -232,8 +231,7 @@ class EngineLoop:
                                eng.max_num_seqs, eng.max_num_batched_tokens,
                                enable_prefix_caching=eng.enable_prefix_caching,
                                max_loras=self.cfg.lora.max_loras if self.adapters.enabled else 0)
-        if self.store is not None:
-            self.store.namespace = msg.kv_namespace
+        self.kv.worker_ready(msg)
         self.log.info("worker ready: %d KV blocks of %d tokens, %d rank(s)", msg.num_blocks,
                       msg.block_size, self.ranks)
 
@@ -283,10 +281,9 @@ class EngineLoop:
                 replica=self.cfg.replica, decode_replica=req.decode_replica))
         # the request no longer depends on its tokenizer worker (ipc.EngineHas)
         self.replies.send(req.reply_to, ipc.EngineHas(req.rid))
-        if self.handoffs is not None:
-            req = self.handoffs.admit(req)
+        req = self.kv.admit(req)
         sreq = SchedRequest(req, self.arrivals, adapter=adapter)
-        if self.store is not None and self.store.park(sreq, self.planner):
+        if self.kv.park(sreq, self.planner):
             self.requests[sreq.rid] = sreq  # (an abort finds it) queued once answered
             return
         self._enqueue(sreq)
@@ -299,19 +296,22 @@ class EngineLoop:
         self.planner.waiting.push(sreq)  # a /health/generate probe goes to the head
         self.ops.enqueued(sreq.rid)
 
-    def _on_handoff(self, msg: ipc.KvHandoff) -> None:
-        """A prefill replica handed a request here (decode replicas only)."""
-        rid = msg.req.rid
-        if self.early_aborts.pop(rid, None) is not None:
-            return
-        if self.intake is None or rid in self.requests:
-            self.log.error("dropped a handoff of %s: %s", rid, "this replica does not decode"
-                           if self.intake is None else "that request is already here")
-            return
-        # before any token of ours (KvHandoff says why)
-        self._detok_for(rid).send(ipc.TokenBatch([msg.first_output]))
-        self.intake.on_handoff(msg)
-        self._settle_handoffs()
+    # ------------------------------------------------------------------ KvHost
+    def take_early_abort(self, rid: str) -> bool:
+        return self.early_aborts.pop(rid, None) is not None
+
+    def holds(self, rid: str) -> bool:
+        return rid in self.requests
+
+    def emit_now(self, output: ipc.TokenOutput) -> None:
+        self._detok_for(output.rid).send(ipc.TokenBatch([output]))
+
+    def _on_kv_message(self, msg) -> None:
+        """A KV connector's message (a handoff, a store's answer, a rank's report)."""
+        if not self.kv.on_message(msg, self):
+            self.log.error("dropped a %s for %s: no KV connector of this replica takes it",
+                           type(msg).__name__, getattr(msg, "rid", "?"))
+        self._settle_kv()
 
     def _recompute(self, sreq: SchedRequest, failure: ipc.RequestFailure) -> None:
         """The worker could not write the prompt KV imported for ``sreq`` (or for the
@@ -320,8 +320,7 @@ class EngineLoop:
         keeping the tokens it already has (a handed-over first token)."""
         self.log.warning("%s: %s; computing its prompt here instead", sreq.rid,
                          failure.message)
-        if self.intake is not None:
-            self.intake.metrics.failures.labels("import_lost").inc()
+        self.kv.import_lost(sreq, failure)
         again = SchedRequest(sreq.req, 0, token_ids=list(sreq.token_ids), adapter=sreq.adapter)
         again.num_generated = sreq.num_generated
         if sreq.num_generated:  # its first token, and the hit reported with it, are out
@@ -329,18 +328,12 @@ class EngineLoop:
         self.ops.forget(sreq.rid)
         self._enqueue(again)
 
-    def _settle_handoffs(self) -> None:
-        """Queue the handed requests whose KV is in (or that recompute): see handoff.py."""
-        if self.planner is None or not (self.intake.awaiting or self.intake.shards):
+    def _settle_kv(self) -> None:
+        """Queue the requests whose KV the connectors have decided on (arrived, found, or
+        to compute after all: kv_connectors/)."""
+        if self.planner is None:
             return
-        for handoff, sreq in self.intake.settle(self.planner.allocator, self.block_size):
-            self._enqueue(sreq or self.intake.request(handoff, 0))
-
-    def _settle_store(self) -> None:
-        """Queue the parked requests whose KV store lookup is decided (store_reads.py)."""
-        if self.planner is None or not self.store.lookups:
-            return
-        for sreq in self.store.settle(self.planner):
+        for sreq in self.kv.settle(self.planner):
             self._enqueue(sreq)
 
     def _apply_aborts(self, batches: dict[int, list[ipc.TokenOutput]] | None = None) -> None:
@@ -359,8 +352,7 @@ class EngineLoop:
                 self.log.debug("aborted %s (%s)", rid, reason)
             else:  # it overtook its request (still being tokenized): drop that on arrival
                 self.early_aborts[rid] = now
-                if self.intake is not None:  # or it is handed here, waiting for its KV
-                    self.intake.discard(rid)
+                self.kv.discard(rid)  # or it is handed here, waiting for its KV
         self.pending_aborts.clear()
         for rid in [r for r, t in self.early_aborts.items() if now - t > EARLY_ABORT_TTL_S]:
             del self.early_aborts[rid]
@@ -374,12 +366,8 @@ class EngineLoop:
                 self.pending_aborts[msg.rid] = msg.reason
             elif isinstance(msg, (ipc.AdapterLoad, ipc.AdapterUnload)):
                 self._on_adapter_request(msg)
-            elif isinstance(msg, ipc.KvHandoff):
-                self._on_handoff(msg)
-            elif isinstance(msg, StoreHeld):
-                if self.store is not None:
-                    self.store.on_held(msg)
-                    self._settle_store()
+            elif not isinstance(msg, ipc.TokenizedReq):  # a KV connector's
+                self._on_kv_message(msg)
             elif self.planner is None:
                 self._reject(msg, 503, "the engine is still loading", None, "not_ready")
             else:
@@ -402,15 +390,9 @@ class EngineLoop:
             return False
         self.step_id += 1
         plan = ipc.StepPlan(self.step_id, planned.chunks, planned.new_sampling,
-                            planned.released, new_pooling=planned.new_pooling,
+                            planned.released, kv=self.kv.plan(planned, self.requests),
+                            new_pooling=planned.new_pooling,
                             new_adapters=planned.new_adapters)
-        if self.handoffs is not None:
-            plan.kv_exports = self.handoffs.exports(planned.chunks, self.requests)
-        elif self.intake is not None:
-            plan.kv_imports = self.intake.take_imports(planned.chunks)
-        elif self.store is not None:
-            plan.kv_imports = self.store.take_imports(planned.chunks)
-            plan.kv_store_puts = self.store.puts(planned, self.block_size)
         t1 = time.perf_counter()
         self.to_worker.send(plan)
         phases.plan += t1 - t0
@@ -463,10 +445,10 @@ class EngineLoop:
             lp = msg.logprobs[s.row] if msg.logprobs else None
             # the hit is reported once, with the request's first token
             cached = sreq.cached_tokens if sreq.num_generated == 1 else None
-            if self.handoffs is not None and self.handoffs.hands_on(sreq.rid,
-                                                                   s.finish_reason):
-                # it goes on on a decode replica, which emits its first token
-                self.handoffs.hand_off(_output(sreq.rid, [s.token], None, lp, cached))
+            taker = self.kv.hands_on(sreq.rid, s.finish_reason)
+            if taker is not None:
+                # it goes on on another replica (a decode one), which emits this token
+                taker.hand_off(_output(sreq.rid, [s.token], None, lp, cached))
                 self.requests.pop(sreq.rid, None)
                 self.ops.forget(sreq.rid)
             elif s.finish_reason is not None:
@@ -494,15 +476,10 @@ class EngineLoop:
                 self._on_worker_ready(msg)
             elif isinstance(msg, ipc.AdapterLoaded):
                 self._on_adapter_loaded(msg)
-            elif isinstance(msg, ipc.KvReceived):
-                if self.intake is not None:
-                    self.intake.on_received(msg)
-                    self._settle_handoffs()
-                elif self.store is not None:
-                    self.store.on_received(msg)
-                    self._settle_store()
-            else:
+            elif isinstance(msg, (ipc.StepResult, ipc.WorkerError)):
                 self._on_result(msg)
+            else:  # a KV connector's (KvReceived)
+                self._on_kv_message(msg)
 
     def _step_done(self, plan: ipc.StepPlan, started: float) -> None:
         prefill = any(len(c.token_ids) > 1 or not c.sample for c in plan.seqs)
@@ -538,8 +515,6 @@ class EngineLoop:
             **self._lora_stats())
         self.stats_pub.send(stats)
         self.ops.metrics.export(stats)
-        if self.intake is not None:  # transfer deadlines
-            self._settle_handoffs()
         if self.in_flight or self.adapters.loading:  # a rank that lost the newest plan
             # (or adapter load, which the ranks answer together) notices (plan_order.py)
             self.to_worker.send(ipc.PlanMark(self.step_id))
@@ -578,8 +553,7 @@ class EngineLoop:
                 self._drain_results()
             if self.inbound.sock in events or busy:
                 self._drain_inbound()
-            if self.store is not None:  # lookup deadlines
-                self._settle_store()
+            self._settle_kv()  # the connectors' deadlines (transfers, lookups)
             launched = self._launch_step()
             stalled = busy and not launched
             self._heartbeat(time.monotonic())

@@ -23,7 +23,7 @@ class SchedRequest:
     preemptions: int = 0
     cached_tokens: int | None = None  # prefix-cache hit at first admission
     block_hashes: list[int] = field(default_factory=list)  # chained hash per full block
-    store_chains: list[bytes] = field(default_factory=list)  # the KV store's (store_reads)
+    store_chains: list[bytes] = field(default_factory=list)  # the KV store's (kv_connectors/kv_store.py)
     num_registered: int = 0  # leading blocks of block_table offered to the prefix cache
     blocks_sent: int = 0  # leading blocks of block_table the worker already holds
     finished: bool = False  # finished or aborted: later samples for it are dropped

@@ -7,12 +7,12 @@ after its first import; every other process and module is left as it is:
   that writes the scripted tokens, or whose every step takes that much longer;
 - CANDOR_TEST_DROP_PLAN (``INDEX:STEP``): the gpu_worker process ``INDEX`` never sees
   step plan STEP (protocol.transport's Receiver swallows it);
-- CANDOR_TEST_KV_FAULT: gpu_worker.kv_transfer's KvSender garbles, truncates, withholds
-  or stalls every KV transfer (tests/support/faults.py: faulty_kv_send);
+- CANDOR_TEST_KV_FAULT: gpu_worker.kv_connectors.pd_transfer's KvSender garbles,
+  truncates, withholds or stalls every KV transfer (tests/support/faults.py: faulty_kv_send);
 - CANDOR_TEST_KV_LAYOUT (``FIELD=VALUE``): its KvSender declares that layout field
   otherwise (tests/support/faults.py: misdeclared_kv_sender);
-- CANDOR_TEST_STORE_IMPORT_LOST: gpu_worker.kv_store_client's StoreClient no longer holds
-  the blocks a plan imports (tests/support/faults.py: losing_store_import);
+- CANDOR_TEST_STORE_IMPORT_LOST: gpu_worker.kv_connectors.kv_store's StoreClient no
+  longer holds the blocks a plan imports (tests/support/faults.py: losing_store_import);
 - CANDOR_TEST_TOKENIZER_DIES_ON (a token id): a tokenizer worker is killed between a
   request's RequestInfo and its TokenizedReq (tests/support/faults.py: dying_before_scheduling)."""
 
@@ -95,9 +95,10 @@ if _kv_fault or _kv_layout:
             field, _, value = _kv_layout.partition("=")
             module.KvSender.__init__ = misdeclared_kv_sender(module.KvSender.__init__,
                                                              field, value)
-    sys.meta_path.insert(0, _PatchAfterImport("gpu_worker.kv_transfer", _patch_kv))
+    sys.meta_path.insert(0, _PatchAfterImport("gpu_worker.kv_connectors.pd_transfer", _patch_kv))
 if os.environ.get("CANDOR_TEST_STORE_IMPORT_LOST"):
     def _patch_store_client(module) -> None:
         from tests.support.faults import losing_store_import
         module.StoreClient.import_into = losing_store_import(module.StoreClient.import_into)
-    sys.meta_path.insert(0, _PatchAfterImport("gpu_worker.kv_store_client", _patch_store_client))
+    sys.meta_path.insert(0, _PatchAfterImport("gpu_worker.kv_connectors.kv_store",
+                                              _patch_store_client))

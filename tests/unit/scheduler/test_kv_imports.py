@@ -1,5 +1,5 @@
 """A prompt KV import travels with its request, and one the worker cannot write is
-recomputed (scheduler/pending_imports.py), in a real scheduler ``EngineLoop`` with its
+recomputed (scheduler/kv_connectors/pending_imports.py), in a real scheduler ``EngineLoop`` with its
 sockets and no worker: the test plays the worker, reading each plan from the loop and
 answering with a ``StepResult``.
 
@@ -24,6 +24,7 @@ from cluster.topology import Topology
 from protocol import ipc
 from protocol.kv_store import StoreHeld
 from scheduler.engine_loop import EngineLoop
+from scheduler.kv_connectors.kv_store import StoreReads
 from tests.support.polling import wait_until
 
 BS = 16
@@ -53,7 +54,8 @@ def make_loop(tmp_path):
             sockets.append(store)  # (held: a collected socket closes)
         loop = EngineLoop(cfg, ctx, logging.getLogger("test-scheduler"))
         if cfg.kv_store is not None:
-            wait_until(lambda: loop.store.sock.poll(0, zmq.POLLOUT), "the store socket to connect")
+            wait_until(lambda: loop.kv.of(StoreReads).sock.poll(0, zmq.POLLOUT),
+                       "the store socket to connect")
         loop.subscribed = loop.ranks  # (as if every rank subscribed to the plans)
         loop._on_worker_ready(ipc.WorkerReady(num_blocks=32, block_size=BS, max_model_len=512,
                                               kv_namespace=b"ns"))
@@ -78,12 +80,17 @@ def _answer(loop: EngineLoop, failed: dict[str, ipc.RequestFailure] | None = Non
     loop._on_result(ipc.StepResult(plan.step_id, sampled, 0.0, failed=failed))
 
 
+def _imports(plan: ipc.StepPlan) -> list[ipc.KvImport]:
+    """The plan's KV imports, whichever connector's."""
+    return [imp for work in plan.kv for imp in work.imports]
+
+
 def _chunks(plan: ipc.StepPlan) -> dict[str, tuple[int, int]]:
     return {s.rid: (s.start_pos, len(s.token_ids)) for s in plan.seqs}
 
 
 def _no_import_without_its_chunk(plan: ipc.StepPlan) -> None:
-    stray = [imp.rid for imp in plan.kv_imports if imp.rid not in _chunks(plan)]
+    stray = [imp.rid for imp in _imports(plan) if imp.rid not in _chunks(plan)]
     assert not stray, (f"plan {plan.step_id} imports KV for {stray} without scheduling them "
                        f"(it schedules {sorted(_chunks(plan))})")
 
@@ -106,7 +113,7 @@ def _run_busy_then_import(loop: EngineLoop, rid: str, first_chunk: tuple[int, in
         _answer(loop)
     plan = _plan(loop)
     assert _chunks(plan)[rid] == first_chunk, _chunks(plan)
-    imports = [imp for imp in plan.kv_imports if imp.rid == rid]
+    imports = [imp for imp in _imports(plan) if imp.rid == rid]
     assert len(imports) == 1, f"the plan scheduling {rid}'s first chunk has no import for it"
     assert imports[0].blocks == loop.requests[rid].block_table[:len(imports[0].blocks)]
     return imports[0]
@@ -125,7 +132,7 @@ def _recomputes(loop: EngineLoop, rid: str, code: str, tokens: int) -> None:
     earlier = [item.plan for item in loop.in_flight]
     assert any(rid in p.released for p in earlier), "the failed request was not released"
     assert _chunks(plan)[rid] == (0, tokens) and rid in plan.new_sampling
-    assert not plan.kv_imports
+    assert not _imports(plan)
     assert not loop.requests[rid].finished and loop.requests[rid].num_computed == 0
 
 
@@ -134,10 +141,9 @@ def test_a_store_hit_waiting_for_a_slot_imports_with_its_first_chunk_and_recompu
     loop._on_tokenized(_tokenized("busy", [9, 8, 7], max_tokens=4))
     loop._launch_step()
     loop._on_tokenized(_tokenized("hit", PROMPT, max_tokens=4))
-    assert "hit" in loop.store.lookups  # parked: the store was asked
-    loop.store.on_held(StoreHeld("hit", 3))
-    loop.store.on_received(ipc.KvReceived("hit", 0, True))
-    loop._settle_store()
+    assert "hit" in loop.kv.of(StoreReads).lookups  # parked: the store was asked
+    loop._on_kv_message(StoreHeld("hit", 3))
+    loop._on_kv_message(ipc.KvReceived("hit", 0, True))
     assert loop.requests["hit"].num_computed == 3 * BS  # the found blocks count as computed
     imp = _run_busy_then_import(loop, "hit", (3 * BS, len(PROMPT) - 3 * BS))
     assert len(imp.blocks) == 3
@@ -150,9 +156,8 @@ def test_a_handed_request_waiting_for_a_slot_imports_with_its_first_chunk_and_re
     loop._on_tokenized(_tokenized("busy", [9, 8, 7], max_tokens=4))
     loop._launch_step()
     first = ipc.TokenOutput("handed", [42], None, cached_tokens=0)
-    loop._on_handoff(ipc.KvHandoff(_tokenized("handed", PROMPT, max_tokens=4), first, 0))
-    loop.intake.on_received(ipc.KvReceived("handed", 0, True))
-    loop._settle_handoffs()
+    loop._on_kv_message(ipc.KvHandoff(_tokenized("handed", PROMPT, max_tokens=4), first, 0))
+    loop._on_kv_message(ipc.KvReceived("handed", 0, True))
     imp = _run_busy_then_import(loop, "handed", (len(PROMPT), 1))  # the first token
     assert len(imp.blocks) == 4  # the prompt's blocks (50 tokens)
     _recomputes(loop, "handed", "kv_transfer_lost", len(PROMPT) + 1)

@@ -1,5 +1,5 @@
-"""The scheduler's half of the shared KV store (scheduler/store_reads.py), against a fake
-store socket: what a parked request becomes for each answer (or none)."""
+"""The scheduler's half of the shared KV store (scheduler/kv_connectors/kv_store.py),
+against a fake store socket: what a parked request becomes for each answer (or none)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from protocol import kv_store as msg
 from scheduler.block_manager import BlockAllocator
 from scheduler.planner import Planner
 from scheduler.request import SchedRequest
-from scheduler.store_reads import StoreReads, store_chain
+from scheduler.kv_connectors.kv_store import StoreReads, store_chain
 
 BS = 16
 
@@ -48,7 +48,7 @@ def _lookup(sock) -> msg.StoreLookup:
 
 def test_chain_hashes_differ_by_salt_and_prefix_and_agree_across_requests():
     a, b = _req("a"), _req("b")
-    from scheduler.store_reads import store_chains
+    from scheduler.kv_connectors.kv_store import store_chains
     assert store_chains(a, 3, BS) == store_chains(b, 3, BS)
     assert store_chains(_req("c", salt="t"), 1, BS) != store_chains(a, 1, BS)
     assert store_chain(b"x", None, [1, 2]) != store_chain(b"y", None, [1, 2])

@@ -1,4 +1,4 @@
-"""The scheduler's half of the shared KV store (absent without one).
+"""The shared KV store's policy: the scheduler's half of the store (absent without one).
 
 Reads: a new request whose leading full prompt blocks are not all in the local prefix
 cache is parked while the store is asked for the rest (``StoreLookup``: their chain
@@ -12,7 +12,8 @@ No answer within ``lookup_timeout_s``, a refused shard, no free blocks, or a loc
 that changed meanwhile: the request runs as a miss. A store that missed its deadline is
 not asked again for ``DOWN_S``, so a dead store costs one deadline, not one per request.
 
-Writes: each plan names the full blocks its chunks complete (``KvStorePut``) that this
+Writes: each plan names the full blocks its chunks complete (``KvStorePut``, beside the
+imports in its ``KvStorePlan``) that this
 scheduler has not sent before (or that a lookup found missing since: evicted); the ranks
 copy them out after the step (write-behind).
 
@@ -38,7 +39,8 @@ from cluster.process_config import SchedulerConfig
 from protocol import ipc
 from protocol import kv_store as msg
 from protocol.transport import open_socket
-from scheduler.pending_imports import PendingImports
+from scheduler.kv_connectors.base import KvHost, KvPolicy
+from scheduler.kv_connectors.pending_imports import PendingImports
 from scheduler.planner import PlannedStep, Planner
 from scheduler.request import SchedRequest
 
@@ -77,7 +79,13 @@ class _Lookup:
     refused: bool = False
 
 
-class StoreReads:
+class StoreReads(KvPolicy):
+    takes = (msg.StoreHeld, ipc.KvReceived)
+
+    @classmethod
+    def configured(cls, cfg: SchedulerConfig) -> bool:
+        return cfg.kv_store is not None
+
     def __init__(self, ctx: zmq.Context, cfg: SchedulerConfig) -> None:
         assert cfg.kv_store is not None
         self.timeout_s = cfg.kv_store.lookup_timeout_s
@@ -88,11 +96,16 @@ class StoreReads:
         self.reply_to = cfg.addresses.scheduler_in
         self.ranks = cfg.addresses.kv_store_rank_in
         self.namespace = b""  # the worker's (WorkerReady); nothing is asked before it
+        self.block_size = cfg.engine.block_size  # the worker's, once it is ready
         self.sent: OrderedDict[bytes, None] = OrderedDict()
         self.lookups: dict[str, _Lookup] = {}
         self.imports = PendingImports()
         self.down_until = 0.0
         self.metrics = KvStoreReadMetrics()
+
+    def worker_ready(self, ready: ipc.WorkerReady) -> None:
+        self.namespace = ready.kv_namespace
+        self.block_size = ready.block_size
 
     def _shares(self, sreq: SchedRequest) -> bool:
         req = sreq.req
@@ -126,6 +139,12 @@ class StoreReads:
                                          time.monotonic() + self.timeout_s)
         return True
 
+    def on_message(self, message: msg.StoreHeld | ipc.KvReceived, host: KvHost) -> None:
+        if isinstance(message, msg.StoreHeld):
+            self.on_held(message)
+        else:
+            self.on_received(message)
+
     def on_held(self, held: msg.StoreHeld) -> None:
         lookup = self.lookups.get(held.rid)
         if lookup is not None:
@@ -141,6 +160,10 @@ class StoreReads:
             lookup.refused = True
             log.warning("%s: KV store blocks refused by rank %d (%s); computing them",
                         report.rid, report.rank, report.reason)
+
+    @property
+    def pending(self) -> bool:
+        return bool(self.lookups)
 
     def settle(self, planner: Planner) -> list[SchedRequest]:
         """Parked requests decided now (hits with blocks and a queued import, or misses),
@@ -189,6 +212,12 @@ class StoreReads:
         """The imports of the requests the plan going out (``chunks``) schedules, that
         still hold their blocks."""
         return self.imports.take(chunks)
+
+    def plan(self, planned: PlannedStep,
+             requests: dict[str, SchedRequest]) -> ipc.KvStorePlan | None:
+        imports = self.take_imports(planned.chunks)
+        puts = self.puts(planned, self.block_size)
+        return ipc.KvStorePlan(imports, puts) if imports or puts else None
 
     # ------------------------------------------------------------------ writes
     def puts(self, planned: PlannedStep, block_size: int) -> list[ipc.KvStorePut]:

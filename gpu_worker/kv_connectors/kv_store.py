@@ -1,7 +1,7 @@
-"""A gpu_worker rank's side of the shared KV store (absent without one).
+"""The shared KV store connector: a gpu_worker rank's side of the store (absent without one).
 
 Writes are write-behind: after a step, the full blocks its plan names
-(``StepPlan.kv_store_puts``) are copied out of the paged cache (one gather, before the
+(``KvStorePlan.puts``) are copied out of the paged cache (one gather, before the
 next plan can reuse them) and queued; a background thread ships them to the store. The
 queue is bounded: when it is full a put is dropped (counted), never waited for.
 
@@ -27,7 +27,8 @@ import torch
 import zmq
 
 from cluster.process_config import WorkerConfig
-from gpu_worker.kv_transfer import as_bytes, layout_of
+from gpu_worker.kv_connectors.base import KvConnector
+from gpu_worker.kv_connectors.pd_transfer import as_bytes, layout_of
 from protocol import ipc
 from protocol import kv_store as msg
 from protocol.transport import Sender, open_socket
@@ -53,7 +54,9 @@ def _gather(runner, blocks: list[int]) -> torch.Tensor:
     return torch.stack(halves, dim=1).cpu().contiguous()
 
 
-class StoreClient:
+class StoreClient(KvConnector):
+    plan = ipc.KvStorePlan
+
     def __init__(self, ctx: zmq.Context, cfg: WorkerConfig, runner) -> None:
         self.namespace = namespace_of(runner, cfg.model_path, cfg.tensor_parallel)
         self.rank = cfg.tp_rank
@@ -68,11 +71,11 @@ class StoreClient:
         self.thread.start()
 
     @classmethod
-    def for_worker(cls, ctx: zmq.Context, cfg: WorkerConfig, runner) -> StoreClient | None:
-        return cls(ctx, cfg, runner) if cfg.kv_store is not None else None
+    def configured(cls, cfg: WorkerConfig) -> bool:
+        return cfg.kv_store is not None
 
-    def attach(self, runner) -> None:
-        runner.kv_import = self.import_into
+    def announce(self, ready: ipc.WorkerReady) -> ipc.WorkerReady:
+        return msgspec.structs.replace(ready, kv_namespace=self.namespace)
 
     def close(self) -> None:
         """Stop the thread (its sockets close there) before the context goes."""
@@ -80,9 +83,13 @@ class StoreClient:
         self.thread.join(timeout=2)
 
     # ------------------------------------------------------------------ step thread
-    def after_step(self, runner, plan: ipc.StepPlan, failed: dict) -> None:
+    def load(self, runner, work: ipc.KvStorePlan) -> None:
+        if work.imports:
+            self.import_into(runner, work.imports)
+
+    def save(self, runner, work: ipc.KvStorePlan, failed: dict) -> None:
         """Copy the plan's finished blocks out (before a later plan reuses them)."""
-        for put in plan.kv_store_puts:
+        for put in work.puts:
             if put.rid in failed:
                 continue  # its blocks may not be written
             try:

@@ -1,4 +1,4 @@
-"""Prompt KV moving between replicas' gpu_workers (disaggregated prefill/decode).
+"""The prefill/decode transfer connector: prompt KV moving between replicas' gpu_workers.
 
 A prefill rank, right after a step that computed part of a handed-off prompt, gathers
 the blocks that step completed out of its paged cache (one copy: blocks are not
@@ -38,6 +38,7 @@ import zmq
 
 from cluster.metrics import KvTransferMetrics
 from cluster.process_config import WorkerConfig
+from gpu_worker.kv_connectors.base import KvConnector
 from gpu_worker.tp_shard import KvRoute, kv_routes
 from protocol import ipc
 from protocol.transport import Sender, open_socket
@@ -180,7 +181,11 @@ class KvSender:
     def export(self, runner, exports: list[ipc.KvExport], failed: dict) -> None:
         for exp in exports:
             if exp.rid in failed or exp.rid not in runner.block_tables:
-                continue  # it has no first token: nothing to hand off
+                # it has no first token: nothing to hand off (its decode replica times
+                # out and recomputes: said here, so a timeout can be traced to its cause)
+                log.warning("KV of %s not sent: %s", exp.rid, "its step failed"
+                            if exp.rid in failed else "this rank holds no blocks for it")
+                continue
             started = time.time()
             n = -(-exp.num_tokens // runner.block_size)
             table = runner.block_tables[exp.rid][exp.first_block:n]
@@ -358,8 +363,11 @@ class KvReceiver:
                                                dtype=torch.uint8))
 
 
-class KvTransfer:
-    """What a gpu_worker of a prefill/decode split adds to its loop (None elsewhere)."""
+class PdTransfer(KvConnector):
+    """The prefill/decode split's connector: a prefill rank exports after its steps
+    (``KvSender``), a decode rank takes transfers and imports them (``KvReceiver``)."""
+
+    plan = ipc.PdTransferPlan
 
     def __init__(self, ctx: zmq.Context, cfg: WorkerConfig, runner) -> None:
         layout = layout_of(runner, cfg.model_path)
@@ -373,35 +381,27 @@ class KvTransfer:
         self.receiver = KvReceiver(ctx, cfg, layout, routes, kv_start, metrics,
                                    hold_s=2 * split.transfer_timeout_s + 30) \
             if cfg.replica_role == "decode" else None
+        log.info("disaggregation: this is a %s replica", cfg.replica_role)
 
     @classmethod
-    def for_worker(cls, ctx: zmq.Context, cfg: WorkerConfig, runner) -> KvTransfer | None:
-        return cls(ctx, cfg, runner) if cfg.disaggregation is not None else None
+    def configured(cls, cfg: WorkerConfig) -> bool:
+        return cfg.disaggregation is not None
 
-    def recv_plan(self, plans, timeout_ms: int):
-        """The next plan (or None after ``timeout_ms``), taking KV transfers meanwhile."""
-        if self.receiver is None:
-            if self.sender.ungreeted:
-                self.sender.greet()
-            return plans.recv(timeout_ms=timeout_ms)
-        poller = zmq.Poller()
-        poller.register(plans.sock, zmq.POLLIN)
-        poller.register(self.receiver.sock, zmq.POLLIN)
-        events = dict(poller.poll(timeout_ms))
-        if self.receiver.sock in events:
-            self.receiver.drain()
-        return plans.recv_nowait() if plans.sock in events else None
+    def socket(self) -> zmq.Socket | None:
+        return self.receiver.sock if self.receiver is not None else None
 
-    def attach(self, runner) -> None:
-        """The runner writes a plan's imports after registering its requests (a failed
-        import then fails its request) and before the forward."""
-        if self.receiver is not None:
-            runner.kv_import = self._import
+    def drain(self) -> None:
+        self.receiver.drain()
 
-    def _import(self, runner, imports: list[ipc.KvImport]) -> None:
-        self.receiver.drain()  # a transfer that just arrived is imported now
-        self.receiver.import_into(runner, imports)
+    def tick(self) -> None:
+        if self.sender is not None and self.sender.ungreeted:
+            self.sender.greet()
 
-    def after_step(self, runner, plan: ipc.StepPlan, failed: dict) -> None:
-        if plan.kv_exports and self.sender is not None:
-            self.sender.export(runner, plan.kv_exports, failed)
+    def load(self, runner, work: ipc.PdTransferPlan) -> None:
+        if work.imports:  # (a decode rank's: the scheduler imports nowhere else)
+            self.receiver.drain()  # a transfer that just arrived is imported now
+            self.receiver.import_into(runner, work.imports)
+
+    def save(self, runner, work: ipc.PdTransferPlan, failed: dict) -> None:
+        if work.exports and self.sender is not None:
+            self.sender.export(runner, work.exports, failed)

@@ -1,8 +1,10 @@
-"""The scheduler's half of disaggregated prefill/decode (absent on a colocated replica).
+"""The prefill/decode transfer's policies: the scheduler's half of disaggregated
+prefill/decode (absent on a colocated replica).
 
 Prefill replica (``PrefillHandoffs``): a request stamped with a decode replica runs here
 with one token to generate. Each plan with a chunk of its prompt asks the worker to
-export, after the step, the blocks that chunk completed (``KvExport``): a prompt
+export, after the step, the blocks that chunk completed (``KvExport``, in its
+``PdTransferPlan``): a prompt
 prefilled in several chunks streams its KV while later chunks compute, and the chunk
 that samples the first token sends the rest. When the token comes back the
 request leaves this replica (its blocks are freed as for any finished request, once the
@@ -32,14 +34,19 @@ from cluster.metrics import KvTransferMetrics
 from cluster.process_config import SchedulerConfig
 from protocol import ipc
 from protocol.transport import Sender
-from scheduler.block_manager import BlockAllocator
-from scheduler.pending_imports import PendingImports
+from scheduler.kv_connectors.base import KvHost, KvPolicy
+from scheduler.kv_connectors.pending_imports import PendingImports
+from scheduler.planner import PlannedStep, Planner
 from scheduler.request import SchedRequest
 
 log = logging.getLogger("scheduler")
 
 
-class PrefillHandoffs:
+class PrefillHandoffs(KvPolicy):
+    @classmethod
+    def configured(cls, cfg: SchedulerConfig) -> bool:
+        return cfg.replica_role == "prefill"
+
     def __init__(self, ctx: zmq.Context, cfg: SchedulerConfig) -> None:
         self.to_schedulers = [Sender(ctx, a) for a in cfg.addresses.schedulers_in()]
         self.replica = cfg.replica
@@ -53,6 +60,11 @@ class PrefillHandoffs:
             return req
         self.originals[req.rid] = req
         return msgspec.structs.replace(req, max_tokens=1)
+
+    def plan(self, planned: PlannedStep,
+             requests: dict[str, SchedRequest]) -> ipc.PdTransferPlan | None:
+        exports = self.exports(planned.chunks, requests)
+        return ipc.PdTransferPlan(exports=exports) if exports else None
 
     def exports(self, chunks: list[ipc.SeqChunk],
                 requests: dict[str, SchedRequest]) -> list[ipc.KvExport]:
@@ -74,10 +86,10 @@ class PrefillHandoffs:
                                         sent, final=False))
         return out
 
-    def hands_on(self, rid: str, reason: str | None) -> bool:
+    def hands_on(self, rid: str, finish_reason: str | None) -> bool:
         """After the first token: whether ``rid`` goes on to a decode replica (it does
         unless that token ended it)."""
-        return reason == "length" and rid in self.originals
+        return finish_reason == "length" and rid in self.originals
 
     def hand_off(self, first_output: ipc.TokenOutput) -> None:
         """Hand the request on; its decode replica emits ``first_output`` (``KvHandoff``)."""
@@ -85,7 +97,7 @@ class PrefillHandoffs:
         self.to_schedulers[req.decode_replica].send(ipc.KvHandoff(req, first_output,
                                                                   self.replica))
 
-    def forget(self, rid: str) -> None:
+    def finished(self, rid: str) -> None:
         self.originals.pop(rid, None)
         self.exported.pop(rid, None)
 
@@ -103,8 +115,14 @@ class _Shards:
     refused: str | None = None
 
 
-class DecodeIntake:
-    def __init__(self, cfg: SchedulerConfig) -> None:
+class DecodeIntake(KvPolicy):
+    takes = (ipc.KvHandoff, ipc.KvReceived)
+
+    @classmethod
+    def configured(cls, cfg: SchedulerConfig) -> bool:
+        return cfg.replica_role == "decode"
+
+    def __init__(self, ctx: zmq.Context, cfg: SchedulerConfig) -> None:
         assert cfg.disaggregation is not None
         self.timeout_s = cfg.disaggregation.transfer_timeout_s
         self.ranks = cfg.tensor_parallel
@@ -125,6 +143,19 @@ class DecodeIntake:
         sreq.cached_tokens = msg.first_output.cached_tokens or 0
         return sreq
 
+    def on_message(self, msg: ipc.KvHandoff | ipc.KvReceived, host: KvHost) -> None:
+        if isinstance(msg, ipc.KvReceived):
+            self.on_received(msg)
+            return
+        rid = msg.req.rid
+        if host.take_early_abort(rid):
+            return
+        if host.holds(rid):
+            log.error("dropped a handoff of %s: that request is already here", rid)
+            return
+        host.emit_now(msg.first_output)  # before any token of ours (KvHandoff says why)
+        self.on_handoff(msg)
+
     def on_handoff(self, msg: ipc.KvHandoff) -> None:
         self.awaiting[msg.req.rid] = _Awaiting(msg, time.monotonic() + self.timeout_s)
 
@@ -140,20 +171,26 @@ class DecodeIntake:
         self.awaiting.pop(rid, None)
         self.shards.pop(rid, None)
 
-    def settle(self, allocator: BlockAllocator, block_size: int
-               ) -> list[tuple[ipc.KvHandoff, SchedRequest | None]]:
-        """Handoffs decided now: (handoff, None) recomputes; (handoff, request) has its
-        blocks and a queued import. Shard reports nobody claims expire."""
+    def import_lost(self, sreq: SchedRequest, failure: ipc.RequestFailure) -> None:
+        self.metrics.failures.labels("import_lost").inc()
+
+    @property
+    def pending(self) -> bool:
+        return bool(self.awaiting or self.shards)
+
+    def settle(self, planner: Planner) -> list[SchedRequest]:
+        """Handoffs decided now: with their blocks and a queued import, or to recompute
+        (a fresh request). Shard reports nobody claims expire."""
         now = time.monotonic()
-        out: list[tuple[ipc.KvHandoff, SchedRequest | None]] = []
+        out: list[SchedRequest] = []
         for rid, wait in list(self.awaiting.items()):
             shards = self.shards.get(rid)
             if shards is not None and shards.refused is not None:  # (the rank counted it)
                 log.warning("%s: KV transfer refused (%s); recomputing the prompt", rid,
                             shards.refused)
             elif shards is not None and len(shards.ok) >= self.ranks:
-                n = -(-len(wait.handoff.req.prompt_token_ids) // block_size)
-                blocks = allocator.allocate(n)
+                n = -(-len(wait.handoff.req.prompt_token_ids) // planner.block_size)
+                blocks = planner.allocator.allocate(n)
                 if blocks is not None:
                     del self.awaiting[rid], self.shards[rid]
                     sreq = self.request(wait.handoff, 0)
@@ -161,7 +198,7 @@ class DecodeIntake:
                     sreq.num_computed = sreq.num_scheduled = len(wait.handoff.req.prompt_token_ids)
                     # a copy: the table grows (the first decode token) before the plan goes
                     self.imports.add(sreq, 0, ipc.KvImport(rid, list(blocks)))
-                    out.append((wait.handoff, sreq))
+                    out.append(sreq)
                     continue
                 self.metrics.failures.labels("no_free_blocks").inc()
             elif now < wait.deadline:
@@ -172,13 +209,14 @@ class DecodeIntake:
                             self.timeout_s)
             del self.awaiting[rid]
             self.shards.pop(rid, None)
-            out.append((wait.handoff, None))
+            out.append(self.request(wait.handoff, 0))
         for rid in [r for r, s in self.shards.items()
                     if r not in self.awaiting and now - s.at > 2 * self.timeout_s]:
             del self.shards[rid]
         return out
 
-    def take_imports(self, chunks: list[ipc.SeqChunk]) -> list[ipc.KvImport]:
-        """The imports of the live requests the plan about to go out (``chunks``)
-        schedules."""
-        return self.imports.take(chunks)
+    def plan(self, planned: PlannedStep,
+             requests: dict[str, SchedRequest]) -> ipc.PdTransferPlan | None:
+        """The imports of the live requests the plan about to go out schedules."""
+        imports = self.imports.take(planned.chunks)
+        return ipc.PdTransferPlan(imports=imports) if imports else None
