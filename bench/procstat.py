@@ -121,3 +121,25 @@ def box_busy_s() -> tuple[float, int]:
 
 def loadavg() -> float:
     return os.getloadavg()[0]
+
+
+def rss_bytes(pid: int) -> int:
+    """VmRSS of one process (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def rss_by_role(root: int) -> dict[str, int]:
+    """Resident bytes of each role in the tree of ``root`` (several processes of one role
+    add up; pages two processes share count in both)."""
+    out: dict[str, int] = {}
+    for p in tree(root, processes()):
+        role = role_of(p.pid, p.name)
+        out[role] = out.get(role, 0) + rss_bytes(p.pid)
+    return out

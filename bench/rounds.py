@@ -80,7 +80,7 @@ def measure_round(server: Server, model: str, workload, meter: BoxMeter) -> dict
     phases0 = profile.scrape_phases(server.url)
     cpu0 = procstat.cpu_by_role([server.pid])
     meter.start()
-    out = asyncio.run(run(server.url, model, workload))
+    out = asyncio.run(run(server.url, model, server.fit(workload)))
     box = meter.stop()
     waited, _ = wait_settled(server.pid, TAIL_TIMEOUT_S, TAIL_WINDOW_S)
     cpu1 = procstat.cpu_by_role([server.pid])
@@ -123,7 +123,7 @@ def run_rounds(servers: list[Server], bench: Bench, policy: RoundPolicy, tag: st
     for i in range(policy.warmup_rounds):
         for s in servers if i % 2 == 0 else servers[::-1]:
             w = round_workload(bench, -1 - i)
-            asyncio.run(run(s.url, bench.model, w))
+            asyncio.run(run(s.url, bench.model, s.fit(w)))
             wait_settled(s.pid, TAIL_TIMEOUT_S, TAIL_WINDOW_S)  # as after a counted round
     per_side: dict[str, list[dict]] = {s.name: [] for s in servers}
     r = 0

@@ -4,6 +4,7 @@ warm it up, stop it (the whole group)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import shlex
 import signal
@@ -31,9 +32,15 @@ def free_port() -> int:
 
 
 class Server:
+    """``length_by``: how this server is asked for outputs of exact length (``ignore_eos``,
+    or ``min_tokens`` where it has no ignore_eos; see ``launcher.loadgen``);
+    ``health_path``: the GET that answers 200 once it serves."""
+
     def __init__(self, name: str, cmd: list[str], env: dict[str, str], port: int,
-                 cwd: Path = REPO, log_dir: Path | None = None) -> None:
+                 cwd: Path = REPO, log_dir: Path | None = None,
+                 length_by: str = "ignore_eos", health_path: str = "/health") -> None:
         self.name, self.cmd, self.env, self.port, self.cwd = name, cmd, env, port, cwd
+        self.length_by, self.health_path = length_by, health_path
         self.proc: subprocess.Popen | None = None
         # the roles its tree held once settled after warm-up; anything else in a round
         # (a compiler a kernel build started late) is flagged there
@@ -56,6 +63,10 @@ class Server:
         assert self.proc is not None
         return self.proc.pid
 
+    def fit(self, workload: Workload) -> Workload:
+        """``workload`` as this server is asked for it."""
+        return dataclasses.replace(workload, length_by=self.length_by)
+
     def start(self) -> None:
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.cmd, env=self.env, cwd=self.cwd, stdout=log,
@@ -74,7 +85,7 @@ class Server:
                 raise RuntimeError(f"{self.name} exited ({self.proc.returncode}); "
                                    f"{self.log_path}:\n{self.log_tail()}")
             try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                with urllib.request.urlopen(self.url + self.health_path, timeout=2) as r:
                     if r.status == 200:
                         return
             except OSError:
@@ -114,16 +125,33 @@ def candor_server(model: Path, served_name: str, threads: int | None = None,
     return Server(name, cmd, env, port, repo, log_dir)
 
 
+def llamacpp_server(python: str, gguf: Path, served_name: str, threads: int,
+                    context: int, log_dir: Path | None = None) -> Server:
+    """llama-cpp-python's OpenAI server (``make bench-peers`` builds its venv) on a GGUF
+    file: ``threads`` for decode and prompt alike, a ``context``-token context. It takes
+    no token ids and has no ignore_eos: text prompts and ``min_tokens``. It runs one
+    request at a time; by default a waiting request cuts the running one's stream short
+    (``interrupt_requests``): off, so concurrent requests queue as on any server."""
+    port = free_port()
+    cmd = [python, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", served_name,
+           "--host", "127.0.0.1", "--port", str(port), "--n_threads", str(threads),
+           "--n_threads_batch", str(threads), "--n_ctx", str(context),
+           "--interrupt_requests", "False"]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return Server("llamacpp", cmd, env, port, log_dir=log_dir, length_by="min_tokens",
+                  health_path="/v1/models")
+
+
 def start_warm(servers: list[Server], model: str, timeout: float = 600,
-               say: Callable[[str], None] = print) -> None:
-    """Start every server, wait until each is healthy, warm each with four short
-    requests, then wait until every server's processes are idle (first passes, kernel
-    builds and compiles stay out of the counted rounds)."""
+               say: Callable[[str], None] = print, warmup: Workload = WARMUP) -> None:
+    """Start every server, wait until each is healthy, warm each with ``warmup`` (four
+    short requests), then wait until every server's processes are idle (first passes,
+    kernel builds and compiles stay out of the counted rounds)."""
     for s in servers:
         s.start()
     for s in servers:
         s.wait_ready(timeout)
-        out = asyncio.run(run(s.url, model, WARMUP))
+        out = asyncio.run(run(s.url, model, s.fit(warmup)))
         if out["errors"]:
             raise RuntimeError(f"{s.name} failed its warm-up: {out.get('first_error')}; "
                                f"{s.log_path}:\n{s.log_tail()}")

@@ -52,7 +52,7 @@ from gpu_worker.attention.base import AttentionBackend, AttentionSpec
 from gpu_worker.attention.registry import select_backend
 from gpu_worker.batch_invariant import Numerics
 from gpu_worker.grammar import GrammarStates
-from gpu_worker.kv_budget import auto_kv_bytes
+from gpu_worker.kv_budget import KvDemand, auto_kv_bytes, resident_bytes
 from gpu_worker.distributed import Ranks
 from gpu_worker.loader import checkpoint_names, load_weights
 from gpu_worker.lora.store import AdapterStore
@@ -235,16 +235,17 @@ class ModelRunner:
     def _size_kv_cache(self, num_blocks: int | None, memory_bytes: int | None,
                        gpu_memory_utilization: float, max_num_seqs: int) -> tuple[int, str]:
         """(blocks every rank can hold, why): an explicit count is the scheduler's; a byte
-        budget covers the scratch block too; neither: what the machine has free
-        (``kv_budget``), at most what ``max_num_seqs`` full-context sequences need."""
+        budget covers the scratch block too; neither: what the model
+        and ``max_num_seqs`` full-context sequences can use, within what the machine has
+        free (``kv_budget``)."""
         if num_blocks is not None:
             reason = f"--num-kv-blocks {num_blocks}"
         elif memory_bytes is not None:
             reason = f"{memory_bytes / 2**20:.0f} MiB asked for"
         else:
-            blocks_per_seq = -(-self.max_model_len // self.block_size)
-            needed = (max_num_seqs * blocks_per_seq + 1) * self.block_bytes
-            memory_bytes, reason = auto_kv_bytes(self.device, needed, gpu_memory_utilization)
+            demand = KvDemand(self.block_bytes, self.block_size, max_num_seqs,
+                              self.max_model_len, resident_bytes(self.model))
+            memory_bytes, reason = auto_kv_bytes(self.device, demand, gpu_memory_utilization)
         local = num_blocks if num_blocks is not None else memory_bytes // self.block_bytes - 1
         blocks = self.ranks.min_int(local)  # every rank must hold every block
         if blocks < 1:

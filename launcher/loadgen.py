@@ -6,10 +6,16 @@ Clock definitions (also in the README):
 - ITL: gaps between successive text-carrying frames of one request.
 - end-to-end latency: from just before sending to the arrival of ``data: [DONE]``.
 - output tokens: ``usage.completion_tokens`` of the final usage chunk
-  (``stream_options.include_usage``), so a frame carrying several tokens counts right.
+  (``stream_options.include_usage``), so a frame carrying several tokens counts right. A
+  server that sends no usage in a stream (llama-cpp-python) is counted ``max_tokens``
+  when it finished for ``length``, else one per text frame. A stream that ends before
+  any ``finish_reason`` or usage was cut short: an error.
 
 Prompts are token-id lists drawn from a fixed seed, so every server sees the same
-workload and prompt lengths are exact; ``ignore_eos`` makes output lengths exact.
+workload and prompt lengths are exact; ``ignore_eos`` makes output lengths exact. For a
+server that takes no token ids, ``text_tokenizer`` (a tokenizer.json) sends those ids
+decoded as text instead (its own tokenizer then counts them, about as many), and
+``length_by="min_tokens"`` asks for exact lengths by ``min_tokens = max_tokens``.
 """
 
 from __future__ import annotations
@@ -39,8 +45,25 @@ class Workload:
     vocab_high: int = 1800
     seed: int = 0
     extra_body: dict = field(default_factory=dict)  # merged into every request body
+    text_tokenizer: str | None = None  # a tokenizer.json: prompts go as their decoded text
+    length_by: str = "ignore_eos"  # or "min_tokens": how each output is held to its length
 
-    def prompts(self) -> list[tuple[list[int], int]]:
+    def prompts(self) -> list[tuple[list[int] | str, int]]:
+        ids = self.prompt_ids()
+        if self.text_tokenizer is None:
+            return ids
+        from tokenizers import Tokenizer
+        tok = Tokenizer.from_file(self.text_tokenizer)
+        return [(tok.decode(p), n) for p, n in ids]
+
+    def length_fields(self, max_tokens: int) -> dict:
+        if self.length_by == "ignore_eos":
+            return {"ignore_eos": True}
+        if self.length_by == "min_tokens":
+            return {"min_tokens": max_tokens}
+        raise ValueError(f"length_by {self.length_by!r}: ignore_eos or min_tokens")
+
+    def prompt_ids(self) -> list[tuple[list[int], int]]:
         rng = random.Random(self.seed)
         prefix = [rng.randrange(self.vocab_low, self.vocab_high)
                   for _ in range(self.shared_prefix_len)]
@@ -62,15 +85,17 @@ class RequestResult:
     error: str = ""
 
 
-async def _one(session: aiohttp.ClientSession, url: str, model: str, prompt: list[int],
-               max_tokens: int, extra_body: dict | None = None) -> RequestResult:
+async def _one(session: aiohttp.ClientSession, url: str, model: str, prompt: list[int] | str,
+               max_tokens: int, extra_body: dict | None = None,
+               length_fields: dict | None = None) -> RequestResult:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-            **(extra_body or {})}
+            **(length_fields if length_fields is not None else {"ignore_eos": True}),
+            "stream": True, "stream_options": {"include_usage": True}, **(extra_body or {})}
     start = time.perf_counter()
     first = last = None
     itl: list[float] = []
-    tokens = 0
+    tokens = None
+    frames, finish = 0, None
     try:
         async with session.post(url, json=body) as resp:
             if resp.status != 200:
@@ -82,13 +107,20 @@ async def _one(session: aiohttp.ClientSession, url: str, model: str, prompt: lis
                 data = line[6:]
                 now = time.perf_counter()
                 if data == b"[DONE]":
+                    if finish is None and tokens is None:  # llama-cpp-python's interrupt
+                        return RequestResult(False, error="[DONE] before any finish_reason")
+                    if tokens is None:  # no usage chunk: see the module's docstring
+                        tokens = max_tokens if finish == "length" else frames
                     return RequestResult(True, (first or now) - start, now - start, itl, tokens)
                 chunk = json.loads(data)
                 if "error" in chunk:
                     return RequestResult(False, error=chunk["error"]["message"])
                 if chunk.get("usage") and not chunk.get("choices"):
                     tokens = chunk["usage"]["completion_tokens"]
+                if chunk.get("choices"):
+                    finish = chunk["choices"][0].get("finish_reason") or finish
                 if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    frames += 1
                     if first is None:
                         first = now
                     else:
@@ -137,7 +169,8 @@ async def run(base_url: str, model: str, workload: Workload) -> dict:
                                      connector=aiohttp.TCPConnector(limit=0)) as session:
         async def guarded(prompt, n):
             async with sem:
-                return await _one(session, url, model, prompt, n, workload.extra_body)
+                return await _one(session, url, model, prompt, n, workload.extra_body,
+                                  workload.length_fields(n))
 
         start = time.perf_counter()
         tasks = []

@@ -234,9 +234,10 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                         "activations and the KV cache)")
     g.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", type=parse_size,
                    default=None, metavar="SIZE",
-                   help="KV cache size (e.g. 4GiB); default: sized from free memory "
-                        "(CPU; also VLLM_CPU_KVCACHE_SPACE in GiB) or from "
-                        "--gpu-memory-utilization (CUDA)")
+                   help="KV cache size (e.g. 4GiB; also VLLM_CPU_KVCACHE_SPACE in GiB); "
+                        "default on CPU: 4x the weights, at least one full context, at most "
+                        "--max-num-seqs full contexts and 25%% of free memory; on CUDA: "
+                        "what --gpu-memory-utilization leaves")
     g.add_argument("--num-kv-blocks", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=1024)
