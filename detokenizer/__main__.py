@@ -113,7 +113,8 @@ class Detokenizer:
                     out.rid, delta, finish, state.prompt_tokens, detok.num_tokens, consumed,
                     state.prompt_ids, state.cached_tokens,
                     self.texts.decode(out.logprobs[:len(consumed)] if out.logprobs else None),
-                    self.texts.decode(out.prompt_logprobs)))
+                    self.texts.decode(out.prompt_logprobs),
+                    detok.stop_string if finish is not None else None))
                 state.prompt_ids = None
             if finish is not None:
                 del live[out.rid]

@@ -554,6 +554,7 @@ class TextDelta(msgspec.Struct, array_like=True):
     cached_tokens: int = 0  # prompt tokens served by the prefix cache
     logprobs: list[DecodedLogprob] | None = None  # aligned with token_ids
     prompt_logprobs: list[DecodedLogprob] | None = None  # once, with the first delta
+    stop_string: str | None = None  # on the last delta: the stop string that ended it
 
 
 class TopLogprob(msgspec.Struct, array_like=True):

@@ -6,7 +6,8 @@ from __future__ import annotations
 from api_frontend.endpoints.chat.routes import ENDPOINT as CHAT
 from api_frontend.endpoints.completions.routes import ENDPOINT as COMPLETIONS
 from api_frontend.endpoints.embeddings.routes import ENDPOINT as EMBEDDINGS
+from api_frontend.endpoints.messages.routes import ENDPOINT as MESSAGES
 from api_frontend.endpoints.responses.routes import ENDPOINT as RESPONSES
 from api_frontend.endpoints.spec import Endpoint
 
-ENDPOINTS: tuple[Endpoint, ...] = (CHAT, COMPLETIONS, RESPONSES, EMBEDDINGS)
+ENDPOINTS: tuple[Endpoint, ...] = (CHAT, COMPLETIONS, RESPONSES, MESSAGES, EMBEDDINGS)
