@@ -127,6 +127,7 @@ ToolChoice = ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolChoiceNone
 
 class ThinkingEnabled(msgspec.Struct, tag="enabled", tag_field="type"):
     budget_tokens: NonNegativeInt | None = None
+    display: Literal["summarized", "omitted"] | None = None
 
 
 class ThinkingDisabled(msgspec.Struct, tag="disabled", tag_field="type"):
@@ -134,10 +135,24 @@ class ThinkingDisabled(msgspec.Struct, tag="disabled", tag_field="type"):
 
 
 class ThinkingAdaptive(msgspec.Struct, tag="adaptive", tag_field="type"):
+    display: Literal["summarized", "omitted"] | None = None
+
+
+class ThinkingBetweenTools(msgspec.Struct, tag="between_tools", tag_field="type"):
     pass
 
 
-Thinking = ThinkingEnabled | ThinkingDisabled | ThinkingAdaptive
+Thinking = ThinkingEnabled | ThinkingDisabled | ThinkingAdaptive | ThinkingBetweenTools
+
+
+class JsonOutputFormat(msgspec.Struct):
+    type: Literal["json_schema"]
+    schema: dict[str, Any]
+
+
+class OutputConfig(msgspec.Struct):
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+    format: JsonOutputFormat | None = None
 
 
 class Metadata(msgspec.Struct):
@@ -168,10 +183,20 @@ class MessagesRequest(CountTokensRequest, kw_only=True):
     stream: bool = False
     metadata: Metadata | None = None
     cache_control: CacheControl | None = None
+    output_config: OutputConfig | None = None
     service_tier: str | None = None
+    speed: str | None = None
+    inference_geo: str | None = None
+    diagnostics: Any = None
+    user_profile_id: str | None = None
+    workspace_id: str | None = None
 
 
 # ---------------------------------------------------------------- responses
+
+
+class OutputTokensDetails(msgspec.Struct):
+    thinking_tokens: int  # the output tokens the reasoning parser split off
 
 
 class Usage(msgspec.Struct):
@@ -184,6 +209,8 @@ class Usage(msgspec.Struct):
     cache_creation_input_tokens: int = 0
     cache_read_input_tokens: int = 0
     service_tier: str = "standard"
+    # where a reasoning parser split the reply; absent otherwise
+    output_tokens_details: OutputTokensDetails | msgspec.UnsetType = msgspec.UNSET
 
 
 ContentBlock = TextBlock | ToolUseBlock | ThinkingBlock

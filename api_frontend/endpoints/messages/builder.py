@@ -25,7 +25,8 @@ from api_frontend.tools import ToolPlan
 from protocol import ipc
 from protocol.anthropic_api import (ContentBlockDelta, ContentBlockStart, ContentBlockStop,
                                     ErrorEvent, InputJsonDelta, Message, MessageDelta,
-                                    MessageDeltaBody, MessageStart, MessageStop, Ping,
+                                    MessageDeltaBody, MessageStart, MessageStop,
+                                    OutputTokensDetails, Ping,
                                     TextBlock, TextDelta, ThinkingBlock, ThinkingDelta,
                                     ToolUseBlock, Usage)
 from protocol.openai_api import DeltaToolCall
@@ -39,12 +40,14 @@ def sse_event(event) -> bytes:
     return b"event: " + type(event).__struct_config__.tag.encode() + b"\ndata: " + body + b"\n\n"
 
 
-def usage_of(delta: ipc.TextDelta | None) -> Usage:
-    """Anthropic's split: ``input_tokens`` are those the prefix cache did not serve."""
+def usage_of(delta: ipc.TextDelta | None, thinking_tokens: int | None = None) -> Usage:
+    """Anthropic's split: ``input_tokens`` are those the prefix cache did not serve;
+    ``thinking_tokens`` where a reasoning parser split the reply (None: none did)."""
     if delta is None:
         return Usage(0, 0)
+    details = msgspec.UNSET if thinking_tokens is None else OutputTokensDetails(thinking_tokens)
     return Usage(delta.prompt_tokens - delta.cached_tokens, delta.completion_tokens,
-                 cache_read_input_tokens=delta.cached_tokens)
+                 cache_read_input_tokens=delta.cached_tokens, output_tokens_details=details)
 
 
 class MessageBuilder:
@@ -59,6 +62,7 @@ class MessageBuilder:
                        if tools is not None and tools.mode != "none" else None)
         self._thinking = (reasoning.ReasoningStream(reasoning.get(reasoning_parser))
                           if reasoning_parser is not None else None)
+        self._count = reasoning.ReasoningCount()
         self._last: ipc.TextDelta | None = None
         self._started = False
         self.failed = False
@@ -78,7 +82,7 @@ class MessageBuilder:
         if self._started:
             return
         self._started = True
-        self.message.usage = usage_of(first)
+        self.message.usage = self._usage(first)
         self._emit(MessageStart(self.message))
         self._emit(Ping())
 
@@ -138,6 +142,7 @@ class MessageBuilder:
             pieces = [text] if text else []
         if thought:
             self._thought(thought)
+        self._count.add(delta.completion_tokens, bool(thought), bool(pieces))
         for piece in pieces:
             if isinstance(piece, str):
                 if piece:
@@ -145,6 +150,12 @@ class MessageBuilder:
             else:
                 self._call(piece)
         self._last = delta
+
+    def _usage(self, delta: ipc.TextDelta | None) -> Usage:
+        spent = None
+        if self._thinking is not None and delta is not None:
+            spent = self._count.tokens(delta.completion_tokens)
+        return usage_of(delta, spent)
 
     @property
     def finish_reason(self) -> str:
@@ -173,7 +184,7 @@ class MessageBuilder:
         stop_reason, stop_sequence = self._stop_reason()
         m = self.message
         m.stop_reason, m.stop_sequence = stop_reason, stop_sequence
-        m.usage = usage_of(self._last)
+        m.usage = self._usage(self._last)
         self._emit(MessageDelta(MessageDeltaBody(stop_reason, stop_sequence), m.usage))
         self._emit(MessageStop())
 

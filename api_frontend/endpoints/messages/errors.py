@@ -17,8 +17,12 @@ _ENCODER = msgspec.json.Encoder()
 
 
 def error_detail(err: ApiError) -> ErrorDetail:
+    """The shape has no ``param``: the field is named in the message where it is not yet."""
     kind = _TYPES.get(err.status, "invalid_request_error" if err.status < 500 else "api_error")
-    return ErrorDetail(kind, err.message)
+    message = err.message
+    if err.param and err.param not in message:
+        message = f"{err.param}: {message}"
+    return ErrorDetail(kind, message)
 
 
 def error_body(err: ApiError) -> bytes:

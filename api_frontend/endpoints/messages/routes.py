@@ -54,6 +54,9 @@ def _translate(req: CountTokensRequest, keys, rid: str, reply_to: str, arrival: 
         tr = chat_to_generate(plan.chat, rid, reply_to, arrival, plan.chat_keys, api)
     except ApiError as err:
         raise messages_name(err) from None
+    gen = tr.gen
+    if gen.guided is not None and gen.guided.field.startswith("response_format"):
+        gen.guided = msgspec.structs.replace(gen.guided, field="output_config.format.schema")
     chat_report = tr.report
     if chat_report.constraint is not None:
         chat_report.constraint = messages_name(ApiError(400, "", chat_report.constraint)).param
@@ -82,6 +85,8 @@ async def create(request: web.Request) -> web.StreamResponse:
         except ApiError as err:
             raise messages_name(err) from None
         report = complete_report(tr.report, info)
+        for note in report.ignored + report.clamped:  # the tokenizer worker's, chat's names
+            note.field = messages_name(ApiError(400, "", note.field)).param
         report.deterministic = flight.deterministic()
         headers = {"X-Request-Id": response_key,
                    "x-candor-adjustments": _JSON.encode(report).decode()}

@@ -210,6 +210,10 @@ def to_chat(req: CountTokensRequest, api: ApiSpec) -> ChatPlan:
                 chat[name] = getattr(req, name)
         if req.stop_sequences is not None:
             chat["stop"] = req.stop_sequences
+        fmt = req.output_config.format if req.output_config is not None else None
+        if fmt is not None:
+            chat["response_format"] = {"type": "json_schema",
+                                       "json_schema": {"name": "output", "schema": fmt.schema}}
     if req.strict:
         chat["strict"] = True
     try:
@@ -226,6 +230,8 @@ _RENAMES = ((re.compile(r"^tools\[(\d+)\]\.function\.parameters"), r"tools[\1].i
             (re.compile(r"^tool_choice\.function\.name"), "tool_choice.name"),
             (re.compile(r"^parallel_tool_calls"), "tool_choice.disable_parallel_tool_use"),
             (re.compile(r"^stop$"), "stop_sequences"),
+            (re.compile(r"^response_format\.json_schema\.schema"), "output_config.format.schema"),
+            (re.compile(r"^response_format.*"), "output_config.format"),
             (re.compile(r"^chat_template_kwargs.*"), "thinking"),
             (re.compile(r"^messages.*"), "messages"))  # a chat message is not a turn: the whole
 

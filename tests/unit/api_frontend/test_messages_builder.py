@@ -123,6 +123,8 @@ def test_blocks_usage_and_stop_reasons():
     assert message.content[0].thinking == "Weather?"
     assert message.content[1].input == {"city": "Paris", "days": 3}
     assert message.stop_reason == "tool_use"
+    # the reasoning's share of the output (up to the delta that began the answer)
+    assert 0 < message.usage.output_tokens_details.thinking_tokens < message.usage.output_tokens
     # the prefix cache's share of the prompt is cache_read, the rest input_tokens
     assert (message.usage.input_tokens, message.usage.cache_read_input_tokens) == (
         PROMPT - CACHED, CACHED)
@@ -134,6 +136,7 @@ def test_blocks_usage_and_stop_reasons():
     assert events[-2]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "END"}
     ended, _ = _build(["Hello"])
     assert ended.stop_reason == "end_turn" and ended.stop_sequence is None
+    assert "output_tokens_details" not in msgspec.to_builtins(ended.usage)  # no parser
 
 
 def test_a_failure_mid_stream_is_an_error_event_in_anthropics_shape():
