@@ -16,6 +16,7 @@ import urllib.request
 from pathlib import Path
 
 import anthropic
+import jsonschema
 import pytest
 
 from tests.support.server import CandorServer
@@ -234,6 +235,27 @@ def test_stop_sequence_is_named(client):
     assert ended.stop_reason == "max_tokens" and ended.stop_sequence is None
 
 
+def test_output_config_format_constrains_the_text(tools_server, client):
+    """output_config.format (structured outputs) is chat's json_schema response_format:
+    constrained decoding, reported as the constraint under this API's name; a text that
+    ends is an object of the schema."""
+    reply = client.messages.create(model=MODEL, max_tokens=60, **GREEDY,
+                                   messages=[{"role": "user", "content": "Weather as JSON."}],
+                                   output_config={"format": {"type": "json_schema",
+                                                             "schema": WEATHER}})
+    text = reply.content[0].text
+    assert text.startswith("{"), text
+    assert reply.model_extra["candor"]["constraint"] == "output_config.format.schema"
+    if reply.stop_reason == "end_turn":
+        jsonschema.validate(json.loads(text), WEATHER)
+    got, _, text = _post(tools_server.base_url, "/v1/messages", {
+        "model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "x"}],
+        "output_config": {"format": {"type": "json_schema", "schema": {"type": 7}}}}, _auth())
+    assert got == 400
+    assert "output_config.format" in _anthropic_error(got, text, "invalid_request_error")[
+        "message"]
+
+
 def test_thinking_blocks_from_the_reasoning_parser(thinking_server):
     """thinking enabled: the reasoning parser's text is a thinking block (thinking_delta
     events when streamed); disabled: the template's switch is off and the reply is text;
@@ -369,9 +391,11 @@ def test_ignored_fields_are_reported(tools_server, client):
     a 400 naming the first); ?beta=true (the SDK's beta client) is the same route."""
     reply = client.messages.create(model=MODEL, max_tokens=2, metadata={"user_id": "u-1"},
                                    service_tier="auto", extra_body={"mystery": 1},
+                                   output_config={"effort": "high"}, speed="fast",
                                    messages=[{"role": "user", "content": "hi"}])
     ignored = {n["field"] for n in reply.model_extra["candor"]["ignored"]}
-    assert {"metadata.user_id", "service_tier", "mystery"} <= ignored
+    assert {"metadata.user_id", "service_tier", "mystery", "output_config.effort",
+            "speed"} <= ignored
     got, _, text = _post(tools_server.base_url, "/v1/messages",
                          {"model": MODEL, "max_tokens": 2, "strict": True,
                           "metadata": {"user_id": "u-1"},

@@ -49,8 +49,8 @@ def _translate(req: CountTokensRequest, keys, rid: str, reply_to: str, arrival: 
     ignored fields and extensions as the Messages tiers say, chat's defaults, parsers and
     constraint; errors renamed."""
     report = TABLE.report(keys, req, api)  # strict: a 400 before any work
+    plan = to_chat(req, api)  # its errors name this request's fields already
     try:
-        plan = to_chat(req, api)
         tr = chat_to_generate(plan.chat, rid, reply_to, arrival, plan.chat_keys, api)
     except ApiError as err:
         raise messages_name(err) from None
