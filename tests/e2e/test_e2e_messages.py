@@ -405,3 +405,30 @@ def test_ignored_fields_are_reported(tools_server, client):
     beta = client.beta.messages.create(model=MODEL, max_tokens=2,
                                        messages=[{"role": "user", "content": "hi"}])
     assert beta.usage.output_tokens == 2
+
+
+def test_unknown_fields_inside_objects_are_reported(tools_server, client):
+    """A field inside an object the request's types do not have (metadata's, a block's,
+    a tool's) is reported as ignored by its path, as a top-level one is (strict: a 400
+    naming it); a tool's input_schema and a sent-back block's nulls are not."""
+    messages = [{"role": "user", "content": [{"type": "text", "text": "hi", "lang": "en"}]}]
+    reply = client.messages.create(model=MODEL, max_tokens=2, messages=messages,
+                                   metadata={"user_id": "u-1", "tenant": "t"},
+                                   tools=[{**TOOLS[0], "color": "red"}])
+    ignored = {n["field"] for n in reply.model_extra["candor"]["ignored"]}
+    assert {"metadata.tenant", "messages[0].content[0].lang", "tools[0].color"} <= ignored
+    assert not {f for f in ignored if "input_schema" in f}
+    got, _, text = _post(tools_server.base_url, "/v1/messages",
+                         {"model": MODEL, "max_tokens": 2, "strict": True,
+                          "thinking": {"type": "disabled", "depth": 1},
+                          "messages": [{"role": "user", "content": "hi"}]}, _auth())
+    assert got == 400 and "thinking.depth" in _anthropic_error(
+        got, text, "invalid_request_error")["message"]
+    call = {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+            "input": {"city": "Paris", "days": 1}, "caller": None, "toolset_name": None}
+    turns = [{"role": "user", "content": "Weather?"},
+             {"role": "assistant", "content": [call]},
+             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                           "content": "Sunny"}]}]
+    back = client.messages.create(model=MODEL, max_tokens=2, messages=turns, tools=TOOLS)
+    assert back.model_extra["candor"]["ignored"] == []

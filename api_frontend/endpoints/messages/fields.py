@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from api_frontend.field_policy import UNKNOWN, FieldTable, Foreign, Row
 
+# a field the table does not have, top-level or inside an object (``nested_unknown``)
+UNKNOWN_REASON = "not a field Candor knows"
+
 ROWS: tuple[Row, ...] = (
     Row(("model",), "honoured"),
     Row(("messages",), "honoured"),
@@ -35,7 +38,7 @@ ROWS: tuple[Row, ...] = (
         reason="accepted for compatibility; Candor does not use it (no accounts or "
         "workspaces)"),
     Row(("strict",), "extension"),
-    Row((UNKNOWN,), "ignored", reason="not a field Candor knows"),
+    Row((UNKNOWN,), "ignored", reason=UNKNOWN_REASON),
 )
 
 _NOT_BUILT = "not built on /v1/messages"

@@ -23,10 +23,11 @@ from api_frontend.app_keys import API_KEY, MODELS_KEY
 from api_frontend.endpoints.chat.translate import chat_to_generate
 from api_frontend.endpoints.messages.builder import MessageBuilder
 from api_frontend.endpoints.messages.errors import error_body
-from api_frontend.endpoints.messages.fields import TABLE
+from api_frontend.endpoints.messages.fields import TABLE, UNKNOWN_REASON
 from api_frontend.endpoints.messages.translate import ChatPlan, messages_name, to_chat
 from api_frontend.endpoints.spec import Endpoint, Route
 from api_frontend.errors import ApiError
+from api_frontend.field_policy import nested_unknown
 from api_frontend.extra_routes import ask
 from api_frontend.generate import Flight, client_request_id, complete_report
 from api_frontend.json_body import decode_request, json_response
@@ -36,6 +37,7 @@ from cluster.topology import ApiSpec
 from protocol import ipc
 from protocol.anthropic_api import (CountTokensRequest, CountTokensResponse, Message,
                                     MessagesRequest, Usage)
+from protocol.openai_api import FieldNote
 
 log = logging.getLogger("api_frontend")
 _JSON = msgspec.json.Encoder()
@@ -46,10 +48,12 @@ COUNT_ROUTE = ROUTE + "/count_tokens"
 def _translate(req: CountTokensRequest, keys, rid: str, reply_to: str, arrival: float,
                api: ApiSpec) -> tuple[ChatPlan, Translated]:
     """The chat request and its GenerateReq, with the report under this request's names:
-    ignored fields and extensions as the Messages tiers say, chat's defaults, parsers and
-    constraint; errors renamed."""
+    ignored fields (top-level and nested) and extensions as the Messages tiers say,
+    chat's defaults, parsers and constraint; errors renamed."""
     report = TABLE.report(keys, req, api)  # strict: a 400 before any work
     plan = to_chat(req, api)  # its errors name this request's fields already
+    # fields inside the request's objects that its typed decode dropped
+    plan.notes[:0] = [FieldNote(path, UNKNOWN_REASON) for path in nested_unknown(keys, req)]
     try:
         tr = chat_to_generate(plan.chat, rid, reply_to, arrival, plan.chat_keys, api)
     except ApiError as err:
