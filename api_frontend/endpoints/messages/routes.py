@@ -88,9 +88,11 @@ async def create(request: web.Request) -> web.StreamResponse:
             info = (await flight.start())[tr.gen.rid]
         except ApiError as err:
             raise messages_name(err) from None
+        ours = {id(n) for n in tr.report.ignored}  # named as this request named them
         report = complete_report(tr.report, info)
-        for note in report.ignored + report.clamped:  # the tokenizer worker's, chat's names
-            note.field = messages_name(ApiError(400, "", note.field)).param
+        for note in report.ignored + report.clamped:  # the rest carry chat's names
+            if id(note) not in ours:
+                note.field = messages_name(ApiError(400, "", note.field)).param
         report.deterministic = flight.deterministic()
         headers = {"X-Request-Id": response_key,
                    "x-candor-adjustments": _JSON.encode(report).decode()}
