@@ -431,4 +431,4 @@ def test_unknown_fields_inside_objects_are_reported(tools_server, client):
              {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
                                            "content": "Sunny"}]}]
     back = client.messages.create(model=MODEL, max_tokens=2, messages=turns, tools=TOOLS)
-    assert back.model_extra["candor"]["ignored"] == []
+    assert back.model_extra["candor"].get("ignored", []) == []  # (empty lists are omitted)
