@@ -1,6 +1,7 @@
 """``/v1/messages`` (Anthropic's Messages API) through real servers: the ``anthropic`` SDK
-(create, stream, a tool round trip, count_tokens, the beta client) and raw HTTP for the
-event order, the error shape and the API key headers.
+(create, stream, a tool round trip, count_tokens, the beta client), LangChain's
+ChatAnthropic (invoke, stream, bind_tools) and raw HTTP for the event order, the error shape
+and the API key headers.
 
 Two servers: ``tools_server`` renders with Qwen2.5's template (Hermes-style
 ``<tool_call>`` tools, read by the hermes tool parser) and takes an API key; ``thinking_server`` renders with the DeepSeek-R1 template
@@ -10,7 +11,9 @@ never close it, so every reply there is reasoning unless thinking is switched of
 
 from __future__ import annotations
 
+import functools
 import json
+import operator
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -432,3 +435,68 @@ def test_unknown_fields_inside_objects_are_reported(tools_server, client):
                                            "content": "Sunny"}]}]
     back = client.messages.create(model=MODEL, max_tokens=2, messages=turns, tools=TOOLS)
     assert back.model_extra["candor"].get("ignored", []) == []  # (empty lists are omitted)
+
+
+def _chat_anthropic(tools_server, **kwargs):
+    """LangChain's ChatAnthropic on the local server (no network: base_url is it)."""
+    from langchain_anthropic import ChatAnthropic
+
+    return ChatAnthropic(base_url=tools_server.base_url, api_key=KEY, model=MODEL,
+                         max_retries=0, **kwargs)
+
+
+def test_langchain_chat_anthropic_invoke_and_stream_match_the_sdk(tools_server, client):
+    """ChatAnthropic's invoke (greedy) gives the SDK's create's text for the same
+    messages, with its usage; its .stream() chunks join to the same text."""
+    from langchain_core.messages import HumanMessage, SystemMessage
+
+    sdk = client.messages.create(model=MODEL, max_tokens=12, **GREEDY, system=SYSTEM,
+                                 messages=[{"role": "user", "content": "Tell me about Paris."}])
+    llm = _chat_anthropic(tools_server, max_tokens=12, temperature=0)
+    messages = [SystemMessage(SYSTEM), HumanMessage("Tell me about Paris.")]
+    reply = llm.invoke(messages)
+    assert reply.content == sdk.content[0].text and reply.content
+    assert reply.response_metadata["stop_reason"] == "max_tokens"
+    assert reply.usage_metadata["output_tokens"] == 12
+    # every field ChatAnthropic sends is one Candor honours (empty lists are omitted)
+    assert reply.response_metadata["candor"].get("ignored", []) == []
+    chunks = list(llm.stream(messages))
+    assert len(chunks) > 1
+    joined = functools.reduce(operator.add, chunks)  # LangChain's own chunk merging
+    assert joined.text == sdk.content[0].text
+    assert joined.usage_metadata["output_tokens"] == 12
+    # ChatAnthropic's default max_tokens (4096 for a model it has no profile of) does not
+    # fit this 1024-token context: a 400 naming max_tokens, as Anthropic's own API answers
+    with pytest.raises(anthropic.BadRequestError, match="max_tokens") as caught:
+        _chat_anthropic(tools_server).invoke(messages)
+    assert caught.value.status_code == 400
+
+
+def test_langchain_bind_tools_forced_call_has_parsed_args(tools_server):
+    """bind_tools with a forcing tool_choice is Candor's constrained call: the AIMessage
+    carries one tool call whose args are the schema's object, whole and streamed; the
+    tool's result sent back is the next turn's prompt, as count_tokens counts it."""
+    from langchain_core.messages import HumanMessage, ToolMessage
+
+    llm = _chat_anthropic(tools_server, max_tokens=200, temperature=0)
+    tool = TOOLS[0]
+    bound = llm.bind_tools([tool], tool_choice="get_weather")
+    ask = [HumanMessage("What is the weather in a city?")]
+    reply = bound.invoke(ask)
+    assert reply.response_metadata["stop_reason"] == "tool_use", reply
+    assert reply.response_metadata["candor"]["constraint"] == "tool_choice"
+    [call] = reply.tool_calls
+    assert call["name"] == "get_weather" and call["id"]
+    jsonschema.validate(call["args"], WEATHER)
+    joined = functools.reduce(operator.add, bound.stream(ask))
+    assert [c["args"] for c in joined.tool_calls] == [call["args"]]
+    anyone = llm.bind_tools([tool], tool_choice="any").invoke(ask)
+    assert anyone.tool_calls and anyone.tool_calls[0]["name"] == "get_weather"
+    # the round trip: the ToolMessage goes back as a tool_result block; LangChain's token
+    # count (count_tokens on the beta route) is the prompt that second turn ran
+    turns = [*ask, reply, ToolMessage("Sunny, 24 C", tool_call_id=call["id"])]
+    second = llm.bind_tools([tool]).invoke(turns)
+    assert second.response_metadata["stop_reason"] in ("max_tokens", "end_turn", "tool_use")
+    usage = second.response_metadata["usage"]
+    assert llm.get_num_tokens_from_messages(turns, tools=[tool]) == (
+        usage["input_tokens"] + usage["cache_read_input_tokens"])
