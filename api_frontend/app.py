@@ -23,7 +23,7 @@ from api_frontend.endpoints.responses.peers import ResponsePeers
 from api_frontend.endpoints.responses.routes import RESPONSES_KEY
 from api_frontend.endpoints.responses.store import ResponseStore
 from api_frontend.engine_client import EngineClient
-from api_frontend.errors import ApiError
+from api_frontend.errors import API_ERROR, ApiError
 from api_frontend.generate import REQUEST_ID_KEY
 from api_frontend.json_body import check_json_body, json_response
 from api_frontend.openapi import build_openapi
@@ -86,6 +86,22 @@ async def error_middleware(request: web.Request, handler):
         return ApiError(500, "internal server error", None, "internal_error").response()
 
 
+# route path -> the error body of an endpoint whose API has its own error shape
+_ERROR_BODIES = {route.path: ep.error_body for ep in ENDPOINTS if ep.error_body is not None
+                 for route in ep.routes}
+
+
+async def _own_error_shape(request: web.Request, response: web.StreamResponse) -> None:
+    """An error on such a route, wherever it was raised (the body, the API key, admission),
+    in that API's shape: re-encoded as the response goes out."""
+    err = response.get(API_ERROR)
+    shape = _ERROR_BODIES.get(request.path)
+    if err is not None and shape is not None:
+        body = shape(err)
+        response.body = body
+        response.headers["Content-Length"] = str(len(body))
+
+
 async def tokenize(request: web.Request) -> web.Response:
     return await extra_routes.tokenize(request, request.app[MODELS_KEY], request.app[API_KEY])
 
@@ -133,6 +149,7 @@ def build_app(engine: EngineClient, models: ServedModels, max_body_bytes: int,
     process's store only, as with one frontend); ``lora``: the adapter settings (default:
     off)."""
     app = web.Application(middlewares=[error_middleware], client_max_size=max_body_bytes)
+    app.on_response_prepare.append(_own_error_shape)
     app[BODY_TIMEOUT_KEY] = body_read_timeout_s
     app[ENGINE_KEY] = engine
     app[MODELS_KEY] = models

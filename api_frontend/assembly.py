@@ -15,8 +15,8 @@ import msgspec
 from msgspec import UNSET
 
 from protocol import ipc
-from protocol.openai_api import (CandorReport, PromptLogprob, PromptLogprobs,
-                                 PromptTokensDetails, Usage)
+from protocol.openai_api import (CandorReport, CompletionTokensDetails, PromptLogprob,
+                                 PromptLogprobs, PromptTokensDetails, Usage)
 
 _ENCODER = msgspec.json.Encoder()
 DONE_FRAME = b"data: [DONE]\n\n"
@@ -26,10 +26,15 @@ def sse(obj: msgspec.Struct) -> bytes:
     return b"data: " + _ENCODER.encode(obj) + b"\n\n"
 
 
-def usage_of(delta: ipc.TextDelta) -> Usage:
+def usage_of(delta: ipc.TextDelta, reasoning_tokens: int | None = None) -> Usage:
+    """``reasoning_tokens``: where a reasoning parser split the reply (None: none did)."""
     return Usage(delta.prompt_tokens, delta.completion_tokens,
                  delta.prompt_tokens + delta.completion_tokens,
-                 PromptTokensDetails(delta.cached_tokens))
+                 PromptTokensDetails(delta.cached_tokens), _details(reasoning_tokens))
+
+
+def _details(reasoning_tokens: int | None):
+    return UNSET if reasoning_tokens is None else CompletionTokensDetails(reasoning_tokens)
 
 
 class Collected:
@@ -42,6 +47,7 @@ class Collected:
         self.logprobs: list[ipc.DecodedLogprob] = []
         self.prompt_logprobs: list[ipc.DecodedLogprob] | None = None
         self.last: ipc.TextDelta | None = None
+        self.completion_tokens: list[int] = []  # each delta's (cumulative), beside ``parts``
         self.text_offset: list[int] = []  # each logprobs entry's, in the generated text
         self._chars = 0
 
@@ -51,6 +57,7 @@ class Collected:
         self.text_offset += running_offsets(delta.logprobs or [], self._chars)
         self._chars += len(delta.text)
         self.parts.append(delta.text)
+        self.completion_tokens.append(delta.completion_tokens)
         self.token_ids.extend(delta.token_ids)
         if delta.prompt_token_ids is not None:
             self.prompt_token_ids = delta.prompt_token_ids
@@ -131,11 +138,14 @@ class Assembler:
         return None
 
 
-def sum_usage(lasts: list[ipc.TextDelta], n: int) -> Usage:
+def sum_usage(lasts: list[ipc.TextDelta], n: int,
+              reasoning_tokens: int | None = None) -> Usage:
     """Summed over prompts; the n choices of one prompt share it, so each prompt (and its
-    prefix-cache hit) is counted once. ``lasts`` is in choice order (p * n + i)."""
+    prefix-cache hit) is counted once. ``lasts`` is in choice order (p * n + i);
+    ``reasoning_tokens``: every choice's, where a reasoning parser split the replies."""
     groups = [lasts[p:p + n] for p in range(0, len(lasts), n)]
     prompt = sum(g[0].prompt_tokens for g in groups)
     completion = sum(d.completion_tokens for d in lasts)
     cached = sum(max(d.cached_tokens for d in g) for g in groups)
-    return Usage(prompt, completion, prompt + completion, PromptTokensDetails(cached))
+    return Usage(prompt, completion, prompt + completion, PromptTokensDetails(cached),
+                 _details(reasoning_tokens))

@@ -1,4 +1,5 @@
-"""API keys: ``Authorization: Bearer <key>`` on every route but the open ops probes.
+"""API keys: ``Authorization: Bearer <key>`` (or Anthropic's ``x-api-key: <key>``) on every
+route but the open ops probes.
 
 Keys come from ``--api-key`` flags, ``CANDOR_API_KEY``/``VLLM_API_KEY`` (comma-separated)
 and key files (one per line). The launcher resolves them once and hands them to the
@@ -60,9 +61,13 @@ class ApiKeys:
     def needs_key(self, path: str) -> bool:
         return self.enabled and (self.protect_ops or path not in OPS_ROUTES)
 
-    def accepts(self, header: str | None) -> bool:
+    def accepts(self, header: str | None, api_key: str | None = None) -> bool:
+        """``header``: Authorization (a Bearer token); ``api_key``: x-api-key, as Anthropic's
+        clients send it (used when there is no Bearer token)."""
         scheme, _, token = (header or "").partition(" ")
         given = token.strip().encode() if scheme.lower() == "bearer" else b""
+        if not given and api_key:
+            given = api_key.strip().encode()
         ok = False
         for key in self._keys:  # no early exit: every key is compared every time
             ok |= hmac.compare_digest(given, key)
@@ -72,10 +77,10 @@ class ApiKeys:
         @web.middleware
         async def require_api_key(request: web.Request, handler):
             if self.needs_key(request.path) and not self.accepts(
-                    request.headers.get("Authorization")):
+                    request.headers.get("Authorization"), request.headers.get("x-api-key")):
                 return ApiError(
                     401, "Incorrect or missing API key: send 'Authorization: Bearer "
-                    "<key>'", None, "invalid_api_key", type="authentication_error",
+                    "<key>' (or 'x-api-key: <key>')", None, "invalid_api_key", type="authentication_error",
                     headers={"WWW-Authenticate": 'Bearer realm="candor"'}).response()
             return await handler(request)
         return require_api_key

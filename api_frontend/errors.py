@@ -17,6 +17,10 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error",
 
 _ENCODER = msgspec.json.Encoder()
 
+# on the response ApiError.response() builds: an endpoint with its own error shape
+# (``Endpoint.error_body``) re-encodes it (api_frontend.app)
+API_ERROR = web.ResponseKey("api_error", object)
+
 RETRY_AFTER_S = "1"  # seconds, on a 503 the engine answered (queue full, lost process)
 
 
@@ -45,8 +49,10 @@ class ApiError(Exception):
         return cls(msg.status, msg.message, msg.param, msg.code, msg.type, headers)
 
     def response(self) -> web.Response:
-        return web.Response(status=self.status, body=self.encode(),
-                            content_type="application/json", headers=self.headers)
+        response = web.Response(status=self.status, body=self.encode(),
+                                content_type="application/json", headers=self.headers)
+        response[API_ERROR] = self
+        return response
 
 
 _AT_PATH = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")

@@ -28,7 +28,8 @@ from protocol.openai_api import (DetokenizeRequest, DetokenizeResponse, RenderRe
                                  TokenizerInfoResponse)
 
 
-async def _ask(engine: EngineClient, req: ipc.RenderReq) -> ipc.RenderResult:
+async def ask(engine: EngineClient, req: ipc.RenderReq) -> ipc.RenderResult:
+    """One RenderReq to a tokenizer worker, and its RenderResult (an error raised)."""
     queue = await engine.submit(req)
     try:
         msg = await queue.get()
@@ -55,7 +56,7 @@ async def render(request: web.Request, kind: type, translate: Callable[..., Tran
     engine = model.engine
     rid = f"render-{uuid.uuid4().hex}"
     tr = translate(parsed, rid, engine.reply_to, 0.0, keys, request.app[API_KEY])
-    result = await _ask(engine, ipc.RenderReq(rid, engine.reply_to, gen=tr.gen))
+    result = await ask(engine, ipc.RenderReq(rid, engine.reply_to, gen=tr.gen))
     info = ipc.RequestInfo(rid, len(result.token_ids), result.template, result.adjustments)
     return json_response(RenderResponse(result.prompt_text, result.token_ids, card.id,
                                         _template(result), complete_report(tr.report, info)))
@@ -101,7 +102,7 @@ async def tokenize(request: web.Request, models: ServedModels, api: ApiSpec) -> 
                            "to `prompt`", chat_only[0], "invalid_value")
         gen = ipc.GenerateReq(rid, engine.reply_to, ipc.SamplingParams(), ipc.DetokParams(),
                               prompt=body.prompt)
-    result = await _ask(engine, ipc.RenderReq(
+    result = await ask(engine, ipc.RenderReq(
         rid, engine.reply_to, gen=gen, with_token_strs=bool(body.return_token_strs),
         tokenize_only=True, add_special_tokens=body.add_special_tokens))
     return json_response(TokenizeResponse(len(result.token_ids), card.max_model_len,
@@ -112,7 +113,7 @@ async def detokenize(request: web.Request, models: ServedModels) -> web.Response
     body = decode(await request.read(), DetokenizeRequest)
     engine = _model(models, body.model).engine
     rid = f"detok-{uuid.uuid4().hex}"
-    result = await _ask(engine, ipc.RenderReq(rid, engine.reply_to, token_ids=body.tokens))
+    result = await ask(engine, ipc.RenderReq(rid, engine.reply_to, token_ids=body.tokens))
     return json_response(DetokenizeResponse(result.prompt_text))
 
 
@@ -120,7 +121,7 @@ async def tokenizer_info(engine: EngineClient) -> web.Response:
     """vLLM's GET /tokenizer_info: tokenizer_config.json's settings overlaid with what this
     server actually applies (context, chat template, special tokens)."""
     rid = f"tokinfo-{uuid.uuid4().hex}"
-    result = await _ask(engine, ipc.RenderReq(rid, engine.reply_to, tokenizer_info=True))
+    result = await ask(engine, ipc.RenderReq(rid, engine.reply_to, tokenizer_info=True))
     info = result.tokenizer_info
     if info is None:
         raise ApiError(500, "the tokenizer worker sent no tokenizer description", None,

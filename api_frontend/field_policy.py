@@ -173,3 +173,31 @@ class FieldTable:
                     if k not in raw_keys and self.sampling_defaults]
         return CandorReport(ignored=ignored, extensions=extensions, defaults=defaults,
                             strict=strict)
+
+
+def nested_unknown(raw_keys: Mapping[str, msgspec.Raw], req: msgspec.Struct) -> list[str]:
+    """The JSON paths of the fields inside the request's objects that its typed decode
+    dropped (a struct keeps only the fields it declares), so they are reported as the
+    unknown top-level fields are. A dict-typed field (a schema, a tool's input) is the
+    client's own object and a null is an unset field: neither is named."""
+    out: list[str] = []
+    for key, raw in raw_keys.items():
+        if key in req.__struct_fields__:
+            _walk(_VALUE.decode(raw), getattr(req, key), key, out)
+    return out
+
+
+def _walk(raw: Any, value: Any, path: str, out: list[str]) -> None:
+    if isinstance(value, msgspec.Struct) and isinstance(raw, dict):
+        fields = value.__struct_fields__
+        tag_field = value.__struct_config__.tag_field
+        for key, item in raw.items():
+            if item is None or key == tag_field:
+                continue
+            if key not in fields:
+                out.append(f"{path}.{key}")
+            else:
+                _walk(item, getattr(value, key), f"{path}.{key}", out)
+    elif isinstance(value, list) and isinstance(raw, list):
+        for i, (raw_item, item) in enumerate(zip(raw, value)):
+            _walk(raw_item, item, f"{path}[{i}]", out)

@@ -25,6 +25,7 @@ START, END = "<think>", "</think>"
 
 class ReasoningParser:
     name = ""
+    switch = ""  # the chat_template_kwargs key that turns the template's thinking off
 
     def active(self, template_kwargs: dict[str, Any]) -> bool:
         return True
@@ -69,9 +70,10 @@ def _until_end(text: str, at: int, final: bool) -> tuple[int, int, int | None]:
 
 class Qwen3ReasoningParser(ReasoningParser):
     name = "qwen3"
+    switch = "enable_thinking"
 
     def active(self, template_kwargs: dict[str, Any]) -> bool:
-        return template_kwargs.get("enable_thinking", True) is not False
+        return template_kwargs.get(self.switch, True) is not False
 
     def bounds(self, text: str, final: bool) -> tuple[int, int, int | None]:
         start = _after_start(text, final)
@@ -85,9 +87,10 @@ class Qwen3ReasoningParser(ReasoningParser):
 
 class DeepSeekR1ReasoningParser(ReasoningParser):
     name = "deepseek_r1"
+    switch = "thinking"
 
     def active(self, template_kwargs: dict[str, Any]) -> bool:
-        return template_kwargs.get("thinking", True) is not False
+        return template_kwargs.get(self.switch, True) is not False
 
     def bounds(self, text: str, final: bool) -> tuple[int, int, int | None]:
         start = _after_start(text, final)
@@ -151,3 +154,28 @@ class ReasoningStream:
         else:
             self.tail = ""
         return out
+
+
+class ReasoningCount:
+    """The completion tokens one choice spent on reasoning, from its deltas in order: with
+    reasoning, the tokens before the delta that began the answer (all of them when no
+    answer began). Text held back as a possible tag makes the boundary exact to one delta,
+    not one token."""
+
+    def __init__(self) -> None:
+        self.thought = False  # some reasoning text came out
+        self.answer_at: int | None = None  # completion tokens before the answer began
+        self._before = 0
+
+    def add(self, completion_tokens: int, thought: bool, answered: bool) -> None:
+        """One delta: its cumulative completion tokens, whether it gave reasoning text,
+        whether it gave answer text."""
+        self.thought |= thought
+        if answered and self.answer_at is None:
+            self.answer_at = self._before
+        self._before = completion_tokens
+
+    def tokens(self, completion_tokens: int) -> int:
+        if not self.thought:
+            return 0
+        return completion_tokens if self.answer_at is None else self.answer_at

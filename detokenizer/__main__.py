@@ -114,6 +114,7 @@ class Detokenizer:
                     state.prompt_ids, state.cached_tokens,
                     self.texts.decode(out.logprobs[:len(consumed)] if out.logprobs else None),
                     self.texts.decode(out.prompt_logprobs),
+                    stop_string=detok.stop_string if finish is not None else None,
                     spec_drafted=out.spec_drafted, spec_accepted=out.spec_accepted))
                 state.prompt_ids = None
             if finish is not None:

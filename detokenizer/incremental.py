@@ -34,6 +34,7 @@ class RequestDetokenizer:
         self._emitted = 0       # characters of self.text already sent
         self.num_tokens = 0     # generated tokens consumed (usage.completion_tokens)
         self.stopped = False    # a stop string matched
+        self.stop_string: str | None = None  # which one (the first in the text)
         self._min_end = 0       # stop strings must end after this (min_tokens' text)
 
     def add_tokens(self, token_ids: list[int], stopping: bool = False) -> None:
@@ -67,6 +68,7 @@ class RequestDetokenizer:
         if found is None:
             return
         at, stop_end = found
+        self.stop_string = self.text[at:stop_end]
         end = stop_end if self._params.include_stop_str_in_output else at
         self.text = self.text[:end]
         self._emitted = min(self._emitted, end)

@@ -619,6 +619,7 @@ class TextDelta(msgspec.Struct, array_like=True):
     prompt_logprobs: list[DecodedLogprob] | None = None  # once, with the first delta
     spec_drafted: int = 0  # on the last delta: speculative draft tokens verified
     spec_accepted: int = 0  # and of those, the ones kept
+    stop_string: str | None = None  # on the last delta: the stop string that ended it
 
 
 class TopLogprob(msgspec.Struct, array_like=True):

@@ -133,6 +133,12 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
 
 class PromptTokensDetails(msgspec.Struct):
     cached_tokens: int = 0
+
+
+class CompletionTokensDetails(msgspec.Struct):
+    reasoning_tokens: int = 0  # the completion tokens the reasoning parser split off
+
+
 class FieldNote(msgspec.Struct, omit_defaults=True):
     field: str
     reason: str = ""
@@ -218,6 +224,8 @@ class Usage(msgspec.Struct):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    # where a reasoning parser split the reply (chat); absent otherwise
+    completion_tokens_details: CompletionTokensDetails | UnsetType = UNSET
 
 
 class CompletionChoice(msgspec.Struct):

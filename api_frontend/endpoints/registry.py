@@ -8,9 +8,10 @@ from api_frontend.endpoints.classify.routes import ENDPOINT as CLASSIFY
 from api_frontend.endpoints.completions.routes import ENDPOINT as COMPLETIONS
 from api_frontend.endpoints.embeddings.routes import ENDPOINT as EMBEDDINGS
 from api_frontend.endpoints.rerank.routes import ENDPOINT as RERANK
+from api_frontend.endpoints.messages.routes import ENDPOINT as MESSAGES
 from api_frontend.endpoints.responses.routes import ENDPOINT as RESPONSES
 from api_frontend.endpoints.score.routes import ENDPOINT as SCORE
 from api_frontend.endpoints.spec import Endpoint
 
-ENDPOINTS: tuple[Endpoint, ...] = (CHAT, COMPLETIONS, RESPONSES, EMBEDDINGS,
+ENDPOINTS: tuple[Endpoint, ...] = (CHAT, COMPLETIONS, RESPONSES, MESSAGES, EMBEDDINGS,
                                    SCORE, RERANK, CLASSIFY)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from api_frontend.errors import ApiError
 from api_frontend.field_policy import FieldTable
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -30,7 +31,9 @@ class Endpoint:
     """``fields``: its slice of the field table (``fields.name`` is its column in
     docs/fields.md); ``path``: where /v1/capabilities publishes its tiers; ``runner``: the
     models that serve it (generate, pooling); ``serves``: its name in /v1/capabilities
-    ``serves``; ``listed``: the paths /v1/capabilities ``endpoints`` lists."""
+    ``serves``; ``listed``: the paths /v1/capabilities ``endpoints`` lists;
+    ``error_body``: the body of an error on its routes, where its API has its own error
+    shape (None: OpenAI's)."""
 
     fields: FieldTable
     path: str
@@ -38,3 +41,4 @@ class Endpoint:
     serves: str
     routes: tuple[Route, ...]
     listed: tuple[str, ...]
+    error_body: Callable[[ApiError], bytes] | None = None

@@ -4,8 +4,11 @@ Bodies come from the server's own OpenAPI document (/openapi.json, generated fro
 msgspec structs that decode requests): schema-valid bodies, the same bodies with one
 field replaced by arbitrary JSON, arbitrary JSON documents, and raw bytes under random
 content types. Whatever arrives, the server must answer within the client's timeout
-(no hang), never with a 5xx, always in OpenAI's error shape when it refuses, end every
-stream with ``data: [DONE]``, and afterwards still be healthy with every KV block free.
+(no hang, no dropped connection: either raises out of the client), never with a 5xx,
+always in the route's API's error shape when it refuses (OpenAI's; Anthropic's on
+/v1/messages*, with the type Anthropic gives that status), end every stream as its API
+does (``data: [DONE]``; Responses' terminal event; Anthropic's event order ending in
+``message_stop`` or ``error``), and afterwards still be healthy with every KV block free.
 
 The run is derandomized (the same examples every CI run); set CANDOR_FUZZ_SEED to explore
 other examples, CANDOR_FUZZ_EXAMPLES to run more of them.
@@ -149,7 +152,8 @@ def from_schema(schema: dict, components: dict) -> st.SearchStrategy:
     if kind == "string":
         return st.text(max_size=40)
     if kind == "array":
-        return st.lists(from_schema(schema.get("items", {}), components), min_size=0,
+        return st.lists(from_schema(schema.get("items", {}), components),
+                        min_size=schema.get("minItems", 0),
                         max_size=schema.get("maxItems", 4))
     if kind == "object":
         props = schema.get("properties")
@@ -171,7 +175,7 @@ def from_schema(schema: dict, components: dict) -> st.SearchStrategy:
     raise AssertionError(f"schema construct the fuzzer does not know: {schema}")
 
 
-def _route_schema(doc: dict, route: str) -> dict:
+def _route_schema(doc: dict, route: str) -> tuple[dict, dict]:
     """The body schema of ``route``, self-contained, narrowed to cheap requests."""
     components = copy.deepcopy(doc["components"]["schemas"])
     ref = doc["paths"][route]["post"]["requestBody"]["content"]["application/json"]["schema"]
@@ -183,7 +187,18 @@ def _route_schema(doc: dict, route: str) -> dict:
                                       {"type": "null"}]}
     if "model" in props:
         props["model"] = {"enum": [MODEL, ADAPTER]}  # the base, or the LoRA adapter
-    if "messages" in props:
+    if route in ANTHROPIC_ROUTES:  # turns of the kinds each role takes, so some succeed
+        props["messages"] = {"type": "array", "minItems": 1, "maxItems": 3,
+                             "items": {"anyOf": _TURNS}}
+        if "max_tokens" in props:  # required here: null would be a missing field
+            props["max_tokens"] = {"type": "integer", "minimum": 1, "maximum": 4}
+        if "stream" in props:  # always sent, mostly true: the event order gets checked
+            props["stream"] = {"enum": [False, True, True]}
+            body["required"] = [*body.get("required", []), "stream"]
+        props["strict"] = {"enum": [False, False, False, True]}  # else most are strict 400s
+        if "tools" in props:
+            props["tools"] = {"type": "array", "maxItems": 2, "items": _TOOL}
+    elif "messages" in props:
         props["messages"] = {**props["messages"], "maxItems": 4}
     if "input" in props:  # /v1/responses: a string, or a few items of the kinds it takes
         props["input"] = {"anyOf": [{"type": "string"}, {"type": "array", "maxItems": 3,
@@ -205,6 +220,30 @@ _ITEMS = [
         "type": {"enum": ["reasoning", "item_reference", "message", "web_search_call"]},
         "content": {}, "summary": {}}},
 ]
+_TEXT = {"type": "object", "required": ["type", "text"], "properties": {
+    "type": {"const": "text"}, "text": {"type": "string"}}}
+_TURNS = [  # /v1/messages turns: strings, or the blocks each role may hold
+    {"type": "object", "required": ["role", "content"], "properties": {
+        "role": {"enum": ["user", "assistant"]}, "content": {"type": "string"}}},
+    {"type": "object", "required": ["role", "content"], "properties": {
+        "role": {"const": "user"}, "content": {"type": "array", "maxItems": 3, "items": {
+            "anyOf": [_TEXT, {"type": "object", "required": ["type", "tool_use_id", "content"],
+                              "properties": {"type": {"const": "tool_result"},
+                                             "tool_use_id": {"type": "string"},
+                                             "content": {"type": "string"}}}]}}}},
+    {"type": "object", "required": ["role", "content"], "properties": {
+        "role": {"const": "assistant"}, "content": {"type": "array", "maxItems": 3, "items": {
+            "anyOf": [_TEXT, {"type": "object", "required": ["type", "id", "name", "input"],
+                              "properties": {"type": {"const": "tool_use"},
+                                             "id": {"type": "string"},
+                                             "name": {"type": "string"}, "input": {
+                                                 "type": "object", "properties": {}}}},
+                      {"type": "object", "required": ["type", "thinking"], "properties": {
+                          "type": {"const": "thinking"}, "thinking": {"type": "string"}}}]}}}},
+]
+_TOOL = {"type": "object", "required": ["name", "input_schema"], "properties": {
+    "name": {"enum": ["get_weather", "lookup"]}, "description": {"type": "string"},
+    "input_schema": {"const": {"type": "object", "properties": {"q": {"type": "string"}}}}}}
 TERMINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed")
 
 
@@ -216,8 +255,84 @@ def _assert_error_shape(resp: Reply) -> None:
     assert isinstance(err["message"], str) and err["message"]
 
 
-def _check(resp: Reply, sent) -> None:
+# Anthropic's error type for each status (https://docs.anthropic.com/en/api/errors);
+# a status it does not list is an invalid_request_error below 500
+ANTHROPIC_ROUTES = ("/v1/messages", "/v1/messages/count_tokens")
+ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                         403: "permission_error", 404: "not_found_error",
+                         413: "request_too_large", 429: "rate_limit_error"}
+
+
+def _assert_anthropic_error(error: dict, status: int | None) -> None:
+    assert set(error) == {"type", "message"}, error
+    assert isinstance(error["message"], str) and error["message"], error
+    if status is not None:
+        assert error["type"] == ANTHROPIC_ERROR_TYPES.get(status, "invalid_request_error"), (
+            status, error)
+
+
+def _assert_anthropic_error_shape(resp: Reply) -> None:
+    assert resp.content_type.startswith("application/json"), resp.content_type
+    body = resp.json()
+    assert set(body) == {"type", "error"} and body["type"] == "error", body
+    _assert_anthropic_error(body["error"], resp.status_code)
+
+
+def _check_anthropic_stream(text: str, sent) -> None:
+    """Anthropic's event order: message_start, ping, each block's start / deltas / stop
+    (indices 0, 1, ...), message_delta, message_stop; or an ``error`` event last, after
+    the open block closed. Each frame's ``event:`` names its data's type."""
+    frames = [f for f in text.split("\n\n") if f.strip()]
+    events = []
+    for frame in frames:
+        lines = frame.split("\n")
+        assert len(lines) == 2 and lines[0].startswith("event: ") and lines[1].startswith(
+            "data: "), (frame, sent)
+        event = json.loads(lines[1][len("data: "):])
+        assert event["type"] == lines[0][len("event: "):], (frame, sent)
+        events.append(event)
+    kinds = [e["type"] for e in events]
+    assert kinds[:2] == ["message_start", "ping"], (kinds, sent)
+    assert kinds[-1] in ("message_stop", "error"), (kinds, sent)
+    assert kinds.count("message_start") == 1, (kinds, sent)
+    if kinds[-1] == "error":
+        _assert_anthropic_error(events[-1]["error"], None)
+        body = kinds[2:-1]
+    else:
+        assert kinds[-2] == "message_delta", (kinds, sent)
+        assert events[-2]["delta"]["stop_reason"] in (
+            "end_turn", "max_tokens", "stop_sequence", "tool_use"), (events[-2], sent)
+        body = kinds[2:-2]
+    open_index, next_index = None, 0
+    for event in events[2:2 + len(body)]:
+        kind = event["type"]
+        if kind == "content_block_start":
+            assert open_index is None and event["index"] == next_index, (kinds, sent)
+            open_index, next_index = next_index, next_index + 1
+        elif kind in ("content_block_delta", "content_block_stop"):
+            assert event["index"] == open_index, (kinds, sent)
+            if kind == "content_block_stop":
+                open_index = None
+        else:
+            raise AssertionError((f"{kind} inside the message's blocks", kinds, sent))
+    assert open_index is None, (kinds, sent)
+
+
+def _check_anthropic(resp: Reply, sent) -> None:
+    if resp.status_code >= 400:
+        _assert_anthropic_error_shape(resp)
+    elif resp.content_type.startswith("text/event-stream"):
+        _check_anthropic_stream(resp.text, sent)
+    else:
+        body = resp.json()
+        assert body.get("type") == "message" or set(body) == {"input_tokens"}, (body, sent)
+
+
+def _check(resp: Reply, sent, route: str | None = None) -> None:
     assert resp.status_code < 500, (resp.status_code, resp.text[:500], sent)
+    if route in ANTHROPIC_ROUTES:
+        _check_anthropic(resp, sent)
+        return
     if resp.status_code >= 400:
         _assert_error_shape(resp)
         return
@@ -241,12 +356,12 @@ def _check(resp: Reply, sent) -> None:
 
 def _post(client: Client, route: str, body) -> None:
     resp = client.post(route, json_body=body)
-    _check(resp, body)
+    _check(resp, body, route)
 
 
 POST_ROUTES = ["/v1/chat/completions", "/v1/completions", "/v1/chat/completions/render",
                "/v1/completions/render", "/tokenize", "/detokenize", "/v1/responses",
-               "/v1/load_lora_adapter", "/v1/unload_lora_adapter"]
+               "/v1/load_lora_adapter", "/v1/unload_lora_adapter", *ANTHROPIC_ROUTES]
 
 
 @pytest.mark.parametrize("route", POST_ROUTES)
@@ -276,19 +391,24 @@ def test_raw_bytes_and_content_types_never_5xx(client, route):
     def run(raw, ctype):
         headers = {"Content-Type": ctype} if ctype else {}
         resp = client.post(route, content=raw, headers=headers)
-        _check(resp, raw)
+        _check(resp, raw, route)
 
     run()
 
 
-def test_deep_and_huge_json_never_5xx(client):
+@pytest.mark.parametrize("route, template", [
+    ("/v1/chat/completions", '{"model": "%s", "messages": [{"role": "user", "content": "hi"}], '
+     '"chat_template_kwargs": {"x": %s}}'),
+    ("/v1/messages", '{"model": "%s", "max_tokens": 2, "messages": [{"role": "user", '
+     '"content": "hi"}], "tools": [{"name": "t", "input_schema": {"x": %s}}]}'),
+])
+def test_deep_and_huge_json_never_5xx(client, route, template):
     for depth in (100, 1000, 5000):
         nested = "[" * depth + "]" * depth
-        body = ('{"model": "%s", "messages": [{"role": "user", "content": "hi"}], '
-                '"chat_template_kwargs": {"x": %s}}' % (MODEL, nested))
-        resp = client.post("/v1/chat/completions", content=body.encode(),
+        body = template % (MODEL, nested)
+        resp = client.post(route, content=body.encode(),
                            headers={"Content-Type": "application/json"})
-        _check(resp, f"nested {depth}")
+        _check(resp, f"nested {depth}", route)
 
 
 def test_get_routes_with_random_paths_never_5xx(client):
@@ -334,6 +454,11 @@ def test_server_healthy_and_nothing_held_after_fuzzing(fuzz_server, client):
     resp = client.post("/v1/completions", json_body={"model": MODEL, "prompt": "hello",
                                                 "max_tokens": 2})
     assert resp.status_code == 200, resp.text
+    body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    for stream in (False, True):
+        resp = client.post("/v1/messages", json_body={**body, "stream": stream})
+        assert resp.status_code == 200, resp.text
+        _check(resp, body, "/v1/messages")
 
 
 def _integer_fields(schema: dict) -> list[str]:
@@ -342,23 +467,47 @@ def _integer_fields(schema: dict) -> list[str]:
             if '"integer"' in json.dumps(prop)]
 
 
-@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions", "/detokenize"])
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions", "/detokenize",
+                                   "/v1/messages"])
 def test_integers_beyond_int64_in_every_integer_field_are_400(client, openapi, route):
     body_schema, _ = _route_schema(openapi, route)
     base = {"/v1/chat/completions": {"model": MODEL, "max_tokens": 2,
                                      "messages": [{"role": "user", "content": "hi"}]},
             "/v1/completions": {"model": MODEL, "prompt": "hi", "max_tokens": 2},
-            "/detokenize": {"model": MODEL, "tokens": [1, 2]}}[route]
+            "/detokenize": {"model": MODEL, "tokens": [1, 2]},
+            "/v1/messages": {"model": MODEL, "max_tokens": 2,
+                             "messages": [{"role": "user", "content": "hi"}]}}[route]
     fields = _integer_fields(body_schema)
     assert fields, "the schema names no integer field"
     for field in fields:
         for huge in (2 ** 63, 2 ** 64, 2 ** 70, -(2 ** 63) - 1):
             for value in (huge, [huge]):  # the field itself, or as a list's item
                 body = {**base, field: value}
-                _check(client.post(route, json_body=body), body)
+                resp = client.post(route, json_body=body)
+                _check(resp, body, route)
+                assert resp.status_code == 400, (resp.text, body)
     bias = {**base, "logit_bias": {str(2 ** 70): 1.0}}
     if route in ("/v1/chat/completions", "/v1/completions"):
         resp = client.post(route, json_body=bias)
         _check(resp, bias)
         assert resp.status_code == 400
     assert client.get("/health").status_code == 200
+
+
+@pytest.mark.parametrize("status, body, stream", [
+    (500, {"type": "error", "error": {"type": "api_error", "message": "boom"}}, None),
+    (400, {"error": {"message": "bad", "type": "invalid_request_error", "param": None,
+                     "code": None}}, None),
+    (404, {"type": "error", "error": {"type": "invalid_request_error", "message": "no"}}, None),
+    (200, None, "event: message_start\ndata: {\"type\": \"message_start\"}\n\n"),
+    (200, None, "data: {\"choices\": []}\n\ndata: [DONE]\n\n"),
+])
+def test_the_messages_check_refuses_what_anthropics_clients_could_not_read(status, body,
+                                                                           stream):
+    """The checks above fail on a 5xx, on OpenAI's error shape, on a wrong error type for
+    the status, and on a stream that is not Anthropic's: without this, a fuzz run that
+    passes could mean a check that cannot fail."""
+    reply = (Reply(status, "application/json", json.dumps(body)) if stream is None
+             else Reply(status, "text/event-stream", stream))
+    with pytest.raises(AssertionError):
+        _check(reply, "self-test", "/v1/messages")

@@ -49,6 +49,7 @@ class ChatAssembler(Assembler):
         self.reasoning_parser = reasoning_parser
         self._streams: dict[int, ToolCallStream] = {}
         self._thinking: dict[int, reasoning.ReasoningStream] = {}
+        self._counts: dict[int, reasoning.ReasoningCount] = {}
 
     @property
     def parses_tools(self) -> bool:
@@ -69,6 +70,30 @@ class ChatAssembler(Assembler):
         return (AssistantMessage(content, tool_calls=result.calls or UNSET,
                                  reasoning_content=thought),
                 _tool_finish(reason, bool(result.calls), result.complete))
+
+    def _reasoning_tokens(self, got: Collected) -> int:
+        """The choice's deltas read again as a stream reads them, so a whole reply and a
+        streamed one count the same reasoning tokens."""
+        thinking = reasoning.ReasoningStream(reasoning.get(self.reasoning_parser))
+        count = reasoning.ReasoningCount()
+        last = len(got.parts) - 1
+        for i, (text, tokens) in enumerate(zip(got.parts, got.completion_tokens)):
+            thought, answer = thinking.feed(text, i == last)
+            count.add(tokens, bool(thought), bool(answer))
+        return count.tokens(got.last.completion_tokens)
+
+    def usage(self, choices: list[Collected]):
+        if self.reasoning_parser is None:
+            return super().usage(choices)
+        spent = {id(got): self._reasoning_tokens(got) for got in choices}
+        return sum_usage([c.last for c in choices], self.n,
+                         sum(spent[id(got)] for got in choices))
+
+    def _spent(self, index: int, delta: ipc.TextDelta) -> int | None:
+        if self.reasoning_parser is None:
+            return None
+        count = self._counts.get(index)
+        return count.tokens(delta.completion_tokens) if count is not None else 0
 
     def final(self, choices: list[Collected]) -> ChatCompletionResponse:
         out = []
@@ -104,6 +129,8 @@ class ChatAssembler(Assembler):
                     thinking = self._thinking[index] = reasoning.ReasoningStream(
                         reasoning.get(self.reasoning_parser))
                 thought, text = thinking.feed(text, reason is not None)
+                self._counts.setdefault(index, reasoning.ReasoningCount()).add(
+                    delta.completion_tokens, bool(thought), bool(text))
             content, calls = text, []
             if self.parses_tools:
                 stream = self._streams.get(index)
@@ -123,8 +150,12 @@ class ChatAssembler(Assembler):
         return ChatCompletionChunk(
             self.id, self.created, self.model,
             [ChatChunkChoice(index, message, reason, lp, token_ids=self._ids(delta.token_ids))],
-            usage_of(delta) if with_usage else None, candor=self._candor())
+            usage_of(delta, self._spent(index, delta)) if with_usage else None,
+            candor=self._candor())
 
     def usage_chunk(self, choices_last: list[ipc.TextDelta]) -> ChatCompletionChunk:
+        spent = None
+        if self.reasoning_parser is not None:
+            spent = sum(self._spent(i, d) for i, d in enumerate(choices_last))
         return ChatCompletionChunk(self.id, self.created, self.model, [],
-                                   sum_usage(choices_last, self.n))
+                                   sum_usage(choices_last, self.n, spent))

@@ -50,8 +50,7 @@ class ResponseBuilder:
                        if tools is not None and tools.mode != "none" else None)
         self._thinking = (reasoning.ReasoningStream(reasoning.get(reasoning_parser))
                           if reasoning_parser is not None else None)
-        self._thought = False  # a reasoning item was made
-        self._answer_at: int | None = None  # completion tokens before the first answer
+        self._count = reasoning.ReasoningCount()
         self._last: ipc.TextDelta | None = None
 
     def take(self) -> bytes:
@@ -153,9 +152,7 @@ class ResponseBuilder:
             pieces = [text] if text else []
         if thought:
             self._reasoning(thought)
-            self._thought = True
-        if pieces and self._answer_at is None:
-            self._answer_at = self._last.completion_tokens if self._last is not None else 0
+        self._count.add(delta.completion_tokens, bool(thought), bool(pieces))
         for piece in pieces:
             if isinstance(piece, str):
                 self._text(piece)
@@ -171,17 +168,13 @@ class ResponseBuilder:
         return (self._last.finish_reason if self._last is not None else None) or "none"
 
     def _usage(self) -> ResponseUsage | None:
-        """``reasoning_tokens``: with reasoning, the tokens before the delta that began
-        the answer (all of them when no answer began); text held back as a possible tag
-        makes that boundary exact to one delta, not one token."""
+        """``reasoning_tokens``: as ``reasoning.ReasoningCount`` counts them."""
         d = self._last
         if d is None:
             return None
-        reasoning = 0
-        if self._thought:
-            reasoning = d.completion_tokens if self._answer_at is None else self._answer_at
         return ResponseUsage(d.prompt_tokens, InputTokensDetails(d.cached_tokens),
-                             d.completion_tokens, OutputTokensDetails(reasoning),
+                             d.completion_tokens,
+                             OutputTokensDetails(self._count.tokens(d.completion_tokens)),
                              d.prompt_tokens + d.completion_tokens)
 
     def finish(self) -> None:

@@ -70,8 +70,14 @@ def test_min_tokens_holds_back_stop_strings_ending_inside_them(tokenizer):
 
 
 def test_earliest_of_several_stop_strings_wins(tokenizer):
-    deltas, _ = _run(tokenizer, TEXT, DetokParams(stop=["emoji", "café"]))
+    deltas, detok = _run(tokenizer, TEXT, DetokParams(stop=["emoji", "café"]))
     assert "".join(deltas) == "Über "
+    assert detok.stop_string == "café"  # which one stopped it (Anthropic's stop_sequence)
+
+
+def test_no_stop_string_named_when_none_matched(tokenizer):
+    _, detok = _run(tokenizer, TEXT, DetokParams(stop=["nowhere in it"]))
+    assert not detok.stopped and detok.stop_string is None
 
 
 def test_holdback_released_when_no_stop_matches(tokenizer):
