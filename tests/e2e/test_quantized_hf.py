@@ -4,7 +4,8 @@ Per format (``tests/support/quant_zoo.py`` writes each from a tiny Qwen2): the g
 the quantized model equal transformers' on the same model dequantized to float32 (for
 weight-only formats) and transformers' on the quantized checkpoint itself where it loads
 it on CPU (compressed-tensors, whose W8A8 and FP8 schemes also quantize activations per
-token, which Candor does the same way); batched as alone; over two tensor-parallel
+token, which Candor does the same way: each layer is checked equal to the library's on the
+same input, and the tokens equal until a near tie of the reference's own); batched as alone; over two tensor-parallel
 ranks. A format, scheme or split Candor cannot serve exactly is refused in one line
 naming it, before any process starts (``launcher.preflight``).
 """
@@ -72,7 +73,13 @@ def test_quantized_checkpoint_gives_the_reference_greedy_tokens(zoo, name):
         assert _generate(ModelRunner(str(path), num_blocks=64), [p], MAX_NEW) == [got[i]]
     if hf_runs_it:  # transformers on the quantized checkpoint itself
         hf = model_zoo.hf_model(path)
-        assert got == [model_zoo.hf_greedy(hf, p, MAX_NEW) for p in _prompts()]
+        want = [model_zoo.hf_greedy(hf, p, MAX_NEW) for p in _prompts()]
+        if name in ACTIVATIONS_QUANTIZED:
+            _layers_compute_as_the_library_does(runner, hf)
+            for p, g, w in zip(_prompts(), got, want):
+                _agree_until_a_near_tie(hf, p, g, w)
+        else:
+            assert got == want
     dense = [model_zoo.hf_greedy(model_zoo.hf_model(ref), p, MAX_NEW) for p in _prompts()]
     if name not in ACTIVATIONS_QUANTIZED:  # weight-only: the dequantized model's tokens
         assert got == dense
@@ -80,6 +87,59 @@ def test_quantized_checkpoint_gives_the_reference_greedy_tokens(zoo, name):
     full = sum(t.numel() * 4 for n, t in load_file(str(ref / "model.safetensors")).items()
                if "layers." in n and t.dim() == 2)  # the float32 matrices
     assert held < full * (0.2 if method == "int4" else 0.3), (held, full)
+
+
+# Candor's fused layers -> transformers' separate ones: (fused name, which slice of its output)
+FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+# How far below transformers' top logit the token Candor chose may be, at the first step the
+# two differ (see _agree_until_a_near_tie)
+NEAR_TIE = 0.25
+
+
+def _layers_compute_as_the_library_does(runner, hf) -> None:
+    """Every quantized layer of Candor, given the input transformers' layer saw, returns
+    what compressed-tensors' own forward returned (activations quantized per token): the
+    scheme is computed as defined, within float rounding of the sums' order."""
+    seen = {}
+    hooks = [m.register_forward_hook(lambda mod, i, o, n=n: seen.setdefault(n, (i[0].detach(), o.detach())) and None)
+             for n, m in hf.named_modules() if n.endswith("_proj")]
+    with torch.no_grad():
+        hf(torch.tensor([_prompts()[1]]))
+    for h in hooks:
+        h.remove()
+    ours = dict(runner.model.named_modules())
+    assert len(seen) == 7 * hf.config.num_hidden_layers
+    for name, (x, y) in seen.items():
+        parent, leaf = name.rsplit(".", 1)
+        fused, part = FUSED.get(leaf, (leaf, 0))
+        layer = ours[f"{parent}.{fused}"]
+        with torch.no_grad():
+            out = layer.method.apply(layer, x[0], getattr(layer, "bias", None))
+        start = sum(hf.get_submodule(f"{parent}.{k}").out_features for k, (f, i) in FUSED.items()
+                    if f == fused and i < part)
+        mine = out[:, start:start + y.shape[-1]]
+        torch.testing.assert_close(mine, y[0], rtol=1e-4, atol=1e-5 * float(y.abs().max()), msg=name)
+
+
+def _agree_until_a_near_tie(hf, prompt: list[int], got: list[int], want: list[int]) -> None:
+    """Greedy tokens equal transformers' up to a step where transformers' own top two
+    logits are within ``NEAR_TIE``, and there Candor's token is one of them.
+
+    Quantizing activations per token rounds each value to one of 256 steps: float noise
+    of 1e-4 in a layer's input (another summation order) moves a value near a step's edge
+    to the next step, which moved a down_proj output by 0.5 in this tiny random model. The
+    layers themselves are checked exact above; end to end, the tokens can only part where
+    the reference itself hardly decides (vLLM's ``check_logprobs_close`` reads W8A8 so)."""
+    same = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+    if same is None:
+        return
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + want[:same]])).logits[0, -1]
+    top = logits.topk(2)
+    assert got[same] in top.indices.tolist() and float(top.values[0] - logits[got[same]]) < NEAR_TIE, (
+        f"step {same}: Candor chose {got[same]} (logit {float(logits[got[same]]):.4f}), transformers "
+        f"{want[same]} (top two {top.values.tolist()} at {top.indices.tolist()})")
 
 
 def _rank_main(rank: int, size: int, port: int, paths: dict, results) -> None:
