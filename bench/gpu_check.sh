@@ -10,10 +10,13 @@
 # Missing on that image, carried as wheels in .whl/ (ignored by git: add `/.whl/` to
 # .git/info/exclude), fetched on a machine with PyPI access, from the repo root:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
-#     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-#     --platform manylinux2014_x86_64 -d .whl \
-#     flashinfer-python==0.6.13 apache-tvm-ffi==0.1.15.post2 pyzmq==27.3.0 msgspec==0.23.0
-# (18 MB together; the device tool carries at most 64 MiB, so flashinfer-python 0.7.x,
+#     --implementation cp --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 \
+#     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+#     flashinfer-python==0.6.13 apache-tvm-ffi==0.1.15.post2 pyzmq==27.3.0 msgspec==0.23.0 \
+#     llguidance==1.9.1 gguf==0.19.0 pyahocorasick==2.3.1
+# (21 MB together; every runtime dependency of pyproject.toml the image lacks: the `imports`
+# stage below stops the run at once if one is still missing, as llguidance and gguf were on
+# 2026-12-04, which cost a whole lease; the device tool carries at most 64 MiB, so flashinfer-python 0.7.x,
 # 62-101 MB wheels, does not fit. Candor's calls were read against 0.7.4 and 0.6.13, whose
 # signatures agree for them; tests/unit/gpu_worker/test_cuda_graphs.py::test_fake_signatures_match_real
 # re-checks against whichever is installed.)
@@ -65,6 +68,21 @@ for m in (\"flashinfer\", \"tvm_ffi\", \"zmq\", \"msgspec\", \"transformers\"):
         print(m, \"IMPORT FAILED:\", type(e).__name__, e)
 "'
 cat "$OUT/env.txt"
+
+# Every module Candor's processes import at start, before any device time goes on kernels.
+stage imports 60 - python3 -c "
+import importlib, sys
+missing = []
+for m in ('zmq', 'msgspec', 'llguidance', 'gguf', 'ahocorasick', 'PIL', 'yaml', 'aiohttp', 'uvloop',
+          'prometheus_client', 'jinja2', 'tokenizers', 'transformers', 'safetensors', 'ninja',
+          'flashinfer', 'launch_cluster', 'gpu_worker.model_runner', 'api_frontend.app'):
+    try:
+        importlib.import_module(m)
+    except Exception as e:
+        missing.append(f'{m}: {type(e).__name__}: {e}')
+print('\\n'.join(missing) or 'every import ok')
+sys.exit(1 if missing else 0)
+" || { echo "!!! imports missing: carry them in .whl/ (see the header); stopping"; exit 3; }
 
 # Kernel builds in the background; pytest (CPU-side tests + the real-signature check) meanwhile.
 timeout -k 15 240 python3 -m bench.gpu_check warm --out "$OUT/warm.json" >"$OUT/warm.log" 2>&1 &
