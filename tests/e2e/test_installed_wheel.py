@@ -77,6 +77,8 @@ def test_installed_packages_come_from_the_wheel(installed):
             "print(json.dumps({n: importlib.import_module(n).__file__ for n in names}))\n")
     files = json.loads(_run([str(venv / "bin" / "python"), "-c", code], outside, env))
     assert "gpu_worker.models.decoder" in files  # a subpackage the old hand-made list left out
+    # (walk_packages skips a folder without __init__.py: kv_connectors/ had none)
+    assert {"gpu_worker.kv_connectors.registry", "scheduler.kv_connectors.registry"} <= set(files)
     outside_venv = {n: f for n, f in files.items() if not f.startswith(str(venv))}
     assert not outside_venv, f"imported from outside the installed wheel: {outside_venv}"
 
