@@ -203,8 +203,8 @@ class Planner:
                 req.spec_accepted += len(kept)
                 if self.drafts is not None:
                     self.drafts.counts.add(len(chunk.draft), len(kept))
-            self.commit(req)
             if not chunk.sample:
+                self.commit(req)
                 continue
             reason = None
             new = [*kept, sampled[row - 1]]
@@ -215,6 +215,7 @@ class Planner:
                 if reason is not None:
                     del new[i + 1:]
                     break
+            self.commit(req)  # (after the kept drafts' ids: a block they fill is keyed by them)
             if reason is not None:
                 self.finish(req)
             out.append(Sampled(req, new[-1], row - 1, reason, drafted=new[:-1]))
@@ -243,7 +244,9 @@ class Planner:
         prefix cache (their KV is written now)."""
         if not self.enable_prefix_caching or not req.block_table or req.req.pooling is not None:
             return
-        full = min(req.num_computed // self.block_size, len(req.block_table))
+        # blocks whose KV is written and whose ids are known (a run of kept drafts cut
+        # short by the request's end computed KV past its last id)
+        full = min(min(req.num_computed, len(req.token_ids)) // self.block_size, len(req.block_table))
         if full <= req.num_registered:
             return
         req.full_block_hashes(full, self.block_size)

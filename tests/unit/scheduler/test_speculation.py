@@ -9,7 +9,7 @@ import pytest
 
 from cluster.topology import SpeculativeSpec
 from protocol.ipc import DetokParams, SamplingParams, TokenizedReq
-from scheduler.block_manager import BlockAllocator
+from scheduler.block_manager import BlockAllocator, chain_hash
 from scheduler.planner import Planner
 from scheduler.request import SchedRequest
 from scheduler.speculation import NgramIndex
@@ -105,6 +105,26 @@ def test_rejected_draft_slots_never_enter_the_prefix_cache():
     assert req.num_computed == 12  # the drafts' slots (positions 12..14) count for nothing
     # the cached blocks hold kept ids only: block 2 is [10, 11, 12, 13]
     assert planner.cached_run(req, 3) == req.block_table[:3]
+
+
+def test_blocks_that_kept_drafts_fill_are_cached_under_their_own_ids():
+    """Kept drafts complete a block: it is cached under its ids (the drafts'), so a later
+    request with that prefix hits it, and every block after it still chains right (the
+    key was once taken before the drafts were appended: a truncated block, memoised)."""
+    planner = _planner(k=3)
+    text = [10, 11, 12, 13, 14, 15, 16]
+    req = _req("a", text + [20] + text[:4])  # 12 ids: three full blocks
+    planner.waiting.push(req)
+    planner.postprocess(planner.plan(), [14])  # 13 ids; 12 computed
+    step = planner.plan()
+    assert step.chunks[0].draft == [15, 16, 20]
+    planner.postprocess(step, [30], accepted=[3])  # every draft kept (block 3 full), then 30
+    assert req.token_ids[12:] == [14, 15, 16, 20, 30] and req.num_computed == 16
+    assert len(req.block_hashes) == 4
+    for i in range(4):  # the memoised chain is the chain of the ids
+        assert req.block_hashes[i] == chain_hash(req.block_key(i, BS)), i
+    follower = _req("b", req.token_ids[:16] + [99])
+    assert planner.cached_run(follower, 4) == req.block_table[:4]
 
 
 def test_constrained_requests_and_big_batches_do_not_speculate():
