@@ -174,3 +174,29 @@ def test_an_original_yes_no_reranker_under_hf_overrides_scores_as_its_lm_heads_y
     for logit, p in zip(got, want):
         assert logit.shape == (1,)
         torch.testing.assert_close(torch.sigmoid(logit[0]).item(), p, atol=1e-5, rtol=0)
+
+
+def test_no_post_processing_serves_the_lm_heads_rows_of_its_tokens_as_labels(tmp_path, tiny_model_dir):
+    """vLLM's other conversion (``"method": "no_post_processing"``): one label per token,
+    its logit the causal LM's logit of that token at the last position."""
+    from transformers import AutoTokenizer
+
+    from launcher.hf_overrides import prepare
+    from tests.support import model_zoo, reranker_zoo
+
+    lm = reranker_zoo.build(tmp_path / "lm", tiny_model_dir, tied=False)
+    overrides = {"architectures": ["Qwen3ForSequenceClassification"],
+                 "classifier_from_token": ["yes", "no", "<|im_end|>"], "method": "no_post_processing"}
+    served, _ = prepare(str(lm), overrides, {"CANDOR_HF_OVERRIDES_CACHE": str(tmp_path / "c")})
+    pooling = read_pooling_config(str(served))
+    assert (pooling.dimension, pooling.labels, pooling.pair_format) == (3, ["yes", "no", "<|im_end|>"], None)
+    tok = AutoTokenizer.from_pretrained(lm)
+    ids = tok.convert_tokens_to_ids(["yes", "no", "<|im_end|>"])
+    prompts = [[1, 7, 9, 11, 300, 12], list(range(6, 70))]
+    runner = ModelRunner(str(served), block_size=BLOCK, num_blocks=64, pooling=pooling)
+    got = _run(runner, prompts, [None, None], False)
+    causal = model_zoo.hf_model(lm)
+    for p, logits in zip(prompts, got):
+        with torch.no_grad():
+            last = causal(torch.tensor([p])).logits[0, -1]
+        torch.testing.assert_close(logits, last[ids], atol=2e-5, rtol=1e-5)
