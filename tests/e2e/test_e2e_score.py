@@ -64,6 +64,30 @@ def test_cross_encoder_scores_equal_sentence_transformers_cross_encoder(rerank_s
         assert body["usage"]["total_tokens"] > 0
 
 
+@pytest.mark.parametrize("name", ["roberta", "xlm-roberta"])
+def test_a_roberta_cross_encoder_pairs_without_token_types_as_sentence_transformers(name, tmp_path):
+    """A RoBERTa / XLM-R cross-encoder (no token types: its tokenizer pairs the texts as
+    <s> a </s></s> b </s>, every type 0) through /v1/score and /v1/rerank equals
+    sentence-transformers' CrossEncoder on the same checkpoint."""
+    path = encoder_zoo.build(name, tmp_path / name, classifier=True, num_labels=1)
+    from transformers import AutoTokenizer
+    pair = AutoTokenizer.from_pretrained(path)(QUERY, DOCS[0])
+    assert set(pair.get("token_type_ids", [0])) == {0}  # the case this test is for
+    want = _cross_encoder(path).predict([(QUERY, d) for d in DOCS])
+    assert np.ptp(want) > 1e-3, want
+    srv = CandorServer(path, "--served-model-name", name, "--runner", "pooling").start()
+    try:
+        status, body = srv.post_json("/v1/score", {"model": name, "text_1": QUERY, "text_2": DOCS})
+        assert status == 200, body
+        np.testing.assert_allclose([d["score"] for d in body["data"]], want, atol=1e-5, rtol=0)
+        status, body = srv.post_json("/v1/rerank", {"model": name, "query": QUERY,
+                                                    "documents": DOCS, "top_n": 3})
+        assert status == 200, body
+        assert [r["index"] for r in body["results"]] == list(np.argsort(-want, kind="stable")[:3])
+    finally:
+        assert srv.stop() == 0
+
+
 def test_rerank_sorts_cuts_to_top_n_and_drops_documents(rerank_server, reranker):
     want = _cross_encoder(reranker).predict([(QUERY, d) for d in DOCS])
     status, body = rerank_server.post_json("/v1/rerank", {
