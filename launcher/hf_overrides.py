@@ -151,6 +151,8 @@ def _prepared_spec(spec: ModelSpec, label: str, environ: dict[str, str] | None) 
     if not spec.hf_overrides:
         return spec
     path = spec.resolved_path()
+    if not os.path.isdir(path):
+        return spec  # another node holds the checkpoint; its launcher prepares it there
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise SystemExit(f"candor: {label}.hf_overrides (--hf-overrides) needs a checkpoint "
                          f"directory with a config.json; {path} has none")
