@@ -29,6 +29,7 @@ from typing import Any, Literal
 import msgspec
 
 from cluster.checkpoint import read_model_config
+from cluster.token_classifier import PairFormat, pair_format, read_token_classifier
 
 Method = Literal["last", "mean", "cls"]
 Task = Literal["embed", "classify"]
@@ -60,6 +61,9 @@ class PoolingConfig(msgspec.Struct, frozen=True):
     matryoshka_dimensions: list[int] = []
     task: Task = "embed"
     labels: list[str] = []  # classify: the label of each logit (config.json id2label)
+    # classify: how a (query, document) pair is written before it is tokenized (None: the
+    # tokenizer pairs the two texts); cluster.token_classifier
+    pair_format: PairFormat | None = None
 
     def check_dimensions(self, dimensions: int) -> str | None:
         """Why ``dimensions`` cannot be served (None: it can)."""
@@ -156,15 +160,26 @@ def read_pooling_config(model_path: str) -> PoolingConfig:
 
 def _classifier(config: dict[str, Any], archs: list[str]) -> PoolingConfig:
     """An encoder's head reads the first token; a decoder's (``score``) the last one's
-    normed state (HF's ``*ForSequenceClassification`` on an unpadded sequence)."""
+    normed state (HF's ``*ForSequenceClassification`` on an unpadded sequence). A causal
+    LM converted from its LM head's rows (``classifier_from_token``) has one label per
+    row it makes (``cluster.token_classifier``)."""
     encoder = config.get("model_type") in ENCODER_TYPES
-    id2label = config.get("id2label") or {}
-    n = int(config.get("num_labels") or len(id2label) or 2)
-    labels = [str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(n)]
     where = "first" if encoder else "last"
-    return PoolingConfig("cls" if encoder else "last", False, n, f"{archs[0]}: its "
-                         f"classification head on the {where} token", task="classify",
-                         labels=labels)
+    source = f"{archs[0]}: its classification head on the {where} token"
+    try:
+        tokens = None if encoder else read_token_classifier(config)
+    except ValueError as err:
+        raise UnsupportedPooling(f"config.json: {err}") from None
+    if tokens is not None:
+        n, labels = tokens.num_labels, tokens.labels
+        source = (f"{archs[0]} converted from the LM head's rows of {tokens.tokens} "
+                  f"({tokens.method}), on the last token")
+    else:
+        id2label = config.get("id2label") or {}
+        n = int(config.get("num_labels") or len(id2label) or 2)
+        labels = [str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(n)]
+    return PoolingConfig("cls" if encoder else "last", False, n, source, task="classify",
+                         labels=labels, pair_format=pair_format(config))
 
 
 def auto_runner(model_path: str) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
@@ -98,6 +98,9 @@ class ModelSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     quantization: Literal[QUANTIZATION_CHOICES] | None = None
     runner: Literal["auto", "generate", "pooling"] = "auto"
     lora: LoraSpec = msgspec.field(default_factory=LoraSpec)
+    # vLLM's --hf-overrides: config.json fields laid over the checkpoint's before any role
+    # reads it (launcher.hf_overrides serves them from a directory of their own)
+    hf_overrides: dict[str, Any] = {}
 
     def runner_kind(self) -> str:
         """generate | pooling (auto settled from the checkpoint; without its config.json

@@ -73,22 +73,22 @@ def load_weights(model: nn.Module, path: str | Path | None, load_format: str = "
         for open_file, _ in sources:
             with open_file() as f:
                 for hf_name in f.keys():
-                    target = model.checkpoint_target(hf_name)
-                    if target is None:
-                        continue
-                    name, ids = target
-                    name = _stored_name(model, name, ids)
-                    if name is None:  # carried by the checkpoint, not stored (a quantized layer's metadata)
-                        continue
-                    if name not in params:
-                        unknown.append(hf_name)
-                        continue
-                    source = CheckpointTensor(f, hf_name)
-                    owner = owners[name]
-                    if getattr(owner, "method", None) is not None:
-                        source = owner.method.source(owner, name.rpartition(".")[2], ids, source)
-                    written[name] += _load(owner, params[name], source, ids)
-                    progress.advance(source.bytes_read)
+                    for target in _targets(model, hf_name):
+                        if target is None:
+                            continue
+                        name, ids = target
+                        name = _stored_name(model, name, ids)
+                        if name is None:  # carried by the checkpoint, not stored (a quantized layer's metadata)
+                            continue
+                        if name not in params:
+                            unknown.append(hf_name)
+                            continue
+                        source = CheckpointTensor(f, hf_name)
+                        owner = owners[name]
+                        if getattr(owner, "method", None) is not None:
+                            source = owner.method.source(owner, name.rpartition(".")[2], ids, source)
+                        written[name] += _load(owner, params[name], source, ids)
+                        progress.advance(source.bytes_read)
     progress.finish()
     if unknown:
         raise ValueError(f"checkpoint tensors with no matching parameter: {unknown[:10]}")
@@ -97,6 +97,13 @@ def load_weights(model: nn.Module, path: str | Path | None, load_format: str = "
         raise ValueError(f"parameters not (fully) loaded from checkpoint: {missing[:10]}")
     params.clear()  # (its references would keep the checkpoint's layout alive past finish)
     finish_methods(model)
+
+
+def _targets(model: nn.Module, hf_name: str) -> list[tuple[str, tuple] | None]:
+    """The parameters one checkpoint tensor feeds: one, unless the model reads it twice
+    (``checkpoint_targets``: a score head made of the LM head's rows)."""
+    several = getattr(model, "checkpoint_targets", None)
+    return several(hf_name) if several is not None else [model.checkpoint_target(hf_name)]
 
 
 def finish_methods(model: nn.Module) -> None:

@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from cluster.token_classifier import TokenClassifierError, read_token_classifier
 from gpu_worker.architectures import (bert, gemma, granite, llama, mixtral, olmo2, phi3, qwen,
                                       smollm3, starcoder2)
 from gpu_worker.architectures.hf_config import (Architecture, EncoderSpec, LayerSpec, MoeConfig,
@@ -91,6 +92,10 @@ class ModelConfig(msgspec.Struct, frozen=True):
     encoder: EncoderSpec | None = None  # set: a bidirectional encoder (models/encoder.py)
     # a decoder *ForSequenceClassification: its ``score`` head's outputs (0: none)
     score_labels: int = 0
+    # a causal LM served as that classifier (cluster.token_classifier): the LM-head rows
+    # its ``score`` head is made of, and whether it is their two-way difference (yes - no)
+    score_token_ids: list[int] = []
+    score_two_way: bool = False
 
     @property
     def q_size(self) -> int:
@@ -145,6 +150,16 @@ def parse_config(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None = No
     archs = [str(a) for a in cfg.get("architectures") or []]
     if kwargs.get("encoder") is None and any(a.endswith("ForSequenceClassification") for a in archs):
         kwargs["score_labels"] = int(cfg.get("num_labels") or len(cfg.get("id2label") or {}) or 2)
+        try:
+            tokens = read_token_classifier(cfg)
+        except TokenClassifierError as err:
+            raise _Unsupported(str(err)) from None
+        if tokens is not None:
+            if kwargs["quantization"] is not None:
+                raise _Unsupported("classifier_from_token reads the LM head's rows of an "
+                                   "unquantized checkpoint; this one is quantized")
+            kwargs["score_labels"] = tokens.num_labels
+            kwargs["score_two_way"] = tokens.method == "from_2_way_softmax"
     return ModelConfig(**kwargs)
 
 
@@ -156,8 +171,38 @@ def read_config_dict(model_path: str | Path) -> dict[str, Any]:
 
 
 def load_config(model_path: str | Path) -> ModelConfig:
-    """Read ``config.json`` (and ``generation_config.json`` if present) from a model dir."""
+    """Read ``config.json`` (and ``generation_config.json`` if present) from a model dir;
+    a ``classifier_from_token`` conversion gets its tokens' ids from the checkpoint's
+    tokenizer (as vLLM's ``convert_tokens_to_ids``)."""
     path = Path(model_path)
     gen_path = path / "generation_config.json"
     gen = json.loads(gen_path.read_text()) if gen_path.exists() else None
-    return parse_config(read_config_dict(path), gen)
+    raw = read_config_dict(path)
+    cfg = parse_config(raw, gen)
+    tokens = read_token_classifier(raw) if cfg.score_labels else None
+    if tokens is None:
+        return cfg
+    return msgspec.structs.replace(cfg, score_token_ids=_token_ids(path, tokens.tokens))
+
+
+def _token_ids(path: Path, tokens: list[str]) -> list[int]:
+    from tokenization.tokenizer_files import CheckpointTokenizer
+
+    try:
+        backend = CheckpointTokenizer(path).backend
+    except FileNotFoundError as err:
+        raise _Unsupported(f"classifier_from_token {tokens} needs the tokenizer: {err}") from None
+    ids = [backend.token_to_id(t) for t in tokens]
+    missing = [t for t, i in zip(tokens, ids) if i is None]
+    if missing:
+        raise _Unsupported(f"classifier_from_token: {missing} are not tokens of the "
+                           "checkpoint's vocabulary")
+    return [int(i) for i in ids]
+
+
+class _Unsupported(UnsupportedConfig):
+    """A token-classifier conversion Candor cannot make, with its reason."""
+
+    def __init__(self, reason: str) -> None:
+        ValueError.__init__(self, f"config.json: {reason}")
+        self.field, self.value = "classifier_from_token", None

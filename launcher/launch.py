@@ -14,6 +14,7 @@ import signal
 import tempfile
 
 from launcher.gguf_checkpoint import prepare_gguf_models
+from launcher.hf_overrides import prepare_overridden_models
 from launcher.preflight import (check_chat_template, check_lora_adapters, check_model_config,
                                 check_port_free, resolve_api_keys, settle_defaults)
 from launcher.supervisor import NodeSupervisor, say, stop
@@ -68,6 +69,7 @@ def launch(topology: Topology, node: str | None = None,
     """Run this node's part of the topology until a signal (exit 0, after draining) or a
     child's fatal death (exit 1, naming it)."""
     topology = prepare_gguf_models(topology)  # a GGUF file -> its prepared directory
+    topology = prepare_overridden_models(topology)  # --hf-overrides -> its own config.json
     try:
         check_topology(topology, node)
     except TopologyError as err:

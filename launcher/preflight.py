@@ -68,6 +68,11 @@ def check_model_config(topology: Topology) -> None:
     pooling model pools."""
     for group in topology.groups():
         _check_model(group, _tp_keys(topology, group))
+    if topology.api.chat_template is not None and all(g.runner == "pooling" for g in topology.groups()):
+        say("--chat-template (api.chat_template) is unused: this deployment serves pooling "
+            "models only, whose routes render no chat template (vLLM's score templates are "
+            "not read; a Qwen3-Reranker's prompt is built in: docs/api.md, \"Score, rerank "
+            "and classify\")")
 
 
 def _tp_keys(topology: Topology, group: EngineGroup) -> dict[int, str]:

@@ -101,6 +101,11 @@ def _lora_module(text: str) -> dict:
     return {"name": name, "path": path}
 
 
+def _hf_overrides(text: str) -> dict:
+    from launcher.hf_overrides import parse
+    return parse(text)
+
+
 def runtime_lora_env(environ: dict[str, str]) -> bool:
     """vLLM's switch for runtime adapter loading."""
     return environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("1", "true")
@@ -177,6 +182,12 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                         "checkpoint's sentence-transformers pooling, else last token + L2), "
                         "/v1/score, /v1/rerank, /classify (a cross-encoder's head); "
                         "auto (default): pooling for a checkpoint without an LM head")
+    g.add_argument("--hf-overrides", type=_hf_overrides, default=None, metavar="JSON",
+                   help="config.json fields laid over the checkpoint's before anything reads "
+                        "it (vLLM's flag), e.g. a yes/no reranker as published: "
+                        "'{\"architectures\": [\"Qwen3ForSequenceClassification\"], "
+                        "\"classifier_from_token\": [\"no\", \"yes\"], "
+                        "\"is_original_qwen3_reranker\": true}'")
     g.add_argument("--task", default=None, metavar="auto|generate|embed|classify|score",
                    help="vLLM's older spelling: embed (embedding), classify and score are "
                         "--runner pooling")
@@ -483,6 +494,7 @@ def serve_topology(args: argparse.Namespace, model_path: str, default_name: str,
                   "load_format": args.load_format, "runner": runner(args),
                   "quantization": args.quantization,
                   "generation_config": args.generation_config,
+                  "hf_overrides": args.hf_overrides or {},
                   "lora": {"enabled": args.enable_lora, "modules": args.lora_modules,
                            "max_loras": args.max_loras, "max_lora_rank": args.max_lora_rank,
                            "max_cpu_loras": args.max_cpu_loras,

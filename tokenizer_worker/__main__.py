@@ -9,6 +9,7 @@ from cluster.checkpoint import effective_max_model_len, read_model_config
 from cluster.lifecycle import StopFlag, die_with_parent, read_config, setup_logging
 from cluster.metrics import dropped_messages
 from cluster.process_config import TokenizerConfig
+from cluster.token_classifier import pair_format
 from protocol import ipc
 from protocol.transport import Receiver, Sender, SenderPool, sync_context
 from tokenization.tokenizer_files import CheckpointTokenizer
@@ -53,10 +54,12 @@ def main() -> None:
     cfg = read_config(TokenizerConfig)
     log = setup_logging(cfg)
     stop = StopFlag()
-    vocab = read_model_config(cfg.model_path).get("vocab_size")
+    model_config = read_model_config(cfg.model_path)
+    vocab = model_config.get("vocab_size")
     preparer = RequestPreparer(CheckpointTokenizer(cfg.model_path),
                                effective_max_model_len(cfg.model_path, cfg.max_model_len),
-                               cfg.api, int(vocab) if vocab else None)
+                               cfg.api, int(vocab) if vocab else None,
+                               pair_format(model_config))
     ctx = sync_context(cfg.security, dropped_messages(cfg.role))
     inbound: Receiver = Receiver(ctx, cfg.addresses.tokenizer_in[cfg.index],
                                  ipc.TokenizerInbound)

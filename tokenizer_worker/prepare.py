@@ -24,6 +24,7 @@ from tokenizer_worker.content_format import detect_content_format, flatten_conte
 from tokenizer_worker.deadline import time_limit
 from tokenizer_worker.grammar import GrammarCompiler, GrammarError, longest_output_bytes
 from tokenizer_worker.length_bound import TokenLengthBound, utf8_len
+from tokenizer_worker.score_prompt import PAIR_PROMPTS
 from tokenizer_worker.text_offsets import token_starts
 from tokenizer_worker.tool_arguments import (ArgumentsError, arguments_as_objects,
                                               detect_arguments_format)
@@ -64,8 +65,12 @@ class _Prompt(msgspec.Struct):
 
 class RequestPreparer:
     def __init__(self, tokenizer: CheckpointTokenizer, max_model_len: int,
-                 api: ApiSpec | None = None, model_vocab_size: int | None = None) -> None:
+                 api: ApiSpec | None = None, model_vocab_size: int | None = None,
+                 pair_format: str | None = None) -> None:
         self.tokenizer = tokenizer
+        # a decoder reranker's pair prompt (score_prompt.PAIR_PROMPTS; None: the tokenizer
+        # pairs the two texts, as a cross-encoder's does)
+        self.pair_prompt = PAIR_PROMPTS[pair_format] if pair_format is not None else None
         self.max_model_len = max_model_len
         self.api = api or ApiSpec()
         # ids must exist both in the tokenizer and in the model's embedding
@@ -365,9 +370,15 @@ class RequestPreparer:
     def _pair_ids(self, req: ipc.PoolReq) -> tuple[list[int], int | None]:
         """A text pair as the checkpoint's tokenizer pairs them (BERT: [CLS] a [SEP] b
         [SEP]), and where its token type 1 starts (None: the tokenizer gives none, as
-        RoBERTa's). Never truncated: too long is a 400."""
-        enc = self.tokenizer.backend.encode(req.input, req.pair,
-                                            add_special_tokens=req.add_special_tokens)
+        RoBERTa's); a decoder reranker's pair written into its prompt, a whole chat turn
+        tokenized without added special tokens (``score_prompt``). Never truncated: too
+        long is a 400."""
+        if self.pair_prompt is not None:
+            enc = self.tokenizer.backend.encode(self.pair_prompt(req.input, req.pair),
+                                                add_special_tokens=False)
+        else:
+            enc = self.tokenizer.backend.encode(req.input, req.pair,
+                                                add_special_tokens=req.add_special_tokens)
         ids, types = list(enc.ids), list(enc.type_ids)
         if len(ids) > self.max_model_len:
             self._fail(req, f"the pair has {len(ids)} tokens; this model's maximum context "

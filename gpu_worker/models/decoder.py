@@ -253,6 +253,28 @@ class DecoderModel(nn.Module):
         self.norm = make_norm(cfg)
 
 
+class TokenRowsHead(ReplicatedLinear):
+    """A causal LM's ``score`` head made at load time from its LM head's rows
+    (``cluster.token_classifier``, vLLM's ``classifier_from_token``): the rows of
+    ``score_token_ids``, or with ``score_two_way`` the one row lm_head[yes] - lm_head[no]
+    (the second id minus the first), so sigmoid(score) = softmax([l_no, l_yes])[1].
+    Only those rows are read from the checkpoint; the difference is taken in fp32 (as
+    vLLM does) and stored in the model's dtype."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
+        super().__init__(cfg.hidden_size, cfg.score_labels, False, tp)
+        self.token_ids, self.two_way = list(cfg.score_token_ids), cfg.score_two_way
+
+    def weight_loader(self, param: torch.Tensor, source: CheckpointTensor) -> int:
+        rows = torch.cat([source.narrow(0, i, 1).read().to(torch.float32) for i in self.token_ids])
+        weight = rows[1:2] - rows[0:1] if self.two_way else rows
+        if tuple(weight.shape) != tuple(param.shape):
+            raise ValueError(f"{source.name}: rows {self.token_ids} give a score head of "
+                             f"{tuple(weight.shape)}, expected {tuple(param.shape)}")
+        param.copy_(weight.to(param.dtype))
+        return param.numel()
+
+
 class DecoderForCausalLM(nn.Module):
     """Parameter names mirror HF's except the fused ``qkv_proj`` / ``gate_up_proj`` /
     experts' ``w13`` and ``w2``; the architecture's ``WeightNames`` map a checkpoint onto
@@ -276,9 +298,11 @@ class DecoderForCausalLM(nn.Module):
         self.lm_head = (VocabParallelEmbedding(cfg.hidden_size, tp)
                         if lm_head and not cfg.tie_word_embeddings else None)
         self.has_lm_head = lm_head
-        # a *ForSequenceClassification's head over the last token's normed state
-        self.score = (ReplicatedLinear(cfg.hidden_size, cfg.score_labels, False, tp)
-                      if cfg.score_labels else None)
+        # a *ForSequenceClassification's head over the last token's normed state (made of
+        # LM-head rows for a causal LM served as a classifier: TokenRowsHead)
+        self.score = (None if not cfg.score_labels
+                      else TokenRowsHead(cfg, tp) if cfg.score_token_ids
+                      else ReplicatedLinear(cfg.hidden_size, cfg.score_labels, False, tp))
         self.rotary = [RotaryEmbedding(cfg.head_dim, rope, max_positions, device, dtype,
                                        config_max_positions=cfg.max_position_embeddings)
                        for rope in cfg.ropes]
@@ -338,6 +362,21 @@ class DecoderForCausalLM(nn.Module):
         can stand in for it (``Numerics.pack``)."""
         out = [m for m in self.modules() if isinstance(m, QuantizableLinear) and m.method.dense]
         return out + ([self.lm_head] if self.lm_head is not None and self.lm_head.method.dense else [])
+
+    def checkpoint_targets(self, name: str) -> list[tuple[str, tuple] | None]:
+        """Every parameter checkpoint tensor ``name`` feeds: its own (``checkpoint_target``)
+        and, for a TokenRowsHead, the ``score`` rows read from the LM head (the embedding
+        table where the head is tied to it)."""
+        targets = [self.checkpoint_target(name)]
+        if isinstance(self.score, TokenRowsHead) and self._lm_head_tensor(name):
+            targets.append(("score.weight", ()))
+        return targets
+
+    def _lm_head_tensor(self, name: str) -> bool:
+        full = name if name.startswith(("model.", "lm_head.")) else "model." + name
+        if not self.config.tie_word_embeddings:
+            return full == "lm_head.weight"
+        return self.weight_names.target(full, True) == ("model.embed_tokens.weight", ())
 
     def checkpoint_target(self, name: str) -> tuple[str, tuple] | None:
         """Checkpoint tensor ``name`` -> (our parameter, the ids its layer's weight_loader

@@ -238,6 +238,63 @@ def test_stop_sequence_is_named(client):
     assert ended.stop_reason == "max_tokens" and ended.stop_sequence is None
 
 
+def test_tool_choice_none_and_explicit_auto(tools_server, client):
+    """tool_choice none keeps the tools in the prompt (count_tokens counts them, as
+    Anthropic prices none like auto) and gives no tool_use block, whole or streamed:
+    stop_reason end_turn or max_tokens; with the same greedy prompt its text is auto's
+    (but for the leading whitespace a tool parser drops).
+    An explicit {"type": "auto"} is the default's request (same text, same usage), with
+    disable_parallel_tool_use taken too."""
+    ask = [{"role": "user", "content": "What is the weather in Rome for two days?"}]
+    kwargs = dict(model=MODEL, max_tokens=16, **GREEDY, tools=TOOLS, messages=ask)
+    default = client.messages.create(**kwargs)
+    auto = client.messages.create(**kwargs, tool_choice={"type": "auto"})
+    parallel_off = client.messages.create(**kwargs, tool_choice={
+        "type": "auto", "disable_parallel_tool_use": True})
+    assert [b.type for b in default.content] == ["text"], default  # no call to compare with
+    for reply in (auto, parallel_off):
+        assert reply.content == default.content and reply.stop_reason == default.stop_reason
+        assert reply.usage.output_tokens == default.usage.output_tokens
+    none = client.messages.create(**kwargs, tool_choice={"type": "none"})
+    assert none.stop_reason in ("end_turn", "max_tokens"), none
+    assert [b.type for b in none.content] == ["text"]
+    # (a tool parser drops content's leading whitespace, as on chat; none runs no parser)
+    assert none.content[0].text.lstrip() == default.content[0].text
+    counted = client.messages.count_tokens(model=MODEL, tools=TOOLS, messages=ask,
+                                           tool_choice={"type": "none"})
+    assert none.usage.input_tokens + none.usage.cache_read_input_tokens == counted.input_tokens
+    assert counted.input_tokens > client.messages.count_tokens(model=MODEL, messages=ask).input_tokens
+    raw = {k: v for k, v in kwargs.items() if k != "extra_body"}
+    status, _, text = _post(tools_server.base_url, "/v1/messages",
+                            {**raw, "temperature": 0, "stream": True,
+                             "tool_choice": {"type": "none"}}, _auth())
+    assert status == 200, text
+    events = sse_events(text)
+    check_event_order(events)
+    assert {e["content_block"]["type"] for e in events if e["type"] == "content_block_start"} == {"text"}
+    assert events[-2]["delta"]["stop_reason"] in ("end_turn", "max_tokens")
+
+
+def test_top_k_and_top_p_are_honoured(tools_server, client):
+    """top_k 1 at temperature 1 is greedy, and so is a nucleus (top_p) too small to hold
+    a second token, whole and streamed; unrestricted, temperature 1 samples (a run that
+    differs from greedy). Anthropic has no seed, so a sampled reply is not reproducible;
+    these are the cut-offs' own checks."""
+    kwargs = dict(model=MODEL, max_tokens=12, messages=[{"role": "user", "content": "Go on."}])
+    greedy = client.messages.create(**kwargs, **GREEDY).content[0].text
+    for cut in ({"top_k": 1}, {"top_p": 1e-6}, {"top_k": 5, "top_p": 1e-6}):
+        body = {"extra_body": {"temperature": 1.0, **cut}}
+        assert client.messages.create(**kwargs, **body).content[0].text == greedy, cut
+        with client.messages.stream(**kwargs, **body) as stream:
+            assert stream.get_final_message().content[0].text == greedy, cut
+    sampled = [client.messages.create(**kwargs, extra_body={"temperature": 1.0, "top_p": 1.0})
+               .content[0].text for _ in range(3)]
+    assert any(text != greedy for text in sampled), sampled
+    status, _, text = _post(tools_server.base_url, "/v1/messages",
+                            {**kwargs, "temperature": 1.0, "top_p": 1.5}, _auth())
+    assert "top_p" in _anthropic_error(status, text, "invalid_request_error")["message"]
+
+
 def test_output_config_format_constrains_the_text(tools_server, client):
     """output_config.format (structured outputs) is chat's json_schema response_format:
     constrained decoding, reported as the constraint under this API's name; a text that

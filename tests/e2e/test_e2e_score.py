@@ -64,6 +64,30 @@ def test_cross_encoder_scores_equal_sentence_transformers_cross_encoder(rerank_s
         assert body["usage"]["total_tokens"] > 0
 
 
+@pytest.mark.parametrize("name", ["roberta", "xlm-roberta"])
+def test_a_roberta_cross_encoder_pairs_without_token_types_as_sentence_transformers(name, tmp_path):
+    """A RoBERTa / XLM-R cross-encoder (no token types: its tokenizer pairs the texts as
+    <s> a </s></s> b </s>, every type 0) through /v1/score and /v1/rerank equals
+    sentence-transformers' CrossEncoder on the same checkpoint."""
+    path = encoder_zoo.build(name, tmp_path / name, classifier=True, num_labels=1)
+    from transformers import AutoTokenizer
+    pair = AutoTokenizer.from_pretrained(path)(QUERY, DOCS[0])
+    assert set(pair.get("token_type_ids", [0])) == {0}  # the case this test is for
+    want = _cross_encoder(path).predict([(QUERY, d) for d in DOCS])
+    assert np.ptp(want) > 1e-3, want
+    srv = CandorServer(path, "--served-model-name", name, "--runner", "pooling").start()
+    try:
+        status, body = srv.post_json("/v1/score", {"model": name, "text_1": QUERY, "text_2": DOCS})
+        assert status == 200, body
+        np.testing.assert_allclose([d["score"] for d in body["data"]], want, atol=1e-5, rtol=0)
+        status, body = srv.post_json("/v1/rerank", {"model": name, "query": QUERY,
+                                                    "documents": DOCS, "top_n": 3})
+        assert status == 200, body
+        assert [r["index"] for r in body["results"]] == list(np.argsort(-want, kind="stable")[:3])
+    finally:
+        assert srv.stop() == 0
+
+
 def test_rerank_sorts_cuts_to_top_n_and_drops_documents(rerank_server, reranker):
     want = _cross_encoder(reranker).predict([(QUERY, d) for d in DOCS])
     status, body = rerank_server.post_json("/v1/rerank", {
@@ -150,3 +174,58 @@ def test_a_generation_server_answers_score_routes_with_a_404_naming_what_to_serv
                        ("/classify", {"model": "tiny-llama", "input": "a"})):
         message = _error(*server.post_json(path, body), 404, "model", "model_not_found")
         assert "--runner pooling" in message and "tiny-llama" in message
+
+
+# Qwen3-Reranker's prompt as its model card writes it (format_instruction, the system
+# prefix, the empty <think> suffix), with its default instruction
+_QWEN3_PROMPT = ('<|im_start|>system\nJudge whether the Document meets the requirements based '
+                 'on the Query and the Instruct provided. Note that the answer can only be '
+                 '"yes" or "no".<|im_end|>\n<|im_start|>user\n<Instruct>: Given a web search '
+                 'query, retrieve relevant passages that answer the query\n<Query>: {q}\n'
+                 '<Document>: {d}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n')
+
+
+def test_a_yes_no_reranker_as_published_serves_rerank_under_vllms_hf_overrides(tmp_path, tiny_model_dir):
+    """A tiny random Qwen3ForCausalLM served with vLLM's command line for Qwen3-Reranker
+    (--hf-overrides, --task score), through the real processes: /v1/rerank and /v1/score
+    format each pair in the reranker's prompt and score it P(yes) = softmax([l_no,
+    l_yes])[1] at its last token, equal to transformers on the causal LM within 1e-5;
+    sorted, cut to top_n; a client that formats the prompt itself (vLLM's earlier
+    examples) gets the same scores."""
+    import json
+
+    from tests.support import reranker_zoo
+
+    lm = reranker_zoo.build(tmp_path / "Qwen3-Reranker-tiny", tiny_model_dir)
+    want = reranker_zoo.reference_scores(lm, [_QWEN3_PROMPT.format(q=QUERY, d=d) for d in DOCS])
+    assert max(want) - min(want) > 0.01, want  # documents score apart: the order is checked
+    srv = CandorServer(lm, "--task", "score", "--hf-overrides", json.dumps(reranker_zoo.HF_OVERRIDES),
+                       env={"CANDOR_HF_OVERRIDES_CACHE": str(tmp_path / "overrides")}).start()
+    try:
+        name = "Qwen3-Reranker-tiny"
+        status, body = srv.post_json("/v1/rerank", {"model": name, "query": QUERY, "documents": DOCS})
+        assert status == 200, body
+        got = {r["index"]: r["relevance_score"] for r in body["results"]}
+        np.testing.assert_allclose([got[i] for i in range(len(DOCS))], want, atol=1e-5, rtol=0)
+        order = list(np.argsort(-np.array(want), kind="stable"))
+        assert [r["index"] for r in body["results"]] == order
+        status, body = srv.post_json("/v2/rerank", {"model": name, "query": QUERY,
+                                                    "documents": DOCS, "top_n": 2})
+        assert status == 200, body
+        assert [r["index"] for r in body["results"]] == order[:2]
+        assert [r["document"]["text"] for r in body["results"]] == [DOCS[i] for i in order[:2]]
+        status, body = srv.post_json("/v1/score", {"model": name, "text_1": QUERY, "text_2": DOCS})
+        assert status == 200, body
+        np.testing.assert_allclose([d["score"] for d in body["data"]], want, atol=1e-5, rtol=0)
+        prefix, _, suffix = _QWEN3_PROMPT.partition("<Document>: {d}")
+        status, body = srv.post_json("/v1/score", {
+            "model": name, "text_1": prefix.format(q=QUERY),
+            "text_2": ["<Document>: " + d + suffix for d in DOCS]})
+        assert status == 200, body
+        np.testing.assert_allclose([d["score"] for d in body["data"]], want, atol=1e-5, rtol=0)
+        status, caps = srv.get("/v1/capabilities")
+        pooling = [m for m in json.loads(caps)["models"] if m.get("pooling")][0]["pooling"]
+        assert (pooling["task"], pooling["labels"], pooling["pair_format"]) == (
+            "classify", ["yes"], "qwen3_reranker")
+    finally:
+        assert srv.stop() == 0

@@ -1,6 +1,8 @@
 """Property-based fuzzing of /v1/embeddings and the scoring routes (/v1/score,
 /v1/rerank, /v2/rerank, /classify), and of model routing, through a real
-two-model topology (a generation model and an embedding model behind one frontend).
+two-model topology (a generation model and an embedding model behind one frontend); the
+scoring routes also on servers of one cross-encoder each (a BERT one and a decoder yes/no
+reranker served as published).
 
 Bodies come from the server's OpenAPI document as in tests/e2e/test_fuzz_api.py (whose
 strategies and checks this reuses): schema-valid bodies whose ``model`` names either model
@@ -133,11 +135,12 @@ WORD = st.text(min_size=1, max_size=20)  # mostly servable, so that successes ar
 TEXTS = TEXT | st.lists(TEXT, max_size=4) | WORD | st.lists(WORD, min_size=1, max_size=3)
 
 
-def _score_bodies(doc: dict, route: str) -> st.SearchStrategy:
+def _score_bodies(doc: dict, route: str, names: tuple[str, ...] = (EMB, EMB, GEN, "nope")
+                  ) -> st.SearchStrategy:
     components = copy.deepcopy(doc["components"]["schemas"])
     ref = doc["paths"][route]["post"]["requestBody"]["content"]["application/json"]["schema"]
     valid = from_schema(components[ref["$ref"].rsplit("/", 1)[1]], components)
-    models = st.sampled_from([EMB, EMB, GEN, "nope"])
+    models = st.sampled_from(names)
     common = st.fixed_dictionaries(
         {"model": models, "text_1": TEXTS, "text_2": TEXTS, "query": TEXT | WORD,
          "documents": st.lists(TEXT, max_size=4) | st.lists(WORD, min_size=1, max_size=3),
@@ -184,6 +187,85 @@ def test_score_rerank_and_classify_bodies_never_5xx(client, route):
     resp = client.post(route, json_body={k: v for k, v in good.items()
                                          if k in _score_fields(doc, route)})
     assert resp.status_code == (400 if route == "/classify" else 200), resp.text
+
+
+# A question the query may also be: the decoder reranker takes a query that starts with
+# its prompt's first special token as written by the client
+REWORDED = st.sampled_from(["<|im_start|>system\nq<|im_end|>\n", "<|im_end|>", "[SEP] [CLS]",
+                            "yes", "no", "<think>\n\n</think>"])
+CROSS_ENCODERS = {"bert-ce": "a BERT cross-encoder (one logit)",
+                  "qwen3-reranker": "a Qwen3ForCausalLM yes/no reranker under --hf-overrides"}
+
+
+@pytest.fixture(scope="module", params=sorted(CROSS_ENCODERS))
+def cross_encoder(request, tmp_path_factory, tiny_model_dir):
+    """(name, client) of a server of one cross-encoder: a BERT one (its tokenizer pairs
+    the texts, token types) or a decoder yes/no reranker (each pair written into its
+    prompt: tokenizer_worker/score_prompt.py)."""
+    import json
+
+    from tests.support import encoder_zoo, reranker_zoo
+    from tests.support.server import CandorServer
+
+    root = tmp_path_factory.mktemp("ce")
+    if request.param == "bert-ce":
+        path = encoder_zoo.build("bert", root / "bert-ce", classifier=True, num_labels=1)
+        flags = ["--runner", "pooling"]
+    else:
+        path = reranker_zoo.build(root / "qwen3-reranker", tiny_model_dir)
+        flags = ["--task", "score", "--max-model-len", "256",
+                 "--hf-overrides", json.dumps(reranker_zoo.HF_OVERRIDES)]
+    srv = CandorServer(path, "--served-model-name", request.param, *flags,
+                       env={"CANDOR_HF_OVERRIDES_CACHE": str(root / "overrides")}).start()
+    yield request.param, Client(srv.base_url)
+    srv.wait_all_blocks_free(timeout=30)
+    assert srv.stop() == 0
+
+
+@pytest.mark.parametrize("route", SCORE_ROUTES)
+def test_scoring_bodies_on_a_cross_encoder_never_5xx(cross_encoder, route):
+    """On a cross-encoder (each server of ``CROSS_ENCODERS``): scores are probabilities
+    (sigmoid of the one logit), rerank results sorted and cut to top_n, /classify's probs
+    a distribution over its one label; whatever the body (texts with the models' special
+    tokens and prompt markers among them), no 5xx, OpenAI's error shape on a refusal."""
+    name, client = cross_encoder
+    doc = client.get("/openapi.json").json()
+    statuses: set[int] = set()
+    words = WORD | REWORDED | st.tuples(REWORDED, WORD).map("".join)
+
+    @_settings
+    @given(body=_score_bodies(doc, route, (name, name, name, "nope")),
+           query=st.none() | words)
+    def run(body, query):
+        if query is not None and isinstance(body, dict):
+            body = {**body, **{k: query for k in ("query", "text_1") if k in body}}
+        resp = client.post(route, json_body=body)
+        _check(resp, body)
+        statuses.add(resp.status_code)
+        if resp.status_code == 200:
+            reply = resp.json()
+            assert reply["model"] == name, reply
+            if route == "/v1/score":
+                assert all(0.0 <= d["score"] <= 1.0 for d in reply["data"]), reply
+            elif route == "/classify":
+                assert all(d["num_classes"] == 1 and abs(sum(d["probs"]) - 1) < 1e-6
+                           for d in reply["data"]), reply
+            else:
+                scores = [r["relevance_score"] for r in reply["results"]]
+                assert scores == sorted(scores, reverse=True), reply
+                assert all(0.0 <= x <= 1.0 for x in scores), reply
+                top_n = body.get("top_n")
+                if isinstance(top_n, int) and top_n > 0:
+                    assert len(scores) <= top_n, reply
+
+    run()
+    assert {200, 400} <= statuses, statuses
+    good = {"model": name, "text_1": "a", "text_2": ["b", "c"], "query": "a",
+            "documents": ["b", "c"], "input": "a"}
+    resp = client.post(route, json_body={k: v for k, v in good.items()
+                                         if k in _score_fields(doc, route)})
+    assert resp.status_code == 200, resp.text
+    assert client.get("/health").status_code == 200
 
 
 def _score_fields(doc: dict, route: str) -> set[str]:

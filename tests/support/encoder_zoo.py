@@ -33,9 +33,10 @@ def vocab() -> list[str]:
     return SPECIALS + chars + ["##" + c for c in string.ascii_lowercase + string.digits] + WORDS
 
 
-def build_tokenizer(out: Path) -> Path:
+def build_tokenizer(out: Path, token_types: bool = True) -> Path:
     """BERT's pipeline (lower-casing normaliser, WordPiece, [CLS] a [SEP] b [SEP]) over
-    ``vocab()``, saved as a fast tokenizer."""
+    ``vocab()``, saved as a fast tokenizer; without ``token_types`` a pair is RoBERTa's
+    shape ([CLS] a [SEP] [SEP] b [SEP], as <s> a </s></s> b </s>), every type 0."""
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
@@ -45,13 +46,15 @@ def build_tokenizer(out: Path) -> Path:
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tok.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1" if token_types else "[CLS] $A [SEP] [SEP] $B [SEP]",
         special_tokens=[("[CLS]", ids["[CLS]"]), ("[SEP]", ids["[SEP]"])])
     out.mkdir(parents=True, exist_ok=True)
+    names = ["input_ids", "token_type_ids", "attention_mask"] if token_types else [
+        "input_ids", "attention_mask"]
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", sep_token="[SEP]",
                             pad_token="[PAD]", cls_token="[CLS]", mask_token="[MASK]",
-                            model_max_length=128,
-                            model_input_names=["input_ids", "token_type_ids", "attention_mask"]
+                            model_max_length=128, model_input_names=names
                             ).save_pretrained(out)
     return out
 
@@ -77,7 +80,7 @@ def build(name: str, out: Path, *, classifier: bool = False, num_labels: int = 1
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
     model.eval().save_pretrained(out)
     if tokenizer:
-        build_tokenizer(out)
+        build_tokenizer(out, token_types=extra.get("type_vocab_size", 2) > 1)
     return out
 
 

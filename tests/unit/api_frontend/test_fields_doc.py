@@ -30,11 +30,16 @@ def test_every_request_field_has_a_row():
     """A field the request structs accept but the table lacks is missing from
     /v1/capabilities, from docs/fields.md and from the report's extensions (cache_salt was)."""
     from cluster.topology import ApiSpec
+    from protocol.anthropic_api import CountTokensRequest, MessagesRequest
     from protocol.openai_api import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
     from protocol.responses_api import ResponsesRequest
+    from protocol.score_api import ClassifyRequest, RerankRequest, ScoreRequest
     tables = fields_doc.tables()
     for kind, request in (("chat", ChatCompletionRequest), ("completions", CompletionRequest),
-                          ("embeddings", EmbeddingRequest), ("responses", ResponsesRequest)):
+                          ("embeddings", EmbeddingRequest), ("responses", ResponsesRequest),
+                          ("messages", MessagesRequest), ("messages", CountTokensRequest),
+                          ("score", ScoreRequest), ("rerank", RerankRequest),
+                          ("classify", ClassifyRequest)):
         tiers = tables[kind].tiers(ApiSpec())
         # a Responses object field may be tiered by its keys (``reasoning.effort``)
         missing = [f for f in request.__struct_fields__

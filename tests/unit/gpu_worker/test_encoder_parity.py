@@ -140,3 +140,63 @@ def test_a_yes_no_reranker_converted_to_a_classifier_scores_as_its_lm_heads_yes_
             last = lm(torch.tensor([p])).logits[0, -1]
         want = torch.softmax(torch.stack([last[no], last[yes]]), dim=0)[1]
         torch.testing.assert_close(torch.sigmoid(logit[0]), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_an_original_yes_no_reranker_under_hf_overrides_scores_as_its_lm_heads_yes_no_softmax(
+        tied, tmp_path, tiny_model_dir):
+    """Qwen3-Reranker as published (a Qwen3ForCausalLM) with vLLM's --hf-overrides: the
+    launcher's overridden config makes it a one-label classifier whose ``score`` row is
+    made at load time from the LM head's "yes" and "no" rows (the embedding table's when
+    tied), so sigmoid(logit) equals transformers' softmax([l_no, l_yes])[1] on the
+    causal LM."""
+    from transformers import AutoTokenizer
+
+    from launcher.hf_overrides import prepare
+    from tests.support import reranker_zoo
+
+    lm = reranker_zoo.build(tmp_path / "lm", tiny_model_dir, tied=tied)
+    served, _ = prepare(str(lm), reranker_zoo.HF_OVERRIDES,
+                        {"CANDOR_HF_OVERRIDES_CACHE": str(tmp_path / "cache")})
+    pooling = read_pooling_config(str(served))
+    assert (pooling.task, pooling.method, pooling.dimension, pooling.labels,
+            pooling.pair_format) == ("classify", "last", 1, ["yes"], "qwen3_reranker")
+    cfg = load_config(served)
+    tok = AutoTokenizer.from_pretrained(lm)
+    assert (cfg.score_token_ids, cfg.score_two_way) == (tok.convert_tokens_to_ids(["no", "yes"]), True)
+    texts = ["<|im_start|>user\nis paris in france? yes<|im_end|>", "the quick brown fox no",
+             "a" * 50]
+    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    runner = ModelRunner(str(served), block_size=BLOCK, num_blocks=64, pooling=pooling)
+    got = _run(runner, prompts, [None] * len(prompts), False)
+    want = reranker_zoo.reference_scores(lm, texts)
+    assert max(want) - min(want) > 0.01  # the rows differ: the check can fail
+    for logit, p in zip(got, want):
+        assert logit.shape == (1,)
+        torch.testing.assert_close(torch.sigmoid(logit[0]).item(), p, atol=1e-5, rtol=0)
+
+
+def test_no_post_processing_serves_the_lm_heads_rows_of_its_tokens_as_labels(tmp_path, tiny_model_dir):
+    """vLLM's other conversion (``"method": "no_post_processing"``): one label per token,
+    its logit the causal LM's logit of that token at the last position."""
+    from transformers import AutoTokenizer
+
+    from launcher.hf_overrides import prepare
+    from tests.support import model_zoo, reranker_zoo
+
+    lm = reranker_zoo.build(tmp_path / "lm", tiny_model_dir, tied=False)
+    overrides = {"architectures": ["Qwen3ForSequenceClassification"],
+                 "classifier_from_token": ["yes", "no", "<|im_end|>"], "method": "no_post_processing"}
+    served, _ = prepare(str(lm), overrides, {"CANDOR_HF_OVERRIDES_CACHE": str(tmp_path / "c")})
+    pooling = read_pooling_config(str(served))
+    assert (pooling.dimension, pooling.labels, pooling.pair_format) == (3, ["yes", "no", "<|im_end|>"], None)
+    tok = AutoTokenizer.from_pretrained(lm)
+    ids = tok.convert_tokens_to_ids(["yes", "no", "<|im_end|>"])
+    prompts = [[1, 7, 9, 11, 300, 12], list(range(6, 70))]
+    runner = ModelRunner(str(served), block_size=BLOCK, num_blocks=64, pooling=pooling)
+    got = _run(runner, prompts, [None, None], False)
+    causal = model_zoo.hf_model(lm)
+    for p, logits in zip(prompts, got):
+        with torch.no_grad():
+            last = causal(torch.tensor([p])).logits[0, -1]
+        torch.testing.assert_close(logits, last[ids], atol=2e-5, rtol=1e-5)
