@@ -126,6 +126,20 @@ def test_classify_gives_softmax_probs_and_labels(tmp_path):
         assert srv.stop() == 0
 
 
+def test_classify_on_one_label_is_the_sigmoid_of_its_logit(rerank_server, reranker):
+    """A one-label head (a cross-encoder) on /classify: the probability of its label is the
+    sigmoid of the logit, as vLLM's classify pooler gives it (a softmax over one label
+    would answer 1.0 to every input)."""
+    texts = ["a quick fox", DOCS[0], DOCS[1]]
+    status, body = rerank_server.post_json("/classify", {"model": "tiny-reranker", "input": texts})
+    assert status == 200, body
+    probs = [row["probs"] for row in body["data"]]
+    want = [[1.0 / (1.0 + math.exp(-encoder_zoo.hf_logits(reranker, _bert_ids(reranker, t)).item()))]
+            for t in texts]
+    np.testing.assert_allclose(probs, want, atol=1e-5)
+    assert len({p[0] for p in probs}) == 3 and all(row["num_classes"] == 1 for row in body["data"])
+
+
 def _bert_ids(path, text):
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(path)(text)["input_ids"]

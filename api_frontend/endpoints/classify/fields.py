@@ -16,7 +16,7 @@ ROWS: tuple[Row, ...] = (
 FOREIGN: tuple[Foreign, ...] = (
     Foreign("truncate_prompt_tokens", "rejected", "inputs are never truncated: one longer "
             "than the context is a 400 naming it"),
-    Foreign("activation", "rejected", "probabilities are the softmax of the head's logits", (True,)),
+    Foreign("activation", "rejected", "probabilities are the softmax of the head's logits (one label: the sigmoid of its logit)", (True,)),
     Foreign("request_id", "ignored", "send the X-Request-Id header instead; it is echoed"),
 )
 TABLE = FieldTable("classify", ROWS, FOREIGN, sampling_defaults=False)

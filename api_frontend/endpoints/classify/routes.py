@@ -1,5 +1,7 @@
 """POST /classify (vLLM's shape): each input's label (the most probable) and the softmax
-of a classification model's logits over its labels (config.json ``id2label``)."""
+of a classification model's logits over its labels (config.json ``id2label``); a head
+with one label (a cross-encoder) gives the sigmoid of its logit, as vLLM does (a softmax
+over one label is 1.0 whatever the input)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from aiohttp import web
 
 from api_frontend.app_keys import API_KEY
 from api_frontend.endpoints.classify.fields import TABLE
-from api_frontend.endpoints.score.pool import need_classifier, pooling_model, run_pooled, softmax
+from api_frontend.endpoints.score.pool import need_classifier, pooling_model, run_pooled, sigmoid, softmax
 from api_frontend.endpoints.spec import Endpoint, Route
 from api_frontend.errors import ApiError
 from api_frontend.generate import client_request_id
@@ -38,7 +40,7 @@ async def create(request: web.Request) -> web.Response:
     labels = model.pooling.labels
     data = []
     for i, logits in enumerate(pooled.outputs):
-        probs = softmax(logits)
+        probs = [sigmoid(logits[0])] if len(logits) == 1 else softmax(logits)
         best = max(range(len(probs)), key=probs.__getitem__)
         data.append(ClassifyData(i, labels[best] if best < len(labels) else f"LABEL_{best}",
                                  probs, len(probs)))
