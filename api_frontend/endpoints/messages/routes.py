@@ -46,7 +46,7 @@ COUNT_ROUTE = ROUTE + "/count_tokens"
 
 
 def _translate(req: CountTokensRequest, keys, rid: str, reply_to: str, arrival: float,
-               api: ApiSpec) -> tuple[ChatPlan, Translated]:
+               api: ApiSpec, vision: bool = False) -> tuple[ChatPlan, Translated]:
     """The chat request and its GenerateReq, with the report under this request's names:
     ignored fields (top-level and nested) and extensions as the Messages tiers say,
     chat's defaults, parsers and constraint; errors renamed."""
@@ -55,7 +55,8 @@ def _translate(req: CountTokensRequest, keys, rid: str, reply_to: str, arrival: 
     # fields inside the request's objects that its typed decode dropped
     plan.notes[:0] = [FieldNote(path, UNKNOWN_REASON) for path in nested_unknown(keys, req)]
     try:
-        tr = chat_to_generate(plan.chat, rid, reply_to, arrival, plan.chat_keys, api)
+        tr = chat_to_generate(plan.chat, rid, reply_to, arrival, plan.chat_keys, api,
+                              vision=vision)
     except ApiError as err:
         raise messages_name(err) from None
     gen = tr.gen
@@ -79,7 +80,7 @@ async def create(request: web.Request) -> web.StreamResponse:
     model, card = models.of_kind(req.model, "generate", ROUTE)
     engine = model.engine
     rid = f"msg_{uuid.uuid4().hex}"
-    _, tr = _translate(req, keys, rid, engine.reply_to, time.time(), api)
+    _, tr = _translate(req, keys, rid, engine.reply_to, time.time(), api, model.vision)
     tr.gen.lora = adapter_of(card)
     flight = Flight(engine, tr, api)
     response_key = client_request_id(request) or rid
@@ -142,7 +143,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     model, _ = models.of_kind(req.model, "generate", COUNT_ROUTE)
     engine = model.engine
     rid = f"count-{uuid.uuid4().hex}"
-    _, tr = _translate(req, keys, rid, engine.reply_to, 0.0, api)
+    _, tr = _translate(req, keys, rid, engine.reply_to, 0.0, api, model.vision)
     try:
         result = await ask(engine, ipc.RenderReq(rid, engine.reply_to, gen=tr.gen))
     except ApiError as err:

@@ -1,0 +1,190 @@
+"""Images through the real processes on the tiny LLaVA checkpoint (tests/support/vision_zoo.py):
+a chat request with a data: URL image gives HF LlavaForConditionalGeneration's greedy tokens
+and logprobs (within 1e-4) and prompt ids; the same image again shares KV with the first
+request while another image behind the same placeholder ids never does (and still equals
+HF); an image request alone and inside a concurrent batch of text and image requests is
+bitwise equal; a bad image is a 400 in OpenAI's shape naming the part; the text model
+still refuses images."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import random
+
+import aiohttp
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from tests.support.server import CandorServer
+from tests.support.vision_zoo import build_llava, hf_llava
+
+MODEL = "tiny-llava"
+NEW = 12
+
+
+def image(seed: int, size=(45, 38)) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8), "RGB")
+
+
+def data_url(img: Image.Image, fmt: str = "PNG") -> str:
+    buf = io.BytesIO()
+    img.save(buf, format=fmt)
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def chat(text: str, *images: Image.Image, system: str = "You are terse.") -> list[dict]:
+    parts = [{"type": "text", "text": text}]
+    parts += [{"type": "image_url", "image_url": {"url": data_url(img)}} for img in images]
+    return [{"role": "system", "content": system}, {"role": "user", "content": parts}]
+
+
+@pytest.fixture(scope="module")
+def llava_dir(tmp_path_factory):
+    return build_llava(tmp_path_factory.mktemp("vision") / "llava")
+
+
+@pytest.fixture(scope="module")
+def hf(llava_dir):
+    return hf_llava(llava_dir)
+
+
+@pytest.fixture(scope="module")
+def llava_server(llava_dir):
+    srv = CandorServer(llava_dir, "--served-model-name", MODEL,
+                       "--max-num-batched-tokens", "24").start()
+    yield srv
+    assert srv.stop() == 0
+
+
+def hf_reference(hf, messages: list[dict], images: list) -> tuple[list[int], list[int], list[torch.Tensor]]:
+    """(prompt ids, greedy ids, the log-softmax row of each) from HF on the same chat."""
+    model, processor = hf
+    as_hf = [{**m, "content": [p if p["type"] == "text" else {"type": "image"} for p in m["content"]]}
+             if isinstance(m["content"], list) else m for m in messages]
+    text = processor.apply_chat_template(as_hf, add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=text, images=images or None, add_special_tokens=False, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=NEW, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True)
+    n = inputs["input_ids"].shape[1]
+    rows = [torch.log_softmax(step[0].float(), -1) for step in out.logits]
+    return inputs["input_ids"][0].tolist(), out.sequences[0, n:].tolist(), rows
+
+
+async def _chat(session, srv: CandorServer, messages: list[dict], **extra) -> tuple[int, dict]:
+    body = {"model": MODEL, "messages": messages, "max_tokens": NEW, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True, "logprobs": True, "top_logprobs": 2,
+            **extra}
+    async with session.post(srv.base_url + "/v1/chat/completions", json=body) as resp:
+        return resp.status, await resp.json()
+
+
+async def _one(srv, messages, **extra) -> dict:
+    async with aiohttp.ClientSession() as session:
+        status, payload = await _chat(session, srv, messages, **extra)
+    assert status == 200, payload
+    return payload
+
+
+def _check_against_hf(payload: dict, want: tuple) -> None:
+    prompt, ids, rows = want
+    choice = payload["choices"][0]
+    assert payload["prompt_token_ids"] == prompt
+    assert payload["usage"]["prompt_tokens"] == len(prompt)  # the placeholders count
+    assert choice["token_ids"] == ids
+    for entry, row, token in zip(choice["logprobs"]["content"], rows, ids):
+        assert abs(entry["logprob"] - row[token].item()) < 1e-4
+        assert [t["logprob"] for t in entry["top_logprobs"]] == pytest.approx(
+            row.topk(2).values.tolist(), abs=1e-4)
+
+
+async def test_a_chat_image_gives_hfs_greedy_tokens_and_logprobs(llava_server, hf):
+    """The prompt (about 60 tokens, the image's 16 among them) is prefilled in chunks of
+    at most 24, so the image's span is split across steps."""
+    img = image(1)
+    messages = chat("What is in this picture?", img)
+    want = hf_reference(hf, messages, [img])
+    assert len(set(want[1])) >= 3  # the random model is not degenerate
+    _check_against_hf(await _one(llava_server, messages), want)
+    two = chat("Compare these two.", image(2), image(3, (30, 60)))
+    _check_against_hf(await _one(llava_server, two), hf_reference(hf, two, [image(2), image(3, (30, 60))]))
+    llava_server.wait_all_blocks_free()
+
+
+async def test_the_same_image_shares_kv_and_another_image_never_does(llava_server, hf):
+    """A long system prompt before the image: the second request with the same image hits
+    the cache past the image; one with another image (same placeholder ids) hits only the
+    blocks before the image's span, and its tokens are HF's for its own image."""
+    system = "You describe pictures for a catalogue of small coloured squares. " * 3
+    cat, dog = image(10), image(11)
+    first = await _one(llava_server, chat("Describe it.", cat, system=system))
+    again = await _one(llava_server, chat("Describe it.", cat, system=system))
+    other = await _one(llava_server, chat("Describe it.", dog, system=system))
+    assert first["choices"][0]["token_ids"] == again["choices"][0]["token_ids"]
+    prompt = first["prompt_token_ids"]
+    image_id = hf[1].tokenizer.convert_tokens_to_ids("<image>")
+    start = prompt.index(image_id)
+    cached = lambda p: p["usage"]["prompt_tokens_details"]["cached_tokens"]  # noqa: E731
+    assert cached(first) == 0
+    assert cached(again) >= start + 16  # the whole image span and past it
+    assert 0 < cached(other) <= start  # only text blocks before the image
+    _check_against_hf(other, hf_reference(hf, chat("Describe it.", dog, system=system), [dog]))
+    llava_server.wait_all_blocks_free()
+
+
+async def test_an_image_request_alone_and_in_a_batch_is_bitwise_equal(llava_server):
+    messages = chat("Name the colours you see.", image(20))
+    alone = await _one(llava_server, messages, seed=3, temperature=0.8)
+    assert alone["candor"].get("deterministic") is True
+    rng = random.Random(5)
+
+    async def noise(session, k):
+        await asyncio.sleep(rng.uniform(0, 0.2))
+        kind = k % 3
+        body = (chat("Tell me about it.", image(100 + k)) if kind == 0 else
+                chat("And these?", image(200 + k), image(20)) if kind == 1 else
+                [{"role": "user", "content": "Just text, " * (k + 1)}])
+        status, payload = await _chat(session, llava_server, body, max_tokens=rng.randint(1, 10))
+        assert status == 200, payload
+
+    async with aiohttp.ClientSession() as session:
+        async def probe():
+            await asyncio.sleep(0.05)
+            return await _chat(session, llava_server, messages, seed=3, temperature=0.8)
+        results = await asyncio.gather(*(noise(session, k) for k in range(9)), probe())
+    status, batched = results[-1]
+    assert status == 200, batched
+    assert batched["choices"][0] == alone["choices"][0]
+    llava_server.wait_all_blocks_free()
+
+
+@pytest.mark.parametrize("url,code", [("data:image/png;base64,AAAA", "invalid_image"),
+                                      ("data:image/png;base64,!!!!", "invalid_image")])
+async def test_a_bad_image_is_a_400_naming_the_part(llava_server, url, code):
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What?"},
+                                             {"type": "image_url", "image_url": {"url": url}}]}]
+    async with aiohttp.ClientSession() as session:
+        status, payload = await _chat(session, llava_server, messages)
+    assert status == 400, payload
+    err = payload["error"]
+    assert err["param"] == "messages[0].content[1]" and err["code"] == code
+    assert err["type"] == "invalid_request_error" and err["message"].startswith("messages[0].content[1]: ")
+    assert llava_server.health()[0] == 200
+
+
+async def test_the_text_model_still_refuses_images(server):
+    messages = [{"role": "user", "content": [
+        {"type": "text", "text": "What?"},
+        {"type": "image_url", "image_url": {"url": data_url(image(0))}}]}]
+    async with aiohttp.ClientSession() as session:
+        async with session.post(server.base_url + "/v1/chat/completions",
+                                json={"model": "tiny-llama", "messages": messages}) as resp:
+            payload = await resp.json()
+    assert resp.status == 400
+    assert payload["error"]["param"] == "messages[0].content[1].type"
+    assert payload["error"]["code"] == "unsupported_content"
