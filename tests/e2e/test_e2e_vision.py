@@ -188,3 +188,92 @@ async def test_the_text_model_still_refuses_images(server):
     assert resp.status == 400
     assert payload["error"]["param"] == "messages[0].content[1].type"
     assert payload["error"]["code"] == "unsupported_content"
+
+
+# ---------------------------------------------------------------- Responses and Messages
+
+
+def _b64(img: Image.Image) -> str:
+    return data_url(img).split(",", 1)[1]
+
+
+def test_responses_input_image_through_the_openai_sdk(llava_server, hf):
+    """An ``input_image`` part runs as chat's image_url part: HF's greedy tokens for the
+    same conversation; a bad one is a 400 naming ``input[0].content[1]``; over the count
+    limit likewise."""
+    import openai
+
+    client = openai.OpenAI(base_url=llava_server.base_url + "/v1", api_key="unused", max_retries=0)
+    img = image(30)
+    out = client.responses.create(
+        model=MODEL, instructions="You are terse.", max_output_tokens=NEW, temperature=0,
+        input=[{"role": "user", "content": [{"type": "input_text", "text": "What is in this picture?"},
+                                            {"type": "input_image", "image_url": data_url(img)}]}],
+        extra_body={"ignore_eos": True})
+    _, want, _ = hf_reference(hf, chat("What is in this picture?", img), [img])
+    assert out.output_text == hf[1].tokenizer.decode(want, skip_special_tokens=True)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model=MODEL, max_output_tokens=4, input=[
+            {"role": "user", "content": [{"type": "input_text", "text": "x"},
+                                         {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}])
+    assert err.value.body["param"] == "input[0].content[1]" and err.value.body["code"] == "invalid_image"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model=MODEL, max_output_tokens=4, input=[
+            {"role": "user", "content": [{"type": "input_image", "file_id": "file-123"}]}])
+    assert err.value.body["param"] == "input[0].content[0].image_url"
+
+
+def test_messages_image_block_through_the_anthropic_sdk(llava_server, hf):
+    """An image block (source base64) runs as chat's image_url part: HF's greedy tokens;
+    count_tokens counts its placeholders; a url source and a bad image are 400s naming
+    the block, in Anthropic's error shape."""
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=llava_server.base_url, api_key="unused", max_retries=0)
+    img = image(31)
+    messages = [{"role": "user", "content": [
+        {"type": "text", "text": "What is in this picture?"},
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": _b64(img)}}]}]
+    out = client.messages.create(model=MODEL, system="You are terse.", max_tokens=NEW,
+                                 messages=messages, extra_body={"temperature": 0, "ignore_eos": True})
+    prompt, want, _ = hf_reference(hf, chat("What is in this picture?", img), [img])
+    assert out.content[0].text == hf[1].tokenizer.decode(want, skip_special_tokens=True)
+    assert out.usage.input_tokens == len(prompt)
+    counted = client.messages.count_tokens(model=MODEL, system="You are terse.", messages=messages)
+    assert counted.input_tokens == len(prompt)
+    bad = [{"role": "user", "content": [
+        {"type": "text", "text": "x"},
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]
+    with pytest.raises(anthropic.BadRequestError) as err:
+        client.messages.create(model=MODEL, max_tokens=4, messages=bad)
+    assert "messages[0].content[1]" in err.value.message and "cannot be decoded" in err.value.message
+    remote = [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}]}]
+    with pytest.raises(anthropic.BadRequestError) as err:
+        client.messages.create(model=MODEL, max_tokens=4, messages=remote)
+    assert "not fetched" in err.value.message
+
+
+def test_limit_mm_per_prompt_and_image_size_flags(llava_dir):
+    """``--limit-mm-per-prompt '{"image": 1}'``: two images are a 400 naming the second
+    part and the flag; ``--max-image-pixels``: a larger image is a 400 naming its part."""
+    srv = CandorServer(llava_dir, "--served-model-name", MODEL, "--limit-mm-per-prompt",
+                       '{"image": 1}', "--max-image-pixels", "2000").start()
+    try:
+        status, body = srv.post_json("/v1/chat/completions", {
+            "model": MODEL, "max_tokens": 2, "messages": chat("Two?", image(1), image(2))})
+        assert status == 400 and body["error"]["param"] == "messages[1].content[2]"
+        assert body["error"]["code"] == "limit_exceeded" and "--limit-mm-per-prompt" in body["error"]["message"]
+        status, body = srv.post_json("/v1/chat/completions", {
+            "model": MODEL, "max_tokens": 2, "messages": chat("Big?", image(1, (50, 50)))})
+        assert status == 400 and body["error"]["param"] == "messages[1].content[1]"
+        assert body["error"]["code"] == "image_too_large" and "limit of 2000" in body["error"]["message"]
+        status, body = srv.post_json("/v1/chat/completions", {
+            "model": MODEL, "max_tokens": 2, "messages": chat("Small?", image(1, (40, 40)))})
+        assert status == 200, body
+        status, caps = srv.get("/v1/capabilities")
+        import json
+        limits = json.loads(caps)["limits"]
+        assert limits["max_images_per_prompt"] == 1 and limits["max_image_pixels"] == 2000
+    finally:
+        assert srv.stop() == 0

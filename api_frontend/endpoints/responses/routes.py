@@ -49,11 +49,14 @@ def _translate(req: ResponsesRequest, keys, previous: StoredResponse | None, rid
     constraint; errors renamed."""
     report = TABLE.report(keys, req, api)  # strict: a 400 before any work
     try:
-        plan = to_chat(req, keys, previous, api.limits)
+        plan = to_chat(req, keys, previous, api.limits, vision)
+    except ApiError as err:
+        raise responses_name(err) from None
+    try:
         tr = chat_to_generate(plan.chat, rid, reply_to, arrival, plan.chat_keys, api,
                               vision=vision)
     except ApiError as err:
-        raise responses_name(err) from None
+        raise responses_name(err, plan.images) from None
     gen = tr.gen
     gen.max_tokens_field = "max_output_tokens"
     if gen.guided is not None and gen.guided.field.startswith("response_format"):
@@ -110,8 +113,8 @@ async def create(request: web.Request) -> web.StreamResponse:
     try:
         try:
             info = (await flight.start())[tr.gen.rid]
-        except ApiError as err:
-            raise responses_name(err) from None
+        except ApiError as err:  # (the tokenizer worker's: a bad image names its part)
+            raise responses_name(err, plan.images) from None
         report = complete_report(tr.report, info)
         report.deterministic = flight.deterministic()
         headers = {"X-Request-Id": response_key,
