@@ -277,3 +277,26 @@ def test_limit_mm_per_prompt_and_image_size_flags(llava_dir):
         assert limits["max_images_per_prompt"] == 1 and limits["max_image_pixels"] == 2000
     finally:
         assert srv.stop() == 0
+
+
+@pytest.mark.parametrize("flags", [["--tensor-parallel-size", "2"],
+                                   ["--prefill-replicas", "1", "--decode-replicas", "1"]],
+                         ids=["tp2", "prefill-decode"])
+def test_tensor_parallel_and_prefill_decode_carry_images(llava_dir, hf, flags, tmp_path):
+    """TP: every rank holds the whole vision tower and splices the same embeddings into its
+    shard's step; P/D: the prefill replica computes the prompt with its image and hands the
+    KV over, the decode replica continues. Both give HF's greedy tokens."""
+    srv = CandorServer(llava_dir, "--served-model-name", MODEL, "--max-num-batched-tokens", "24",
+                       *flags).start(log_path=tmp_path / "log")
+    try:
+        for seed in (40, 41):
+            img = image(seed)
+            messages = chat("What is in this picture?", img)
+            status, payload = srv.post_json("/v1/chat/completions", {
+                "model": MODEL, "messages": messages, "max_tokens": NEW, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True, "logprobs": True, "top_logprobs": 2})
+            assert status == 200, payload
+            _check_against_hf(payload, hf_reference(hf, messages, [img]))
+        srv.wait_all_blocks_free()
+    finally:
+        assert srv.stop() == 0
