@@ -300,3 +300,31 @@ def test_tensor_parallel_and_prefill_decode_carry_images(llava_dir, hf, flags, t
         srv.wait_all_blocks_free()
     finally:
         assert srv.stop() == 0
+
+
+@pytest.mark.parametrize("patch,says", [
+    ({"vision_config": {"model_type": "siglip_vision_model"}},
+     "vision_config.model_type='siglip_vision_model' is not supported"),
+    ({"model_type": "llava_next"}, "model_type='llava_next' is not supported"),
+    ({"text_config": {"model_type": "qwen2"}}, "text_config.model_type='qwen2' is not supported"),
+])
+def test_an_unsupported_vision_config_is_refused_in_one_line_at_start(llava_dir, tmp_path, patch, says):
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    from tests.support.server import REPO, free_port
+
+    bad = tmp_path / "bad"
+    shutil.copytree(llava_dir, bad)
+    config = json.loads((bad / "config.json").read_text())
+    for key, value in patch.items():
+        config[key] = {**config[key], **value} if isinstance(value, dict) else value
+    (bad / "config.json").write_text(json.dumps(config))
+    proc = subprocess.run([sys.executable, str(REPO / "launch_cluster.py"), "serve", "--model",
+                           str(bad), "--port", str(free_port())], capture_output=True, text=True,
+                          timeout=120)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert len(lines) == 1 and lines[0].startswith("candor: cannot serve ") and says in lines[0], lines
