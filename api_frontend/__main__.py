@@ -30,7 +30,7 @@ from api_frontend.endpoints.responses.peers import ResponsePeers
 from api_frontend.endpoints.responses.store import ResponseStore, StoreMetrics
 from api_frontend.served_models import ServedModel, ServedModels
 from api_frontend.topology_watch import TopologyWatch
-from cluster.checkpoint import effective_max_model_len
+from cluster.checkpoint import effective_max_model_len, takes_images
 from cluster.pooling import read_pooling_config
 from cluster.lifecycle import die_with_parent, read_config, setup_logging
 from cluster.process_config import FrontendConfig
@@ -46,8 +46,9 @@ def served_models(cfg: FrontendConfig, engine: EngineClient) -> ServedModels:
         card = ModelCard(id=name, created=now, root=name, max_model_len=effective_max_model_len(
             served.model_path, served.max_model_len))
         pooling = read_pooling_config(served.model_path) if served.runner == "pooling" else None
+        vision = served.runner == "generate" and takes_images(served.model_path)
         models.append(ServedModel(card, served.names[1:], served.runner, engine.view(i),
-                                  pooling))
+                                  pooling, vision))
     return ServedModels(models, engine.adapters)
 
 

@@ -55,7 +55,8 @@ async def render(request: web.Request, kind: type, translate: Callable[..., Tran
         check(parsed)
     engine = model.engine
     rid = f"render-{uuid.uuid4().hex}"
-    tr = translate(parsed, rid, engine.reply_to, 0.0, keys, request.app[API_KEY])
+    tr = translate(parsed, rid, engine.reply_to, 0.0, keys, request.app[API_KEY],
+                   vision=model.vision)
     result = await ask(engine, ipc.RenderReq(rid, engine.reply_to, gen=tr.gen))
     info = ipc.RequestInfo(rid, len(result.token_ids), result.template, result.adjustments)
     return json_response(RenderResponse(result.prompt_text, result.token_ids, card.id,

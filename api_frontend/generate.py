@@ -176,15 +176,17 @@ async def serve_generation(request: web.Request, generation: Generation) -> web.
     parsed, keys = decode_request(await request.read(), generation.request)
     model, card = request.app[MODELS_KEY].of_kind(parsed.model, "generate", request.path)
     return await run_generation(request, model.engine, card, request.app[API_KEY],
-                                parsed, keys, generation)
+                                parsed, keys, generation, vision=model.vision)
 
 
 async def run_generation(request: web.Request, engine: EngineClient, card: ModelCard,
-                         api: ApiSpec, parsed, keys, generation: Generation
-                         ) -> web.StreamResponse:
+                         api: ApiSpec, parsed, keys, generation: Generation, *,
+                         vision: bool = False) -> web.StreamResponse:
+    """``vision``: the model takes images (its translation lets image parts through)."""
     rid = f"{generation.rid_prefix}-{uuid.uuid4().hex}"
     arrival = time.time()
-    tr: Translated = generation.translate(parsed, rid, engine.reply_to, arrival, keys, api)
+    tr: Translated = generation.translate(parsed, rid, engine.reply_to, arrival, keys, api,
+                                          vision=vision)
     for gen in tr.gens:
         gen.lora = adapter_of(card)
     flight = Flight(engine, tr, api)

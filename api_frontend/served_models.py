@@ -34,6 +34,7 @@ class ServedModel:
     runner: str  # generate | pooling
     engine: object  # an EngineClient view that reaches this model's processes
     pooling: PoolingConfig | None = None  # a pooling model's method, size, Matryoshka
+    vision: bool = False  # requests may carry images (chat image_url parts and their kin)
 
     @property
     def names(self) -> list[str]:

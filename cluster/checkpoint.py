@@ -14,6 +14,16 @@ def read_model_config(model_path: str) -> dict:
     return config.get("text_config", config) if "max_position_embeddings" not in config else config
 
 
+def takes_images(model_path: str) -> bool:
+    """Whether requests to this checkpoint may carry images: a vision config beside the
+    text model's and an HF processor config (a LLaVA-style checkpoint). Which ones the
+    gpu_worker can serve is its model registry's to say, before any process starts."""
+    with open(os.path.join(model_path, "config.json"), encoding="utf-8") as fh:
+        config = json.load(fh)
+    return ("vision_config" in config
+            and os.path.isfile(os.path.join(model_path, "processor_config.json")))
+
+
 def max_seq_length(model_path: str) -> int | None:
     """sentence-transformers' input bound (``sentence_bert_config.json``), if it sets one."""
     path = os.path.join(model_path, "sentence_bert_config.json")

@@ -239,7 +239,9 @@ class RequestLimits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ``max_request_share`` is the fraction of the engine's waiting queue one request's
     choices (n x prompts) may take, so one client cannot fill the queue for everyone.
     The template bounds cover request-supplied and server templates alike: source size,
-    wall time of one render (the rendered text itself is bounded by the context)."""
+    wall time of one render (the rendered text itself is bounded by the context). The image
+    bounds: the count in the frontend, bytes and pixels in the tokenizer worker, which
+    decodes images."""
 
     max_n: Annotated[int, Meta(ge=1)] = 128
     max_prompts: Annotated[int, Meta(ge=1)] = 256
@@ -254,6 +256,12 @@ class RequestLimits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_request_share: Annotated[float, Meta(gt=0.0, le=1.0)] = 0.25
     max_template_bytes: Annotated[int, Meta(ge=1024)] = 1 << 20
     template_render_timeout_s: Annotated[float, Meta(gt=0.0, le=600.0)] = 2.0
+    # images (a model that takes them): how many one prompt may hold (vLLM's
+    # --limit-mm-per-prompt '{"image": N}'), and the most one image may be, as its encoded
+    # file and as decoded width x height (checked from its header before it is decoded)
+    max_images_per_prompt: Annotated[int, Meta(ge=0)] = 16
+    max_image_bytes: Annotated[int, Meta(ge=1)] = 20 << 20
+    max_image_pixels: Annotated[int, Meta(ge=1)] = 4096 * 4096
 
 
 class SamplingDefaults(msgspec.Struct, forbid_unknown_fields=True, kw_only=True,

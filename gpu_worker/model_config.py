@@ -21,10 +21,10 @@ from typing import Any, Literal
 import msgspec
 
 from cluster.token_classifier import TokenClassifierError, read_token_classifier
-from gpu_worker.architectures import (bert, gemma, granite, llama, mixtral, olmo2, phi3, qwen,
-                                      smollm3, starcoder2)
+from gpu_worker.architectures import (bert, gemma, granite, llama, llava, mixtral, olmo2, phi3,
+                                      qwen, smollm3, starcoder2)
 from gpu_worker.architectures.hf_config import (Architecture, EncoderSpec, LayerSpec, MoeConfig,
-                                                RopeConfig, UnsupportedConfig)
+                                                RopeConfig, UnsupportedConfig, VisionSpec)
 from gpu_worker.quantization.spec import QuantSpec, parse_quantization
 
 # model_type -> its family's declaration: the one table of supported architectures
@@ -42,6 +42,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "olmo2": olmo2.OLMO2,
     "smollm3": smollm3.SMOLLM3,
     "starcoder2": starcoder2.STARCODER2,
+    "llava": llava.LLAVA,  # a Llama/Mistral text model behind a CLIP tower (ModelConfig.vision)
     "bert": bert.ENCODER,
     "roberta": bert.ENCODER,
     "xlm-roberta": bert.ENCODER,
@@ -96,6 +97,9 @@ class ModelConfig(msgspec.Struct, frozen=True):
     # its ``score`` head is made of, and whether it is their two-way difference (yes - no)
     score_token_ids: list[int] = []
     score_two_way: bool = False
+    # set: images go in through a vision tower whose embeddings replace the placeholder
+    # tokens (models/vision.py); model_type is then the text model's
+    vision: VisionSpec | None = None
 
     @property
     def q_size(self) -> int:
@@ -145,7 +149,8 @@ def parse_config(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None = No
     model_type = cfg.get("model_type", "llama")
     kwargs = architecture(model_type).parse(cfg, model_type)
     gen_eos = _int_list((generation_cfg or {}).get("eos_token_id"))
-    kwargs["eos_token_ids"] = gen_eos or _int_list(cfg.get("eos_token_id"))
+    kwargs["eos_token_ids"] = (gen_eos or _int_list(cfg.get("eos_token_id"))
+                               or _int_list((cfg.get("text_config") or {}).get("eos_token_id")))
     kwargs["quantization"] = parse_quantization(cfg)
     archs = [str(a) for a in cfg.get("architectures") or []]
     if kwargs.get("encoder") is None and any(a.endswith("ForSequenceClassification") for a in archs):

@@ -30,6 +30,11 @@ equal to the rows' own tokens is kept, plus the token after it; the step's resul
 many (``StepResult.accepted``). Constrained requests are never sent drafts (their matcher
 would need rolling back); a chunk that has both is refused as a plan error.
 
+Images (a LLaVA checkpoint): a chunk names the images its positions overlap
+(``SeqChunk.images``); ``images`` (``image_cache``) encodes each once, keeps its
+embeddings until every request holding it has fed its span, and the model splices them
+over the placeholder rows. A step with image rows never runs as a CUDA graph.
+
 With LoRA enabled, ``adapters`` (``lora.store``) holds the adapters and groups each
 step's rows by adapter before the forward pass; a step with adapter rows runs eagerly
 (no CUDA graph: the groups change from step to step).
@@ -52,6 +57,7 @@ from gpu_worker.attention.base import AttentionBackend, AttentionSpec
 from gpu_worker.attention.registry import select_backend
 from gpu_worker.batch_invariant import Numerics
 from gpu_worker.grammar import GrammarStates
+from gpu_worker.image_cache import ImageCache
 from gpu_worker.kv_budget import KvDemand, auto_kv_bytes, resident_bytes
 from gpu_worker.distributed import Ranks
 from gpu_worker.loader import checkpoint_names, load_weights
@@ -172,6 +178,7 @@ class ModelRunner:
         self.failed: dict[str, RequestFailure] = {}  # rid -> why; not fed until released
         self.tracker = RequestTracker()  # token history (penalties) and prompt logprobs
         self.timings = WorkerTimings()  # cumulative, sent with every result
+        self.images = self._image_cache()
         self.pooler = None if pooling is None else Pooler(
             pooling, self.model.final_norm,
             self.model.classify if pooling.task == "classify" else None)
@@ -204,6 +211,15 @@ class ModelRunner:
         model = model.to_empty(device=self.device).to(self.dtype)
         load_weights(model, model_path, load_format, seed=seed)
         return model.eval()
+
+    def _image_cache(self) -> ImageCache:
+        """The encoder cache over this model's image path (none: a text model's, which
+        refuses chunks with images)."""
+        vision = getattr(self.model, "vision", None)
+        if vision is None:
+            return ImageCache(None)
+        return ImageCache(vision, vision.pixel_shape, vision.spec.tokens_per_image,
+                          self.device, self.dtype)
 
     def _log_moe_path(self) -> None:
         """Build the fused MoE kernel now (not on the first request) where it applies, and
@@ -351,6 +367,7 @@ class ModelRunner:
             self.tracker.release(rid)
             self.grammars.release(rid)
             self.failed.pop(rid, None)
+            self.images.release(rid)
             if self.pooler is not None:
                 self.pooler.release(rid)
         for rid, params in plan.new_sampling.items():
@@ -433,6 +450,7 @@ class ModelRunner:
                 self._fill_placeholder(seq)
                 self._feed_drafts(seq)
                 self._check(seq)
+                self.images.admit(seq)
             self.accepted.clear()
             sampled: list[int] = []
             logprobs: list[SampleLogprobs | None] = []
@@ -441,6 +459,7 @@ class ModelRunner:
                 with torch.inference_mode():
                     sampled, logprobs, failures = self._forward(live)
                 self.failed.update(failures)
+                self.images.finish(live)
                 if self.pooler is not None:
                     pooled = self.pooler.take()
         except Exception:
@@ -514,7 +533,8 @@ class ModelRunner:
         chunks = [(s.start_pos, len(s.token_ids), self.block_tables[s.rid]) for s in ordered]
         adapted = self.adapters is not None and self.adapters.prepare(ordered)
         try:
-            if (not prefills and not adapted and self.decode_graphs is not None
+            images = self.images.gather(ordered)
+            if (not prefills and not adapted and images is None and self.decode_graphs is not None
                     and self.decode_graphs.fits(len(decodes))):
                 hidden = self.decode_graphs.run(chunks, ids, positions)
             else:
@@ -522,6 +542,8 @@ class ModelRunner:
                 extra = {}
                 if self.config.encoder is not None:  # each row's segment (a pair's second text: 1)
                     extra["token_types"] = self._token_types(ordered, dev)
+                if images is not None:  # the image embeddings over their placeholder rows
+                    extra["images"] = images
                 hidden = self.model(
                     torch.tensor(ids, dtype=torch.long, device=dev),
                     torch.tensor(positions, dtype=torch.long, device=dev),

@@ -67,6 +67,22 @@ def _json_object(text: str) -> dict:
     return value
 
 
+def _mm_limit(text: str) -> int:
+    """vLLM's --limit-mm-per-prompt '{"image": N}' -> the images one prompt may hold.
+    Candor takes images only: another modality may be named with 0 (nothing to allow)."""
+    value = _json_object(text)
+    others = sorted(k for k, v in value.items() if k != "image" and v != 0)
+    if others:
+        raise argparse.ArgumentTypeError(f"this deployment takes images only; {others[0]!r} "
+                                         "can only be 0")
+    count = value.get("image", 16)
+    if isinstance(count, dict):  # vLLM 0.10's {"image": {"count": N, ...}}
+        count = count.get("count")
+    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+        raise argparse.ArgumentTypeError(f"\"image\" must be a count >= 0, not {count!r}")
+    return count
+
+
 def _str_list(text: str) -> list[str]:
     """vLLM passes lists as JSON ('["*"]'); a comma-separated list works too."""
     text = text.strip()
@@ -375,6 +391,14 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                    help="most prompts in one /v1/completions request")
     g.add_argument("--max-request-share", type=float, default=None,
                    help="largest fraction of the waiting queue one request may fill")
+    g.add_argument("--limit-mm-per-prompt", type=_mm_limit, default=None, metavar="JSON",
+                   help='images one prompt may hold, as vLLM: \'{"image": 2}\' (default 16; '
+                        "a model that takes images only)")
+    g.add_argument("--max-image-bytes", type=parse_size, default=None, metavar="SIZE",
+                   help="largest encoded image a request may send (default 20MiB)")
+    g.add_argument("--max-image-pixels", type=int, default=None,
+                   help="largest decoded image, width x height, read from its header before "
+                        "decoding (default 16777216, 4096x4096)")
     g.add_argument("--responses-store-max-entries", type=int, default=10_000,
                    help="/v1/responses kept for previous_response_id and GET, per frontend "
                         "(oldest first out; 0: store nothing)")
@@ -542,5 +566,8 @@ def serve_topology(args: argparse.Namespace, model_path: str, default_name: str,
                 "limits": {name: value for name, value in (
                     ("max_n", args.max_n), ("max_logprobs", args.max_logprobs),
                     ("max_prompts", args.max_prompts),
-                    ("max_request_share", args.max_request_share)) if value is not None}},
+                    ("max_request_share", args.max_request_share),
+                    ("max_images_per_prompt", args.limit_mm_per_prompt),
+                    ("max_image_bytes", args.max_image_bytes),
+                    ("max_image_pixels", args.max_image_pixels)) if value is not None}},
     }, Topology)

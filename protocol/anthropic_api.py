@@ -70,7 +70,8 @@ class _Unreadable(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
 
 
 class ImageBlock(_Unreadable, tag="image", tag_field="type"):
-    pass
+    """Read by a model that takes images (``source`` type base64, becoming chat's data:
+    URL); refused by name by a text-only one."""
 
 
 class DocumentBlock(_Unreadable, tag="document", tag_field="type"):

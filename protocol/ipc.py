@@ -335,7 +335,12 @@ class SeqChunk(msgspec.Struct, array_like=True):
     chunk only, its last token known). The worker feeds them at the next positions and
     verifies them: it keeps the longest run equal to what it samples at each position and
     samples one token after that run (``StepResult.accepted``); the KV slots of the rest
-    are rewritten later and never cached."""
+    are rewritten later and never cached.
+
+    ``images``: the prompt images whose placeholder span these positions overlap. An
+    image's pixels travel once, with the first chunk that needs them since the request
+    was (re)admitted; a later chunk of the span names it with empty ``pixels`` and the
+    worker reads its embeddings from its encoder cache (keyed by content hash)."""
 
     rid: str
     token_ids: list[int]
@@ -345,6 +350,7 @@ class SeqChunk(msgspec.Struct, array_like=True):
     kept_blocks: int = 0
     context: list[int] = []
     draft: list[int] = []
+    images: list[ImageInput] = []
 
 
 class KvExport(msgspec.Struct, array_like=True):

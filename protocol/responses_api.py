@@ -34,6 +34,16 @@ class Refusal(msgspec.Struct, tag="refusal", tag_field="type"):
     refusal: str
 
 
+class InputImage(msgspec.Struct, tag="input_image", tag_field="type", omit_defaults=True):
+    """An image in a user message (a model that takes images): ``image_url`` a data: URL
+    (``file_id`` names OpenAI's Files API, which Candor does not serve); ``detail`` is
+    accepted and not read (the checkpoint's processor fixes the resolution)."""
+
+    image_url: str | None = None
+    file_id: str | None = None
+    detail: str = "auto"
+
+
 TextPart = InputText | OutputText | Refusal
 
 
@@ -43,7 +53,7 @@ class MessageItem(msgspec.Struct, tag="message", tag_field="type", kw_only=True,
     message); ``id`` and ``status`` are set on the items a response returns."""
 
     role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[TextPart]
+    content: str | list[TextPart | InputImage]
     id: str | None = None
     status: str | None = None
 

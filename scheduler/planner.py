@@ -47,6 +47,12 @@ the device). A waiting request for another adapter lets the requests behind it i
 queue go first until one of the running adapters has no request left; the base model
 counts as no adapter. A request's adapter roots its blocks' keys (see ``request``).
 
+Images (``TokenizedReq.images``): a chunk names the images its positions overlap, and an
+image's pixels go with the first of them since the request was (re)admitted (a prefix hit
+may start it inside a span; a preempted request's recompute sends them again): the worker
+encodes each whole image once and keeps its embeddings until the span is fed. A block's
+prefix-cache key holds the content hash of every image it overlaps (``request``).
+
 Plans are diffs: a chunk names only the blocks the worker has not been sent for that
 request yet (``SeqChunk.kept_blocks`` / ``new_blocks``), so a decode step's message stays
 the same size at any context length. After a step returns, ``postprocess`` appends the
@@ -396,8 +402,9 @@ class Planner:
         # a hit the worker never saw, for a request whose sampling reads its history
         context = (req.token_ids[:start] if start and not req.seen_by_worker
                    and sampling.needs_history() else [])
+        images = req.chunk_images(start, start + n) if req.req.images else []
         step.chunks.append(SeqChunk(req.rid, tokens, start, req.block_table[kept:], sample, kept,
-                                    context, draft or []))
+                                    context, draft or [], images))
         req.blocks_sent = len(req.block_table)
         self._note_writes(step, req, start, n)
         req.scheduled(n, sample)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from protocol.ipc import TokenizedReq
+import msgspec
+
+from protocol.ipc import ImageInput, TokenizedReq
 from scheduler.block_manager import ROOT_HASH, BlockKey, chain_hash
 
 
@@ -34,6 +36,8 @@ class SchedRequest:
     ngram: object | None = None  # its drafter's index (scheduler.speculation.NgramIndex)
     spec_drafted: int = 0  # draft tokens verified for it, and those accepted (its report)
     spec_accepted: int = 0
+    # leading prompt images whose pixels went to the worker since it was (re)admitted
+    images_sent: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -109,6 +113,24 @@ class SchedRequest:
         no step in flight."""
         assert self.steps_in_flight == 0, "cannot rewind a request a step in flight is computing"
         self.num_computed = self.num_scheduled = num_computed
+        self.images_sent = 0  # a recompute needs them again (the worker may have dropped them)
+
+    def chunk_images(self, start: int, end: int) -> list[ImageInput]:
+        """The prompt images whose placeholder span positions ``start..end-1`` overlap,
+        each with its pixels the first time since (re)admission, without them after (the
+        worker's encoder cache holds its embeddings until the span is fed)."""
+        out: list[ImageInput] = []
+        for k, im in enumerate(self.req.images):
+            if im.offset >= end:
+                break
+            if im.offset + im.length <= start:
+                continue
+            if k < self.images_sent:
+                out.append(msgspec.structs.replace(im, pixels=b""))
+            else:
+                out.append(im)
+                self.images_sent = k + 1
+        return out
 
     def finish_reason_after(self, token_id: int) -> str | None:
         """Why generation ends after this newly sampled token, if it does. ``min_tokens``

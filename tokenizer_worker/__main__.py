@@ -17,6 +17,7 @@ from tokenizer_worker.deadline import Watchdog
 from tokenizer_worker.memory import TRIM_AFTER_BYTES, release_memory
 from tokenizer_worker.metrics import TokenizerMetrics
 from tokenizer_worker.prepare import RequestPreparer
+from tokenizer_worker.vision import VisionPrompt
 
 
 def watchdog_limit_s(render_timeout_s: float) -> float:
@@ -59,7 +60,8 @@ def main() -> None:
     preparer = RequestPreparer(CheckpointTokenizer(cfg.model_path),
                                effective_max_model_len(cfg.model_path, cfg.max_model_len),
                                cfg.api, int(vocab) if vocab else None,
-                               pair_format(model_config))
+                               pair_format(model_config),
+                               vision=VisionPrompt.for_checkpoint(cfg.model_path))
     ctx = sync_context(cfg.security, dropped_messages(cfg.role))
     inbound: Receiver = Receiver(ctx, cfg.addresses.tokenizer_in[cfg.index],
                                  ipc.TokenizerInbound)

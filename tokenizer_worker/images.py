@@ -31,7 +31,12 @@ class ImageLimits(msgspec.Struct, frozen=True):
 
 
 class ImageError(ValueError):
-    """An image the request must be refused for; the message is the client's."""
+    """An image the request must be refused for; the message is the client's, ``param``
+    the part it names (``messages[i].content[j]``) once known, ``code`` the error code."""
+
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_image") -> None:
+        super().__init__(message)
+        self.param, self.code = param, code
 
 
 def image_bytes(url: str, limits: ImageLimits) -> bytes:
@@ -48,14 +53,14 @@ def image_bytes(url: str, limits: ImageLimits) -> bytes:
     # base64 is 4 characters per 3 bytes: refuse before decoding what is too big anyway
     if len(payload) * 3 // 4 > limits.max_bytes + 2:
         raise ImageError(f"the image is larger than this deployment's limit of "
-                         f"{limits.max_bytes} bytes")
+                         f"{limits.max_bytes} bytes (--max-image-bytes)", code="image_too_large")
     try:
         data = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
         raise ImageError("the image's data: URL is not valid base64") from None
     if len(data) > limits.max_bytes:
         raise ImageError(f"the image is {len(data)} bytes, more than this deployment's limit "
-                         f"of {limits.max_bytes}")
+                         f"of {limits.max_bytes} (--max-image-bytes)", code="image_too_large")
     return data
 
 
@@ -67,7 +72,8 @@ def decode_image(data: bytes, limits: ImageLimits) -> Image.Image:
             width, height = img.size
             if width * height > limits.max_pixels:
                 raise ImageError(f"the image is {width}x{height} pixels, more than this "
-                                 f"deployment's limit of {limits.max_pixels}")
+                                 f"deployment's limit of {limits.max_pixels} (--max-image-pixels)",
+                                 code="image_too_large")
             img.load()
             return img.convert("RGB")
     except ImageError:

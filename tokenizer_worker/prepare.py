@@ -23,11 +23,13 @@ from tokenizer_worker.budget import resolve_max_tokens
 from tokenizer_worker.content_format import detect_content_format, flatten_content
 from tokenizer_worker.deadline import time_limit
 from tokenizer_worker.grammar import GrammarCompiler, GrammarError, longest_output_bytes
+from tokenizer_worker.images import ImageError, ImageLimits
 from tokenizer_worker.length_bound import TokenLengthBound, utf8_len
 from tokenizer_worker.score_prompt import PAIR_PROMPTS
 from tokenizer_worker.text_offsets import token_starts
 from tokenizer_worker.tool_arguments import (ArgumentsError, arguments_as_objects,
                                               detect_arguments_format)
+from tokenizer_worker.vision import VisionPrompt, image_parts
 
 _REQUEST_TEMPLATE_CACHE = 32
 # /tokenize counts documents longer than the context (lm-eval's rolling windows), up to this
@@ -61,16 +63,19 @@ class _Prompt(msgspec.Struct):
     text: str | None
     template: ipc.TemplateInfo | None
     adjustments: list[ipc.Adjustment]
+    images: list[ipc.ImageInput] = []  # pixels and placeholder spans, in prompt order
 
 
 class RequestPreparer:
     def __init__(self, tokenizer: CheckpointTokenizer, max_model_len: int,
                  api: ApiSpec | None = None, model_vocab_size: int | None = None,
-                 pair_format: str | None = None) -> None:
+                 pair_format: str | None = None, vision: VisionPrompt | None = None) -> None:
         self.tokenizer = tokenizer
         # a decoder reranker's pair prompt (score_prompt.PAIR_PROMPTS; None: the tokenizer
         # pairs the two texts, as a cross-encoder's does)
         self.pair_prompt = PAIR_PROMPTS[pair_format] if pair_format is not None else None
+        # a model that takes images: its HF preprocessing and placeholder expansion
+        self.vision = vision
         self.max_model_len = max_model_len
         self.api = api or ApiSpec()
         # ids must exist both in the tokenizer and in the model's embedding
@@ -126,6 +131,34 @@ class RequestPreparer:
             if len(self._formats) > 2 * _REQUEST_TEMPLATE_CACHE:
                 self._formats.popitem(last=False)
         return formats
+
+    def _images(self, req: ipc.GenerateReq, messages: list[dict]) -> tuple[list[dict], list]:
+        """The messages with image parts as the template's, and the decoded images; a bad
+        image (or any image, for a model that takes none) is a 400 naming its part."""
+        if self.vision is None:
+            for i, message in enumerate(messages):
+                content = message.get("content")
+                for j, part in enumerate(content if isinstance(content, list) else []):
+                    if isinstance(part, dict) and part.get("type") == "image_url":
+                        self._fail(req, "this model takes no images", f"messages[{i}].content[{j}]",
+                                   "unsupported_content")
+            return messages, []
+        limits = self.api.limits
+        try:
+            return image_parts(messages, ImageLimits(limits.max_image_bytes, limits.max_image_pixels))
+        except ImageError as err:
+            self._fail(req, str(err), err.param, err.code)
+
+    def _expand(self, req: ipc.GenerateReq, ids: list[int], images: list,
+                field: str) -> tuple[list[int], list[ipc.ImageInput]]:
+        """Each image's placeholder repeated once per embedding it becomes, and its pixels;
+        a placeholder the prompt spells without an image is refused."""
+        if self.vision is None:
+            return ids, []
+        try:
+            return self.vision.expand(ids, images)
+        except ImageError as err:
+            self._fail(req, str(err), field if err.param == "messages" else err.param, err.code)
 
     def _prompt_token_room(self, req: ipc.GenerateReq, tokenize_only: bool) -> int:
         """The most prompt tokens this request could have and still pass the budget check."""
@@ -193,7 +226,7 @@ class RequestPreparer:
                                 for k in unknown]
                 for k in unknown:
                     kwargs.pop(k)
-            messages = req.messages
+            messages, images = self._images(req, req.messages)
             content_format, arguments_format = self._formats_of(template)
             if content_format == "string":
                 messages = flatten_content(messages)
@@ -215,18 +248,23 @@ class RequestPreparer:
             self.last_text_bytes = utf8_len(text)
             info = ipc.TemplateInfo(source, template.origin, template.sha256)
             special = False if add_special_tokens is None else add_special_tokens
-            return _Prompt(tok.encode(text, add_special_tokens=special), text, info, adjustments)
+            ids, inputs = self._expand(req, tok.encode(text, add_special_tokens=special), images,
+                                       "messages")
+            return _Prompt(ids, text, info, adjustments, inputs)
         if isinstance(req.prompt, str):
             size = self.last_text_bytes = utf8_len(req.prompt)
             if max_bytes is not None and size > max_bytes:
                 self._too_long(req, size, room, tokenize_only)
             special = True if add_special_tokens is None else add_special_tokens
-            return _Prompt(tok.encode(req.prompt, add_special_tokens=special), req.prompt, None, [])
+            ids, _ = self._expand(req, tok.encode(req.prompt, add_special_tokens=special), [],
+                                  "prompt")
+            return _Prompt(ids, req.prompt, None, [])
         ids = list(req.prompt or [])
         bad = [i for i in ids if not 0 <= i < self.vocab_size]
         if bad:
             self._fail(req, f"prompt token ids {bad[:5]} are outside the vocabulary "
                        f"(0..{self.vocab_size - 1})", "prompt", "invalid_token_id")
+        ids, _ = self._expand(req, ids, [], "prompt")
         return _Prompt(ids, None, None, [])
 
     def _template_failed(self, req: ipc.GenerateReq, source: str, err: ChatTemplateError,
@@ -334,7 +372,7 @@ class RequestPreparer:
             stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
             arrival_time=req.arrival_time, priority=req.priority,
             cache_salt=req.cache_salt, probe=req.probe, lora=req.lora,
-            decode_replica=req.decode_replica)
+            decode_replica=req.decode_replica, images=prompt.images)
         prompt_text = offsets = None
         if req.echo_prompt:
             prompt_text = (prompt.text if prompt.text is not None

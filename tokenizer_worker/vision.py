@@ -42,6 +42,16 @@ class VisionPrompt:
     def has_images(model_dir: str | Path) -> bool:
         return (Path(model_dir) / "processor_config.json").is_file()
 
+    @classmethod
+    def for_checkpoint(cls, model_dir: str | Path) -> "VisionPrompt | None":
+        """The checkpoint's image preprocessing, or None for a model that takes no images
+        (no ``processor_config.json`` or no image token in its config)."""
+        if not cls.has_images(model_dir):
+            return None
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        token = config.get("image_token_index", config.get("image_token_id"))
+        return None if token is None else cls(model_dir, int(token))
+
     def tokens_per_image(self, height: int, width: int) -> int:
         """LlavaProcessor's count: one per patch, plus the tower's extra (CLS) tokens, less
         the one the ``default`` feature strategy drops."""
@@ -62,7 +72,8 @@ class VisionPrompt:
         if len(at) != len(images):
             raise ImageError(f"the rendered prompt holds {len(at)} image token(s) "
                              f"({self.image_token!r}) for {len(images)} image(s); the text may "
-                             f"not contain {self.image_token!r} itself")
+                             f"not contain {self.image_token!r} itself, and the chat template "
+                             "must render image parts", param="messages")
         if not images:
             return ids, []
         pixels = self.pixel_values(images)
@@ -102,12 +113,13 @@ def image_parts(messages: list[dict[str, Any]], limits: ImageLimits
                 continue
             image_url = part.get("image_url")
             url = image_url.get("url") if isinstance(image_url, dict) else None
+            where = f"messages[{i}].content[{j}]"
             if not isinstance(url, str):
-                raise ImageError(f"messages[{i}].content[{j}].image_url needs a string `url`")
+                raise ImageError(f"{where}.image_url needs a string `url`", where)
             try:
                 images.append(load_image(url, limits))
             except ImageError as err:
-                raise ImageError(f"messages[{i}].content[{j}]: {err}") from None
+                raise ImageError(f"{where}: {err}", where, err.code) from None
             parts.append({"type": "image"})
         out.append({**message, "content": parts})
     return out, images

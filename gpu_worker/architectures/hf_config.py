@@ -72,6 +72,40 @@ class EncoderSpec(msgspec.Struct, frozen=True):
     num_labels: int = 0
 
 
+class VisionSpec(msgspec.Struct, frozen=True):
+    """A LLaVA-style image path in front of the decoder (``architectures/llava.py``): a
+    CLIP vision tower run up to the deepest layer the features are read from, the
+    projector that maps its features onto the text model's embeddings, and the
+    placeholder token whose positions those embeddings replace.
+
+    ``feature_layers``: hidden states read, as counts of tower layers run (0: the
+    embeddings after ``pre_layrnorm``), concatenated in order (HF's
+    ``vision_feature_layer``, an int or a list, negatives resolved). ``drop_cls``: the
+    ``default`` select strategy (the CLS row is dropped); ``full`` keeps it."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    image_size: int
+    patch_size: int
+    num_channels: int
+    layer_norm_eps: float
+    act: str  # quick_gelu | gelu | gelu_tanh | silu (the tower's MLP)
+    feature_layers: list[int]
+    drop_cls: bool
+    projector_act: str
+    projector_bias: bool
+    image_token_id: int
+
+    @property
+    def layers_run(self) -> int:
+        return max(self.feature_layers)
+
+    @property
+    def tokens_per_image(self) -> int:
+        return (self.image_size // self.patch_size) ** 2 + (0 if self.drop_cls else 1)
+
+
 class LayerSpec(msgspec.Struct, frozen=True):
     window: int | None = None  # sliding window (keys p - window + 1 .. p); None: full attention
     rope: int | None = 0  # index into ModelConfig.ropes; None: this layer has no RoPE (SmolLM3)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from gpu_worker.architectures import llava
 from gpu_worker.attention.base import AttentionMetadata
 from gpu_worker.model_config import LayerSpec, ModelConfig, architecture
 from gpu_worker.models import fused_moe
@@ -28,6 +29,7 @@ from gpu_worker.models.linear_method import QuantizableLinear
 from gpu_worker.models.parallel import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
                                         ReplicatedLinear, RowParallelLinear, ShardedRMSNorm, TPGroup,
                                         VocabParallelEmbedding)
+from gpu_worker.models.vision import LlavaVision
 from gpu_worker.models.weights import CheckpointTensor, copy_into
 from gpu_worker.tp_shard import tp_shard
 
@@ -286,6 +288,10 @@ class DecoderForCausalLM(nn.Module):
     ``lm_head=False`` (a pooling deployment) builds no LM head and loads none: the
     checkpoint may be a base model without one (sentence-transformers saves ``Qwen3Model``,
     whose tensor names lack the ``model.`` prefix).
+
+    A config with ``vision`` (LLaVA) also builds the image path (``vision``: tower and
+    projector, replicated on every rank); ``forward``'s ``images`` splices its embeddings
+    over the placeholder rows, after the token embedding (as HF's ``masked_scatter``).
     """
 
     def __init__(self, cfg: ModelConfig, *, max_positions: int, device="cpu", dtype=torch.float32,
@@ -307,14 +313,20 @@ class DecoderForCausalLM(nn.Module):
                                        config_max_positions=cfg.max_position_embeddings)
                        for rope in cfg.ropes]
         self.embed_scale = cfg.hidden_size**0.5 if cfg.embed_scale_sqrt_hidden else cfg.embed_scale
+        self.vision = (LlavaVision(cfg.vision, cfg.hidden_size)
+                       if cfg.vision is not None and lm_head else None)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata,
+        images: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Final hidden states (before the last norm) for every token: [num_tokens, hidden]."""
+        """Final hidden states (before the last norm) for every token: [num_tokens, hidden].
+        ``images``: (rows, embeddings) that replace those rows' token embeddings."""
         x = self.model.embed_tokens(input_ids)
         if self.embed_scale != 1.0:  # Gemma rounds sqrt(hidden) to the compute dtype first
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        if images is not None:
+            x = x.index_copy(0, images[0], images[1].to(x.dtype))
         cos_sins = [r.tables(positions) for r in self.rotary]
         for layer, kv in zip(self.model.layers, kv_caches):
             x = layer(x, cos_sins, kv, meta)
@@ -383,6 +395,10 @@ class DecoderForCausalLM(nn.Module):
         takes), or None for a tensor that carries nothing we use."""
         if name.startswith("score.") and self.score is not None:
             return name, ()
+        if self.config.vision is not None:
+            name = llava.checkpoint_name(name, self.config.vision)
+            if name is None or name.startswith("vision."):
+                return None if name is None or self.vision is None else (name, ())
         if not name.startswith(("model.", "lm_head.")):  # a base model's checkpoint
             name = "model." + name
         if name.startswith("lm_head.") and not self.has_lm_head:

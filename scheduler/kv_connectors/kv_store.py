@@ -51,10 +51,15 @@ MAX_SENT = 200_000  # chain hashes remembered as already sent (oldest forgotten 
 SEND_HWM = 64
 
 
-def store_chain(parent: bytes, salt: str | None, tokens: list[int]) -> bytes:
+def store_chain(parent: bytes, salt: str | None, tokens: list[int],
+                images: tuple[bytes, ...] = ()) -> bytes:
+    """``images``: the content hash of each image whose placeholder span the block
+    overlaps (as the prefix cache's key: two images behind the same ids never alias)."""
     h = hashlib.blake2b(parent, digest_size=16)
     h.update(b"\x00" if salt is None else b"\x01" + salt.encode() + b"\x00")
     h.update(b"".join(t.to_bytes(4, "little", signed=True) for t in tokens))
+    for content in images:
+        h.update(b"\x02" + content)
     return h.digest()
 
 
@@ -63,8 +68,11 @@ def store_chains(sreq: SchedRequest, n: int, block_size: int) -> list[bytes]:
     chains = sreq.store_chains
     while len(chains) < n:
         i = len(chains)
+        start, end = i * block_size, (i + 1) * block_size
+        images = tuple(im.content_hash for im in sreq.req.images
+                       if im.offset < end and im.offset + im.length > start)
         chains.append(store_chain(chains[-1] if i else b"", sreq.req.cache_salt,
-                                  sreq.token_ids[i * block_size:(i + 1) * block_size]))
+                                  sreq.token_ids[start:end], images))
     return chains
 
 

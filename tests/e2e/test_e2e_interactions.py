@@ -35,6 +35,15 @@ cells; its hit cells wait for the warm-up's blocks to reach the store (written b
 
 Run-ahead has no switch in Candor (always on); the ``sync`` server turns it off through a
 test-side hook in the scheduler process (``tests/support/no_run_ahead_site``).
+
+Images have a matrix of their own on a LLaVA checkpoint (``tests/support/vision_zoo.py``;
+the tiny text model cannot take images): ``VL_FACTORS`` crosses the number of images
+(0, 1, 2) with the engine features that meet them (chunked prefill splitting an image's
+span, preemption recomputing it, tensor parallelism, prefill/decode handoff, speculative
+decoding, a prefix hit) and the request features that read the prompt (n, stream, seeded
+sampling, a penalty, min_tokens, logprobs, prompt logprobs). Each ``vl_cell`` is checked
+as a cell is, against its reference alone on the LLaVA ``base`` server, beside a text and
+an image bystander.
 """
 
 from __future__ import annotations
@@ -1087,8 +1096,11 @@ def test_request_features_are_engaged(pool):
 
 
 def pytest_generate_tests(metafunc):
+    full = metafunc.config.getoption("--full") or FULL_ENV
     if "cell" in metafunc.fixturenames:
-        metafunc.parametrize("cell", _cells(metafunc.config.getoption("--full") or FULL_ENV))
+        metafunc.parametrize("cell", _cells(full))
+    if "vl_cell" in metafunc.fixturenames:
+        metafunc.parametrize("vl_cell", _vl_cells(full))
 
 
 def topology_problem(name: str, srv: CandorServer, log: str) -> str | None:
@@ -1228,3 +1240,216 @@ def test_combination_fuzz(body, fuzz_target, bystanders):
     if after["aborts"]["error"] != before["aborts"]["error"]:
         problems.append("a step failed")
     assert not problems, "\n".join([f"body {json.dumps(body)}", *problems])
+
+
+# ------------------------------------------------------------------ images (a LLaVA server)
+VL_MODEL = "tiny-llava"
+VL_PREEMPT_BLOCKS = 24
+VL_SERVERS: dict[str, tuple[str, ...]] = {
+    "base": (),
+    "chunked": ("--max-num-batched-tokens", "16"),  # every image span (16 tokens) is split
+    "preempt": ("--num-kv-blocks", str(VL_PREEMPT_BLOCKS)),
+    "tp2": ("--tensor-parallel-size", "2"),
+    "pd": ("--prefill-replicas", "1", "--decode-replicas", "1", "--max-num-batched-tokens", "64"),
+    "spec": ("--speculative-config", json.dumps({
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+        "prompt_lookup_max": 3})),
+}
+VL_FACTORS: dict[str, list[Any]] = {
+    "server": list(VL_SERVERS),
+    "images": [1, 2, 0],
+    "cache": ["miss", "hit"],
+    "n": [1, 2],
+    "stream": [False, True],
+    "sampling": ["greedy", "seeded"],
+    "penalty": ["none", "repetition"],
+    "min_tokens": [False, True],
+    "logprobs": ["none", "top_logprobs", "prompt_logprobs"],
+}
+
+
+def vl_valid(row: Mapping[str, Any]) -> bool:
+    return not (row.get("logprobs") == "prompt_logprobs" and row.get("stream") is True)
+
+
+def _vl_image(seed: int) -> str:
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    img = Image.fromarray(rng.integers(0, 256, (30 + seed % 7, 40, 3), dtype=np.uint8), "RGB")
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _vl_messages(images: int, seed: int = 0, text: str = QUESTION) -> list[dict]:
+    parts: list[dict] = [{"type": "text", "text": text}]
+    parts += [{"type": "image_url", "image_url": {"url": _vl_image(seed + k)}} for k in range(images)]
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": parts}]
+
+
+@dataclass(frozen=True)
+class VlCell:
+    row: dict[str, Any]
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self.row[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    @property
+    def id(self) -> str:
+        first = {name: values[0] for name, values in VL_FACTORS.items()}
+        return "-".join(["vl", str(self.row["server"])] + [
+            name if value is True else f"{name}={value}" for name, value in self.row.items()
+            if name != "server" and value != first[name]])
+
+
+def _vl_cells(full: bool) -> list:
+    rows = (every_pair if full else covering_array)(VL_FACTORS, vl_valid)
+    order = list(VL_SERVERS)
+    rows.sort(key=lambda r: order.index(r["server"]))
+    return [pytest.param(VlCell(r), id=VlCell(r).id) for r in rows]
+
+
+def vl_body(cell: VlCell) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": VL_MODEL, "messages": _vl_messages(cell.images),
+                            "max_tokens": 24, "ignore_eos": True, "return_token_ids": True}
+    if cell.sampling == "greedy":
+        body["temperature"] = 0.0
+    else:
+        body.update(temperature=1.0, seed=zlib.crc32(cell.id.encode()) % 100_000)
+    if cell.penalty == "repetition":
+        body["repetition_penalty"] = 1.8
+    if cell.min_tokens:
+        body["min_tokens"] = MIN_TOKENS
+    if cell.logprobs == "top_logprobs":
+        body.update(logprobs=True, top_logprobs=3)
+    elif cell.logprobs == "prompt_logprobs":
+        body["prompt_logprobs"] = 2
+    if cell.n > 1:
+        body["n"] = cell.n
+    if cell.stream:
+        body.update(stream=True, stream_options={"include_usage": True})
+    return body
+
+
+VL_BYSTANDERS = [
+    {"model": VL_MODEL, "messages": _vl_messages(1, seed=50, text="Describe the colours."),
+     "max_tokens": 30, "temperature": 0.0, "return_token_ids": True},
+    {"model": VL_MODEL, "messages": [{"role": "user", "content": "Name three birds."}],
+     "max_tokens": 30, "temperature": 0.0, "return_token_ids": True},
+]
+
+
+def vl_bystanders(cell: VlCell, prompt_tokens: int) -> list[dict]:
+    """As ``kv_filling_bystanders`` on the LLaVA preempt server (the cell, admitted last,
+    is the one preempted: its image's span is recomputed); the ordinary two elsewhere."""
+    if cell.server != "preempt":
+        return VL_BYSTANDERS
+    cell_blocks = -(-prompt_tokens // BLOCK) + cell.n - 1
+    each = max(1, (VL_PREEMPT_BLOCKS - 2 - cell_blocks) // 2) * BLOCK
+    grow = VL_PREEMPT_BLOCKS * BLOCK // 2
+    return [{"model": VL_MODEL, "prompt": [6 + (37 * i + 101 * k) % 2000 for i in range(each)],
+             "max_tokens": grow, "temperature": 0.0, "return_token_ids": True}
+            for k in range(2)]
+
+
+class VlPool:
+    """The LLaVA ``base`` for the section, plus one other config at a time."""
+
+    def __init__(self, model_dir: Path, log_dir: Path) -> None:
+        self.model_dir, self.log_dir = model_dir, log_dir
+        self.base = self._start("base")
+        self.current: tuple[str, CandorServer] | None = None
+        self.refs: dict[str, Reply] = {}
+
+    def _start(self, name: str) -> CandorServer:
+        srv = CandorServer(self.model_dir, "--served-model-name", VL_MODEL, *VL_SERVERS[name])
+        return srv.start(timeout=300, log_path=self.log_dir / f"vl-{name}.log")
+
+    def get(self, name: str) -> CandorServer:
+        if name == "base":
+            return self.base
+        if self.current is None or self.current[0] != name:
+            if self.current is not None:
+                assert self.current[1].stop() == 0
+            self.current = (name, self._start(name))
+        return self.current[1]
+
+    async def reference(self, http: aiohttp.ClientSession, body: dict) -> Reply:
+        key = json.dumps(body, sort_keys=True)
+        if key not in self.refs:
+            self.refs[key] = await send(http, self.base, body)
+        return self.refs[key]
+
+    def close(self) -> None:
+        if self.current is not None:
+            assert self.current[1].stop() == 0
+        assert self.base.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def vl_pool(tmp_path_factory):
+    from tests.support.vision_zoo import build_llava
+
+    path = build_llava(tmp_path_factory.mktemp("vl") / "llava")
+    pool = VlPool(path, tmp_path_factory.mktemp("vl-logs"))
+    yield pool
+    pool.close()
+
+
+async def run_vl_cell(cell: VlCell, pool: VlPool, target: CandorServer) -> list[str]:
+    body = vl_body(cell)
+    problems: list[str] = []
+    atol = logprob_atol(cell.server)
+    async with client_session() as http:
+        refs = [await pool.reference(http, single_choice(body, i)) for i in range(cell.n)]
+        if not all(r.ok for r in refs):
+            return [f"reference alone on base: {[(r.status, r.error) for r in refs]}"]
+        salt = uuid.uuid4().hex
+        if cell.cache == "hit":
+            warm = await send(http, target, body, salt)
+            problems += ([f"cache warm-up: {warm.status} {warm.error}"] if not warm.ok
+                         else [f"cache warm-up: {d}" for d in reply_diffs(warm, refs, False, atol)])
+        others = vl_bystanders(cell, refs[0].usage["prompt_tokens"])
+        other_refs = [await pool.reference(http, b) for b in others]
+        before = await asyncio.to_thread(target.engine_stats)
+        tasks = [asyncio.create_task(send(http, target, b)) for b in others]
+        tasks.append(asyncio.create_task(send(http, target, body, salt)))
+        *other_replies, reply = await asyncio.gather(*tasks)
+    after = await asyncio.to_thread(target.wait_all_blocks_free, 60)
+    if not reply.ok:
+        problems.append(f"the cell: status {reply.status}: {reply.error}")
+    else:
+        problems += reply_diffs(reply, refs, False, atol)
+        cached = (reply.usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        if cell.cache == "hit" and cell.logprobs != "prompt_logprobs" and not cached:
+            problems.append("engine feature not in play: no prefix-cache hit reported")
+    problems += bystander_problems(other_replies, other_refs, atol)
+    if after["aborts"]["error"] != before["aborts"]["error"]:
+        problems.append("a step failed")
+    if cell.server == "preempt" and after["preemptions"] == before["preemptions"]:
+        problems.append("engine feature not in play: nothing was preempted")
+    return problems
+
+
+def test_image_cells_cover_every_pair():
+    rows = covering_array(VL_FACTORS, vl_valid)
+    from tests.support.pairwise import allowed_pairs
+    names = list(VL_FACTORS)
+    seen = {(i, VL_FACTORS[names[i]].index(r[names[i]]), j, VL_FACTORS[names[j]].index(r[names[j]]))
+            for r in rows for i in range(len(names)) for j in range(i + 1, len(names))}
+    assert not set(allowed_pairs(VL_FACTORS, vl_valid)) - seen
+    assert {r["images"] for r in rows} == {0, 1, 2}
+
+
+def test_image_interaction_cell(vl_cell: VlCell, vl_pool):
+    target = vl_pool.get(vl_cell.server)
+    problems = asyncio.run(run_vl_cell(vl_cell, vl_pool, target))
+    assert not problems, "\n".join([f"cell {vl_cell.id}", *problems])

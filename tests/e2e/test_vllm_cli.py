@@ -93,6 +93,24 @@ def test_defaults_and_legacy_spellings(tiny_model_dir):
     assert topo.http.cors.allowed_origins == []
 
 
+def test_image_limit_flags(tiny_model_dir, capsys):
+    """vLLM's --limit-mm-per-prompt (its JSON; vLLM 0.10's {"count": N} too) and Candor's
+    byte and pixel limits land in api.limits; another modality may only be 0."""
+    topo, _ = serve_args_to_topology(
+        [str(tiny_model_dir), "--limit-mm-per-prompt", '{"image": 3, "video": 0}',
+         "--max-image-bytes", "2MiB", "--max-image-pixels", "1000000"], environ={})
+    limits = topo.api.limits
+    assert (limits.max_images_per_prompt, limits.max_image_bytes, limits.max_image_pixels) == \
+        (3, 2 << 20, 1_000_000)
+    topo, _ = serve_args_to_topology(
+        [str(tiny_model_dir), "--limit-mm-per-prompt", '{"image": {"count": 0}}'], environ={})
+    assert topo.api.limits.max_images_per_prompt == 0
+    with pytest.raises(SystemExit):
+        serve_args_to_topology([str(tiny_model_dir), "--limit-mm-per-prompt", '{"audio": 1}'],
+                               environ={})
+    assert "takes images only; 'audio' can only be 0" in capsys.readouterr().err
+
+
 def test_runner_and_its_task_alias(tiny_model_dir, capsys):
     """vLLM's --runner pooling, and --task embed as its older spelling; they must agree;
     a task Candor does not serve names the ones it does."""

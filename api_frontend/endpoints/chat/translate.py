@@ -42,8 +42,43 @@ def _check_image_url(image_url: object, param: str) -> None:
                        f"{param}.url", "invalid_value")
 
 
+def _check_content(req: ChatCompletionRequest, api: ApiSpec, vision: bool) -> None:
+    """Each message's parts: text always; ``image_url`` (a data: URL) when the model takes
+    images, at most ``limits.max_images_per_prompt`` of them; anything else a 400 naming
+    the part."""
+    images = 0
+    for i, message in enumerate(req.messages):
+        if message.role in ("system", "developer", "user") and not (
+                message.content or message.content == ""):
+            raise ApiError(400, f"a {message.role} message needs `content` (a string or a "
+                           "list of text parts)", f"messages[{i}].content", "invalid_value")
+        if not isinstance(message.content, list):
+            continue
+        for j, part in enumerate(message.content):
+            if part.type == "image_url":
+                _check_image_url(part.image_url, f"messages[{i}].content[{j}].image_url")
+                if vision:
+                    images += 1
+                    limit = api.limits.max_images_per_prompt
+                    if images > limit:
+                        raise ApiError(400, f"`messages` holds more than {limit} images; this "
+                                       f"deployment takes at most {limit} per prompt "
+                                       "(--limit-mm-per-prompt, max_images_per_prompt)",
+                                       f"messages[{i}].content[{j}]", "limit_exceeded")
+                    continue
+            if part.type != "text" or part.text is None:
+                served = "'text' and 'image_url'" if vision else "'text'"
+                raise ApiError(400, f"content part type {part.type!r} is not supported by "
+                               f"this {'model' if vision else 'text-only model'} (only {served} "
+                               "parts are)", f"messages[{i}].content[{j}].type",
+                               "unsupported_content")
+
+
 def chat_to_generate(req: ChatCompletionRequest, rid: str, reply_to: str, arrival: float,
-                     raw_keys: list[str] = (), api: ApiSpec | None = None) -> Translated:
+                     raw_keys: list[str] = (), api: ApiSpec | None = None, *,
+                     vision: bool = False) -> Translated:
+    """``vision``: the served model takes images (``image_url`` parts pass on to the
+    tokenizer worker, which decodes them)."""
     api = api or ApiSpec()
     report = checked(req, raw_keys, api, TABLE)
     if req.chat_template is not None and not api.allow_request_chat_template:
@@ -56,19 +91,7 @@ def chat_to_generate(req: ChatCompletionRequest, rid: str, reply_to: str, arriva
     if req.add_generation_prompt and req.continue_final_message:
         raise ApiError(400, "`add_generation_prompt` and `continue_final_message` cannot "
                        "both be true", "continue_final_message", "invalid_value")
-    for i, message in enumerate(req.messages):
-        if message.role in ("system", "developer", "user") and not (
-                message.content or message.content == ""):
-            raise ApiError(400, f"a {message.role} message needs `content` (a string or a "
-                           "list of text parts)", f"messages[{i}].content", "invalid_value")
-        if isinstance(message.content, list):
-            for j, part in enumerate(message.content):
-                if part.type == "image_url":
-                    _check_image_url(part.image_url, f"messages[{i}].content[{j}].image_url")
-                if part.type != "text" or part.text is None:
-                    raise ApiError(400, f"content part type {part.type!r} is not supported "
-                                   "by this text-only model (only 'text' parts are)",
-                                   f"messages[{i}].content[{j}].type", "unsupported_content")
+    _check_content(req, api, vision)
     if req.max_completion_tokens is not None:
         max_tokens, field = req.max_completion_tokens, "max_completion_tokens"
     else:

@@ -43,7 +43,10 @@ def prompt_list(req: CompletionRequest) -> list[str | list[int]]:
 
 
 def completion_to_generate(req: CompletionRequest, rid: str, reply_to: str, arrival: float,
-                           raw_keys: list[str] = (), api: ApiSpec | None = None) -> Translated:
+                           raw_keys: list[str] = (), api: ApiSpec | None = None, *,
+                           vision: bool = False) -> Translated:
+    """(``vision`` is the chat translation's: a completions prompt is text, whatever the
+    model takes; the tokenizer worker refuses an image placeholder spelled in it.)"""
     api = api or ApiSpec()
     report = checked(req, raw_keys, api, TABLE)
     prompts = prompt_list(req)

@@ -46,18 +46,19 @@ COUNT_ROUTE = ROUTE + "/count_tokens"
 
 
 def _translate(req: CountTokensRequest, keys, rid: str, reply_to: str, arrival: float,
-               api: ApiSpec) -> tuple[ChatPlan, Translated]:
+               api: ApiSpec, vision: bool = False) -> tuple[ChatPlan, Translated]:
     """The chat request and its GenerateReq, with the report under this request's names:
     ignored fields (top-level and nested) and extensions as the Messages tiers say,
     chat's defaults, parsers and constraint; errors renamed."""
     report = TABLE.report(keys, req, api)  # strict: a 400 before any work
-    plan = to_chat(req, api)  # its errors name this request's fields already
+    plan = to_chat(req, api, vision)  # its errors name this request's fields already
     # fields inside the request's objects that its typed decode dropped
     plan.notes[:0] = [FieldNote(path, UNKNOWN_REASON) for path in nested_unknown(keys, req)]
     try:
-        tr = chat_to_generate(plan.chat, rid, reply_to, arrival, plan.chat_keys, api)
+        tr = chat_to_generate(plan.chat, rid, reply_to, arrival, plan.chat_keys, api,
+                              vision=vision)
     except ApiError as err:
-        raise messages_name(err) from None
+        raise messages_name(err, plan.images) from None
     gen = tr.gen
     if gen.guided is not None and gen.guided.field.startswith("response_format"):
         gen.guided = msgspec.structs.replace(gen.guided, field="output_config.format.schema")
@@ -79,15 +80,15 @@ async def create(request: web.Request) -> web.StreamResponse:
     model, card = models.of_kind(req.model, "generate", ROUTE)
     engine = model.engine
     rid = f"msg_{uuid.uuid4().hex}"
-    _, tr = _translate(req, keys, rid, engine.reply_to, time.time(), api)
+    plan, tr = _translate(req, keys, rid, engine.reply_to, time.time(), api, model.vision)
     tr.gen.lora = adapter_of(card)
     flight = Flight(engine, tr, api)
     response_key = client_request_id(request) or rid
     try:
         try:
             info = (await flight.start())[tr.gen.rid]
-        except ApiError as err:
-            raise messages_name(err) from None
+        except ApiError as err:  # (the tokenizer worker's: a bad image names its block)
+            raise messages_name(err, plan.images) from None
         ours = {id(n) for n in tr.report.ignored}  # named as this request named them
         report = complete_report(tr.report, info)
         for note in report.ignored + report.clamped:  # the rest carry chat's names
@@ -142,11 +143,11 @@ async def count_tokens(request: web.Request) -> web.Response:
     model, _ = models.of_kind(req.model, "generate", COUNT_ROUTE)
     engine = model.engine
     rid = f"count-{uuid.uuid4().hex}"
-    _, tr = _translate(req, keys, rid, engine.reply_to, 0.0, api)
+    plan, tr = _translate(req, keys, rid, engine.reply_to, 0.0, api, model.vision)
     try:
         result = await ask(engine, ipc.RenderReq(rid, engine.reply_to, gen=tr.gen))
     except ApiError as err:
-        raise messages_name(err) from None
+        raise messages_name(err, plan.images) from None
     return json_response(CountTokensResponse(len(result.token_ids)))
 
 

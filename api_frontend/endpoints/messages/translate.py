@@ -21,8 +21,9 @@ import msgspec
 
 from api_frontend import reasoning
 from api_frontend.errors import ApiError, from_decode_error
+from api_frontend.image_names import ImageNames
 from cluster.topology import ApiSpec
-from protocol.anthropic_api import (UNREADABLE, CountTokensRequest, MessagesRequest,
+from protocol.anthropic_api import (UNREADABLE, CountTokensRequest, ImageBlock, MessagesRequest,
                                     RedactedThinkingBlock, TextBlock, ThinkingBlock,
                                     ThinkingDisabled, ToolChoiceAny, ToolChoiceNone,
                                     ToolChoiceTool, ToolResultBlock, ToolUseBlock)
@@ -39,6 +40,7 @@ class ChatPlan:
     chat: ChatCompletionRequest
     chat_keys: list[str]
     notes: list[FieldNote] = field(default_factory=list)
+    images: ImageNames = field(default_factory=ImageNames)  # chat's image paths -> blocks'
 
 
 def _error(message: str, param: str, code: str = "invalid_value") -> ApiError:
@@ -70,11 +72,33 @@ def _refuse_unreadable(block: Any, where: str) -> None:
                      "unsupported_content")
 
 
-def _user_turn(blocks: list, where: str) -> list[dict[str, Any]]:
+def _image_part(block: ImageBlock, at: str) -> dict[str, Any]:
+    """An image block (``source`` type ``base64``) as chat's ``image_url`` part with a
+    data: URL; a ``url`` source is refused (remote images are not fetched)."""
+    source = block.source if isinstance(block.source, dict) else {}
+    kind = source.get("type")
+    if kind == "url":
+        raise _error("remote image URLs are not fetched by this deployment; send the image "
+                     "inline (source type base64)", f"{at}.source.type", "unsupported_image_url")
+    media, data = source.get("media_type"), source.get("data")
+    if kind != "base64" or not isinstance(media, str) or not isinstance(data, str):
+        raise _error("an image block needs `source: {\"type\": \"base64\", \"media_type\": "
+                     "\"image/png\", \"data\": ...}`", f"{at}.source")
+    return {"type": "image_url", "image_url": {"url": f"data:{media};base64,{data}"}}
+
+
+def _user_turn(blocks: list, where: str, vision: bool = False,
+               images: list[str] | None = None) -> list[dict[str, Any]]:
+    """``images``: where each image block taken sits, appended in order."""
     out: list[dict[str, Any]] = []
-    parts: list[dict[str, str]] = []
+    parts: list[dict[str, Any]] = []
     for j, block in enumerate(blocks):
         at = f"{where}[{j}]"
+        if vision and isinstance(block, ImageBlock):
+            parts.append(_image_part(block, at))
+            if images is not None:
+                images.append(at)
+            continue
         _refuse_unreadable(block, at)
         if isinstance(block, TextBlock):
             parts.append({"type": "text", "text": block.text})
@@ -120,8 +144,10 @@ def _assistant_turn(blocks: list, where: str, notes: list[FieldNote]) -> dict[st
     return message
 
 
-def chat_messages(req: CountTokensRequest, notes: list[FieldNote]) -> list[dict[str, Any]]:
-    """``system`` then every turn, as chat messages."""
+def chat_messages(req: CountTokensRequest, notes: list[FieldNote], vision: bool = False,
+                  images: list[str] | None = None) -> list[dict[str, Any]]:
+    """``system`` then every turn, as chat messages (``vision``: the model takes images;
+    ``images`` collects where each image block sits)."""
     if not req.messages:
         raise _error("`messages` must contain at least one message", "messages")
     out: list[dict[str, Any]] = []
@@ -135,7 +161,7 @@ def chat_messages(req: CountTokensRequest, notes: list[FieldNote]) -> list[dict[
         if isinstance(content, str):
             out.append({"role": message.role, "content": content})
         elif message.role == "user":
-            out.extend(_user_turn(content, where))
+            out.extend(_user_turn(content, where, vision, images))
         else:
             out.append(_assistant_turn(content, where, notes))
     return out
@@ -192,9 +218,11 @@ def thinking_kwargs(req: CountTokensRequest, api: ApiSpec,
     return {switch: not isinstance(req.thinking, ThinkingDisabled)}
 
 
-def to_chat(req: CountTokensRequest, api: ApiSpec) -> ChatPlan:
+def to_chat(req: CountTokensRequest, api: ApiSpec, vision: bool = False) -> ChatPlan:
     notes: list[FieldNote] = []
-    chat: dict[str, Any] = {"model": req.model, "messages": chat_messages(req, notes)}
+    images: list[str] = []
+    chat: dict[str, Any] = {"model": req.model,
+                            "messages": chat_messages(req, notes, vision, images)}
     tools = chat_tools(req)
     if tools is not None:
         chat["tools"] = tools
@@ -220,7 +248,7 @@ def to_chat(req: CountTokensRequest, api: ApiSpec) -> ChatPlan:
         parsed = msgspec.convert(chat, ChatCompletionRequest)
     except msgspec.ValidationError as err:
         raise messages_name(from_decode_error(err)) from None
-    return ChatPlan(parsed, list(chat), notes)
+    return ChatPlan(parsed, list(chat), notes, ImageNames.of(chat["messages"], images))
 
 
 # chat's names for what this request calls otherwise (longest first)
@@ -236,11 +264,11 @@ _RENAMES = ((re.compile(r"^tools\[(\d+)\]\.function\.parameters"), r"tools[\1].i
             (re.compile(r"^messages.*"), "messages"))  # a chat message is not a turn: the whole
 
 
-def messages_name(err: ApiError) -> ApiError:
+def messages_name(err: ApiError, images: ImageNames | None = None) -> ApiError:
     """A chat-pipeline error under the names this request used (``param`` and the
-    backquoted names in the message)."""
+    backquoted names in the message); about an image: its ``messages[i].content[j]``."""
     param = err.param
-    if param is None:
+    if param is None or (images is not None and images.rename(err)):
         return err
     for pattern, repl in _RENAMES:
         renamed = pattern.sub(repl, param)

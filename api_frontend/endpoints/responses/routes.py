@@ -42,16 +42,21 @@ RESPONSES_KEY = web.AppKey("responses", ResponsePeers)  # where responses are ke
 
 
 def _translate(req: ResponsesRequest, keys, previous: StoredResponse | None, rid: str,
-               reply_to: str, arrival: float, api: ApiSpec) -> tuple[ChatPlan, Translated]:
+               reply_to: str, arrival: float, api: ApiSpec,
+               vision: bool = False) -> tuple[ChatPlan, Translated]:
     """The chat request and its GenerateReq, with the report under this request's names:
     ignored fields and extensions as the Responses tiers say, chat's defaults, parsers and
     constraint; errors renamed."""
     report = TABLE.report(keys, req, api)  # strict: a 400 before any work
     try:
-        plan = to_chat(req, keys, previous, api.limits)
-        tr = chat_to_generate(plan.chat, rid, reply_to, arrival, plan.chat_keys, api)
+        plan = to_chat(req, keys, previous, api.limits, vision)
     except ApiError as err:
         raise responses_name(err) from None
+    try:
+        tr = chat_to_generate(plan.chat, rid, reply_to, arrival, plan.chat_keys, api,
+                              vision=vision)
+    except ApiError as err:
+        raise responses_name(err, plan.images) from None
     gen = tr.gen
     gen.max_tokens_field = "max_output_tokens"
     if gen.guided is not None and gen.guided.field.startswith("response_format"):
@@ -98,7 +103,7 @@ async def create(request: web.Request) -> web.StreamResponse:
     stored = req.store and peers.store.enabled
     rid = peers.new_id(stored)
     arrival = time.time()
-    plan, tr = _translate(req, keys, previous, rid, engine.reply_to, arrival, api)
+    plan, tr = _translate(req, keys, previous, rid, engine.reply_to, arrival, api, model.vision)
     tr.gen.lora = adapter_of(card)
     if req.store and not stored:
         tr.report.ignored.append(FieldNote("store", "this deployment keeps no responses "
@@ -108,8 +113,8 @@ async def create(request: web.Request) -> web.StreamResponse:
     try:
         try:
             info = (await flight.start())[tr.gen.rid]
-        except ApiError as err:
-            raise responses_name(err) from None
+        except ApiError as err:  # (the tokenizer worker's: a bad image names its part)
+            raise responses_name(err, plan.images) from None
         report = complete_report(tr.report, info)
         report.deterministic = flight.deterministic()
         headers = {"X-Request-Id": response_key,

@@ -22,14 +22,16 @@ import msgspec
 
 from api_frontend.endpoints.responses.fields import PASSTHROUGH
 from api_frontend.errors import ApiError, from_decode_error
+from api_frontend.image_names import ImageNames
 from cluster.topology import RequestLimits
 from protocol.openai_api import ChatCompletionRequest, FieldNote
 from protocol.responses_api import (ITEM_TYPES, FunctionCallItem, FunctionCallOutputItem,
-                                    Item, MessageItem, ReasoningItem, Refusal,
+                                    InputImage, Item, MessageItem, ReasoningItem, Refusal,
                                     ResponsesRequest, StoredResponse, TextFormatJsonObject,
                                     TextFormatJsonSchema)
 
 TEXT_PARTS = ("input_text", "output_text", "refusal")
+IMAGE_PARTS = (*TEXT_PARTS, "input_image")  # a model that takes images
 METADATA_MAX_KEYS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's bounds
 _ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
               "reasoning": "rs"}
@@ -48,6 +50,7 @@ class ChatPlan:
     chat_keys: list[str]
     items: list[Item]
     notes: list[FieldNote] = field(default_factory=list)
+    images: ImageNames = field(default_factory=ImageNames)  # chat's image paths -> input's
 
 
 def _error(message: str, param: str, code: str = "invalid_value") -> ApiError:
@@ -69,14 +72,22 @@ def _check_parts(parts: Any, allowed: tuple[str, ...], where: str) -> None:
     for j, part in enumerate(parts):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in allowed:
-            raise _error(f"content part type {kind!r} is not supported by this text-only "
-                         f"model (only {', '.join(allowed)} parts are)",
+            model = "model" if "input_image" in allowed else "text-only model"
+            raise _error(f"content part type {kind!r} is not supported by this {model} "
+                         f"(only {', '.join(allowed)} parts are)",
                          f"{where}[{j}].type", "unsupported_content")
+        if kind == "input_image" and not isinstance(part.get("image_url"), str):
+            why = ("a file_id names OpenAI's Files API, which this deployment does not serve"
+                   if part.get("file_id") is not None else "it has no image_url")
+            raise _error(f"an input_image needs `image_url` (a data: URL): {why}",
+                         f"{where}[{j}].image_url", "invalid_value")
 
 
-def input_items(raw: str | list[dict[str, Any]], limits: RequestLimits) -> list[Item]:
+def input_items(raw: str | list[dict[str, Any]], limits: RequestLimits,
+                vision: bool = False) -> list[Item]:
     """``input`` as typed items with ids (a string is one user message); a 400 naming
-    ``input[i]...`` for an item Candor cannot take."""
+    ``input[i]...`` for an item Candor cannot take (``vision``: the model takes images,
+    so ``input_image`` parts are taken)."""
     if isinstance(raw, str):
         return [MessageItem(role="user", content=raw, id=item_id("message"))]
     if not raw:
@@ -95,7 +106,8 @@ def input_items(raw: str | list[dict[str, Any]], limits: RequestLimits) -> list[
                          "item_reference are not served)", f"{where}.type",
                          "unsupported_field")
         if kind == "message":
-            _check_parts(obj.get("content"), TEXT_PARTS, f"{where}.content")
+            _check_parts(obj.get("content"), IMAGE_PARTS if vision else TEXT_PARTS,
+                         f"{where}.content")
         elif kind == "function_call_output":
             _check_parts(obj.get("output"), ("input_text",), f"{where}.output")
         item = _convert({**obj, "type": kind}, cls, where)
@@ -105,11 +117,27 @@ def input_items(raw: str | list[dict[str, Any]], limits: RequestLimits) -> list[
     return out
 
 
-def _text(content: str | list) -> str | list[dict[str, str]]:
+def _part(p) -> dict[str, Any]:
+    if isinstance(p, InputImage):
+        return {"type": "image_url", "image_url": {"url": p.image_url}}
+    return {"type": "text", "text": p.refusal if isinstance(p, Refusal) else p.text}
+
+
+def _text(content: str | list) -> str | list[dict[str, Any]]:
     if isinstance(content, str):
         return content
-    return [{"type": "text", "text": p.refusal if isinstance(p, Refusal) else p.text}
-            for p in content]
+    return [_part(p) for p in content]
+
+
+def _image_paths(items: list[Item], skipped: int) -> list[str]:
+    """``input[i].content[j]`` of each input_image of this request's own items (the last
+    ones; ``skipped``: the previous response's, which come first), in order."""
+    out = []
+    for i, item in enumerate(items[skipped:]):
+        if isinstance(item, MessageItem) and isinstance(item.content, list):
+            out += [f"input[{i}].content[{j}]" for j, p in enumerate(item.content)
+                    if isinstance(p, InputImage)]
+    return out
 
 
 def chat_messages(instructions: str | None, items: list[Item]) -> list[dict[str, Any]]:
@@ -225,11 +253,13 @@ def check_unbuilt_values(req: ResponsesRequest) -> None:
 
 
 def to_chat(req: ResponsesRequest, sent: Collection[str], previous: StoredResponse | None,
-            limits: RequestLimits) -> ChatPlan:
-    """``sent``: the fields the body had; ``previous``: the response it continues."""
+            limits: RequestLimits, vision: bool = False) -> ChatPlan:
+    """``sent``: the fields the body had; ``previous``: the response it continues;
+    ``vision``: the model takes images."""
     check_unbuilt_values(req)
     check_metadata(req.metadata)
-    items = input_items(req.input, limits)
+    items = input_items(req.input, limits, vision)
+    own = len(items)
     if previous is not None:
         items = previous.input_items + previous.response.output + items
         if len(items) > limits.max_messages:
@@ -255,7 +285,11 @@ def to_chat(req: ResponsesRequest, sent: Collection[str], previous: StoredRespon
         parsed = msgspec.convert(chat, ChatCompletionRequest)
     except msgspec.ValidationError as err:
         raise responses_name(from_decode_error(err)) from None
-    return ChatPlan(parsed, list(chat), items, notes)
+    mine = _image_paths(items, len(items) - own)
+    # an image of the conversation before (already served once) is named by what brought it
+    earlier = ["previous_response_id"] * (len(_image_paths(items, 0)) - len(mine))
+    images = ImageNames.of(chat["messages"], earlier + mine)
+    return ChatPlan(parsed, list(chat), items, notes, images)
 
 
 # chat's names for what this request calls otherwise (longest first)
@@ -269,11 +303,11 @@ _RENAMES = ((re.compile(r"^response_format\.json_schema\.schema"), "text.format.
             (re.compile(r"^messages.*"), "input"))  # a message is not an item: the whole
 
 
-def responses_name(err: ApiError) -> ApiError:
+def responses_name(err: ApiError, images: ImageNames | None = None) -> ApiError:
     """A chat-pipeline error under the names this request used (``param`` and the
-    backquoted names in the message)."""
+    backquoted names in the message); about an image: its ``input[i].content[j]``."""
     param = err.param
-    if param is None:
+    if param is None or (images is not None and images.rename(err)):
         return err
     for pattern, repl in _RENAMES:
         renamed = pattern.sub(repl, param)

@@ -295,3 +295,63 @@ def test_an_encoder_prompt_is_never_split_it_waits_for_a_step_with_room():
     planner.finish(a)  # its one output ends it (the engine loop's rule for pooling)
     second = _run_step(planner)
     assert [(c.rid, c.start_pos, len(c.token_ids)) for c in second] == [("b", 0, 10), ("c", 0, 6)]
+
+
+def _with_images(req: SchedRequest, *spans: tuple[int, int, bytes]) -> SchedRequest:
+    from protocol.ipc import ImageInput
+
+    for offset, length, tag in spans:
+        req.req.images.append(ImageInput(pixels=b"px-" + tag, shape=[3, 2, 2], dtype="float32",
+                                         offset=offset, length=length, content_hash=tag))
+    return req
+
+
+def _carried(chunk) -> list[tuple[bytes, bool]]:
+    """(content hash, pixels carried) of each image a chunk names."""
+    return [(im.content_hash, bool(im.pixels)) for im in chunk.images]
+
+
+def test_an_images_pixels_go_with_the_first_chunk_that_needs_it():
+    """Chunked prefill splits the first image's span (3..10) over two chunks: its pixels go
+    with the first, the second names it without them; the second image (14..17) goes
+    with the third; the last chunk overlaps no image. After preemption the request is
+    recomputed from 0 and the pixels go again (the worker may have dropped them)."""
+    planner = Planner(BlockAllocator(64), block_size=4, max_num_seqs=8, max_num_batched_tokens=6)
+    req = _with_images(_req("a", 20, max_tokens=4), (3, 8, b"cat"), (14, 4, b"dog"))
+    planner.waiting.push(req)
+    got = [_carried(_run_step(planner)[0]) for _ in range(5)]
+    assert got == [[(b"cat", True)], [(b"cat", False)], [(b"dog", True)], [], []]
+    from scheduler.planner import PlannedStep
+
+    planner._preempt(req, PlannedStep())  # as the planner does when blocks run out
+    chunk = _run_step(planner)[0]
+    assert chunk.start_pos == 0 and _carried(chunk) == [(b"cat", True)]
+
+
+def test_a_prefix_hit_inside_an_images_span_sends_its_pixels():
+    """A second request with the same prompt and image hits the cache for its first two
+    blocks (0..7, the span 3..10 half cached): its first chunk starts at 8, inside the
+    span, and carries the pixels (the tower encodes the whole image)."""
+    from tests.unit.scheduler.test_prefix_cache import _step
+
+    planner = Planner(BlockAllocator(64), block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    a = _with_images(_req("a", 13, max_tokens=4), (3, 8, b"cat"))
+    planner.waiting.push(a)
+    _step(planner)
+    b = _with_images(_req("b", 13, max_tokens=4, seq=1), (3, 8, b"cat"))
+    planner.waiting.push(b)
+    chunks = _step(planner)
+    first = next(c for c in chunks if c.rid == "b")
+    assert b.cached_tokens == 12 and first.start_pos == 12 and _carried(first) == []
+    c = _with_images(_req("c", 13, max_tokens=4, seq=2), (3, 8, b"cow"))
+    planner.waiting.push(c)
+    chunks = _step(planner)
+    first = next(ch for ch in chunks if ch.rid == "c")
+    assert c.cached_tokens == 0 and _carried(first) == [(b"cow", True)]
+    d = _with_images(_req("d", 13, max_tokens=4, seq=3), (3, 8, b"cat"))
+    d.token_ids[9] = 99  # the third block differs: the hit ends at 8, inside the span
+    d.req.prompt_token_ids[9] = 99
+    planner.waiting.push(d)
+    chunks = _step(planner)
+    first = next(ch for ch in chunks if ch.rid == "d")
+    assert d.cached_tokens == 8 and first.start_pos == 8 and _carried(first) == [(b"cat", True)]

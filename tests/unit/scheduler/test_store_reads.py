@@ -54,6 +54,25 @@ def test_chain_hashes_differ_by_salt_and_prefix_and_agree_across_requests():
     assert store_chain(b"x", None, [1, 2]) != store_chain(b"y", None, [1, 2])
 
 
+def test_chain_hashes_hold_the_images_a_block_overlaps():
+    """Two images behind the same placeholder ids never share a stored block: the blocks
+    an image overlaps (and every block after: chained) differ, the ones before agree."""
+    from scheduler.kv_connectors.kv_store import store_chains
+
+    def with_image(rid: str, content: bytes) -> SchedRequest:
+        req = _req(rid)
+        req.req.images.append(ipc.ImageInput(b"", [3], "float32", 20, 8, content))
+        return req
+
+    cat, dog, cat2 = with_image("a", b"cat"), with_image("b", b"dog"), with_image("c", b"cat")
+    assert store_chains(cat, 3, BS) == store_chains(cat2, 3, BS)
+    first = [store_chains(r, 3, BS)[0] for r in (cat, dog, _req("d"))]  # (memoised: 3 each)
+    assert first[0] == first[1] == first[2]
+    assert store_chains(cat, 3, BS)[1] != store_chains(dog, 3, BS)[1]
+    assert store_chains(cat, 3, BS)[2] != store_chains(dog, 3, BS)[2]
+    assert store_chains(cat, 3, BS)[1] != store_chains(_req("e"), 3, BS)[1]
+
+
 def test_a_parked_request_settles_as_hit_miss_or_is_dropped(tmp_path):
     ctx, store, reads, planner = _setup(tmp_path)
     try:

@@ -1,0 +1,151 @@
+"""The image path of a LLaVA-style model: a CLIP vision tower and the projector that maps
+its features onto the text model's embedding space (``VisionSpec``).
+
+Op for op as HF's ``CLIPVisionModel`` and ``LlavaMultiModalProjector`` (conv patches +
+CLS + learned positions, ``pre_layrnorm``, pre-LN encoder layers with biased q/k/v/out
+and SDPA attention, the tower's activation), run in the model's dtype. The tower is small
+next to the text model, so every tensor-parallel rank holds all of it (plain
+``nn.Linear``s, replicated): each rank computes the same embeddings and splices them into
+its own copy of the step's input embeddings. One image is encoded at a time, alone, so
+its embeddings never depend on what else is in the step (the deterministic mode's promise)
+and are computed once per image (``gpu_worker/image_cache.py`` keeps them).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpu_worker.architectures.hf_config import VisionSpec
+
+
+def _activation(name: str):
+    if name == "quick_gelu":  # HF's QuickGELUActivation
+        return lambda x: x * torch.sigmoid(1.702 * x)
+    if name == "gelu":
+        return F.gelu
+    if name == "gelu_tanh":
+        return lambda x: F.gelu(x, approximate="tanh")
+    if name == "silu":
+        return F.silu
+    raise ValueError(f"unknown activation {name!r}")
+
+
+class Embeddings(nn.Module):
+    def __init__(self, v: VisionSpec) -> None:
+        super().__init__()
+        self.class_embedding = nn.Parameter(torch.empty(v.hidden_size))
+        self.patch_embedding = nn.Conv2d(v.num_channels, v.hidden_size, kernel_size=v.patch_size,
+                                         stride=v.patch_size, bias=False)
+        self.position_embedding = nn.Embedding((v.image_size // v.patch_size) ** 2 + 1,
+                                               v.hidden_size)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        patches = self.patch_embedding(pixels.to(self.patch_embedding.weight.dtype))
+        patches = patches.flatten(2).transpose(1, 2)
+        cls = self.class_embedding.expand(pixels.shape[0], 1, -1)
+        return torch.cat([cls, patches], dim=1) + self.position_embedding.weight
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, v: VisionSpec) -> None:
+        super().__init__()
+        d = v.hidden_size
+        self.heads, self.head_dim = v.num_heads, d // v.num_heads
+        self.q_proj, self.k_proj = nn.Linear(d, d), nn.Linear(d, d)
+        self.v_proj, self.out_proj = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        shape = (b, n, self.heads, self.head_dim)
+        q = self.q_proj(x).view(shape).transpose(1, 2)
+        k = self.k_proj(x).view(shape).transpose(1, 2)
+        v = self.v_proj(x).view(shape).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, scale=self.head_dim**-0.5)
+        return self.out_proj(out.transpose(1, 2).reshape(b, n, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, v: VisionSpec) -> None:
+        super().__init__()
+        self.act = _activation(v.act)
+        self.fc1 = nn.Linear(v.hidden_size, v.intermediate_size)
+        self.fc2 = nn.Linear(v.intermediate_size, v.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, v: VisionSpec) -> None:
+        super().__init__()
+        self.self_attn = SelfAttention(v)
+        self.layer_norm1 = nn.LayerNorm(v.hidden_size, eps=v.layer_norm_eps)
+        self.mlp = MLP(v)
+        self.layer_norm2 = nn.LayerNorm(v.hidden_size, eps=v.layer_norm_eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.layer_norm1(x))
+        return x + self.mlp(self.layer_norm2(x))
+
+
+class Encoder(nn.Module):
+    def __init__(self, v: VisionSpec) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(EncoderLayer(v) for _ in range(v.layers_run))
+
+
+class ClipVisionTower(nn.Module):
+    """Only the layers the features are read from are built (and loaded)."""
+
+    def __init__(self, v: VisionSpec) -> None:
+        super().__init__()
+        self.embeddings = Embeddings(v)
+        self.pre_layrnorm = nn.LayerNorm(v.hidden_size, eps=v.layer_norm_eps)  # (HF's spelling)
+        self.encoder = Encoder(v)
+        self.feature_layers = v.feature_layers
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        """The hidden states at ``feature_layers`` (0: after ``pre_layrnorm``), concatenated
+        along the channels: [images, 1 + patches, hidden * len(feature_layers)]."""
+        x = self.pre_layrnorm(self.embeddings(pixels))
+        states = [x]
+        for layer in self.encoder.layers:
+            x = layer(x)
+            states.append(x)
+        picked = [states[k] for k in self.feature_layers]
+        return picked[0] if len(picked) == 1 else torch.cat(picked, dim=-1)
+
+
+class Projector(nn.Module):
+    def __init__(self, v: VisionSpec, text_hidden: int) -> None:
+        super().__init__()
+        self.linear_1 = nn.Linear(v.hidden_size * len(v.feature_layers), text_hidden,
+                                  bias=v.projector_bias)
+        self.act = _activation(v.projector_act)
+        self.linear_2 = nn.Linear(text_hidden, text_hidden, bias=v.projector_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(self.act(self.linear_1(x)))
+
+
+class LlavaVision(nn.Module):
+    """pixels [images, channels, H, W] -> embeddings [images, tokens_per_image, text hidden]."""
+
+    def __init__(self, v: VisionSpec, text_hidden: int) -> None:
+        super().__init__()
+        self.spec = v
+        self.tower = ClipVisionTower(v)
+        self.projector = Projector(v, text_hidden)
+
+    @property
+    def pixel_shape(self) -> tuple[int, int, int]:
+        v = self.spec
+        return v.num_channels, v.image_size, v.image_size
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        features = self.tower(pixels)
+        if self.spec.drop_cls:
+            features = features[:, 1:]
+        return self.projector(features)

@@ -1,0 +1,331 @@
+"""Images through the real processes on the tiny LLaVA checkpoint (tests/support/vision_zoo.py):
+a chat request with a data: URL image gives HF LlavaForConditionalGeneration's greedy tokens
+and logprobs (within 1e-4) and prompt ids; the same image again shares KV with the first
+request while another image behind the same placeholder ids never does (and still equals
+HF); an image request alone and inside a concurrent batch of text and image requests is
+bitwise equal; a bad image is a 400 in OpenAI's shape naming the part; the text model
+still refuses images."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import random
+
+import aiohttp
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from tests.support.server import CandorServer
+from tests.support.vision_zoo import build_llava, hf_llava
+
+MODEL = "tiny-llava"
+NEW = 12
+
+
+def image(seed: int, size=(45, 38)) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8), "RGB")
+
+
+def data_url(img: Image.Image, fmt: str = "PNG") -> str:
+    buf = io.BytesIO()
+    img.save(buf, format=fmt)
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def chat(text: str, *images: Image.Image, system: str = "You are terse.") -> list[dict]:
+    parts = [{"type": "text", "text": text}]
+    parts += [{"type": "image_url", "image_url": {"url": data_url(img)}} for img in images]
+    return [{"role": "system", "content": system}, {"role": "user", "content": parts}]
+
+
+@pytest.fixture(scope="module")
+def llava_dir(tmp_path_factory):
+    return build_llava(tmp_path_factory.mktemp("vision") / "llava")
+
+
+@pytest.fixture(scope="module")
+def hf(llava_dir):
+    return hf_llava(llava_dir)
+
+
+@pytest.fixture(scope="module")
+def llava_server(llava_dir):
+    srv = CandorServer(llava_dir, "--served-model-name", MODEL,
+                       "--max-num-batched-tokens", "24").start()
+    yield srv
+    assert srv.stop() == 0
+
+
+def hf_reference(hf, messages: list[dict], images: list) -> tuple[list[int], list[int], list[torch.Tensor]]:
+    """(prompt ids, greedy ids, the log-softmax row of each) from HF on the same chat."""
+    model, processor = hf
+    as_hf = [{**m, "content": [p if p["type"] == "text" else {"type": "image"} for p in m["content"]]}
+             if isinstance(m["content"], list) else m for m in messages]
+    text = processor.apply_chat_template(as_hf, add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=text, images=images or None, add_special_tokens=False, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=NEW, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True)
+    n = inputs["input_ids"].shape[1]
+    rows = [torch.log_softmax(step[0].float(), -1) for step in out.logits]
+    return inputs["input_ids"][0].tolist(), out.sequences[0, n:].tolist(), rows
+
+
+async def _chat(session, srv: CandorServer, messages: list[dict], **extra) -> tuple[int, dict]:
+    body = {"model": MODEL, "messages": messages, "max_tokens": NEW, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True, "logprobs": True, "top_logprobs": 2,
+            **extra}
+    async with session.post(srv.base_url + "/v1/chat/completions", json=body) as resp:
+        return resp.status, await resp.json()
+
+
+async def _one(srv, messages, **extra) -> dict:
+    async with aiohttp.ClientSession() as session:
+        status, payload = await _chat(session, srv, messages, **extra)
+    assert status == 200, payload
+    return payload
+
+
+def _check_against_hf(payload: dict, want: tuple) -> None:
+    prompt, ids, rows = want
+    choice = payload["choices"][0]
+    assert payload["prompt_token_ids"] == prompt
+    assert payload["usage"]["prompt_tokens"] == len(prompt)  # the placeholders count
+    assert choice["token_ids"] == ids
+    for entry, row, token in zip(choice["logprobs"]["content"], rows, ids):
+        assert abs(entry["logprob"] - row[token].item()) < 1e-4
+        assert [t["logprob"] for t in entry["top_logprobs"]] == pytest.approx(
+            row.topk(2).values.tolist(), abs=1e-4)
+
+
+async def test_a_chat_image_gives_hfs_greedy_tokens_and_logprobs(llava_server, hf):
+    """The prompt (about 60 tokens, the image's 16 among them) is prefilled in chunks of
+    at most 24, so the image's span is split across steps."""
+    img = image(1)
+    messages = chat("What is in this picture?", img)
+    want = hf_reference(hf, messages, [img])
+    assert len(set(want[1])) >= 3  # the random model is not degenerate
+    _check_against_hf(await _one(llava_server, messages), want)
+    two = chat("Compare these two.", image(2), image(3, (30, 60)))
+    _check_against_hf(await _one(llava_server, two), hf_reference(hf, two, [image(2), image(3, (30, 60))]))
+    llava_server.wait_all_blocks_free()
+
+
+async def test_the_same_image_shares_kv_and_another_image_never_does(llava_server, hf):
+    """A long system prompt before the image: the second request with the same image hits
+    the cache past the image; one with another image (same placeholder ids) hits only the
+    blocks before the image's span, and its tokens are HF's for its own image."""
+    system = "You describe pictures for a catalogue of small coloured squares. " * 3
+    cat, dog = image(10), image(11)
+    first = await _one(llava_server, chat("Describe it.", cat, system=system))
+    again = await _one(llava_server, chat("Describe it.", cat, system=system))
+    other = await _one(llava_server, chat("Describe it.", dog, system=system))
+    assert first["choices"][0]["token_ids"] == again["choices"][0]["token_ids"]
+    prompt = first["prompt_token_ids"]
+    image_id = hf[1].tokenizer.convert_tokens_to_ids("<image>")
+    start = prompt.index(image_id)
+    cached = lambda p: p["usage"]["prompt_tokens_details"]["cached_tokens"]  # noqa: E731
+    assert cached(first) == 0
+    assert cached(again) >= start + 16  # the whole image span and past it
+    assert 0 < cached(other) <= start  # only text blocks before the image
+    _check_against_hf(other, hf_reference(hf, chat("Describe it.", dog, system=system), [dog]))
+    llava_server.wait_all_blocks_free()
+
+
+async def test_an_image_request_alone_and_in_a_batch_is_bitwise_equal(llava_server):
+    messages = chat("Name the colours you see.", image(20))
+    alone = await _one(llava_server, messages, seed=3, temperature=0.8)
+    assert alone["candor"].get("deterministic") is True
+    rng = random.Random(5)
+
+    async def noise(session, k):
+        await asyncio.sleep(rng.uniform(0, 0.2))
+        kind = k % 3
+        body = (chat("Tell me about it.", image(100 + k)) if kind == 0 else
+                chat("And these?", image(200 + k), image(20)) if kind == 1 else
+                [{"role": "user", "content": "Just text, " * (k + 1)}])
+        status, payload = await _chat(session, llava_server, body, max_tokens=rng.randint(1, 10))
+        assert status == 200, payload
+
+    async with aiohttp.ClientSession() as session:
+        async def probe():
+            await asyncio.sleep(0.05)
+            return await _chat(session, llava_server, messages, seed=3, temperature=0.8)
+        results = await asyncio.gather(*(noise(session, k) for k in range(9)), probe())
+    status, batched = results[-1]
+    assert status == 200, batched
+    assert batched["choices"][0] == alone["choices"][0]
+    llava_server.wait_all_blocks_free()
+
+
+@pytest.mark.parametrize("url,code", [("data:image/png;base64,AAAA", "invalid_image"),
+                                      ("data:image/png;base64,!!!!", "invalid_image")])
+async def test_a_bad_image_is_a_400_naming_the_part(llava_server, url, code):
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What?"},
+                                             {"type": "image_url", "image_url": {"url": url}}]}]
+    async with aiohttp.ClientSession() as session:
+        status, payload = await _chat(session, llava_server, messages)
+    assert status == 400, payload
+    err = payload["error"]
+    assert err["param"] == "messages[0].content[1]" and err["code"] == code
+    assert err["type"] == "invalid_request_error" and err["message"].startswith("messages[0].content[1]: ")
+    assert llava_server.health()[0] == 200
+
+
+async def test_the_text_model_still_refuses_images(server):
+    messages = [{"role": "user", "content": [
+        {"type": "text", "text": "What?"},
+        {"type": "image_url", "image_url": {"url": data_url(image(0))}}]}]
+    async with aiohttp.ClientSession() as session:
+        async with session.post(server.base_url + "/v1/chat/completions",
+                                json={"model": "tiny-llama", "messages": messages}) as resp:
+            payload = await resp.json()
+    assert resp.status == 400
+    assert payload["error"]["param"] == "messages[0].content[1].type"
+    assert payload["error"]["code"] == "unsupported_content"
+
+
+# ---------------------------------------------------------------- Responses and Messages
+
+
+def _b64(img: Image.Image) -> str:
+    return data_url(img).split(",", 1)[1]
+
+
+def test_responses_input_image_through_the_openai_sdk(llava_server, hf):
+    """An ``input_image`` part runs as chat's image_url part: HF's greedy tokens for the
+    same conversation; a bad one is a 400 naming ``input[0].content[1]``; over the count
+    limit likewise."""
+    import openai
+
+    client = openai.OpenAI(base_url=llava_server.base_url + "/v1", api_key="unused", max_retries=0)
+    img = image(30)
+    out = client.responses.create(
+        model=MODEL, instructions="You are terse.", max_output_tokens=NEW, temperature=0,
+        input=[{"role": "user", "content": [{"type": "input_text", "text": "What is in this picture?"},
+                                            {"type": "input_image", "image_url": data_url(img)}]}],
+        extra_body={"ignore_eos": True})
+    _, want, _ = hf_reference(hf, chat("What is in this picture?", img), [img])
+    assert out.output_text == hf[1].tokenizer.decode(want, skip_special_tokens=True)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model=MODEL, max_output_tokens=4, input=[
+            {"role": "user", "content": [{"type": "input_text", "text": "x"},
+                                         {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}])
+    assert err.value.body["param"] == "input[0].content[1]" and err.value.body["code"] == "invalid_image"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model=MODEL, max_output_tokens=4, input=[
+            {"role": "user", "content": [{"type": "input_image", "file_id": "file-123"}]}])
+    assert err.value.body["param"] == "input[0].content[0].image_url"
+
+
+def test_messages_image_block_through_the_anthropic_sdk(llava_server, hf):
+    """An image block (source base64) runs as chat's image_url part: HF's greedy tokens;
+    count_tokens counts its placeholders; a url source and a bad image are 400s naming
+    the block, in Anthropic's error shape."""
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=llava_server.base_url, api_key="unused", max_retries=0)
+    img = image(31)
+    messages = [{"role": "user", "content": [
+        {"type": "text", "text": "What is in this picture?"},
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": _b64(img)}}]}]
+    out = client.messages.create(model=MODEL, system="You are terse.", max_tokens=NEW,
+                                 messages=messages, extra_body={"temperature": 0, "ignore_eos": True})
+    prompt, want, _ = hf_reference(hf, chat("What is in this picture?", img), [img])
+    assert out.content[0].text == hf[1].tokenizer.decode(want, skip_special_tokens=True)
+    # (Anthropic's input_tokens leaves out the prefix-cache reads)
+    assert out.usage.input_tokens + out.usage.cache_read_input_tokens == len(prompt)
+    counted = client.messages.count_tokens(model=MODEL, system="You are terse.", messages=messages)
+    assert counted.input_tokens == len(prompt)
+    bad = [{"role": "user", "content": [
+        {"type": "text", "text": "x"},
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]
+    with pytest.raises(anthropic.BadRequestError) as err:
+        client.messages.create(model=MODEL, max_tokens=4, messages=bad)
+    assert "messages[0].content[1]" in err.value.message and "cannot be decoded" in err.value.message
+    remote = [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}]}]
+    with pytest.raises(anthropic.BadRequestError) as err:
+        client.messages.create(model=MODEL, max_tokens=4, messages=remote)
+    assert "not fetched" in err.value.message
+
+
+def test_limit_mm_per_prompt_and_image_size_flags(llava_dir):
+    """``--limit-mm-per-prompt '{"image": 1}'``: two images are a 400 naming the second
+    part and the flag; ``--max-image-pixels``: a larger image is a 400 naming its part."""
+    srv = CandorServer(llava_dir, "--served-model-name", MODEL, "--limit-mm-per-prompt",
+                       '{"image": 1}', "--max-image-pixels", "2000").start()
+    try:
+        status, body = srv.post_json("/v1/chat/completions", {
+            "model": MODEL, "max_tokens": 2, "messages": chat("Two?", image(1), image(2))})
+        assert status == 400 and body["error"]["param"] == "messages[1].content[2]"
+        assert body["error"]["code"] == "limit_exceeded" and "--limit-mm-per-prompt" in body["error"]["message"]
+        status, body = srv.post_json("/v1/chat/completions", {
+            "model": MODEL, "max_tokens": 2, "messages": chat("Big?", image(1, (50, 50)))})
+        assert status == 400 and body["error"]["param"] == "messages[1].content[1]"
+        assert body["error"]["code"] == "image_too_large" and "limit of 2000" in body["error"]["message"]
+        status, body = srv.post_json("/v1/chat/completions", {
+            "model": MODEL, "max_tokens": 2, "messages": chat("Small?", image(1, (40, 40)))})
+        assert status == 200, body
+        status, caps = srv.get("/v1/capabilities")
+        import json
+        limits = json.loads(caps)["limits"]
+        assert limits["max_images_per_prompt"] == 1 and limits["max_image_pixels"] == 2000
+    finally:
+        assert srv.stop() == 0
+
+
+@pytest.mark.parametrize("flags", [["--tensor-parallel-size", "2"],
+                                   ["--prefill-replicas", "1", "--decode-replicas", "1"]],
+                         ids=["tp2", "prefill-decode"])
+def test_tensor_parallel_and_prefill_decode_carry_images(llava_dir, hf, flags, tmp_path):
+    """TP: every rank holds the whole vision tower and splices the same embeddings into its
+    shard's step; P/D: the prefill replica computes the prompt with its image and hands the
+    KV over, the decode replica continues. Both give HF's greedy tokens."""
+    srv = CandorServer(llava_dir, "--served-model-name", MODEL, "--max-num-batched-tokens", "24",
+                       *flags).start(log_path=tmp_path / "log")
+    try:
+        for seed in (40, 41):
+            img = image(seed)
+            messages = chat("What is in this picture?", img)
+            status, payload = srv.post_json("/v1/chat/completions", {
+                "model": MODEL, "messages": messages, "max_tokens": NEW, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True, "logprobs": True, "top_logprobs": 2})
+            assert status == 200, payload
+            _check_against_hf(payload, hf_reference(hf, messages, [img]))
+        srv.wait_all_blocks_free()
+    finally:
+        assert srv.stop() == 0
+
+
+@pytest.mark.parametrize("patch,says", [
+    ({"vision_config": {"model_type": "siglip_vision_model"}},
+     "vision_config.model_type='siglip_vision_model' is not supported"),
+    ({"model_type": "llava_next"}, "model_type='llava_next' is not supported"),
+    ({"text_config": {"model_type": "qwen2"}}, "text_config.model_type='qwen2' is not supported"),
+])
+def test_an_unsupported_vision_config_is_refused_in_one_line_at_start(llava_dir, tmp_path, patch, says):
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    from tests.support.server import REPO, free_port
+
+    bad = tmp_path / "bad"
+    shutil.copytree(llava_dir, bad)
+    config = json.loads((bad / "config.json").read_text())
+    for key, value in patch.items():
+        config[key] = {**config[key], **value} if isinstance(value, dict) else value
+    (bad / "config.json").write_text(json.dumps(config))
+    proc = subprocess.run([sys.executable, str(REPO / "launch_cluster.py"), "serve", "--model",
+                           str(bad), "--port", str(free_port())], capture_output=True, text=True,
+                          timeout=120)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert len(lines) == 1 and lines[0].startswith("candor: cannot serve ") and says in lines[0], lines
