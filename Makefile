@@ -32,7 +32,17 @@ INSTRUCTOR_REQS := tests/support/clients/requirements-instructor.txt
 PEERS_DIR     ?= $(HOME)/.cache/candor/peers
 LLAMACPP_VENV := $(PEERS_DIR)/llamacpp
 LLAMACPP_VERSION := 0.3.36
-LLAMACPP_STAMP := $(LLAMACPP_VENV)/.installed-$(LLAMACPP_VERSION)
+LLAMACPP_STAMP := $(LLAMACPP_VENV)/.installed-$(LLAMACPP_VERSION)-noamx
+# ggml's native build (-march=native) compiles its AMX matmul where the CPU has AMX, and on
+# this VM that kernel segfaults at the first request (gdb: ggml_backend_amx_mul_mat): the
+# ISA is named instead, every extension the CPU reports but AMX
+CPU_FLAGS := $(shell grep -m1 '^flags' /proc/cpuinfo 2>/dev/null)
+LLAMACPP_ISA := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+	$(if $(findstring avx512f,$(CPU_FLAGS)),-DGGML_AVX512=ON) \
+	$(if $(findstring avx512vbmi,$(CPU_FLAGS)),-DGGML_AVX512_VBMI=ON) \
+	$(if $(findstring avx512_vnni,$(CPU_FLAGS)),-DGGML_AVX512_VNNI=ON) \
+	$(if $(findstring avx512_bf16,$(CPU_FLAGS)),-DGGML_AVX512_BF16=ON) \
+	$(if $(findstring avx_vnni,$(CPU_FLAGS)),-DGGML_AVX_VNNI=ON)
 
 .PHONY: install kernels model serve test clean bench-peers
 
@@ -74,8 +84,9 @@ test: install kernels $(INSTRUCTOR_STAMP)
 $(LLAMACPP_STAMP):
 	python3 -m venv $(LLAMACPP_VENV)
 	$(LLAMACPP_VENV)/bin/python -m pip install -q --upgrade pip
-	CMAKE_ARGS="-DLLAVA_BUILD=OFF" nice -n 19 $(LLAMACPP_VENV)/bin/python -m pip install -q \
-		'llama-cpp-python[server]==$(LLAMACPP_VERSION)'
+	CMAKE_ARGS="-DLLAVA_BUILD=OFF $(LLAMACPP_ISA)" nice -n 19 $(LLAMACPP_VENV)/bin/python -m pip install -q \
+		--force-reinstall --no-cache-dir --no-deps 'llama-cpp-python==$(LLAMACPP_VERSION)'
+	$(LLAMACPP_VENV)/bin/python -m pip install -q 'llama-cpp-python[server]==$(LLAMACPP_VERSION)'
 	touch $(LLAMACPP_STAMP)
 
 # python -m bench.compare --llamacpp-python $(LLAMACPP_VENV)/bin/python
