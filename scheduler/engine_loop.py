@@ -240,6 +240,11 @@ class EngineLoop:
         self.kv.worker_ready(msg)
         self.log.info("worker ready: %d KV blocks of %d tokens, %d rank(s)", msg.num_blocks,
                       msg.block_size, self.ranks)
+        if eng.speculative_config is not None and not msg.deterministic:
+            self.log.warning("speculative decoding without batch-invariant kernels (%s): a "
+                             "verify row may round differently from a decode row, so drafts "
+                             "can change answers; each response that drafted says so "
+                             "(candor.speculative.exact: false)", msg.deterministic_note)
 
     def _on_tokenized(self, req: ipc.TokenizedReq) -> None:
         assert self.planner is not None

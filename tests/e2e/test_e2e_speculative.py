@@ -138,6 +138,85 @@ async def test_on_equals_off_streamed(servers):
         assert _per_choice(got[name]) == _per_choice(want[name]), f"{name} streamed: differs"
 
 
+async def _frames(session, srv: CandorServer, path: str, body: dict) -> list[dict]:
+    """Every decoded SSE frame of one streamed request, in order."""
+    frames = []
+    async with session.post(srv.base_url + path, json={"model": MODEL, **body,
+                                                        "stream": True}) as resp:
+        assert resp.status == 200, await resp.text()
+        async for line in resp.content:
+            line = line.strip()
+            if line.startswith(b"data: ") and line != b"data: [DONE]":
+                frames.append(json.loads(line[6:]))
+    return frames
+
+
+def _counts_frame(frames: list[dict]) -> dict:
+    """The one frame after the first that carries a ``candor`` field: it must be the
+    stream's last, and hold the speculative counts only."""
+    later = [i for i, f in enumerate(frames) if "candor" in f and i > 0]
+    assert later == [len(frames) - 1], f"candor on frames {later} of {len(frames)}"
+    last = frames[-1]["candor"]
+    assert set(last) == {"speculative"}, last
+    return last["speculative"]
+
+
+async def test_streamed_responses_carry_the_counts_on_their_last_frame(servers):
+    """As a whole body does: the usage chunk with include_usage, else the chunk that
+    finishes the last choice (n > 1: whichever choice finishes last)."""
+    off, on = servers
+    # (the tiny model drafts only late in a long answer: 200 tokens)
+    copy = {"prompt": COPY, "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    chat = {"messages": [{"role": "user", "content": COPY}], "max_tokens": 200,
+            "temperature": 0.5, "seed": 1, "n": 2, "ignore_eos": True}
+    async with aiohttp.ClientSession() as session:
+        plain = await _frames(session, on, "/v1/completions", copy)
+        usage = await _frames(session, on, "/v1/completions",
+                              {**copy, "stream_options": {"include_usage": True}})
+        several = await _frames(session, on, "/v1/chat/completions", chat)
+        unspeculated = await _frames(session, off, "/v1/completions", copy)
+    for frames in (plain, usage, several):
+        counts = _counts_frame(frames)
+        assert 0 <= counts["accepted"] <= counts["drafted"] and counts["drafted"] > 0, counts
+        assert counts["exact"] is True, counts
+        assert frames[0]["candor"]["deterministic"] is True
+    assert plain[-1]["choices"][0]["finish_reason"] == "length"
+    assert usage[-1]["choices"] == [] and usage[-1]["usage"]["completion_tokens"] == 200
+    assert [c["finish_reason"] for c in several[-1]["choices"]] == ["length"]
+    assert all("candor" not in f for f in unspeculated[1:])  # nothing drafted: nothing said
+
+
+@pytest.fixture(scope="module")
+def loose(tiny_model_dir, tmp_path_factory):
+    """Speculation with the deterministic mode off: drafts may change answers."""
+    srv = CandorServer(tiny_model_dir, "--served-model-name", MODEL, "--max-model-len", "1024",
+                       "--no-deterministic", "--speculative-config", SPEC).start(
+        log_path=tmp_path_factory.mktemp("spec-loose") / "log")
+    try:
+        yield srv
+    finally:
+        assert srv.stop() == 0
+
+
+async def test_without_batch_invariant_kernels_each_response_says_drafts_may_change_it(loose):
+    """Candor cannot promise on == off there (an M = 1 + k verify row may round unlike
+    an M = 1 decode row): the report says so on every response that drafted, whole or
+    streamed, and /v1/capabilities names the mode."""
+    copy = {"model": MODEL, "prompt": COPY, "max_tokens": 200, "temperature": 0,
+            "ignore_eos": True}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(loose.base_url + "/v1/completions", json=copy) as resp:
+            whole = await resp.json()
+            assert resp.status == 200, whole
+        frames = await _frames(session, loose, "/v1/completions", copy)
+    assert whole["candor"]["deterministic"] is False
+    assert whole["candor"]["speculative"]["exact"] is False, whole["candor"]
+    assert whole["candor"]["speculative"]["drafted"] > 0
+    assert _counts_frame(frames)["exact"] is False
+    status, caps = loose.get("/v1/capabilities")
+    assert status == 200 and json.loads(caps)["deterministic"]["enabled"] is False
+
+
 def test_metrics_count_drafts_with_vllm_names(servers):
     off, on = servers
     deadline = time.monotonic() + 30
