@@ -293,3 +293,59 @@ async def test_real_model_copy_accepts_drafts_and_equals_off(smollm2_pair):
     while scrape(on).total("vllm:spec_decode_num_accepted_tokens_total") == 0:
         assert time.monotonic() < deadline, "no accepted drafts in the metrics after 30 s"
         time.sleep(0.5)
+
+
+def _one_server(tiny_model_dir, tmp_path, *flags: str) -> CandorServer:
+    return CandorServer(tiny_model_dir, "--served-model-name", MODEL, "--max-model-len", "1024",
+                        "--speculative-config", SPEC, *flags).start(log_path=tmp_path / "log")
+
+
+async def _equal_to_off(off: CandorServer, srv: CandorServer, where: str,
+                        fillers: int = 0) -> None:
+    """Every probe, sent together (with ``fillers`` long requests of their own prompts
+    beside them), answers as off answers it alone."""
+    want = await _all(off, concurrent=False)
+    async with aiohttp.ClientSession() as session:
+        async def filler(i: int) -> None:
+            body = {"model": MODEL, "prompt": f"{i} {PARAGRAPH} {i}", "max_tokens": 150,
+                    "temperature": 0, "ignore_eos": True}
+            async with session.post(srv.base_url + "/v1/completions", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+        got, _ = await asyncio.gather(
+            asyncio.gather(*(_post(session, srv, n) for n in PROBES)),
+            asyncio.gather(*(filler(i) for i in range(fillers))))
+    for name, payload in zip(PROBES, got):
+        assert _choices(payload) == _choices(want[name]), f"{name} ({where}): differs from off"
+
+
+async def test_requests_preempted_while_speculating_equal_off(servers, tiny_model_dir, tmp_path):
+    """24 KV blocks (384 tokens) for eight probe sequences (the longest 250 tokens) and
+    four long fillers: requests that drafted are preempted, recomputed and draft again;
+    every answer is off's, bitwise."""
+    off, _ = servers
+    srv = _one_server(tiny_model_dir, tmp_path, "--num-kv-blocks", "24")
+    try:
+        await _equal_to_off(off, srv, "under preemption", fillers=4)
+        stats = srv.wait_all_blocks_free(what="the preempting server at rest")
+        assert stats["preemptions"] > 0, "24 blocks never preempted: the test proves nothing"
+        assert stats["spec_drafts"] > 0, stats
+    finally:
+        assert srv.stop() == 0
+
+
+async def test_disaggregated_decode_replica_speculates_and_equals_off(servers, tiny_model_dir,
+                                                                      tmp_path):
+    """Prefill on replica 0, the KV handed to replica 1, which decodes with drafts: the
+    answers are off's (colocated, no drafts), bitwise, and the drafts were counted."""
+    off, _ = servers
+    srv = _one_server(tiny_model_dir, tmp_path, "--prefill-replicas", "1",
+                      "--decode-replicas", "1")
+    try:
+        await _equal_to_off(off, srv, "prefill/decode split")
+        deadline = time.monotonic() + 30
+        while scrape(srv).total("vllm:spec_decode_num_drafts_total") == 0:
+            assert time.monotonic() < deadline, "no drafts counted on the split after 30 s"
+            time.sleep(0.5)
+        assert scrape(srv).total("candor_kv_transfer_bytes_total", direction="received") > 0
+    finally:
+        assert srv.stop() == 0

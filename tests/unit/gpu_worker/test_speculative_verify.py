@@ -39,20 +39,24 @@ def _prompt(seed: int, n: int = PROMPT) -> list[int]:
 
 
 def generate(runner: ModelRunner, prompts: dict[str, tuple[list[int], SamplingParams]],
-             drafter=None, new: int = NEW) -> dict[str, list]:
+             drafter=None, new: int = NEW, preempt_after: int | None = None) -> dict[str, list]:
     """Prefill each prompt in one chunk, then decode until ``new`` tokens each (no
     placeholders). ``drafter(rid, step, out)`` -> drafts for that request's next decode
-    (None: no speculation). Returns rid -> [(token, TokenLogprob)]; asserts every kept
-    count is in range."""
+    (None: no speculation). ``preempt_after``: once a request has that many tokens or
+    more, it is preempted as the scheduler does it (recompute: prompt + every generated
+    token but the last fed again from position 0 on other blocks, the worker keeping its
+    sampling state), then decodes on. Returns rid -> [(token, TokenLogprob)]; asserts
+    every kept count is in range."""
     bs = runner.block_size
     free = list(range(runner.num_blocks))
     random.Random(3).shuffle(free)
-    tables = {rid: [free.pop() for _ in range(-(-(len(p) + new + 8) // bs))]
-              for rid, (p, _) in prompts.items()}
+    span = -(-(len(max((p for p, _ in prompts.values()), key=len)) + new + 40) // bs)
+    tables = {rid: [free.pop() for _ in range(span)] for rid in prompts}
     out: dict[str, list] = {rid: [] for rid in prompts}
     pos: dict[str, int] = {}
     step = 0
     sent: set[str] = set()
+    preempted: set[str] = set()
     while any(len(o) < new for o in out.values()):
         step += 1
         seqs = []
@@ -63,6 +67,12 @@ def generate(runner: ModelRunner, prompts: dict[str, tuple[list[int], SamplingPa
             blocks = [] if rid in sent else tables[rid]
             if rid not in pos:
                 seqs.append(SeqChunk(rid, list(prompt), 0, blocks, True, kept))
+                continue
+            if preempt_after is not None and len(out[rid]) >= preempt_after and rid not in preempted:
+                preempted.add(rid)  # its blocks freed; recomputed on new ones
+                tables[rid] = [free.pop() for _ in range(span)]
+                ids = list(prompt) + [t for t, _ in out[rid]]
+                seqs.append(SeqChunk(rid, ids, 0, tables[rid], True, 0))
                 continue
             draft = drafter(rid, step, out[rid]) if drafter else []
             draft = draft[:new - len(out[rid]) - 1]
@@ -128,6 +138,25 @@ def test_drafts_in_a_batch_match_each_request_alone(tiny_dir):
     got = generate(runner, prompts, drafter)
     for rid in prompts:
         assert got[rid] == alone[rid], f"{rid}: differs in a speculating batch"
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED, PENALIZED], ids=["greedy", "seeded", "penalties"])
+def test_a_request_preempted_while_speculating_resumes_bitwise(tiny_dir, params):
+    """Drafts kept before the preemption, the recompute of prompt + generated ids (drafts
+    accepted and rejected alike gone from the cache) and drafts after it: the tokens and
+    logprobs of decoding one token a step without preemption."""
+    runner = ModelRunner(str(tiny_dir), num_blocks=200)
+    prompts = {"t": (_prompt(1), params)}
+    want = generate(runner, prompts)["t"]
+    truth = [t for t, _ in want]
+
+    def drafter(rid, step, out):  # right up to a point that moves, then wrong
+        d = truth[len(out):len(out) + 4]
+        cut = step % 3
+        return d[:cut] + [(t + 5) % model_zoo.VOCAB for t in d[cut:]]
+    for after in (3, 9, 17):
+        got = generate(runner, prompts, drafter, preempt_after=after)["t"]
+        assert got == want, f"preempted after {after} tokens: differs"
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "gemma2", "mistral-window", "phi3"])

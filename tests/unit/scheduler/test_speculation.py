@@ -173,3 +173,51 @@ def test_drafts_mostly_rejected_turn_speculation_off_for_that_request():
     req.spec_drafted, req.spec_accepted = PROBATION, 0  # its history so far
     planner.plan()  # in flight, its token unknown
     assert [c.rid for c in planner.plan(lookahead=True).chunks] == ["r"]  # runs ahead
+
+
+def test_a_request_preempted_after_speculating_recomputes_its_kept_ids_and_drafts_again():
+    """Preemption (recompute) of a request whose drafts were partly kept: it re-queues
+    with its ids (prompt, kept drafts, sampled tokens; never a rejected draft), its
+    re-admission feeds exactly those ids after what the prefix cache still holds (kept
+    ids only: the blocks the rejected drafts' slots touched were never cached), and its
+    decodes draft again from the same index."""
+    planner = Planner(BlockAllocator(12), block_size=BS, max_num_seqs=8,
+                      max_num_batched_tokens=64,
+                      speculative=SpeculativeSpec(num_speculative_tokens=3,
+                                                  prompt_lookup_min=2, prompt_lookup_max=3))
+    text = [10, 11, 12, 13, 14, 15, 16]
+    a = _req("a", [40, 41, 42, 43, 44, 45], max_tokens=40)
+    b = _req("b", text + [20] + text[:3], max_tokens=40)
+    planner.waiting.push(a)
+    planner.waiting.push(b)
+    planner.postprocess(planner.plan(), [46, 13])
+    step = planner.plan()
+    assert [c.draft for c in step.chunks] == [[], [14, 15, 16]]
+    planner.postprocess(step, [47, 99], accepted=[0, 2])  # b keeps 14, 15; 16 refused
+    ids = list(b.token_ids)
+    assert ids[-4:] == [13, 14, 15, 99] and b.num_computed == 14
+    hog = planner.allocator.allocate(planner.allocator.num_free)  # the cache is full
+    preempted = []
+    while not preempted:  # a decodes until it needs a block: the latest arrival goes
+        ids = list(b.token_ids)
+        step = planner.plan()
+        preempted = step.preempted
+        planner.postprocess(step, [50] * sum(c.sample for c in step.chunks),
+                            accepted=[0] * sum(c.sample for c in step.chunks))
+    assert preempted == [b] and b.token_ids == ids and b.num_computed == 0
+    assert ids[:15] == [*text, 20, *text[:3], 13, 14, 15, 99]  # 16 refused: never an id
+    assert (b.spec_drafted, b.spec_accepted) == (3, 2)  # its report survives
+    planner.allocator.free(hog)
+    step = planner.plan()
+    (chunk,) = [c for c in step.chunks if c.rid == "b"]
+    cached = chunk.start_pos
+    assert cached % BS == 0 and chunk.token_ids == ids[cached:] and chunk.sample
+    assert chunk.draft == []  # a prefill never drafts
+
+    def returned(step, b_token):  # b samples b_token, a 50; no draft kept
+        tokens = [b_token if c.rid == "b" else 50 for c in step.chunks if c.sample]
+        return planner.postprocess(step, tokens, accepted=[0] * len(tokens))
+    returned(step, 10)
+    returned(planner.plan(), 11)  # b copies its prompt again: ... 10, 11
+    nxt = [c for c in planner.plan().chunks if c.rid == "b"]
+    assert nxt and nxt[0].draft == [12, 13, 14], nxt  # what followed 10, 11 last time
