@@ -234,3 +234,134 @@ def test_attention_verify_chunk_rows_equal_decode_rows(k):
     out = seqs.attend(rows)
     for i, row in enumerate(rows):
         assert torch.equal(out[i], alone[row]), f"row {row} of a verify chunk of {k + 1}"
+
+
+# ------------------------------------------------------------ unseeded: the distribution
+
+UNSEEDED = SamplingParams(temperature=1.0, top_k=8)
+DRAWS = 3000
+
+
+def _outcomes(runner: ModelRunner, prompt: list[int], params: SamplingParams,
+              draft: list[int], speculate: bool, tag: str) -> list[tuple[int, ...]]:
+    """DRAWS unseeded requests sharing ``prompt``'s first block (written once), each
+    decoding its own continuation: with ``speculate``, one step fed ``draft`` (what it
+    emits: the kept drafts and the token after them); without, one token a step while it
+    follows ``draft``. Either way an outcome is the emitted tokens up to the first one
+    that leaves ``draft``, or all of them: the same outcome space for both."""
+    bs = runner.block_size
+    assert len(prompt) == bs + 1
+    rids = [f"{tag}{i}" for i in range(DRAWS)]
+    tables = {rid: [0, 1 + i] for i, rid in enumerate(rids)}  # block 0: the prompt's
+    step = 100 if speculate else 200
+    runner.execute(StepPlan(step, [SeqChunk(f"{tag}-prompt", prompt[:bs], 0, [0], False, 0)],
+                            {}, []))
+    if speculate:
+        seqs = [SeqChunk(rid, [prompt[bs]], bs, tables[rid], True, 0, [], list(draft))
+                for rid in rids]
+        result = runner.execute(StepPlan(step + 1, seqs, {rid: params for rid in rids}, []))
+        assert not result.failed
+        out = [tuple(draft[:m]) + (t,) for t, m in zip(result.sampled, result.accepted)]
+    else:
+        out = []
+        live = {rid: [] for rid in rids}
+        fed = {rid: [prompt[bs]] for rid in rids}
+        new = {rid: params for rid in rids}
+        while live:
+            seqs = [SeqChunk(rid, fed[rid], bs + len(got), [] if not new else tables[rid], True,
+                             0 if new else 2) for rid, got in live.items()]
+            step += 1
+            result = runner.execute(StepPlan(step, seqs, new, []))
+            assert not result.failed
+            new = {}
+            for s, t in zip(seqs, result.sampled):
+                got = live[s.rid]
+                got.append(t)
+                if len(got) > len(draft) or t != draft[len(got) - 1]:
+                    out.append(tuple(live.pop(s.rid)))
+                else:
+                    fed[s.rid] = [t]
+    runner.execute(StepPlan(step + 50, [], {}, released=[*rids, f"{tag}-prompt"]))
+    return out
+
+
+def _at_depth(outcomes: list[tuple[int, ...]], draft: list[int], j: int) -> list[int]:
+    """The emitted token at position ``j`` of the outcomes that followed the drafts up
+    to it (its conditional law given ``draft[:j]``)."""
+    return [o[j] for o in outcomes if len(o) > j and list(o[:j]) == draft[:j]]
+
+
+def _homogeneity_p(a: list, b: list) -> float:
+    """Chi-square test that two samples come from one distribution (values expected
+    fewer than 5 times in either sample pooled into one column)."""
+    from collections import Counter
+
+    from scipy.stats import chi2_contingency
+    ca, cb = Counter(a), Counter(b)
+    keys = sorted(set(ca) | set(cb), key=lambda k: -(ca[k] + cb[k]))
+    common = [k for k in keys if (ca[k] + cb[k]) / 2 >= 5]
+    rows = [[c[k] for k in common] for c in (ca, cb)]
+    rare = [sum(c[k] for k in keys if k not in common) for c in (ca, cb)]
+    if min(rare) >= 5:
+        rows = [r + [x] for r, x in zip(rows, rare)]
+    return chi2_contingency(rows).pvalue
+
+
+def test_unseeded_sampling_with_drafts_keeps_the_distribution(tiny_dir):
+    """Unseeded rows draw from the engine's shared generator, so speculation cannot keep
+    their tokens, only their distribution: the law of each of the first three tokens
+    emitted, given the drafts before it (drafts where the model's greedy choice is, so
+    every position is reached often), is the same with drafts verified in one step as
+    decoding one token a step. 2 x 3000 draws; chi-square homogeneity per position at
+    p > 0.001 / 3; the test's own randomness is the runner's seed, fixed, so it cannot
+    flake. Its power: a reference sampled at temperature 1.3 instead of 1.0 is told
+    apart (p < 1e-4 at some position)."""
+    runner = ModelRunner(str(tiny_dir), num_blocks=DRAWS + 8, seed=1234)
+    prompt = _prompt(7, runner.block_size + 1)
+    greedy = generate(runner, {"g": (prompt, GREEDY)}, new=2)["g"]
+    draft = [t for t, _ in greedy]
+    spec = _outcomes(runner, prompt, UNSEEDED, draft, True, "s")
+    plain = _outcomes(runner, prompt, UNSEEDED, draft, False, "p")
+
+    def p_values(other):
+        return [_homogeneity_p(_at_depth(spec, draft, j), _at_depth(other, draft, j))
+                for j in range(3)]
+    reached = [len(_at_depth(spec, draft, j)) for j in range(3)]
+    assert min(reached) > 150, f"positions 0, 1, 2 reached {reached} times: too few to test"
+    same = p_values(plain)
+    assert min(same) > 1e-3 / 3, f"speculation changed the unseeded distribution: p = {same}"
+    hotter = _outcomes(runner, prompt, msgspec_replace(UNSEEDED, temperature=1.3), draft,
+                       False, "h")
+    assert min(p_values(hotter)) < 1e-4, "the test cannot tell temperature 1.3 from 1.0"
+
+
+def msgspec_replace(params: SamplingParams, **changes) -> SamplingParams:
+    import msgspec
+    return msgspec.structs.replace(params, **changes)
+
+
+def test_sampler_draws_verify_rows_of_a_group_independently():
+    """At the sampler, against the exact law: groups of two verify rows with the same
+    logits (where a row reusing its neighbour's noise would show most), the first fed
+    draft ``d``: an outcome is the first row's token when it is not ``d``, else ``d``
+    and the second row's token; P(t) = p(t), P(d, t) = p(d) p(t). 20000 groups in one
+    call, chi-square goodness of fit at p > 0.001 (the sampler's seed fixed: no flake)."""
+    from collections import Counter
+
+    from gpu_worker.sampler import Sampler
+    from scipy.stats import chisquare
+    groups, d = 20000, 2
+    logits = torch.tensor([1.2, 0.4, 1.0, -0.3, 0.7])
+    p = torch.softmax(logits.double(), dim=-1).tolist()
+    sampler = Sampler("cpu", seed=99)
+    params = [SamplingParams(temperature=1.0)] * (2 * groups)
+    tokens, _, failed = sampler.sample(logits.repeat(2 * groups, 1), params,
+                                       [None] * (2 * groups), follow=[d, None] * groups)
+    assert not failed
+    outcomes = Counter((a,) if a != d else (d, b) for a, b in zip(tokens[::2], tokens[1::2]))
+    law = {(t,): p[t] for t in range(5) if t != d} | {(d, t): p[d] * p[t] for t in range(5)}
+    keys = sorted(law)
+    assert set(outcomes) <= set(keys)
+    total = sum(law.values())
+    fit = chisquare([outcomes[k] for k in keys], [law[k] / total * groups for k in keys]).pvalue
+    assert fit > 1e-3, f"verify rows do not draw as decode rows would: p = {fit:.2g}"
