@@ -34,6 +34,9 @@ class SchedRequest:
     ngram: object | None = None  # its drafter's index (scheduler.speculation.NgramIndex)
     spec_drafted: int = 0  # draft tokens verified for it, and those accepted (its report)
     spec_accepted: int = 0
+    # the tokens its grammar forces after its last token (the worker's latest word on it:
+    # StepResult.forced), drafted next; empty for an unconstrained request
+    forced: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

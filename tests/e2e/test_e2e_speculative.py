@@ -19,6 +19,18 @@ from tests.support.server import CandorServer
 MODEL = "tiny-llama"
 SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
                    "prompt_lookup_max": 4})
+SCHEMA = {"type": "object", "properties": {
+    "ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99},
+    "tag": {"enum": ["red", "green", "blue"]}},
+    "required": ["ok", "n", "tag"], "additionalProperties": False}
+WEATHER = {"type": "object", "properties": {
+    "city": {"type": "string", "enum": ["Paris", "Rome"]},
+    "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+    "required": ["city", "days"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {
+             "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+             "required": ["zone"], "additionalProperties": False}}}]
 # repeated phrases: the prompt-lookup drafter finds n-gram matches to propose
 COPY = ("Repeat exactly: the quick brown fox jumps over the lazy dog. the quick brown fox "
         "jumps over the lazy dog. the quick brown fox jumps over the lazy dog. the quick")
@@ -37,7 +49,18 @@ PROBES: dict[str, tuple[str, dict]] = {
     "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": COPY}],
                                       "max_tokens": 32, "temperature": 0.7, "seed": 3,
                                       "logprobs": True, "top_logprobs": 4}),
+    # constrained: drafts checked against the grammar, its forced tokens drafted for free
+    "json_schema": ("/v1/chat/completions", {
+        "messages": [{"role": "user", "content": COPY}], "max_tokens": 64, "temperature": 0,
+        "ignore_eos": False, "logprobs": True, "top_logprobs": 2,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "e",
+                                                                   "schema": SCHEMA}}}),
+    "tools_required": ("/v1/chat/completions", {
+        "messages": [{"role": "user", "content": COPY}], "max_tokens": 96, "temperature": 0.8,
+        "seed": 12, "ignore_eos": False, "logprobs": True, "top_logprobs": 2,
+        "tools": TOOLS, "tool_choice": "required"}),
 }
+CONSTRAINED = ("json_schema", "tools_required")
 
 
 async def _post(session, srv: CandorServer, name: str, stream: bool = False):
@@ -64,6 +87,10 @@ async def _post(session, srv: CandorServer, name: str, stream: bool = False):
 
 
 def _choices(payload: dict) -> list:
+    """The choices, tool call ids aside (random per response)."""
+    for choice in payload["choices"]:
+        for call in (choice.get("message") or {}).get("tool_calls") or []:
+            call.pop("id", None)
     return payload["choices"]
 
 
@@ -103,6 +130,12 @@ async def test_on_equals_off_alone_and_batched(servers):
                 f"{name} (concurrent={concurrent}): speculation changed the answer"
     counted = [got[n]["candor"].get("speculative") for n in PROBES]  # greedy: 200 tokens
     assert any(c and c["drafted"] > 0 for c in counted), counted
+    for name in CONSTRAINED:  # forced tokens, drafted and kept
+        spec = got[name]["candor"].get("speculative")
+        assert spec and spec["accepted"] > 0, (name, got[name]["candor"])
+    args = json.loads(want["json_schema"]["choices"][0]["message"]["content"])
+    assert set(args) == {"ok", "n", "tag"}, args
+    assert want["tools_required"]["choices"][0]["message"]["tool_calls"], want["tools_required"]
     assert all(c is None or 0 <= c["accepted"] <= c["drafted"] for c in counted), counted
     assert all("speculative" not in want[n]["candor"] for n in PROBES)
     on.wait_all_blocks_free()
@@ -184,6 +217,31 @@ async def test_streamed_responses_carry_the_counts_on_their_last_frame(servers):
     assert usage[-1]["choices"] == [] and usage[-1]["usage"]["completion_tokens"] == 200
     assert [c["finish_reason"] for c in several[-1]["choices"]] == ["length"]
     assert all("candor" not in f for f in unspeculated[1:])  # nothing drafted: nothing said
+
+
+async def test_a_stop_string_that_ends_a_speculating_request_keeps_its_counts(servers):
+    """A stop string ends the request in the detokenizer, not the engine: the counts so
+    far still reach the response (whole and streamed), and the answer is off's."""
+    off, on = servers
+    body = {"model": MODEL, "prompt": COPY, "max_tokens": 200, "temperature": 0,
+            "ignore_eos": True}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(on.base_url + "/v1/completions", json=body) as resp:
+            text = (await resp.json())["choices"][0]["text"]
+        # a stop string that first occurs late, after the tiny model began to draft
+        stop = next(text[i:i + 8] for i in range(len(text) - 30, 0, -1)
+                    if text.find(text[i:i + 8]) == i and text[i:i + 8].strip())
+        body["stop"] = [stop]
+        got = {}
+        for name, srv in (("off", off), ("on", on)):
+            async with session.post(srv.base_url + "/v1/completions", json=body) as resp:
+                got[name] = await resp.json()
+        frames = await _frames(session, on, "/v1/completions",
+                               {k: v for k, v in body.items() if k != "model"})
+    assert got["on"]["choices"] == got["off"]["choices"]
+    assert got["on"]["choices"][0]["finish_reason"] == "stop", got["on"]["choices"]
+    assert got["on"]["candor"]["speculative"]["drafted"] > 0, got["on"]["candor"]
+    assert _counts_frame(frames) == got["on"]["candor"]["speculative"]
 
 
 @pytest.fixture(scope="module")

@@ -39,14 +39,18 @@ def _prompt(seed: int, n: int = PROMPT) -> list[int]:
 
 
 def generate(runner: ModelRunner, prompts: dict[str, tuple[list[int], SamplingParams]],
-             drafter=None, new: int = NEW, preempt_after: int | None = None) -> dict[str, list]:
+             drafter=None, new: int = NEW, preempt_after: int | None = None,
+             forced: dict[str, list[int]] | None = None,
+             forced_kept: list[tuple[int, int]] | None = None) -> dict[str, list]:
     """Prefill each prompt in one chunk, then decode until ``new`` tokens each (no
     placeholders). ``drafter(rid, step, out)`` -> drafts for that request's next decode
     (None: no speculation). ``preempt_after``: once a request has that many tokens or
     more, it is preempted as the scheduler does it (recompute: prompt + every generated
     token but the last fed again from position 0 on other blocks, the worker keeping its
-    sampling state), then decodes on. Returns rid -> [(token, TokenLogprob)]; asserts
-    every kept count is in range."""
+    sampling state), then decodes on. ``forced``: filled with each request's latest
+    ``StepResult.forced`` (the drafter may read it); ``forced_kept``: gets (drafts fed, drafts
+    kept) of each step whose drafts were all forced ones. Returns rid ->
+    [(token, TokenLogprob)]; asserts every kept count is in range."""
     bs = runner.block_size
     free = list(range(runner.num_blocks))
     random.Random(3).shuffle(free)
@@ -82,8 +86,13 @@ def generate(runner: ModelRunner, prompts: dict[str, tuple[list[int], SamplingPa
         result = runner.execute(StepPlan(step, seqs, new_sampling, []))
         assert not result.failed, result.failed
         accepted = result.accepted or [0] * len(seqs)
-        for s, token, lp, m in zip(seqs, result.sampled, result.logprobs, accepted):
+        for s, token, lp, m, f in zip(seqs, result.sampled, result.logprobs, accepted,
+                                      result.forced or [None] * len(seqs)):
             assert 0 <= m <= len(s.draft)
+            if forced_kept is not None and s.draft and s.draft == (forced or {}).get(s.rid):
+                forced_kept.append((len(s.draft), m))
+            if forced is not None and f is not None:
+                forced[s.rid] = f
             kept = list(zip(s.draft[:m], lp.accepted))
             assert all(e.token_id == t for t, e in kept)
             out[s.rid] += [*kept, (token, lp.token)]
@@ -173,12 +182,77 @@ def test_verify_rows_equal_decode_rows_on_the_zoo(arch, tmp_path):
     assert got["t"] == want
 
 
-def test_a_constrained_chunk_with_drafts_is_a_plan_error(tiny_dir):
+def test_drafts_on_a_prefill_chunk_are_a_plan_error(tiny_dir):
     runner = ModelRunner(str(tiny_dir), num_blocks=50)
-    params = SamplingParams(temperature=0.0, grammar='{"grammars": [{"lark_grammar": "start: /[a-z]+/"}]}')
-    plan = StepPlan(1, [SeqChunk("g", [5, 6], 0, [0], True, 0, [], [7])], {"g": params}, [])
-    with pytest.raises(ValueError, match="drafts on a chunk that is not an unconstrained decode"):
+    plan = StepPlan(1, [SeqChunk("g", [5, 6], 0, [0], True, 0, [], [7])],
+                    {"g": SamplingParams(temperature=0.0)}, [])
+    with pytest.raises(ValueError, match="drafts on a chunk that is not a decode"):
         runner.execute(plan)
+
+
+# ------------------------------------------------------------ grammar-checked drafts
+
+SCHEMA = {"type": "object", "properties": {
+    "ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99},
+    "tag": {"enum": ["red", "green", "blue"]}},
+    "required": ["ok", "n", "tag"], "additionalProperties": False}
+
+
+def _constrained(params: SamplingParams) -> SamplingParams:
+    import json
+
+    import llguidance
+    import msgspec
+    return msgspec.structs.replace(
+        params, grammar=llguidance.LLMatcher.grammar_from_json_schema(json.dumps(SCHEMA)),
+        num_prompt_tokens=PROMPT)
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED, PENALIZED], ids=["greedy", "seeded", "penalties"])
+def test_grammar_checked_drafts_never_change_a_constrained_answer(tiny_dir, params):
+    """A json_schema request fed drafts (right, wrong, right up to a point, and the
+    tokens its grammar forces, which the worker reports after each sample) gets the
+    tokens and logprobs of decoding one token a step: drafts the grammar refuses are
+    cut before the forward pass, each verify row has its own position's mask, and the
+    matcher is rolled back past rejected drafts. Forced drafts are always kept."""
+    params = _constrained(params)
+    plain = ModelRunner(str(tiny_dir), num_blocks=200)
+    prompts = {"t": (_prompt(1), params)}
+    want = generate(plain, prompts)["t"]
+    text = [t for t, _ in want]
+    assert len(set(text)) >= 6, text
+    runner = ModelRunner(str(tiny_dir), num_blocks=200, forced_drafts=4)
+    forced: dict[str, list[int]] = {}
+    kept: list[tuple[int, int]] = []  # (forced drafts fed, kept) per step that had some
+    cases = dict(_drafters(want))
+    cases["forced"] = lambda rid, step, out: forced.get(rid, [])
+    cases["forced, then wrong"] = lambda rid, step, out: (
+        forced.get(rid, []) + [(t + 1) % model_zoo.VOCAB for t in text[len(out):len(out) + 2]])
+    for name, drafter in cases.items():
+        forced.clear()
+        got = generate(runner, prompts, drafter, forced=forced,
+                       forced_kept=kept if name == "forced" else None)["t"]
+        assert got == want, f"{name}: tokens or logprobs differ from decoding without drafts"
+    assert kept and all(k == n for n, k in kept), f"forced drafts refused: {kept}"
+
+
+def test_forced_tokens_are_what_the_grammar_forces_after_the_sample(tiny_dir):
+    import llguidance
+
+    from gpu_worker.grammar import GrammarStates
+    params = _constrained(GREEDY)
+    runner = ModelRunner(str(tiny_dir), num_blocks=50, forced_drafts=8)
+    prompt = _prompt(4)
+    result = runner.execute(StepPlan(1, [SeqChunk("j", prompt, 0, [0, 1, 2, 3], True, 0)],
+                                     {"j": params}, []))
+    (first,), (forced,) = result.sampled, result.forced
+    states = GrammarStates(str(tiny_dir), runner.config.vocab_size)
+    matcher = llguidance.LLMatcher(states.tokenizer(), params.grammar)
+    assert matcher.consume_token(first)
+    assert forced == matcher.compute_ff_tokens()[:8] and forced, (first, forced)
+    assert ModelRunner(str(tiny_dir), num_blocks=50).execute(
+        StepPlan(1, [SeqChunk("j", prompt, 0, [0, 1, 2, 3], True, 0)], {"j": params}, [])
+    ).forced == []  # speculation off: nothing computed
 
 
 # ------------------------------------------------------------ the kernels, M = 1 vs 1 + k

@@ -107,23 +107,49 @@ def test_rejected_draft_slots_never_enter_the_prefix_cache():
     assert planner.cached_run(req, 3) == req.block_table[:3]
 
 
-def test_constrained_requests_and_big_batches_do_not_speculate():
-    planner = _planner(k=3, disable_by_batch_size=2)
+def test_big_batches_do_not_speculate():
     text = [10, 11, 12, 10, 11]
-    grammar = _req("g", text, grammar="start: /x/")
-    planner.waiting.push(grammar)
-    planner.postprocess(planner.plan(), [12])
-    assert planner.plan().chunks[0].draft == []
-    planner2 = _planner(k=3, disable_by_batch_size=2)
+    planner = _planner(k=3, disable_by_batch_size=2)
     a, b = _req("a", text), _req("b", text)
-    planner2.waiting.push(a)
-    planner2.waiting.push(b)
-    planner2.postprocess(planner2.plan(), [12, 12])
-    assert [c.draft for c in planner2.plan().chunks] == [[], []]
+    planner.waiting.push(a)
+    planner.waiting.push(b)
+    planner.postprocess(planner.plan(), [12, 12])
+    assert [c.draft for c in planner.plan().chunks] == [[], []]
+
+
+def test_a_constrained_request_drafts_what_its_grammar_forces_else_the_ngram():
+    """The worker reports the tokens a constrained request's grammar forces after its
+    sample (StepResult.forced): its next decode drafts them (within max_tokens), and
+    without any, what the n-gram drafter proposes (the worker cuts what the grammar
+    refuses). The forced tokens also keep it from running ahead."""
+    planner = _planner(k=3)
+    text = [10, 11, 12, 10, 11]
+    req = _req("g", text, max_tokens=7, grammar="start: /x/")
+    planner.waiting.push(req)
+    planner.postprocess(planner.plan(), [12], forced=[[30, 31, 32, 33]])
+    assert req.forced == [30, 31, 32, 33]
+    step = planner.plan()
+    assert step.chunks[0].draft == [30, 31, 32]  # k: 3
+    out = planner.postprocess(step, [40], accepted=[3], forced=[[50, 51]])
+    assert out[0].drafted == [30, 31, 32] and req.forced == [50, 51]
+    assert planner.plan().chunks[0].draft == [50]  # max_tokens 7: 5 made, 1 its own
+    planner2 = _planner(k=3)
+    req2 = _req("h", text, grammar="start: /x/")
+    planner2.waiting.push(req2)
+    planner2.postprocess(planner2.plan(), [12], forced=[[]])
+    assert planner2.plan().chunks[0].draft == [10, 11, 12]  # the n-gram's
+    planner3 = _planner(k=3)
+    req3 = _req("i", [40, 41, 42, 43], grammar="start: /x/")
+    planner3.waiting.push(req3)
+    planner3.postprocess(planner3.plan(), [44], forced=[[]])
+    assert planner3.plan().chunks[0].draft == []  # nothing forced, nothing to copy
+    assert [c.rid for c in planner3.plan(lookahead=True).chunks] == ["i"]  # runs ahead
+    req3.forced = [7]  # what the step before the one in flight said: structured text
+    assert planner3._waits_to_draft(req3)
 
 
 @pytest.mark.parametrize("bad,why", [
-    ({"method": "suffix"}, "not yet served"),
+    ({"method": "eagle3"}, "not yet served"),
     ({"model": "/x"}, "takes no `model`"),
     ({"prompt_lookup_min": 4, "prompt_lookup_max": 2}, "greater than"),
 ])
