@@ -377,15 +377,15 @@ async def _equal_to_off(off: CandorServer, srv: CandorServer, where: str,
 
 
 async def test_requests_preempted_while_speculating_equal_off(servers, tiny_model_dir, tmp_path):
-    """24 KV blocks (384 tokens) for eight probe sequences (the longest 250 tokens) and
+    """28 KV blocks (448 tokens) for ten probe sequences (the longest 407 tokens) and
     four long fillers: requests that drafted are preempted, recomputed and draft again;
     every answer is off's, bitwise."""
     off, _ = servers
-    srv = _one_server(tiny_model_dir, tmp_path, "--num-kv-blocks", "24")
+    srv = _one_server(tiny_model_dir, tmp_path, "--num-kv-blocks", "28")
     try:
         await _equal_to_off(off, srv, "under preemption", fillers=4)
         stats = srv.wait_all_blocks_free(what="the preempting server at rest")
-        assert stats["preemptions"] > 0, "24 blocks never preempted: the test proves nothing"
+        assert stats["preemptions"] > 0, "28 blocks never preempted: the test proves nothing"
         assert stats["spec_drafts"] > 0, stats
     finally:
         assert srv.stop() == 0
