@@ -114,6 +114,7 @@ class Detokenizer:
                     state.prompt_ids, state.cached_tokens,
                     self.texts.decode(out.logprobs[:len(consumed)] if out.logprobs else None),
                     self.texts.decode(out.prompt_logprobs),
+                    text_offsets=detok.offsets[before:detok.num_tokens] if out.logprobs else None,
                     stop_string=detok.stop_string if finish is not None else None,
                     # the engine's counts so far: on the last delta, whoever ended it
                     spec_drafted=out.spec_drafted if finish is not None else 0,

@@ -625,6 +625,9 @@ class TextDelta(msgspec.Struct, array_like=True):
     cached_tokens: int = 0  # prompt tokens served by the prefix cache
     logprobs: list[DecodedLogprob] | None = None  # aligned with token_ids
     prompt_logprobs: list[DecodedLogprob] | None = None  # once, with the first delta
+    # with logprobs: where each of ``logprobs``' tokens starts in the generated text (the
+    # characters decoded before it), whatever the grouping of tokens into deltas
+    text_offsets: list[int] | None = None
     spec_drafted: int = 0  # on the last delta: speculative draft tokens verified
     spec_accepted: int = 0  # and of those, the ones kept
     stop_string: str | None = None  # on the last delta: the stop string that ended it

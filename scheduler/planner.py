@@ -156,6 +156,8 @@ class Planner:
         if req.finished:
             return
         req.finished = True
+        if self.drafts is not None:
+            self.drafts.finished(req)
         self.free(req)
         if req in self.running:
             self.running.remove(req)
@@ -386,7 +388,7 @@ class Planner:
         room = min(sreq.max_tokens - req.num_generated - 1, budget - n)
         if req.forced:
             return req.forced[:max(0, min(room, self.drafts.spec.num_speculative_tokens))]
-        req.ngram, draft = self.drafts.propose(req.ngram, req.token_ids, room)
+        req.draft_index, draft = self.drafts.propose(req.draft_index, req.token_ids, room)
         return draft
 
     def _add(self, step: PlannedStep, req: SchedRequest, n: int,

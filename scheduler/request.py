@@ -31,7 +31,8 @@ class SchedRequest:
     # speculative decoding: a step in flight feeds drafts after this request's last token
     # (until it returns, where the request stands is unknown: no run-ahead for it)
     speculating: bool = False
-    ngram: object | None = None  # its drafter's index (scheduler.speculation.NgramIndex)
+    # its drafter's index of its ids (scheduler.speculation.NgramIndex, suffix.SuffixIndex)
+    draft_index: object | None = None
     spec_drafted: int = 0  # draft tokens verified for it, and those accepted (its report)
     spec_accepted: int = 0
     # the tokens its grammar forces after its last token (the worker's latest word on it:

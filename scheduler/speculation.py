@@ -1,8 +1,10 @@
-"""Draft tokens for speculative decoding, proposed by the scheduler from a request's own ids.
+"""Draft tokens for speculative decoding, proposed by the scheduler from a request's own ids
+(and, for ``suffix``, recently finished requests' outputs).
 
-The drafter is deterministic (prompt lookup, vLLM's ``ngram``): the drafts after a
+The drafters are deterministic. Prompt lookup (vLLM's ``ngram``): the drafts after a
 sequence are the tokens that followed the latest earlier occurrence of its last ``n`` ids,
-for the longest ``n`` in ``prompt_lookup_min..prompt_lookup_max`` that occurs. The worker
+for the longest ``n`` in ``prompt_lookup_min..prompt_lookup_max`` that occurs. Suffix
+decoding (``suffix``): see ``scheduler.suffix``. The worker
 verifies them (gpu_worker/model_runner.py ``_verify``): it keeps the longest run of drafts
 equal to what it would have sampled at each position and adds the token it samples after
 them, so a draft never changes the answer, only how many positions one step computes.
@@ -26,6 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cluster.topology import SpeculativeSpec
+from scheduler.suffix import SuffixCache, SuffixIndex
+from scheduler.suffix import propose as suffix_propose
 
 
 # A request whose drafts were verified PROBATION times over and kept under LOW_ACCEPTANCE
@@ -86,11 +90,19 @@ class SpecCounts:
 
 
 class Drafts:
-    """The drafter of one engine replica (``SpeculativeSpec``)."""
+    """The drafter of one engine replica (``SpeculativeSpec``): its method, and for
+    ``suffix`` the cache of finished requests' outputs it also drafts from."""
 
     def __init__(self, spec: SpeculativeSpec) -> None:
         self.spec = spec
         self.counts = SpecCounts()
+        self.cache = (SuffixCache(spec.suffix_decoding_max_cached_requests)
+                      if spec.method == "suffix" else None)
+
+    def finished(self, req) -> None:
+        """``req`` ended: its generated ids join the suffix cache (suffix only)."""
+        if self.cache is not None and req.num_generated:
+            self.cache.add(req.token_ids[len(req.req.prompt_token_ids):])
 
     def allowed(self, running: int) -> bool:
         """Whether this step drafts at all: not once ``disable_by_batch_size`` requests
@@ -108,12 +120,20 @@ class Drafts:
         """Whether ``req`` should give up its run-ahead step for drafts: the drafter
         matches ``ids``' tail now (a request copying text is likely to match after its
         next token too)."""
-        req.ngram, draft = self.propose(req.ngram, ids, 1)
+        req.draft_index, draft = self.propose(req.draft_index, ids, 1)
         return bool(draft)
 
-    def propose(self, index: NgramIndex | None, ids: list[int], k: int) -> tuple[NgramIndex, list[int]]:
+    def propose(self, index: NgramIndex | SuffixIndex | None, ids: list[int], k: int
+                ) -> tuple[NgramIndex | SuffixIndex, list[int]]:
         """(the request's index, created on first use; up to ``k`` drafts after ``ids``)."""
+        spec = self.spec
+        k = min(k, spec.num_speculative_tokens)
+        if self.cache is not None:
+            index = index or SuffixIndex()
+            return index, suffix_propose(index, self.cache, ids, k,
+                                         spec.suffix_decoding_max_tree_depth,
+                                         spec.suffix_decoding_max_spec_factor,
+                                         spec.suffix_decoding_min_token_prob)
         if index is None:
-            index = NgramIndex(self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
-        k = min(k, self.spec.num_speculative_tokens)
+            index = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
         return index, (index.propose(ids, k) if k > 0 else [])

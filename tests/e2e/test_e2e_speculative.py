@@ -407,3 +407,27 @@ async def test_disaggregated_decode_replica_speculates_and_equals_off(servers, t
         assert scrape(srv).total("candor_kv_transfer_bytes_total", direction="received") > 0
     finally:
         assert srv.stop() == 0
+
+
+async def test_suffix_decoding_equals_off_and_drafts_from_finished_outputs(servers,
+                                                                           tiny_model_dir,
+                                                                           tmp_path):
+    """``method: suffix``: every probe answers as off does, alone and then in a batch;
+    the second time the greedy probe's own earlier output is in the cache of finished
+    outputs, so its drafts are that answer and are kept."""
+    off, _ = servers
+    srv = CandorServer(tiny_model_dir, "--served-model-name", MODEL, "--max-model-len", "1024",
+                       "--speculative-config", json.dumps({
+                           "method": "suffix", "num_speculative_tokens": 8})).start(
+        log_path=tmp_path / "log")
+    try:
+        want = await _all(off, concurrent=False)
+        first = await _all(srv, concurrent=False)
+        again = await _all(srv, concurrent=True)
+        for got, where in ((first, "alone"), (again, "batched, outputs cached")):
+            for name in PROBES:
+                assert _choices(got[name]) == _choices(want[name]), f"suffix {name} ({where})"
+        spec = again["greedy"]["candor"]["speculative"]
+        assert spec["accepted"] > 100 and spec["accepted"] <= spec["drafted"], spec
+    finally:
+        assert srv.stop() == 0
