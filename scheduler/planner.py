@@ -207,6 +207,7 @@ class Planner:
                 req.drafts_accepted(len(kept))
                 req.spec_drafted += len(chunk.draft)
                 req.spec_accepted += len(kept)
+                req.spec_refusals += len(kept) < len(chunk.draft)
                 if self.drafts is not None:
                     self.drafts.counts.add(len(chunk.draft), len(kept))
             self.commit(req)
@@ -386,8 +387,9 @@ class Planner:
         if n != 1 or req.samples_in_flight or not self._speculates(req):
             return []
         room = min(sreq.max_tokens - req.num_generated - 1, budget - n)
-        if req.forced:
+        if req.forced:  # kept for sure: as many as k allows
             return req.forced[:max(0, min(room, self.drafts.spec.num_speculative_tokens))]
+        room = min(room, self.drafts.depth(req, self.drafts.spec.num_speculative_tokens))
         req.draft_index, draft = self.drafts.propose(req.draft_index, req.token_ids, room)
         return draft
 

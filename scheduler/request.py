@@ -35,6 +35,7 @@ class SchedRequest:
     draft_index: object | None = None
     spec_drafted: int = 0  # draft tokens verified for it, and those accepted (its report)
     spec_accepted: int = 0
+    spec_refusals: int = 0  # its drafting steps that did not keep every draft (dynamic k)
     # the tokens its grammar forces after its last token (the worker's latest word on it:
     # StepResult.forced), drafted next; empty for an unconstrained request
     forced: list[int] = field(default_factory=list)

@@ -25,6 +25,7 @@ proposal costs ``max - min + 1`` dict lookups, whatever the context length.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from cluster.topology import SpeculativeSpec
@@ -36,6 +37,11 @@ from scheduler.suffix import propose as suffix_propose
 # of the time stops speculating: each drafting step costs it the run-ahead overlap.
 PROBATION = 12
 LOW_ACCEPTANCE = 0.25
+# Dynamic k: a request's next drafts go as deep as the position its acceptance rate
+# reaches with at least WORTH chance (see ``Drafts.depth``); PRIOR_KEPT and PRIOR_SEEN
+# are the pseudo-counts its estimate starts from (3 of 4: 0.75, five drafts at first).
+WORTH = 0.2
+PRIOR_KEPT, PRIOR_SEEN = 3, 4
 
 
 @dataclass
@@ -115,6 +121,22 @@ class Drafts:
         """``req``'s drafts have mostly been rejected (under ``LOW_ACCEPTANCE`` after
         ``PROBATION`` of them): it decodes on as without speculation."""
         return req.spec_drafted >= PROBATION and req.spec_accepted < LOW_ACCEPTANCE * req.spec_drafted
+
+    @staticmethod
+    def depth(req, k: int) -> int:
+        """How many drafts ``req``'s next step verifies, at most ``k`` (dynamic k).
+        Drafts are kept position by position until the first refusal, so with a
+        per-position acceptance rate a the j-th draft is kept with chance a^j; each one
+        costs a verify row whether kept or not. The rate is estimated from the request's
+        own history as kept / (kept + refusals) (one refusal ends each step that did not
+        keep all its drafts), smoothed by a prior; the depth is the last j with
+        a^j >= WORTH, so a request whose drafts are mostly right drafts deep and one
+        often wrong drafts one or two, before ``gave_up`` stops it."""
+        rate = (req.spec_accepted + PRIOR_KEPT) / (
+            req.spec_accepted + req.spec_refusals + PRIOR_SEEN)
+        if rate >= 1.0:
+            return k
+        return max(1, min(k, int(math.log(WORTH) / math.log(rate))))
 
     def worth_waiting(self, req, ids: list[int]) -> bool:
         """Whether ``req`` should give up its run-ahead step for drafts: the drafter

@@ -247,3 +247,28 @@ def test_a_request_preempted_after_speculating_recomputes_its_kept_ids_and_draft
     returned(planner.plan(), 11)  # b copies its prompt again: ... 10, 11
     nxt = [c for c in planner.plan().chunks if c.rid == "b"]
     assert nxt and nxt[0].draft == [12, 13, 14], nxt  # what followed 10, 11 last time
+
+
+def test_dynamic_k_follows_each_requests_acceptance():
+    """Drafts go as deep as the request's estimated per-position acceptance a makes
+    worth it (a^j >= 0.2): five at first (a prior of 3 in 4), all k for a request whose
+    drafts are nearly always kept, one for one whose drafts are mostly refused; the
+    planner asks the drafter for no more."""
+    from scheduler.speculation import Drafts
+    fresh = _req("f", [1, 2, 3])
+    assert Drafts.depth(fresh, 8) == 5 and Drafts.depth(fresh, 3) == 3
+    good = _req("g", [1, 2, 3])
+    good.spec_accepted, good.spec_refusals = 100, 1
+    assert Drafts.depth(good, 8) == 8
+    poor = _req("p", [1, 2, 3])
+    poor.spec_accepted, poor.spec_refusals = 2, 10
+    assert Drafts.depth(poor, 8) == 1
+    planner = _planner(k=3)
+    text = [10, 11, 12, 13, 14, 15, 16]
+    req = _decoding(planner, text + [20] + text[:2], 12)
+    req.spec_accepted, req.spec_refusals = 2, 10
+    req.spec_drafted = 11  # (under probation: it still drafts)
+    step = planner.plan()
+    assert step.chunks[0].draft == [13]
+    planner.postprocess(step, [99], accepted=[0])  # refused: one more refusal counted
+    assert (req.spec_drafted, req.spec_accepted, req.spec_refusals) == (12, 2, 11)
