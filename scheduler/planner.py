@@ -374,7 +374,11 @@ class Planner:
         copy keeps the run-ahead step."""
         if not req.samples_in_flight or not self._speculates(req):
             return False
-        return bool(req.forced) or self.drafts.worth_waiting(req, req.token_ids)
+        if req.forced:
+            return True
+        return (self.drafts.depth(req, self.drafts.spec.num_speculative_tokens,
+                                  len(self.running)) > 0
+                and self.drafts.worth_waiting(req, req.token_ids))
 
     def _draft(self, req: SchedRequest, n: int, budget: int) -> list[int]:
         """Speculative drafts for ``req``'s next decode (see ``scheduler.speculation``):
@@ -389,7 +393,8 @@ class Planner:
         room = min(sreq.max_tokens - req.num_generated - 1, budget - n)
         if req.forced:  # kept for sure: as many as k allows
             return req.forced[:max(0, min(room, self.drafts.spec.num_speculative_tokens))]
-        room = min(room, self.drafts.depth(req, self.drafts.spec.num_speculative_tokens))
+        room = min(room, self.drafts.depth(req, self.drafts.spec.num_speculative_tokens,
+                                           len(self.running)))
         req.draft_index, draft = self.drafts.propose(req.draft_index, req.token_ids, room)
         return draft
 

@@ -40,7 +40,12 @@ LOW_ACCEPTANCE = 0.25
 # Dynamic k: a request's next drafts go as deep as the position its acceptance rate
 # reaches with at least WORTH chance (see ``Drafts.depth``); PRIOR_KEPT and PRIOR_SEEN
 # are the pseudo-counts its estimate starts from (3 of 4: 0.75, five drafts at first).
+# From BUSY_BATCH running requests on, a step's rows cost compute, not just a pass over
+# the weights: a draft must then be kept with WORTH_BUSY chance (bench.spec on the
+# CPU, SmolLM2-135M: plain chat at batch 16 lost 8% with WORTH, copying gained 2x).
 WORTH = 0.2
+WORTH_BUSY = 0.6
+BUSY_BATCH = 8
 PRIOR_KEPT, PRIOR_SEEN = 3, 4
 
 
@@ -123,20 +128,24 @@ class Drafts:
         return req.spec_drafted >= PROBATION and req.spec_accepted < LOW_ACCEPTANCE * req.spec_drafted
 
     @staticmethod
-    def depth(req, k: int) -> int:
-        """How many drafts ``req``'s next step verifies, at most ``k`` (dynamic k).
-        Drafts are kept position by position until the first refusal, so with a
-        per-position acceptance rate a the j-th draft is kept with chance a^j; each one
-        costs a verify row whether kept or not. The rate is estimated from the request's
-        own history as kept / (kept + refusals) (one refusal ends each step that did not
-        keep all its drafts), smoothed by a prior; the depth is the last j with
+    def depth(req, k: int, running: int = 1) -> int:
+        """How many drafts ``req``'s next step verifies, at most ``k`` (dynamic k; 0:
+        none this step). Drafts are kept position by position until the first refusal,
+        so with a per-position acceptance rate a the j-th draft is kept with chance a^j;
+        each one costs a verify row whether kept or not. The rate is estimated from the
+        request's own history as kept / (kept + refusals) (one refusal ends each step that
+        did not keep all its drafts), smoothed by a prior; the depth is the last j with
         a^j >= WORTH, so a request whose drafts are mostly right drafts deep and one
-        often wrong drafts one or two, before ``gave_up`` stops it."""
+        often wrong drafts one or two, before ``gave_up`` stops it. With ``running`` at
+        BUSY_BATCH or more (rows cost compute) the bar is WORTH_BUSY: copying still
+        drafts, plain text mostly not."""
         rate = (req.spec_accepted + PRIOR_KEPT) / (
             req.spec_accepted + req.spec_refusals + PRIOR_SEEN)
         if rate >= 1.0:
             return k
-        return max(1, min(k, int(math.log(WORTH) / math.log(rate))))
+        busy = running >= BUSY_BATCH
+        depth = int(math.log(WORTH_BUSY if busy else WORTH) / math.log(rate))
+        return min(k, depth if busy else max(1, depth))
 
     def worth_waiting(self, req, ids: list[int]) -> bool:
         """Whether ``req`` should give up its run-ahead step for drafts: the drafter

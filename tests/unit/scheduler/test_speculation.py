@@ -272,3 +272,31 @@ def test_dynamic_k_follows_each_requests_acceptance():
     assert step.chunks[0].draft == [13]
     planner.postprocess(step, [99], accepted=[0])  # refused: one more refusal counted
     assert (req.spec_drafted, req.spec_accepted, req.spec_refusals) == (12, 2, 11)
+
+
+def test_a_busy_batch_drafts_only_for_requests_whose_drafts_are_mostly_kept():
+    """From BUSY_BATCH running requests on, a verify row costs compute: a draft must be
+    kept with WORTH_BUSY chance. A request at the prior (0.75) or copying still drafts;
+    one at about a half drafts nothing and keeps its run-ahead step."""
+    from scheduler.speculation import BUSY_BATCH, Drafts
+    copying, plain = _req("c", [1]), _req("p", [1])
+    copying.spec_accepted, copying.spec_refusals = 60, 2
+    plain.spec_accepted, plain.spec_refusals = 10, 10
+    assert Drafts.depth(copying, 4, BUSY_BATCH) == 4
+    assert Drafts.depth(_req("f", [1]), 4, BUSY_BATCH) == 1  # 0.75 >= 0.6 > 0.75^2
+    assert Drafts.depth(plain, 4, BUSY_BATCH) == 0
+    assert Drafts.depth(plain, 4, BUSY_BATCH - 1) == 2  # (0.52^2 >= 0.2)
+    planner = Planner(BlockAllocator(256), block_size=BS, max_num_seqs=16,
+                      max_num_batched_tokens=256,
+                      speculative=SpeculativeSpec(num_speculative_tokens=3,
+                                                  prompt_lookup_min=2, prompt_lookup_max=3))
+    text = [10, 11, 12, 13, 14, 15, 16]
+    reqs = [_req(f"r{i}", text + [20] + text[:2]) for i in range(BUSY_BATCH)]
+    for r in reqs:
+        planner.waiting.push(r)
+        r.spec_accepted, r.spec_refusals = 10, 10
+    planner.postprocess(planner.plan(), [12] * BUSY_BATCH)
+    step = planner.plan()
+    assert [c.draft for c in step.chunks] == [[]] * BUSY_BATCH
+    ahead = planner.plan(lookahead=True)  # nothing to wait for: every one runs ahead
+    assert len(ahead.chunks) == BUSY_BATCH
