@@ -54,7 +54,7 @@ class Collected:
     def add(self, delta: ipc.TextDelta) -> None:
         """Offsets as a stream computes them (each delta's tokens from the start of its
         text), so the whole answer's ``text_offset`` is the streamed one's concatenation."""
-        self.text_offset += running_offsets(delta.logprobs or [], self._chars)
+        self.text_offset += offsets_of(delta, self._chars)
         self._chars += len(delta.text)
         self.parts.append(delta.text)
         self.completion_tokens.append(delta.completion_tokens)
@@ -70,6 +70,15 @@ class Collected:
     @property
     def text(self) -> str:
         return "".join(self.parts)
+
+
+def offsets_of(delta: ipc.TextDelta, emitted: int) -> list[int]:
+    """The text offsets of a delta's logprobs entries: the detokenizer's (where each
+    token starts in the generated text), else counted from ``emitted``, the characters
+    of the deltas before it (``running_offsets``)."""
+    if delta.text_offsets is not None:
+        return list(delta.text_offsets)
+    return running_offsets(delta.logprobs or [], emitted)
 
 
 def running_offsets(entries: list[ipc.DecodedLogprob], offset: int) -> list[int]:

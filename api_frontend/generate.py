@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,12 +58,17 @@ def complete_report(report: CandorReport, info: ipc.RequestInfo) -> CandorReport
     return report
 
 
-def speculative_counts(got: list[Collected | None]) -> SpeculativeReport | None:
-    """The drafts verified and accepted over a response's sequences (n identical choices
-    share one), or None where none drafted."""
-    lasts = {id(c): c.last for c in got if c is not None and c.last is not None}.values()
+def speculative_counts(lasts: Iterable[ipc.TextDelta], exact: bool | None
+                       ) -> SpeculativeReport | None:
+    """The drafts verified and accepted over a response's sequences (each sequence's last
+    delta once: n identical choices share one), or None where none drafted. ``exact``:
+    whether the replicas verified with batch-invariant kernels (``Flight.deterministic``),
+    without which a kept draft may differ from what decoding alone would give."""
+    lasts = list(lasts)
     drafted = sum(d.spec_drafted for d in lasts)
-    return SpeculativeReport(drafted, sum(d.spec_accepted for d in lasts)) if drafted else None
+    if not drafted:
+        return None
+    return SpeculativeReport(drafted, sum(d.spec_accepted for d in lasts), exact)
 
 
 def _fold_reports(report: CandorReport, infos: list[ipc.RequestInfo]) -> CandorReport:
@@ -214,7 +219,9 @@ async def run_generation(request: web.Request, engine: EngineClient, card: Model
             async for d in flight.deltas():
                 got[tr.choices[d.rid][0]].add(d)
                 flight.finished(d)
-            report.speculative = speculative_counts(got)
+            report.speculative = speculative_counts(
+                {id(c): c.last for c in got if c is not None and c.last is not None}.values(),
+                report.deterministic)
             body = _JSON.encode(assembler.final(got))
             engine.record_finish(response_key, got[0].last.finish_reason or "none")
             return web.Response(body=body, content_type="application/json", headers=headers)
@@ -241,8 +248,15 @@ async def _stream(request: web.Request, engine: EngineClient, parsed, tr: Transl
         await response.write(sse(chunk))
     started: set[int] = set()
     lasts: dict[int, ipc.TextDelta] = {}
+    ends: dict[str, ipc.TextDelta] = {}  # each sequence's last delta (its spec counts)
     try:
         async for delta in flight.deltas():
+            if delta.finish_reason is not None:
+                ends[delta.rid] = delta
+            # the chunk that finishes the stream's last choice carries the speculative
+            # counts, unless a usage chunk follows it (then that one does)
+            closing = (not include_usage and delta.finish_reason is not None
+                       and flight.unfinished <= {delta.rid})
             for choice in tr.choices[delta.rid]:
                 if choice not in started:
                     started.add(choice)
@@ -254,6 +268,8 @@ async def _stream(request: web.Request, engine: EngineClient, parsed, tr: Transl
                         assembler.logprobs and delta.logprobs):
                     chunk = assembler.chunk(choice, delta, continuous)
                     if chunk is not None:
+                        if closing and choice == tr.choices[delta.rid][-1]:
+                            _close_report(chunk, ends, flight)
                         await response.write(sse(chunk))
                 lasts[choice] = delta
             flight.finished(delta)
@@ -263,8 +279,18 @@ async def _stream(request: web.Request, engine: EngineClient, parsed, tr: Transl
         engine.record_finish(response_key, "error")
         return response
     if include_usage:
-        await response.write(sse(assembler.usage_chunk([lasts[i] for i in sorted(lasts)])))
+        chunk = assembler.usage_chunk([lasts[i] for i in sorted(lasts)])
+        _close_report(chunk, ends, flight)
+        await response.write(sse(chunk))
     await response.write(DONE_FRAME)
     await response.write_eof()
     engine.record_finish(response_key, lasts[0].finish_reason or "none")
     return response
+
+
+def _close_report(chunk, ends: dict[str, ipc.TextDelta], flight: Flight) -> None:
+    """A stream's last chunk: its ``candor`` holds the response's speculative counts
+    (the whole report went out on the first frame, before any count was known)."""
+    counts = speculative_counts(ends.values(), flight.deterministic())
+    if counts is not None:
+        chunk.candor = CandorReport(speculative=counts)

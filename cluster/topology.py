@@ -129,7 +129,12 @@ class ModelSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model", "eagle", "eagle3", "medusa", "mlp_speculator",
                        "mtp")
-SERVED_SPECULATIVE_METHODS = ("ngram",)
+SERVED_SPECULATIVE_METHODS = ("ngram", "suffix")
+# vLLM's defaults for suffix decoding's keys
+SUFFIX_DEFAULTS = {"suffix_decoding_max_tree_depth": 24,
+                   "suffix_decoding_max_cached_requests": 10000,
+                   "suffix_decoding_max_spec_factor": 1.0,
+                   "suffix_decoding_min_token_prob": 0.1}
 
 
 class SpeculativeSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -141,14 +146,26 @@ class SpeculativeSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ``method`` ngram (prompt lookup): the drafts follow the latest earlier occurrence of
     the sequence's last n tokens, longest n first, ``prompt_lookup_min`` <= n <=
     ``prompt_lookup_max`` (vLLM's defaults: both 5 when neither is given, else the one
-    given). ``disable_by_batch_size``: no drafts while this many requests or more are
+    given); ``num_speculative_tokens`` is required. ``method`` suffix (suffix decoding,
+    scheduler/suffix.py): the drafts follow the longest recent suffix (at most
+    ``suffix_decoding_max_tree_depth`` ids) that occurred in the request's own ids or in
+    the outputs of the last ``suffix_decoding_max_cached_requests`` finished requests,
+    along their most frequent continuation, at most ``suffix_decoding_max_spec_factor``
+    times the match length, while its estimated probability stays at least
+    ``suffix_decoding_min_token_prob``; ``num_speculative_tokens`` defaults to the tree
+    depth, as vLLM's (at most 32 here). A key of the other method is refused, never
+    ignored. ``disable_by_batch_size``: no drafts while this many requests or more are
     running (a full batch is compute-bound; verifying drafts then costs more than it
     saves). Other methods are refused at start: not yet served."""
 
     method: Literal[SPECULATIVE_METHODS] = "ngram"
-    num_speculative_tokens: Annotated[int, Meta(ge=1, le=32)]
+    num_speculative_tokens: Annotated[int, Meta(ge=1, le=32)] | None = None
     prompt_lookup_min: Annotated[int, Meta(ge=1, le=64)] | None = None
     prompt_lookup_max: Annotated[int, Meta(ge=1, le=64)] | None = None
+    suffix_decoding_max_tree_depth: Annotated[int, Meta(ge=1, le=64)] | None = None
+    suffix_decoding_max_cached_requests: Annotated[int, Meta(ge=0, le=1_000_000)] | None = None
+    suffix_decoding_max_spec_factor: Annotated[float, Meta(gt=0.0, le=64.0)] | None = None
+    suffix_decoding_min_token_prob: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
     disable_by_batch_size: Annotated[int, Meta(ge=2)] | None = None
     model: str | None = None  # a draft checkpoint (draft_model, eagle*): not yet served
 
@@ -159,6 +176,22 @@ class SpeculativeSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.model is not None:
             raise ValueError(f"speculative method {self.method!r} takes no `model` (it drafts "
                              "from the sequence itself)")
+        lookup = [k for k in ("prompt_lookup_min", "prompt_lookup_max")
+                  if getattr(self, k) is not None]
+        suffix = [k for k in SUFFIX_DEFAULTS if getattr(self, k) is not None]
+        if self.method == "suffix":
+            if lookup:
+                raise ValueError(f"{', '.join(lookup)}: method ngram's, not suffix's")
+            for key, value in SUFFIX_DEFAULTS.items():
+                if getattr(self, key) is None:
+                    setattr(self, key, value)
+            if self.num_speculative_tokens is None:
+                self.num_speculative_tokens = min(32, self.suffix_decoding_max_tree_depth)
+            return
+        if suffix:
+            raise ValueError(f"{', '.join(suffix)}: method suffix's, not {self.method}'s")
+        if self.num_speculative_tokens is None:
+            raise ValueError(f"method {self.method!r} needs num_speculative_tokens")
         low, high = self.prompt_lookup_min, self.prompt_lookup_max
         if low is None and high is None:
             low = high = 5

@@ -114,8 +114,11 @@ class Detokenizer:
                     state.prompt_ids, state.cached_tokens,
                     self.texts.decode(out.logprobs[:len(consumed)] if out.logprobs else None),
                     self.texts.decode(out.prompt_logprobs),
+                    text_offsets=detok.offsets[before:detok.num_tokens] if out.logprobs else None,
                     stop_string=detok.stop_string if finish is not None else None,
-                    spec_drafted=out.spec_drafted, spec_accepted=out.spec_accepted))
+                    # the engine's counts so far: on the last delta, whoever ended it
+                    spec_drafted=out.spec_drafted if finish is not None else 0,
+                    spec_accepted=out.spec_accepted if finish is not None else 0))
                 state.prompt_ids = None
             if finish is not None:
                 del live[out.rid]

@@ -36,6 +36,10 @@ class RequestDetokenizer:
         self.stopped = False    # a stop string matched
         self.stop_string: str | None = None  # which one (the first in the text)
         self._min_end = 0       # stop strings must end after this (min_tokens' text)
+        # per consumed token, where its text starts in ``text`` (the characters decoded
+        # before it): logprobs' text_offset, the same however the ids are grouped into
+        # deltas (several per delta under speculative decoding)
+        self.offsets: list[int] = []
 
     def add_tokens(self, token_ids: list[int], stopping: bool = False) -> None:
         """Consume generated ids; ``stopping``: the last one ended the sequence (EOS or a
@@ -52,6 +56,7 @@ class RequestDetokenizer:
         if self.stopped:
             return
         self.num_tokens += 1
+        self.offsets.append(len(self.text))
         if not text:
             return
         piece = self._stream.step(self._tokenizer, token_id)

@@ -73,7 +73,9 @@ def main() -> None:
         load_format=cfg.load_format, seed=eng.seed, enforce_eager=eng.enforce_eager,
         max_num_seqs=eng.max_num_seqs, ranks=ranks, deterministic=eng.deterministic,
         pooling=read_pooling_config(cfg.model_path) if cfg.runner == "pooling" else None,
-        lora=cfg.lora)
+        lora=cfg.lora,
+        forced_drafts=(eng.speculative_config.num_speculative_tokens
+                       if eng.speculative_config is not None else 0))
     kv_mib = runner.num_blocks * runner.block_bytes / 2**20
     log.info("rank %d/%d: model loaded in %.2fs (%d threads), dtype %s (%s); KV cache %d blocks "
              "= %.0f MiB = %d tokens (%s)", rank, size, time.perf_counter() - started,

@@ -11,6 +11,16 @@ A matcher that rejects a fed token, errs, or allows nothing is that request's ow
 state: it is reported (``Failures``), its mask row allows no token (so the sampler
 cannot draw one), and only that request fails; the step goes on for the others.
 
+Speculative decoding: a constrained chunk's drafts are checked against its matcher before
+the forward pass (``check_drafts``: cut at the first one the grammar refuses, which the
+model could never have sampled there), its verify rows get one mask each (``masks``: the
+matcher walks the drafts and is rolled back to the chunk's fed tokens), and after
+sampling the matcher takes the kept drafts and the sampled token at once
+(``advance``), which tells the tokens the grammar now forces (llguidance's fast-forward
+tokens): the scheduler drafts them next, free drafts whose rows can sample nothing else.
+A matcher may so run one token ahead of the KV cache; the next chunk feeds that token
+again, and ``observe`` skips what it already holds.
+
 The vocabulary view is built on a thread at start-up (about a second on a large
 vocabulary) so the first constrained request does not stall the step loop; matchers are
 copied from a prototype per grammar text (compiled once, cached).
@@ -123,12 +133,14 @@ class GrammarStates:
         self._states.pop(rid, None)
 
     def observe(self, seq: SeqChunk, params: SamplingParams | None) -> None:
-        """Advance ``seq.rid``'s matcher over the generated tokens this chunk feeds."""
+        """Advance ``seq.rid``'s matcher over the generated tokens this chunk feeds (not
+        its drafts: they are verified, not known)."""
         state = self._states.get(seq.rid)
         if state is None or params is None:
             return
         first = seq.start_pos - params.num_prompt_tokens  # index among generated tokens
-        for k, token in enumerate(seq.token_ids):
+        fed = seq.token_ids[:len(seq.token_ids) - len(seq.draft)] if seq.draft else seq.token_ids
+        for k, token in enumerate(fed):
             i = first + k
             if i < 0:
                 continue
@@ -143,6 +155,32 @@ class GrammarStates:
                 raise ValueError(f"{seq.rid}: token {token} breaks its grammar: "
                                  f"{state.matcher.get_error()}")
             state.consumed.append(token)
+
+    def check_drafts(self, seq: SeqChunk, params: SamplingParams) -> None:
+        """Cut ``seq.draft`` before the first token its grammar refuses after the chunk's
+        fed tokens (the matcher advanced over them now: the mask thread then finds them
+        consumed). A matcher that refuses a fed token keeps no drafts: the step's own
+        ``observe`` reports it."""
+        state = self._states.get(seq.rid)
+        if state is None or not seq.draft:
+            return
+        try:
+            self.observe(seq, params)
+        except ValueError:
+            seq.draft = []
+            return
+        seq.draft = seq.draft[:state.matcher.validate_tokens(seq.draft)]
+
+    def advance(self, rid: str, tokens: list[int], limit: int) -> list[int]:
+        """After sampling: the matcher takes ``tokens`` (the kept drafts and the sampled
+        token) and returns up to ``limit`` tokens its grammar forces next. Refused: none
+        (the next chunk feeds them again, and its ``observe`` fails the request)."""
+        state = self._states[rid]
+        for token in tokens:
+            if not state.matcher.consume_token(token):  # its error state stays for the
+                return []                                 # next observe to report
+            state.consumed.append(token)
+        return state.matcher.compute_ff_tokens()[:limit] if limit else []
 
     @staticmethod
     def _rollback(rid: str, state: _State, n: int) -> None:
@@ -167,52 +205,84 @@ class GrammarStates:
         return failed
 
     def masks_soon(self, fed: list[tuple[SeqChunk, SamplingParams | None]],
-                   rids: list[str]) -> Future:
+                   rids: list[str], drafts: list[list[int]] | None = None) -> Future:
         """On the mask thread: advance the matchers over this step's ``fed`` chunks, then
-        ``masks(rids)``: the future's result is (bitmasks, failures)."""
+        ``masks(rids, drafts)``: the future's result is (bitmasks, failures)."""
         def job() -> tuple[torch.Tensor, Failures]:
             failed = self.observe_all(fed)
-            return self.masks(rids, failed), failed
+            return self.masks(rids, failed, drafts), failed
         return self._pool.submit(job)
 
-    def masks(self, rids: list[str], failed: Failures) -> torch.Tensor:
-        """Packed allowed-token bitmasks ([len(rids), ceil(vocab/32)] int32), one row per
-        rid, from each matcher's current state. A row whose request ``failed``, or whose
-        matcher errs or allows nothing (added to ``failed``), allows no token."""
-        bitmask = llg_torch.allocate_token_bitmask(len(rids), self.vocab_size)
+    def masks(self, rids: list[str], failed: Failures,
+              drafts: list[list[int]] | None = None) -> torch.Tensor:
+        """Packed allowed-token bitmasks ([rows, ceil(vocab/32)] int32) from each
+        matcher's current state: one row per rid, or 1 + k for a rid whose chunk verifies
+        k ``drafts`` (row j: the mask after its first j drafts; the matcher walks them
+        and is rolled back). A rid that ``failed``, or whose matcher errs or allows
+        nothing at its first row (added to ``failed``), allows no token. A later verify
+        row that allows nothing (never seen: the drafts were checked) only cannot be
+        sampled: its request fails only if the verification reaches it."""
+        drafts = drafts or [[] for _ in rids]
+        bitmask = llg_torch.allocate_token_bitmask(sum(1 + len(d) for d in drafts),
+                                                   self.vocab_size)
         row_bytes = bitmask.shape[1] * 4
         base = bitmask.data_ptr()
-        for row, rid in enumerate(rids):  # the engine writes each row in place
-            if rid in failed:
-                bitmask[row] = 0
-            else:
-                self._states[rid].matcher.unsafe_compute_mask_ptr(base + row * row_bytes,
-                                                                  row_bytes)
         words = bitmask.numpy()
-        self._check_special(rids, words)
-        empty = np.flatnonzero(~words.any(axis=1)).tolist()
-        for row in empty + [r for r, rid in enumerate(rids)
-                            if self._states[rid].matcher.is_error() and r not in empty]:
-            rid = rids[row]
-            if rid not in failed:  # cannot happen for a grammar that compiled
-                error = self._states[rid].matcher.get_error() or "no token allowed"
-                log.error("%s: grammar allows no token: %s", rid, error)
-                failed[rid] = _grammar_failure(f"the output constraint allows no token: {error}")
-            bitmask[row] = 0
+        heads: list[int] = []  # each rid's first row (the one a decode would have)
+        plain: list[int] = []  # rows whose special ids are checked together, and theirs
+        plain_rids: list[str] = []
+        row = 0
+        for rid, draft in zip(rids, drafts):  # the engine writes each row in place
+            heads.append(row)
+            if rid in failed:
+                bitmask[row:row + 1 + len(draft)] = 0
+                row += 1 + len(draft)
+                continue
+            matcher = self._states[rid].matcher
+            if not draft:
+                matcher.unsafe_compute_mask_ptr(base + row * row_bytes, row_bytes)
+                plain.append(row)
+                plain_rids.append(rid)
+                row += 1
+                continue
+            walked = 0
+            for j in range(len(draft) + 1):
+                matcher.unsafe_compute_mask_ptr(base + row * row_bytes, row_bytes)
+                self._check_special([rid], words, [row])
+                row += 1
+                if j < len(draft):
+                    if not matcher.consume_token(draft[j]):
+                        bitmask[row:row + len(draft) - j] = 0
+                        row += len(draft) - j
+                        break
+                    walked += 1
+            matcher.rollback(walked)
+        if plain:
+            self._check_special(plain_rids, words, plain)
+        empty = set(np.flatnonzero(~words.any(axis=1)).tolist())
+        for rid, head in zip(rids, heads):
+            if rid in failed or (head not in empty and not self._states[rid].matcher.is_error()):
+                continue
+            # cannot happen for a grammar that compiled
+            error = self._states[rid].matcher.get_error() or "no token allowed"
+            log.error("%s: grammar allows no token: %s", rid, error)
+            failed[rid] = _grammar_failure(f"the output constraint allows no token: {error}")
+            bitmask[head] = 0
         return bitmask
 
-    def _check_special(self, rids: list[str], words: np.ndarray) -> None:
+    def _check_special(self, rids: list[str], words: np.ndarray, rows: list[int]) -> None:
         """The engine's mask can allow a special token where the grammar spells its text,
         which the matcher then refuses: such bits are cleared (cheap: few special ids).
-        ``words``: the bitmask's int32 words, written in place."""
+        ``words``: the bitmask's int32 words, written in place; ``rows`` the rows to
+        check, ``rids`` theirs, each matcher at its row's state."""
         special = self._special
         if special is None or not len(special):
             return
-        bits = (words[:, special // 32] >> (special % 32).astype(np.int32)) & 1
-        for row, k in zip(*np.nonzero(bits)):
+        bits = (words[rows][:, special // 32] >> (special % 32).astype(np.int32)) & 1
+        for i, k in zip(*np.nonzero(bits)):
             token = int(special[k])
-            if self._states[rids[row]].matcher.validate_tokens([token]) == 0:
-                words[row, token // 32] &= np.int32(_int32(~(1 << (token % 32))))
+            if self._states[rids[i]].matcher.validate_tokens([token]) == 0:
+                words[rows[i], token // 32] &= np.int32(_int32(~(1 << (token % 32))))
 
     def apply_masks(self, logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
         """``apply_masks`` with the compiled kernel where it applies (CPU fp32 logits):

@@ -27,8 +27,11 @@ layers and attention make an M = 1 + k row equal an M = 1 decode row, bitwise), 
 processors over the history up to that position (penalties, min_tokens, logit_bias), the
 same seeded noise at the same generated position (the sampler). The longest run of drafts
 equal to the rows' own tokens is kept, plus the token after it; the step's result says how
-many (``StepResult.accepted``). Constrained requests are never sent drafts (their matcher
-would need rolling back); a chunk that has both is refused as a plan error.
+many (``StepResult.accepted``). A constrained chunk's drafts are first cut where its
+grammar refuses one (``GrammarStates.check_drafts``), and each verify row gets the mask of
+its own position; after sampling its matcher takes the kept drafts and the token, and the
+tokens the grammar then forces go back to the scheduler as the next step's drafts
+(``StepResult.forced``, up to ``forced_drafts`` of them).
 
 Images (a LLaVA checkpoint): a chunk names the images its positions overlap
 (``SeqChunk.images``); ``images`` (``image_cache``) encodes each once, keeps its
@@ -138,6 +141,7 @@ class ModelRunner:
         pooling: PoolingConfig | None = None,
         deterministic: bool | None = None,
         lora: LoraSpec | None = None,
+        forced_drafts: int = 0,
     ) -> None:
         self.config = cfg = load_config(model_path)
         self.pooling = pooling
@@ -183,6 +187,10 @@ class ModelRunner:
             pooling, self.model.final_norm,
             self.model.classify if pooling.task == "classify" else None)
         self.accepted: dict[int, int] = {}  # id(chunk) -> drafts kept, this step
+        # speculative decoding: a constrained request's tokens its grammar forces after
+        # this step's sample, reported up to this many (0: speculation off, none)
+        self.forced_drafts = forced_drafts
+        self.forced: dict[int, list[int]] = {}  # id(chunk) -> them, this step
         # the KV connectors' loads into the cache, (runner, plan) -> None, run before the
         # forward of a plan with KV work (gpu_worker/kv_connectors: KvConnectors.load)
         self.load_kv = None
@@ -399,11 +407,13 @@ class ModelRunner:
             seq.token_ids[-1] = last
 
     def _feed_drafts(self, seq: SeqChunk) -> None:
-        """A decode chunk with drafts feeds them after its token (verified in ``_sample``)."""
+        """A decode chunk with drafts feeds them after its token (verified in ``_sample``),
+        those its grammar allows (a constrained request's)."""
         if not seq.draft:
             return
-        if not seq.sample or len(seq.token_ids) != 1 or self.grammars.constrained([seq.rid]):
-            raise ValueError(f"{seq.rid}: drafts on a chunk that is not an unconstrained decode")
+        if not seq.sample or len(seq.token_ids) != 1:
+            raise ValueError(f"{seq.rid}: drafts on a chunk that is not a decode")
+        self.grammars.check_drafts(seq, self.sampling.get(seq.rid))
         seq.token_ids = [*seq.token_ids, *seq.draft]
 
     def _apply_blocks(self, seq: SeqChunk) -> None:
@@ -452,6 +462,7 @@ class ModelRunner:
                 self._check(seq)
                 self.images.admit(seq)
             self.accepted.clear()
+            self.forced.clear()
             sampled: list[int] = []
             logprobs: list[SampleLogprobs | None] = []
             pooled: list[bytes] = []
@@ -479,11 +490,13 @@ class ModelRunner:
                 pooled = [vectors.get(id(s), b"") for s in plan.seqs if s.sample]
         accepted = ([self.accepted.get(id(s), 0) for s in plan.seqs if s.sample]
                     if self.accepted else [])
+        forced = ([self.forced.get(id(s), []) for s in plan.seqs if s.sample]
+                  if self.forced else [])
         total = time.perf_counter() - t0
         tm.prepare += total - (tm.forward + tm.sample + tm.grammar - inner_before)
         return StepResult(step_id=plan.step_id, sampled=sampled, forward_s=total,
                           logprobs=logprobs, timings=tm, failed=failed, pooled=pooled,
-                          accepted=accepted)
+                          accepted=accepted, forced=forced)
 
     def _forward(self, seqs: list[SeqChunk]) -> _Sampled:
         # Flattened order: prefill chunks, then decodes (attention batches those).
@@ -514,7 +527,8 @@ class ModelRunner:
             sampled, logprobs, failed = self._run(batch, None)
             return sampled, logprobs, {**refused, **failed}
         # matchers advance and masks are built on their thread while the model runs
-        pending = self.grammars.masks_soon(fed, [rids[i] for i in masked])
+        pending = self.grammars.masks_soon(fed, [rids[i] for i in masked],
+                                           [to_sample[i].draft for i in masked])
         self.timings.grammar += time.perf_counter() - t0
         try:
             return self._run(batch, (masked, pending))
@@ -599,7 +613,8 @@ class ModelRunner:
         if pending is not None:  # the grammars' failures: their rows allow no token
             t0 = time.perf_counter()
             bitmask, failed = pending[1].result()
-            masks = ([first[i] for i in pending[0]], bitmask)  # (constrained: one row each)
+            masks = ([first[i] + j for i in pending[0] for j in range(1 + len(to_sample[i].draft))],
+                     bitmask)  # (a constrained chunk: one row per verify position)
             waited = time.perf_counter() - t0
             self.timings.grammar += waited
             self.timings.sample -= waited  # _run adds the whole of _sample
@@ -629,6 +644,10 @@ class ModelRunner:
                 out.append(None)
                 continue
             self.last_sampled[s.rid] = token
+            if self.forced_drafts and pending is not None and p.grammar is not None \
+                    and s.rid not in failed:
+                self.forced[id(s)] = self.grammars.advance(s.rid, [*s.draft[:kept], token],
+                                                           self.forced_drafts)
             prompt = self.tracker.take_prompt_logprobs(s.rid) if p.prompt_logprobs >= 0 else None
             out.append(None if lp is None and prompt is None else
                        SampleLogprobs(lp if lp is not None else TokenLogprob(-1, None), prompt,

@@ -288,8 +288,10 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-config", "-sc", type=_json_object, default=None,
                    metavar="JSON",
                    help='speculative decoding, vLLM\'s keys, e.g. \'{"method": "ngram", '
-                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\'; the answer '
-                        'is the same bits as without it')
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' or '
+                        '\'{"method": "suffix"}\' (suffix_decoding_* keys); the answer is the '
+                        'same bits as without it where the deterministic mode is on (each '
+                        'response says: candor.speculative.exact)')
 
     g = serve.add_argument_group("LoRA adapters (vLLM's names)")
     g.add_argument("--enable-lora", action="store_true",

@@ -335,7 +335,9 @@ class SeqChunk(msgspec.Struct, array_like=True):
     chunk only, its last token known). The worker feeds them at the next positions and
     verifies them: it keeps the longest run equal to what it samples at each position and
     samples one token after that run (``StepResult.accepted``); the KV slots of the rest
-    are rewritten later and never cached.
+    are rewritten later and never cached. A constrained request's drafts past the first
+    its grammar refuses are dropped by the worker before the forward pass (they count as
+    rejected).
 
     ``images``: the prompt images whose placeholder span these positions overlap. An
     image's pixels travel once, with the first chunk that needs them since the request
@@ -551,6 +553,10 @@ class StepResult(_Message, tag="result"):
     # speculative decoding: how many of each sampling chunk's ``draft`` were kept before
     # its ``sampled`` token, aligned with ``sampled`` (empty: no chunk had drafts)
     accepted: list[int] = []
+    # speculative decoding: the tokens a constrained request's grammar forces after its
+    # ``sampled`` token (its next step's free drafts), aligned with ``sampled`` (empty:
+    # no constrained request sampled, or speculation is off)
+    forced: list[list[int]] = []
 
 
 class KvReceived(_Message, tag="kv_received"):
@@ -596,7 +602,9 @@ class TokenOutput(msgspec.Struct, array_like=True):
     prompt_logprobs: list[TokenLogprob] | None = None
     # why, when finish_reason is "error" (None: a step it was in failed)
     failure: RequestFailure | None = None
-    # speculative decoding, on the last output: draft tokens verified, and those kept
+    # speculative decoding, so far (cumulative, on every output once the request has
+    # drafted: a stop string the detokenizer finds may end it at any output): draft
+    # tokens verified, and those kept
     spec_drafted: int = 0
     spec_accepted: int = 0
 
@@ -623,6 +631,9 @@ class TextDelta(msgspec.Struct, array_like=True):
     cached_tokens: int = 0  # prompt tokens served by the prefix cache
     logprobs: list[DecodedLogprob] | None = None  # aligned with token_ids
     prompt_logprobs: list[DecodedLogprob] | None = None  # once, with the first delta
+    # with logprobs: where each of ``logprobs``' tokens starts in the generated text (the
+    # characters decoded before it), whatever the grouping of tokens into deltas
+    text_offsets: list[int] | None = None
     spec_drafted: int = 0  # on the last delta: speculative draft tokens verified
     spec_accepted: int = 0  # and of those, the ones kept
     stop_string: str | None = None  # on the last delta: the stop string that ended it

@@ -154,10 +154,17 @@ class TemplateRef(msgspec.Struct):
 
 class SpeculativeReport(msgspec.Struct):
     """Speculative decoding on one response (all its choices): draft tokens the model
-    verified, and those it accepted (each the token it would have produced anyway)."""
+    verified, and those it accepted. ``exact``: the replica verified them with
+    batch-invariant kernels, so each accepted draft is the token decoding without drafts
+    would have produced, bitwise (greedy and seeded: the same answer as speculation off;
+    unseeded: the same distribution). False: the replica's deterministic mode is off
+    (``--no-deterministic``, or a device without batch-invariant kernels), a verify row
+    of 1 + k positions may round differently from a one-token decode row, and the answer
+    may differ from the one speculation off would give. None: the replica has not said."""
 
     drafted: int = 0
     accepted: int = 0
+    exact: bool | None = None
 
 
 class CandorReport(msgspec.Struct, omit_defaults=True):
@@ -178,7 +185,9 @@ class CandorReport(msgspec.Struct, omit_defaults=True):
     # The replica that answered ran batch-invariant kernels: a greedy or seeded request's
     # tokens and logprobs are the same bits whatever else ran beside it.
     deterministic: bool | None = None
-    # speculative decoding's counts (a whole, non-streamed response that drafted only)
+    # speculative decoding's counts, where the response drafted: on a whole body, or on
+    # a stream's last frame (the usage chunk with include_usage, else the chunk that
+    # finishes the last choice)
     speculative: SpeculativeReport | None = None
 
 

@@ -160,7 +160,7 @@ class EngineLoop:
               failure: ipc.RequestFailure | None = None) -> None:
         sender = self._detok_for(sreq.rid)
         out = _output(sreq.rid, ids, reason, lp, cached, failure)
-        if reason is not None:  # the request's speculation, for its report
+        if sreq.spec_drafted:  # the request's speculation so far, for its report
             out.spec_drafted, out.spec_accepted = sreq.spec_drafted, sreq.spec_accepted
         batches.setdefault(id(sender), []).append(out)
 
@@ -240,6 +240,11 @@ class EngineLoop:
         self.kv.worker_ready(msg)
         self.log.info("worker ready: %d KV blocks of %d tokens, %d rank(s)", msg.num_blocks,
                       msg.block_size, self.ranks)
+        if eng.speculative_config is not None and not msg.deterministic:
+            self.log.warning("speculative decoding without batch-invariant kernels (%s): a "
+                             "verify row may round differently from a decode row, so drafts "
+                             "can change answers; each response that drafted says so "
+                             "(candor.speculative.exact: false)", msg.deterministic_note)
 
     def _on_tokenized(self, req: ipc.TokenizedReq) -> None:
         assert self.planner is not None
@@ -439,7 +444,7 @@ class EngineLoop:
         self.ops.worker_result(msg.idle_s, msg.forward_s, self.work_after_last_result,
                                msg.timings)
         for s in self.planner.postprocess(planned, msg.sampled, msg.failed,
-                                                 msg.accepted):
+                                                 msg.accepted, msg.forced):
             sreq = s.req
             if s.failure is not None and s.failure.recompute:  # its imported KV is lost
                 self._recompute(sreq, s.failure)

@@ -162,6 +162,8 @@ class Planner:
         if req.finished:
             return
         req.finished = True
+        if self.drafts is not None:
+            self.drafts.finished(req)
         self.free(req)
         if req in self.running:
             self.running.remove(req)
@@ -177,17 +179,21 @@ class Planner:
 
     def postprocess(self, step: PlannedStep, sampled: list[int],
                     failed: dict[str, RequestFailure] | None = None,
-                    accepted: list[int] | None = None) -> list[Sampled]:
+                    accepted: list[int] | None = None,
+                    forced: list[list[int]] | None = None) -> list[Sampled]:
         """A step came back with ``sampled`` (one id per sampling chunk, plan order):
         commit written blocks to the prefix cache, append each live request's token and
         finish those it ends. Requests finished meanwhile (aborts) are skipped; those
         that ``failed`` on their own are finished, their blocks never offered to the
         cache (the worker may not have written them). ``accepted``: per sampling chunk,
         how many of its drafts were kept before its token (speculative decoding); they
-        are appended first, each checked for the end as a sampled token is."""
+        are appended first, each checked for the end as a sampled token is. ``forced``:
+        per sampling chunk, the tokens a constrained request's grammar forces next (its
+        next drafts)."""
         self._returned(step)
         failed = failed or {}
         accepted = accepted or []
+        forced = forced or []
         out: list[Sampled] = []
         row = 0
         for (req, _), chunk in zip(step.members, step.chunks):
@@ -207,11 +213,13 @@ class Planner:
                 req.drafts_accepted(len(kept))
                 req.spec_drafted += len(chunk.draft)
                 req.spec_accepted += len(kept)
+                req.spec_refusals += len(kept) < len(chunk.draft)
                 if self.drafts is not None:
                     self.drafts.counts.add(len(chunk.draft), len(kept))
             if not chunk.sample:
                 self.commit(req)
                 continue
+            req.forced = forced[row - 1] if forced else []
             reason = None
             new = [*kept, sampled[row - 1]]
             for i, token in enumerate(new):
@@ -364,30 +372,39 @@ class Planner:
 
     def _speculates(self, req: SchedRequest) -> bool:
         sreq = req.req
-        return (self.drafts is not None and bool(req.num_generated)
-                and sreq.sampling.grammar is None and sreq.pooling is None
+        return (self.drafts is not None and bool(req.num_generated) and sreq.pooling is None
                 and self.drafts.allowed(len(self.running)) and not self.drafts.gave_up(req))
 
     def _waits_to_draft(self, req: SchedRequest) -> bool:
         """Whether ``req``, its next token still being sampled, skips running ahead so
         that its next step can carry drafts (they must follow the real token): only
-        while the drafter finds a match for its known tail (copying), so a request
-        with nothing to copy keeps the run-ahead step."""
+        while the drafter finds a match for its known tail (copying), or its grammar
+        forced tokens last time (a structured stretch), so a request with nothing to
+        copy keeps the run-ahead step."""
         if not req.samples_in_flight or not self._speculates(req):
             return False
-        return self.drafts.worth_waiting(req, req.token_ids)
+        if req.forced:
+            return True
+        return (self.drafts.depth(req, self.drafts.spec.num_speculative_tokens,
+                                  len(self.running)) > 0
+                and self.drafts.worth_waiting(req, req.token_ids))
 
     def _draft(self, req: SchedRequest, n: int, budget: int) -> list[int]:
         """Speculative drafts for ``req``'s next decode (see ``scheduler.speculation``):
         only for a decode whose last token is known (no placeholder), never past
         ``max_tokens`` (one token of the step is the worker's own) or the step's budget,
-        and never for a constrained or pooling request (its grammar matcher is not rolled
-        back: such requests do not speculate)."""
+        never for a pooling request. A constrained request drafts the tokens its grammar
+        forces (free: its rows can sample nothing else) where there are any, else what
+        the drafter proposes (the worker drops those its grammar refuses)."""
         sreq = req.req
         if n != 1 or req.samples_in_flight or not self._speculates(req):
             return []
         room = min(sreq.max_tokens - req.num_generated - 1, budget - n)
-        req.ngram, draft = self.drafts.propose(req.ngram, req.token_ids, room)
+        if req.forced:  # kept for sure: as many as k allows
+            return req.forced[:max(0, min(room, self.drafts.spec.num_speculative_tokens))]
+        room = min(room, self.drafts.depth(req, self.drafts.spec.num_speculative_tokens,
+                                           len(self.running)))
+        req.draft_index, draft = self.drafts.propose(req.draft_index, req.token_ids, room)
         return draft
 
     def _add(self, step: PlannedStep, req: SchedRequest, n: int,

@@ -33,9 +33,14 @@ class SchedRequest:
     # speculative decoding: a step in flight feeds drafts after this request's last token
     # (until it returns, where the request stands is unknown: no run-ahead for it)
     speculating: bool = False
-    ngram: object | None = None  # its drafter's index (scheduler.speculation.NgramIndex)
+    # its drafter's index of its ids (scheduler.speculation.NgramIndex, suffix.SuffixIndex)
+    draft_index: object | None = None
     spec_drafted: int = 0  # draft tokens verified for it, and those accepted (its report)
     spec_accepted: int = 0
+    spec_refusals: int = 0  # its drafting steps that did not keep every draft (dynamic k)
+    # the tokens its grammar forces after its last token (the worker's latest word on it:
+    # StepResult.forced), drafted next; empty for an unconstrained request
+    forced: list[int] = field(default_factory=list)
     # leading prompt images whose pixels went to the worker since it was (re)admitted
     images_sent: int = 0
 

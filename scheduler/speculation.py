@@ -1,8 +1,10 @@
-"""Draft tokens for speculative decoding, proposed by the scheduler from a request's own ids.
+"""Draft tokens for speculative decoding, proposed by the scheduler from a request's own ids
+(and, for ``suffix``, recently finished requests' outputs).
 
-The drafter is deterministic (prompt lookup, vLLM's ``ngram``): the drafts after a
+The drafters are deterministic. Prompt lookup (vLLM's ``ngram``): the drafts after a
 sequence are the tokens that followed the latest earlier occurrence of its last ``n`` ids,
-for the longest ``n`` in ``prompt_lookup_min..prompt_lookup_max`` that occurs. The worker
+for the longest ``n`` in ``prompt_lookup_min..prompt_lookup_max`` that occurs. Suffix
+decoding (``suffix``): see ``scheduler.suffix``. The worker
 verifies them (gpu_worker/model_runner.py ``_verify``): it keeps the longest run of drafts
 equal to what it would have sampled at each position and adds the token it samples after
 them, so a draft never changes the answer, only how many positions one step computes.
@@ -23,15 +25,28 @@ proposal costs ``max - min + 1`` dict lookups, whatever the context length.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from cluster.topology import SpeculativeSpec
+from scheduler.suffix import SuffixCache, SuffixIndex
+from scheduler.suffix import propose as suffix_propose
 
 
 # A request whose drafts were verified PROBATION times over and kept under LOW_ACCEPTANCE
 # of the time stops speculating: each drafting step costs it the run-ahead overlap.
 PROBATION = 12
 LOW_ACCEPTANCE = 0.25
+# Dynamic k: a request's next drafts go as deep as the position its acceptance rate
+# reaches with at least WORTH chance (see ``Drafts.depth``); PRIOR_KEPT and PRIOR_SEEN
+# are the pseudo-counts its estimate starts from (3 of 4: 0.75, five drafts at first).
+# From BUSY_BATCH running requests on, a step's rows cost compute, not just a pass over
+# the weights: a draft must then be kept with WORTH_BUSY chance (bench.spec on the
+# CPU, SmolLM2-135M: plain chat at batch 16 lost 8% with WORTH, copying gained 2x).
+WORTH = 0.2
+WORTH_BUSY = 0.6
+BUSY_BATCH = 8
+PRIOR_KEPT, PRIOR_SEEN = 3, 4
 
 
 @dataclass
@@ -86,11 +101,19 @@ class SpecCounts:
 
 
 class Drafts:
-    """The drafter of one engine replica (``SpeculativeSpec``)."""
+    """The drafter of one engine replica (``SpeculativeSpec``): its method, and for
+    ``suffix`` the cache of finished requests' outputs it also drafts from."""
 
     def __init__(self, spec: SpeculativeSpec) -> None:
         self.spec = spec
         self.counts = SpecCounts()
+        self.cache = (SuffixCache(spec.suffix_decoding_max_cached_requests)
+                      if spec.method == "suffix" else None)
+
+    def finished(self, req) -> None:
+        """``req`` ended: its generated ids join the suffix cache (suffix only)."""
+        if self.cache is not None and req.num_generated:
+            self.cache.add(req.token_ids[len(req.req.prompt_token_ids):])
 
     def allowed(self, running: int) -> bool:
         """Whether this step drafts at all: not once ``disable_by_batch_size`` requests
@@ -104,16 +127,44 @@ class Drafts:
         ``PROBATION`` of them): it decodes on as without speculation."""
         return req.spec_drafted >= PROBATION and req.spec_accepted < LOW_ACCEPTANCE * req.spec_drafted
 
+    @staticmethod
+    def depth(req, k: int, running: int = 1) -> int:
+        """How many drafts ``req``'s next step verifies, at most ``k`` (dynamic k; 0:
+        none this step). Drafts are kept position by position until the first refusal,
+        so with a per-position acceptance rate a the j-th draft is kept with chance a^j;
+        each one costs a verify row whether kept or not. The rate is estimated from the
+        request's own history as kept / (kept + refusals) (one refusal ends each step that
+        did not keep all its drafts), smoothed by a prior; the depth is the last j with
+        a^j >= WORTH, so a request whose drafts are mostly right drafts deep and one
+        often wrong drafts one or two, before ``gave_up`` stops it. With ``running`` at
+        BUSY_BATCH or more (rows cost compute) the bar is WORTH_BUSY: copying still
+        drafts, plain text mostly not."""
+        rate = (req.spec_accepted + PRIOR_KEPT) / (
+            req.spec_accepted + req.spec_refusals + PRIOR_SEEN)
+        if rate >= 1.0:
+            return k
+        busy = running >= BUSY_BATCH
+        depth = int(math.log(WORTH_BUSY if busy else WORTH) / math.log(rate))
+        return min(k, depth if busy else max(1, depth))
+
     def worth_waiting(self, req, ids: list[int]) -> bool:
         """Whether ``req`` should give up its run-ahead step for drafts: the drafter
         matches ``ids``' tail now (a request copying text is likely to match after its
         next token too)."""
-        req.ngram, draft = self.propose(req.ngram, ids, 1)
+        req.draft_index, draft = self.propose(req.draft_index, ids, 1)
         return bool(draft)
 
-    def propose(self, index: NgramIndex | None, ids: list[int], k: int) -> tuple[NgramIndex, list[int]]:
+    def propose(self, index: NgramIndex | SuffixIndex | None, ids: list[int], k: int
+                ) -> tuple[NgramIndex | SuffixIndex, list[int]]:
         """(the request's index, created on first use; up to ``k`` drafts after ``ids``)."""
+        spec = self.spec
+        k = min(k, spec.num_speculative_tokens)
+        if self.cache is not None:
+            index = index or SuffixIndex()
+            return index, suffix_propose(index, self.cache, ids, k,
+                                         spec.suffix_decoding_max_tree_depth,
+                                         spec.suffix_decoding_max_spec_factor,
+                                         spec.suffix_decoding_min_token_prob)
         if index is None:
-            index = NgramIndex(self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
-        k = min(k, self.spec.num_speculative_tokens)
+            index = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
         return index, (index.propose(ids, k) if k > 0 else [])

@@ -223,6 +223,9 @@ def holds(combo: Combo, row: Mapping[str, Any]) -> bool:
 
 
 FORCED_GRAMMARS = ("json_schema", "choice", "tools_required", "tools_named", "tools_auto")
+# grammars that spell several tokens of fixed text (keys, a tool name, the calls' regex):
+# on the ``spec`` server some of them are drafted as the grammar's forced tokens and kept
+SPELLED_GRAMMARS = ("json_schema", "tools_required", "tools_named", "tools_auto")
 # combinations that no engine can serve as asked (CONFLICTS), also open bugs (KNOWN)
 GRAMMAR_ENDS_BEFORE_MIN_TOKENS: Combo = (("min_tokens", (True,)), ("constraint", ("choice",)))
 # min_tokens masks stop_token_ids, and the stop id (taken from what the request writes)
@@ -451,6 +454,7 @@ class Reply:
     usage: dict | None = None
     error: Any = None  # the error body, or a stream's error frame
     prompt_logprobs: list | None = None  # chat: top level
+    speculative: dict | None = None  # candor.speculative: the body's, or a stream's last frame's
 
     @property
     def ok(self) -> bool:
@@ -475,7 +479,8 @@ def _completion_logprobs(lp) -> tuple[list[tuple], list[int]]:
 def parse_whole(status: int, body: dict) -> Reply:
     if status != 200:
         return Reply(status, error=body)
-    reply = Reply(status, usage=body.get("usage"), prompt_logprobs=body.get("prompt_logprobs"))
+    reply = Reply(status, usage=body.get("usage"), prompt_logprobs=body.get("prompt_logprobs"),
+                  speculative=(body.get("candor") or {}).get("speculative"))
     for c in sorted(body["choices"], key=lambda c: c["index"]):
         ch = Choice(finish=c["finish_reason"], token_ids=c.get("token_ids") or [])
         if "message" in c:
@@ -505,6 +510,8 @@ def parse_stream(status: int, frames: list[Any]) -> Reply:
             continue
         if frame.get("usage"):
             reply.usage = frame["usage"]
+        if "speculative" in (frame.get("candor") or {}):
+            reply.speculative = frame["candor"]["speculative"]
         for c in frame.get("choices") or []:
             ch = by_index.setdefault(c["index"], Choice())
             ch.finish = c.get("finish_reason") or ch.finish
@@ -1007,6 +1014,14 @@ async def run_cell(cell: Cell, pool: ServerPool, target: CandorServer,
             problems.append(f"{cell.logprobs} took a prefix hit of {cached} tokens")
         if cell.server == "chunked" and reply.usage["prompt_tokens"] <= 16:
             problems.append("engine feature not in play: the prompt fits one chunk")
+        # a grammar that spells keys or literal text forces tokens: once the answer got
+        # there (past an unbounded <think> block, before a stop string), they were
+        # drafted and kept
+        if cell.server == "spec" and cell.constraint in SPELLED_GRAMMARS and any(
+                ch.calls or ch.text.lstrip().startswith("{") for ch in reply.choices) and not (
+                reply.speculative and reply.speculative["accepted"] > 0):
+            problems.append("engine feature not in play: the grammar's forced tokens were "
+                            f"not drafted and kept (candor.speculative: {reply.speculative})")
     problems += bystander_problems(other_replies, other_refs, logprob_atol(cell.server))
     failed = after["aborts"]["error"] - before["aborts"]["error"]
     if failed > own_failures:

@@ -45,6 +45,7 @@ class CompletionAssembler(Assembler):
         self.echo_offsets = echo_offsets  # where each prompt token starts in its text
         self.prompts = prompts
         self._offsets: dict[int, int] = {}
+        self._echo_lens: dict[int, int] = {}  # per choice: its echoed prompt's length
 
     def _echo(self, choice: int) -> str | None:
         return None if self.echo_texts is None else self.echo_texts[choice // self.n]
@@ -92,6 +93,7 @@ class CompletionAssembler(Assembler):
             entries = _top(delta.prompt_logprobs, self.logprobs_k)
             lp = completion_logprobs(entries, self._echo_starts(index, entries))
         self._offsets[index] = len(text)
+        self._echo_lens[index] = len(text)  # the answer's offsets start after it
         return CompletionChunk(self.id, self.created, self.model,
                                [CompletionChoice(index, text, None, lp)], None,
                                candor=self._candor())
@@ -101,7 +103,9 @@ class CompletionAssembler(Assembler):
         if self.logprobs:
             offset = self._offsets.get(index, 0)
             entries = delta.logprobs or []
-            lp = completion_logprobs(entries, running_offsets(entries, offset))
+            starts = (running_offsets(entries, offset) if delta.text_offsets is None else
+                      [self._echo_lens.get(index, 0) + o for o in delta.text_offsets])
+            lp = completion_logprobs(entries, starts)
             self._offsets[index] = offset + len(delta.text)
         return CompletionChunk(self.id, self.created, self.model,
                                [CompletionChoice(index, delta.text, delta.finish_reason, lp,

@@ -127,23 +127,49 @@ def test_blocks_that_kept_drafts_fill_are_cached_under_their_own_ids():
     assert planner.cached_run(follower, 4) == req.block_table[:4]
 
 
-def test_constrained_requests_and_big_batches_do_not_speculate():
-    planner = _planner(k=3, disable_by_batch_size=2)
+def test_big_batches_do_not_speculate():
     text = [10, 11, 12, 10, 11]
-    grammar = _req("g", text, grammar="start: /x/")
-    planner.waiting.push(grammar)
-    planner.postprocess(planner.plan(), [12])
-    assert planner.plan().chunks[0].draft == []
-    planner2 = _planner(k=3, disable_by_batch_size=2)
+    planner = _planner(k=3, disable_by_batch_size=2)
     a, b = _req("a", text), _req("b", text)
-    planner2.waiting.push(a)
-    planner2.waiting.push(b)
-    planner2.postprocess(planner2.plan(), [12, 12])
-    assert [c.draft for c in planner2.plan().chunks] == [[], []]
+    planner.waiting.push(a)
+    planner.waiting.push(b)
+    planner.postprocess(planner.plan(), [12, 12])
+    assert [c.draft for c in planner.plan().chunks] == [[], []]
+
+
+def test_a_constrained_request_drafts_what_its_grammar_forces_else_the_ngram():
+    """The worker reports the tokens a constrained request's grammar forces after its
+    sample (StepResult.forced): its next decode drafts them (within max_tokens), and
+    without any, what the n-gram drafter proposes (the worker cuts what the grammar
+    refuses). The forced tokens also keep it from running ahead."""
+    planner = _planner(k=3)
+    text = [10, 11, 12, 10, 11]
+    req = _req("g", text, max_tokens=7, grammar="start: /x/")
+    planner.waiting.push(req)
+    planner.postprocess(planner.plan(), [12], forced=[[30, 31, 32, 33]])
+    assert req.forced == [30, 31, 32, 33]
+    step = planner.plan()
+    assert step.chunks[0].draft == [30, 31, 32]  # k: 3
+    out = planner.postprocess(step, [40], accepted=[3], forced=[[50, 51]])
+    assert out[0].drafted == [30, 31, 32] and req.forced == [50, 51]
+    assert planner.plan().chunks[0].draft == [50]  # max_tokens 7: 5 made, 1 its own
+    planner2 = _planner(k=3)
+    req2 = _req("h", text, grammar="start: /x/")
+    planner2.waiting.push(req2)
+    planner2.postprocess(planner2.plan(), [12], forced=[[]])
+    assert planner2.plan().chunks[0].draft == [10, 11, 12]  # the n-gram's
+    planner3 = _planner(k=3)
+    req3 = _req("i", [40, 41, 42, 43], grammar="start: /x/")
+    planner3.waiting.push(req3)
+    planner3.postprocess(planner3.plan(), [44], forced=[[]])
+    assert planner3.plan().chunks[0].draft == []  # nothing forced, nothing to copy
+    assert [c.rid for c in planner3.plan(lookahead=True).chunks] == ["i"]  # runs ahead
+    req3.forced = [7]  # what the step before the one in flight said: structured text
+    assert planner3._waits_to_draft(req3)
 
 
 @pytest.mark.parametrize("bad,why", [
-    ({"method": "suffix"}, "not yet served"),
+    ({"method": "eagle3"}, "not yet served"),
     ({"model": "/x"}, "takes no `model`"),
     ({"prompt_lookup_min": 4, "prompt_lookup_max": 2}, "greater than"),
 ])
@@ -193,3 +219,104 @@ def test_drafts_mostly_rejected_turn_speculation_off_for_that_request():
     req.spec_drafted, req.spec_accepted = PROBATION, 0  # its history so far
     planner.plan()  # in flight, its token unknown
     assert [c.rid for c in planner.plan(lookahead=True).chunks] == ["r"]  # runs ahead
+
+
+def test_a_request_preempted_after_speculating_recomputes_its_kept_ids_and_drafts_again():
+    """Preemption (recompute) of a request whose drafts were partly kept: it re-queues
+    with its ids (prompt, kept drafts, sampled tokens; never a rejected draft), its
+    re-admission feeds exactly those ids after what the prefix cache still holds (kept
+    ids only: the blocks the rejected drafts' slots touched were never cached), and its
+    decodes draft again from the same index."""
+    planner = Planner(BlockAllocator(12), block_size=BS, max_num_seqs=8,
+                      max_num_batched_tokens=64,
+                      speculative=SpeculativeSpec(num_speculative_tokens=3,
+                                                  prompt_lookup_min=2, prompt_lookup_max=3))
+    text = [10, 11, 12, 13, 14, 15, 16]
+    a = _req("a", [40, 41, 42, 43, 44, 45], max_tokens=40)
+    b = _req("b", text + [20] + text[:3], max_tokens=40)
+    planner.waiting.push(a)
+    planner.waiting.push(b)
+    planner.postprocess(planner.plan(), [46, 13])
+    step = planner.plan()
+    assert [c.draft for c in step.chunks] == [[], [14, 15, 16]]
+    planner.postprocess(step, [47, 99], accepted=[0, 2])  # b keeps 14, 15; 16 refused
+    ids = list(b.token_ids)
+    assert ids[-4:] == [13, 14, 15, 99] and b.num_computed == 14
+    hog = planner.allocator.allocate(planner.allocator.num_free)  # the cache is full
+    preempted = []
+    while not preempted:  # a decodes until it needs a block: the latest arrival goes
+        ids = list(b.token_ids)
+        step = planner.plan()
+        preempted = step.preempted
+        planner.postprocess(step, [50] * sum(c.sample for c in step.chunks),
+                            accepted=[0] * sum(c.sample for c in step.chunks))
+    assert preempted == [b] and b.token_ids == ids and b.num_computed == 0
+    assert ids[:15] == [*text, 20, *text[:3], 13, 14, 15, 99]  # 16 refused: never an id
+    assert (b.spec_drafted, b.spec_accepted) == (3, 2)  # its report survives
+    planner.allocator.free(hog)
+    step = planner.plan()
+    (chunk,) = [c for c in step.chunks if c.rid == "b"]
+    cached = chunk.start_pos
+    assert cached % BS == 0 and chunk.token_ids == ids[cached:] and chunk.sample
+    assert chunk.draft == []  # a prefill never drafts
+
+    def returned(step, b_token):  # b samples b_token, a 50; no draft kept
+        tokens = [b_token if c.rid == "b" else 50 for c in step.chunks if c.sample]
+        return planner.postprocess(step, tokens, accepted=[0] * len(tokens))
+    returned(step, 10)
+    returned(planner.plan(), 11)  # b copies its prompt again: ... 10, 11
+    nxt = [c for c in planner.plan().chunks if c.rid == "b"]
+    assert nxt and nxt[0].draft == [12, 13, 14], nxt  # what followed 10, 11 last time
+
+
+def test_dynamic_k_follows_each_requests_acceptance():
+    """Drafts go as deep as the request's estimated per-position acceptance a makes
+    worth it (a^j >= 0.2): five at first (a prior of 3 in 4), all k for a request whose
+    drafts are nearly always kept, one for one whose drafts are mostly refused; the
+    planner asks the drafter for no more."""
+    from scheduler.speculation import Drafts
+    fresh = _req("f", [1, 2, 3])
+    assert Drafts.depth(fresh, 8) == 5 and Drafts.depth(fresh, 3) == 3
+    good = _req("g", [1, 2, 3])
+    good.spec_accepted, good.spec_refusals = 100, 1
+    assert Drafts.depth(good, 8) == 8
+    poor = _req("p", [1, 2, 3])
+    poor.spec_accepted, poor.spec_refusals = 2, 10
+    assert Drafts.depth(poor, 8) == 1
+    planner = _planner(k=3)
+    text = [10, 11, 12, 13, 14, 15, 16]
+    req = _decoding(planner, text + [20] + text[:2], 12)
+    req.spec_accepted, req.spec_refusals = 2, 10
+    req.spec_drafted = 11  # (under probation: it still drafts)
+    step = planner.plan()
+    assert step.chunks[0].draft == [13]
+    planner.postprocess(step, [99], accepted=[0])  # refused: one more refusal counted
+    assert (req.spec_drafted, req.spec_accepted, req.spec_refusals) == (12, 2, 11)
+
+
+def test_a_busy_batch_drafts_only_for_requests_whose_drafts_are_mostly_kept():
+    """From BUSY_BATCH running requests on, a verify row costs compute: a draft must be
+    kept with WORTH_BUSY chance. A request at the prior (0.75) or copying still drafts;
+    one at about a half drafts nothing and keeps its run-ahead step."""
+    from scheduler.speculation import BUSY_BATCH, Drafts
+    copying, plain = _req("c", [1]), _req("p", [1])
+    copying.spec_accepted, copying.spec_refusals = 60, 2
+    plain.spec_accepted, plain.spec_refusals = 10, 10
+    assert Drafts.depth(copying, 4, BUSY_BATCH) == 4
+    assert Drafts.depth(_req("f", [1]), 4, BUSY_BATCH) == 1  # 0.75 >= 0.6 > 0.75^2
+    assert Drafts.depth(plain, 4, BUSY_BATCH) == 0
+    assert Drafts.depth(plain, 4, BUSY_BATCH - 1) == 2  # (0.52^2 >= 0.2)
+    planner = Planner(BlockAllocator(256), block_size=BS, max_num_seqs=16,
+                      max_num_batched_tokens=256,
+                      speculative=SpeculativeSpec(num_speculative_tokens=3,
+                                                  prompt_lookup_min=2, prompt_lookup_max=3))
+    text = [10, 11, 12, 13, 14, 15, 16]
+    reqs = [_req(f"r{i}", text + [20] + text[:2]) for i in range(BUSY_BATCH)]
+    for r in reqs:
+        planner.waiting.push(r)
+        r.spec_accepted, r.spec_refusals = 10, 10
+    planner.postprocess(planner.plan(), [12] * BUSY_BATCH)
+    step = planner.plan()
+    assert [c.draft for c in step.chunks] == [[]] * BUSY_BATCH
+    ahead = planner.plan(lookahead=True)  # nothing to wait for: every one runs ahead
+    assert len(ahead.chunks) == BUSY_BATCH
