@@ -2,6 +2,8 @@
 // Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), group-wise int4 (GPTQ / AWQ / compressed-tensors,
 // repacked at load) or FP8 e4m3 with block scales. fp32 activations and outputs.
 //
+// The GGML types multiply their integer codes and apply each sub-block's scale and offset
+// after the sum (see "GGML: codes and scales" below); int4 and FP8 work as follows.
 // The weight is dequantized inside the matmul, a few rows at a time, never whole: a work
 // item takes NR consecutive output rows (features). With few input rows (M <= MR) it
 // dequantizes one block of each of its NR rows into a small buffer and multiplies it into
@@ -40,7 +42,11 @@ constexpr int64_t ITEM_WEIGHTS = 1 << 15;  // weights per thread chunk at least
 inline float half_at(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
+#ifdef __F16C__
+  return _cvtsh_ss(h);  // (exact, as the software conversion: every half is a float)
+#else
   return c10::detail::fp16_ieee_to_fp32_value(h);
+#endif
 }
 
 // ---------------------------------------------------------------- GGML blocks
@@ -566,6 +572,528 @@ torch::Tensor dequantize_rows(const D& deq, int64_t N, int64_t K) {
   return out;
 }
 
+// ---------------------------------------------------------------- GGML: codes and scales
+// The GGML types' matmul reads each sub-block of SB weights as w = a * q + c: q the small
+// integer codes the block stores, a and c the sub-block's scale and offset exactly as
+// gguf.quants computes them (Q4_1: d and m; Q4_0: d and -8d; Q4_K: d * sc and -dmin * m;
+// Q6_K: d * sc and -32 d * sc; Q8_0: d, no offset). It sums
+//     y = sum over sub-blocks of  a * (x . q) + c * (sum of x)
+// (llama.cpp's factoring) instead of multiplying dequantized weights: converting a code
+// to a float is one instruction where dequantizing it is three more, and batch 1 was
+// bound by that, not by reading the weights (28 ms of a 33 ms step on SmolLM2's Q4_1).
+// The values differ from the dequantized product's by float rounding (the tests hold both
+// to float64's product).
+//
+// Batch-invariant as the other kernels: output (m, n) is, for each sub-block in ascending
+// order, t = one chain of 8-lane FMAs of x and q from zero, then acc = fma(a, t, acc) and
+// acc = fma(c, s, acc) with s the lanes of x's sub-block summed in a fixed order; then the
+// fixed lane tree. Few rows compute it from the codes in registers, many rows from a panel
+// holding the same codes as floats (exact small integers): the same operations either way.
+
+// The codes kernels' vectors: 16 lanes where the compiler targets AVX-512 (kernels.py
+// adds its flags where torch found it), else the 8 lanes of Vec. The lane count is part
+// of the summation order, so of the bits: one machine's binary gives one answer.
+#ifdef __AVX512F__
+constexpr int LANES = 16;
+using CV = __m512;
+inline CV cv_zero() { return _mm512_setzero_ps(); }
+inline CV cv_load(const float* p) { return _mm512_loadu_ps(p); }
+inline CV cv_fma(CV a, CV b, CV c) { return _mm512_fmadd_ps(a, b, c); }
+inline CV cv_add(CV a, CV b) { return _mm512_add_ps(a, b); }
+inline CV cv_mul(CV a, CV b) { return _mm512_mul_ps(a, b); }
+inline CV cv_set1(float v) { return _mm512_set1_ps(v); }
+inline void cv_store(float* p, CV v) { _mm512_storeu_ps(p, v); }
+template <bool SIGNED>
+inline CV cv_codes(const uint8_t* q) {  // 16 codes -> 16 floats
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  return _mm512_cvtepi32_ps(SIGNED ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v));
+}
+inline float cv_sum(CV v) {  // fixed tree: halves added lane by lane, then Vec's tree
+  return vsum(_mm256_add_ps(_mm512_castps512_ps256(v),
+                            _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
+}
+#else
+constexpr int LANES = 8;
+using CV = Vec;
+inline CV cv_zero() { return vzero(); }
+inline CV cv_load(const float* p) { return vload(p); }
+inline CV cv_fma(CV a, CV b, CV c) { return vfma(a, b, c); }
+inline float cv_sum(CV v) { return vsum(v); }
+#ifdef __AVX2__
+inline CV cv_add(CV a, CV b) { return _mm256_add_ps(a, b); }
+inline CV cv_mul(CV a, CV b) { return _mm256_mul_ps(a, b); }
+inline CV cv_set1(float v) { return _mm256_set1_ps(v); }
+inline void cv_store(float* p, CV v) { _mm256_storeu_ps(p, v); }
+template <bool SIGNED>
+inline CV cv_codes(const uint8_t* q) {  // 8 codes -> 8 floats
+  const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q));
+  return _mm256_cvtepi32_ps(SIGNED ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v));
+}
+#else
+inline CV cv_add(CV a, CV b) {
+  for (int i = 0; i < 8; ++i) a.l[i] += b.l[i];
+  return a;
+}
+inline CV cv_mul(CV a, CV b) {
+  for (int i = 0; i < 8; ++i) a.l[i] *= b.l[i];
+  return a;
+}
+inline CV cv_set1(float v) {
+  CV r;
+  for (int i = 0; i < 8; ++i) r.l[i] = v;
+  return r;
+}
+inline void cv_store(float* p, CV v) { std::memcpy(p, v.l, sizeof v.l); }
+template <bool SIGNED>
+inline CV cv_codes(const uint8_t* q) {
+  CV r;
+  for (int i = 0; i < 8; ++i)
+    r.l[i] = SIGNED ? static_cast<float>(static_cast<int8_t>(q[i])) : static_cast<float>(q[i]);
+  return r;
+}
+#endif
+#endif
+
+// Each type: BS elements per block of BYTES bytes, sub-blocks of SB; codes(b, q, a, c)
+// writes the block's BS codes (bytes; int8 where SIGNED) and each sub-block's a and c.
+#ifdef __AVX2__
+inline void put32(uint8_t* q, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), v); }
+#else
+inline void put32(uint8_t* q, const uint8_t* v) { std::memcpy(q, v, 32); }
+// (the scalar nibbles32 / fifth_bits write into a buffer)
+#endif
+
+// Codes straight into registers (DIRECT types: no buffer) where the vectors are wide
+// enough: 16 bytes of nibbles as elements 0-15 (low nibbles) and 16-31 (high), or LANES
+// bytes of a sub-block's low or high nibbles.
+#ifdef __AVX2__
+constexpr bool DIRECT_CODES = true;
+#ifdef __AVX512F__
+inline void nibble_vecs(const uint8_t* qs, CV* qf) {
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+  const __m512i f = _mm512_set1_epi32(0x0F);
+  qf[0] = _mm512_cvtepi32_ps(_mm512_and_si512(v, f));
+  qf[1] = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+}
+template <bool HIGH>
+inline CV half_bytes(const uint8_t* q) {  // LANES bytes -> their low (or high) nibbles
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+  return _mm512_cvtepi32_ps(HIGH ? _mm512_srli_epi32(v, 4) : _mm512_and_si512(v, _mm512_set1_epi32(0x0F)));
+}
+#else
+inline void nibble_vecs(const uint8_t* qs, CV* qf) {
+  const __m256i f = _mm256_set1_epi32(0x0F);
+  const __m256i v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs)));
+  const __m256i v1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8)));
+  qf[0] = _mm256_cvtepi32_ps(_mm256_and_si256(v0, f));
+  qf[1] = _mm256_cvtepi32_ps(_mm256_and_si256(v1, f));
+  qf[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4));
+  qf[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4));
+}
+template <bool HIGH>
+inline CV half_bytes(const uint8_t* q) {
+  const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
+  return _mm256_cvtepi32_ps(HIGH ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, _mm256_set1_epi32(0x0F)));
+}
+#endif
+#else
+constexpr bool DIRECT_CODES = false;
+inline void nibble_vecs(const uint8_t*, CV*) {}
+template <bool HIGH>
+inline CV half_bytes(const uint8_t*) { return cv_zero(); }
+#endif
+
+struct Q4_0c {
+  static constexpr int BS = 32, BYTES = 18, SB = 32;
+  static constexpr bool HAS_C = true, SIGNED = false, DIRECT = DIRECT_CODES;
+  static inline void codes(const uint8_t* b, uint8_t* q, float* a, float* c) {
+    const float d = half_at(b);
+#ifdef __AVX2__
+    put32(q, nibbles32(b + 2));
+#else
+    nibbles32(b + 2, q);
+#endif
+    a[0] = d;
+    c[0] = -8.0f * d;
+  }
+  static inline void coefs(const uint8_t* b, float* a, float* c) {
+    a[0] = half_at(b);
+    c[0] = -8.0f * a[0];
+  }
+  static inline void vecs(const uint8_t* b, int, CV* qf) { nibble_vecs(b + 2, qf); }
+};
+
+struct Q4_1c {
+  static constexpr int BS = 32, BYTES = 20, SB = 32;
+  static constexpr bool HAS_C = true, SIGNED = false, DIRECT = DIRECT_CODES;
+  static inline void codes(const uint8_t* b, uint8_t* q, float* a, float* c) {
+#ifdef __AVX2__
+    put32(q, nibbles32(b + 4));
+#else
+    nibbles32(b + 4, q);
+#endif
+    a[0] = half_at(b);
+    c[0] = half_at(b + 2);
+  }
+  static inline void coefs(const uint8_t* b, float* a, float* c) {
+    a[0] = half_at(b);
+    c[0] = half_at(b + 2);
+  }
+  static inline void vecs(const uint8_t* b, int, CV* qf) { nibble_vecs(b + 4, qf); }
+};
+
+struct Q5_0c {
+  static constexpr int BS = 32, BYTES = 22, SB = 32;
+  static constexpr bool HAS_C = true, SIGNED = false, DIRECT = false;
+  static inline void codes(const uint8_t* b, uint8_t* q, float* a, float* c) {
+    const float d = half_at(b);
+#ifdef __AVX2__
+    put32(q, _mm256_or_si256(nibbles32(b + 6), fifth_bits(b + 2)));
+#else
+    nibbles32(b + 6, q);
+    fifth_bits(b + 2, q);
+#endif
+    a[0] = d;
+    c[0] = -16.0f * d;
+  }
+};
+
+struct Q5_1c {
+  static constexpr int BS = 32, BYTES = 24, SB = 32;
+  static constexpr bool HAS_C = true, SIGNED = false, DIRECT = false;
+  static inline void codes(const uint8_t* b, uint8_t* q, float* a, float* c) {
+#ifdef __AVX2__
+    put32(q, _mm256_or_si256(nibbles32(b + 8), fifth_bits(b + 4)));
+#else
+    nibbles32(b + 8, q);
+    fifth_bits(b + 4, q);
+#endif
+    a[0] = half_at(b);
+    c[0] = half_at(b + 2);
+  }
+};
+
+struct Q8_0c {
+  static constexpr int BS = 32, BYTES = 34, SB = 32;
+  static constexpr bool HAS_C = false, SIGNED = true, DIRECT = true;
+  static inline void codes(const uint8_t* b, uint8_t* q, float* a, float*) {
+    std::memcpy(q, b + 2, 32);
+    a[0] = half_at(b);
+  }
+  static inline void coefs(const uint8_t* b, float* a, float*) { a[0] = half_at(b); }
+  static inline void vecs(const uint8_t* b, int, CV* qf) {
+    for (int g = 0; g < 32 / LANES; ++g) qf[g] = cv_codes<true>(b + 2 + LANES * g);
+  }
+};
+
+// Q4_K / Q5_K: eight sub-blocks of 32; bytes 32c .. 32c + 32 of qs hold sub-block 2c in
+// their low nibbles and 2c + 1 in their high ones (Q5_K: the fifth bit of sub-block j,
+// element i, is bit j of qh[i])
+template <bool FIVE>
+struct KQuant {
+  static constexpr int BS = 256, BYTES = FIVE ? 176 : 144, SB = 32;
+  static constexpr bool HAS_C = true, SIGNED = false, DIRECT = DIRECT_CODES && !FIVE;
+  static inline void coefs(const uint8_t* b, float* a, float* c) {
+    float dm[8];
+    k_scales(b + 4, half_at(b), half_at(b + 2), a, dm);
+    for (int j = 0; j < 8; ++j) c[j] = -dm[j];
+  }
+  static inline void vecs(const uint8_t* b, int s, CV* qf) {  // (Q4_K)
+    const uint8_t* q = b + 16 + 32 * (s / 2);
+    for (int g = 0; g < 32 / LANES; ++g) qf[g] = (s & 1) ? half_bytes<true>(q + LANES * g) : half_bytes<false>(q + LANES * g);
+  }
+  static inline void codes(const uint8_t* b, uint8_t* q, float* a, float* c) {
+    float dm[8];
+    k_scales(b + 4, half_at(b), half_at(b + 2), a, dm);
+    for (int j = 0; j < 8; ++j) c[j] = -dm[j];
+    const uint8_t* qs = b + (FIVE ? 48 : 16);
+#ifdef __AVX2__
+    const __m256i f = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+    __m256i qh = _mm256_setzero_si256();
+    if constexpr (FIVE) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+    for (int k = 0; k < 4; ++k) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * k));
+      __m256i lo = _mm256_and_si256(v, f), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), f);
+      if constexpr (FIVE) {
+        const __m128i s0 = _mm_cvtsi32_si128(2 * k), s1 = _mm_cvtsi32_si128(2 * k + 1);
+        lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, s0), one), 4));
+        hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, s1), one), 4));
+      }
+      put32(q + 64 * k, lo);
+      put32(q + 64 * k + 32, hi);
+    }
+#else
+    const uint8_t* qh = b + 16;
+    for (int k = 0; k < 4; ++k)
+      for (int i = 0; i < 32; ++i) {
+        const uint8_t v = qs[32 * k + i];
+        q[64 * k + i] = static_cast<uint8_t>((v & 0x0F) | (FIVE ? ((qh[i] >> (2 * k)) & 1) << 4 : 0));
+        q[64 * k + 32 + i] = static_cast<uint8_t>((v >> 4) | (FIVE ? ((qh[i] >> (2 * k + 1)) & 1) << 4 : 0));
+      }
+#endif
+  }
+};
+using Q4_Kc = KQuant<false>;
+using Q5_Kc = KQuant<true>;
+
+// Q6_K: sixteen sub-blocks of 16, codes 0-63 (w = d * sc * (q - 32)); element e of half
+// h: low 4 bits from ql (byte e % 64 of the half, high nibble for e >= 64), top 2 bits
+// from bits 2 (e / 32) of qh byte e % 32
+struct Q6_Kc {
+  static constexpr int BS = 256, BYTES = 210, SB = 16;
+  static constexpr bool HAS_C = true, SIGNED = false, DIRECT = false;
+  static inline void codes(const uint8_t* b, uint8_t* q, float* a, float* c) {
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    const float d = half_at(b + 208);
+    for (int j = 0; j < 16; ++j) {
+      a[j] = d * static_cast<float>(sc[j]);
+      c[j] = -32.0f * a[j];
+    }
+#ifdef __AVX2__
+    const __m256i f = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h));
+      const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32));
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+      const __m256i low[4] = {_mm256_and_si256(l0, f), _mm256_and_si256(l1, f),
+                              _mm256_and_si256(_mm256_srli_epi16(l0, 4), f),
+                              _mm256_and_si256(_mm256_srli_epi16(l1, 4), f)};
+      for (int g = 0; g < 4; ++g) {
+        const __m256i high = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * g)), three);
+        put32(q + 128 * h + 32 * g, _mm256_or_si256(low[g], _mm256_slli_epi16(high, 4)));
+      }
+    }
+#else
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* l = b + 64 * h;
+      const uint8_t* hb = b + 128 + 32 * h;
+      for (int e = 0; e < 128; ++e) {
+        const int low = e < 64 ? (l[e] & 0x0F) : (l[e - 64] >> 4);
+        const int high = (hb[e % 32] >> (2 * (e / 32))) & 3;
+        q[128 * h + e] = static_cast<uint8_t>(low | (high << 4));
+      }
+    }
+#endif
+  }
+};
+
+// lanes of x's sub-block of SB elements summed: ((x0 + x1) + x2) + x3 over its lane groups
+template <int SB>
+inline CV sub_sum(const float* x) {
+  CV s = cv_load(x);
+#pragma GCC unroll 4
+  for (int g = 1; g < SB / LANES; ++g) s = cv_add(s, cv_load(x + LANES * g));
+  return s;
+}
+
+constexpr int CMR = 3;  // input rows per tile of the codes kernels
+
+// offs[r][j] += c4[j] * (row r's sum over sub-block s): the NR outputs in one 4-wide FMA
+template <int R>
+inline void add_offsets(const float* c4, const float* sums, int64_t ns, int64_t s, float (&offs)[CMR][NR]) {
+#ifdef __AVX2__
+  static_assert(NR == 4, "one 128-bit FMA per row covers the NR outputs");
+  const __m128 cv = _mm_loadu_ps(c4);
+#pragma GCC unroll 3
+  for (int r = 0; r < R; ++r)
+    _mm_storeu_ps(offs[r], _mm_fmadd_ps(cv, _mm_set1_ps(sums[r * ns + s]), _mm_loadu_ps(offs[r])));
+#else
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NR; ++j) offs[r][j] = std::fma(c4[j], sums[r * ns + s], offs[r][j]);
+#endif
+}
+
+// One sub-block (SB elements from x's column k0) of R rows against the NR outputs:
+// acc[r][j] += x[r] * (a_j q_j) lane by lane, LANES at a time in ascending order (the
+// scaled codes a_j q_j from code(j, qf)), and offs[r][j] += c_j * (x[r]'s sum over the
+// sub-block), the NR outputs' offsets in one 4-wide FMA. a4 and c4: this sub-block's a_j
+// and c_j for the NR outputs (contiguous); sums: x's sub-block sums, row r at r * ns.
+template <class T, int R, class Code>
+inline void sub_block(const float* x, int64_t ldx, int64_t k0, const float* sums, int64_t ns, int64_t s,
+                      const Code& code, const float* c4, CV (&acc)[CMR][NR], float (&offs)[CMR][NR]) {
+  constexpr int G = T::SB / LANES;
+  CV xs[CMR][G];
+#pragma GCC unroll 3
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) xs[r][g] = cv_load(x + r * ldx + k0 + LANES * g);
+  }
+#pragma GCC unroll 4
+  for (int j = 0; j < NR; ++j) {
+    CV qf[G];
+    code(j, qf);
+#pragma GCC unroll 3
+    for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+      for (int g = 0; g < G; ++g) acc[r][j] = cv_fma(xs[r][g], qf[g], acc[r][j]);
+    }
+  }
+  if constexpr (T::HAS_C) add_offsets<R>(c4, sums, ns, s, offs);
+}
+
+template <int R>
+inline void codes_store(CV (&acc)[CMR][NR], float (&offs)[CMR][NR], int nvalid, float* y, int64_t ldy,
+                        int64_t n0) {
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < nvalid; ++j) y[r * ldy + n0 + j] = cv_sum(acc[r][j]) + offs[r][j];
+}
+
+inline void codes_zero(CV (&acc)[CMR][NR], float (&offs)[CMR][NR]) {
+  for (int r = 0; r < CMR; ++r)
+    for (int j = 0; j < NR; ++j) {
+      acc[r][j] = cv_zero();
+      offs[r][j] = 0.0f;
+    }
+}
+
+// x's sum over each of its rows' sub-blocks: sums[r * ns + s] (lanes added in a fixed
+// order, then the fixed lane tree), the factor of each offset c
+template <int SB>
+std::vector<float> sub_block_sums(const float* x, int64_t M, int64_t K) {
+  const int64_t ns = K / SB;
+  std::vector<float> sums(M * ns);
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t s = 0; s < ns; ++s) sums[r * ns + s] = cv_sum(sub_sum<SB>(x + r * K + s * SB));
+  return sums;
+}
+
+// Few rows (M <= CMR): one block of each of the NR outputs at a time, codes in registers.
+template <class T, int R>
+void codes_few_rows(const uint8_t* w, int64_t row_bytes, const float* x, const float* sums, int64_t K,
+                    int64_t n0, int nvalid, float* y, int64_t ldy) {
+  constexpr int NS = T::BS / T::SB;
+  alignas(64) uint8_t q[NR][T::BS];
+  float a[NR][NS], c[NR][NS], at[NS][NR], ct[NS][NR];
+  CV acc[CMR][NR];
+  float offs[CMR][NR];
+  codes_zero(acc, offs);
+  const int64_t nb = K / T::BS, ns = K / T::SB;
+  const uint8_t* rows[NR];
+  for (int j = 0; j < NR; ++j) rows[j] = w + (n0 + std::min(j, nvalid - 1)) * row_bytes;
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int j = 0; j < NR; ++j) {
+      // two work items ahead (the next 2 NR rows are contiguous after these), at this
+      // block's offset (past the matrix: harmless): the stream arrives before it is read
+      __builtin_prefetch(rows[j] + 2 * NR * row_bytes + b * T::BYTES);
+      if constexpr (T::DIRECT) T::coefs(rows[j] + b * T::BYTES, a[j], c[j]);
+      else T::codes(rows[j] + b * T::BYTES, q[j], a[j], c[j]);
+    }
+    for (int sb = 0; sb < NS; ++sb)
+      for (int j = 0; j < NR; ++j) {
+        at[sb][j] = a[j][sb];
+        ct[sb][j] = c[j][sb];
+      }
+    for (int sb = 0; sb < NS; ++sb) {
+      const int64_t k0 = b * T::BS + sb * T::SB;
+      if constexpr (T::DIRECT) {
+        sub_block<T, R>(x, K, k0, sums, ns, b * NS + sb, [&](int j, CV* qf) {
+          T::vecs(rows[j] + b * T::BYTES, sb, qf);
+          const CV aj = cv_set1(at[sb][j]);
+          for (int g = 0; g < T::SB / LANES; ++g) qf[g] = cv_mul(qf[g], aj);
+        }, ct[sb], acc, offs);
+      } else {
+        sub_block<T, R>(x, K, k0, sums, ns, b * NS + sb, [&](int j, CV* qf) {
+          const CV aj = cv_set1(at[sb][j]);
+          for (int g = 0; g < T::SB / LANES; ++g)
+            qf[g] = cv_mul(cv_codes<T::SIGNED>(q[j] + sb * T::SB + LANES * g), aj);
+        }, ct[sb], acc, offs);
+      }
+    }
+  }
+  codes_store<R>(acc, offs, nvalid, y, ldy, n0);
+}
+
+// Many rows: the NR outputs' scaled codes a * q over the whole width (a panel, exactly the
+// values the few-row path computes), swept by every CMR-row tile of x.
+template <class T, int R>
+void codes_panel_tile(const float* x, const float* sums, int64_t K, const float* panel, const float* ct,
+                      int64_t n0, int nvalid, float* y, int64_t ldy) {
+  const int64_t ns = K / T::SB;
+  CV acc[CMR][NR];
+  float offs[CMR][NR];
+  codes_zero(acc, offs);
+  // as sub_block computes it (each acc[r][j] takes its LANES-wide FMAs in ascending k,
+  // then the offsets), LANES columns at a time: R x vectors, one code vector and the
+  // accumulators in registers, as the dense tile (tile_fma) keeps them
+  for (int64_t s = 0; s < ns; ++s) {
+#pragma GCC unroll 4
+    for (int g = 0; g < T::SB / LANES; ++g) {
+      const int64_t k = s * T::SB + LANES * g;
+      CV xv[CMR];
+#pragma GCC unroll 3
+      for (int r = 0; r < R; ++r) xv[r] = cv_load(x + r * K + k);
+#pragma GCC unroll 4
+      for (int j = 0; j < NR; ++j) {
+        const CV wv = cv_load(panel + j * K + k);
+#pragma GCC unroll 3
+        for (int r = 0; r < R; ++r) acc[r][j] = cv_fma(xv[r], wv, acc[r][j]);
+      }
+    }
+    if constexpr (T::HAS_C) add_offsets<R>(ct + s * NR, sums, ns, s, offs);
+  }
+  codes_store<R>(acc, offs, nvalid, y, ldy, n0);
+}
+
+template <class T>
+void codes_linear(const uint8_t* w, int64_t row_bytes, const float* x, int64_t M, int64_t K, int64_t N, float* y,
+                  int64_t ldy) {
+  if (M == 0 || N == 0) return;
+  constexpr int NS = T::BS / T::SB;
+  const int64_t items = (N + NR - 1) / NR, ns = K / T::SB;
+  const int64_t grain = std::max<int64_t>(1, ITEM_WEIGHTS / (NR * K));
+  const std::vector<float> sums = T::HAS_C ? sub_block_sums<T::SB>(x, M, K) : std::vector<float>(M * ns);
+  at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> panel, a, c, ct;
+    if (M > CMR) {
+      panel.resize(NR * K);
+      ct.resize(ns * NR, 0.0f);
+    }
+    alignas(64) uint8_t q[T::BS];
+    float ab[NS], cb[NS];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t n0 = item * NR;
+      const int nvalid = static_cast<int>(std::min<int64_t>(NR, N - n0));
+      if (M <= CMR) {
+        if (M == 1) codes_few_rows<T, 1>(w, row_bytes, x, sums.data(), K, n0, nvalid, y, ldy);
+        else if (M == 2) codes_few_rows<T, 2>(w, row_bytes, x, sums.data(), K, n0, nvalid, y, ldy);
+        else codes_few_rows<T, 3>(w, row_bytes, x, sums.data(), K, n0, nvalid, y, ldy);
+        continue;
+      }
+      const int64_t nb = K / T::BS;
+      for (int j = 0; j < NR; ++j) {
+        const uint8_t* row = w + (n0 + std::min(j, nvalid - 1)) * row_bytes;
+        for (int64_t b = 0; b < nb; ++b) {
+          const uint8_t* blk = row + b * T::BYTES;
+          float* out = panel.data() + j * K + b * T::BS;
+          if constexpr (T::DIRECT) {
+            T::coefs(blk, ab, cb);
+            for (int sb = 0; sb < NS; ++sb) {
+              CV qf[T::SB / LANES];
+              T::vecs(blk, sb, qf);
+              for (int g = 0; g < T::SB / LANES; ++g)
+                cv_store(out + sb * T::SB + LANES * g, cv_mul(qf[g], cv_set1(ab[sb])));
+            }
+          } else {
+            T::codes(blk, q, ab, cb);
+            for (int e = 0; e < T::BS; e += LANES)
+              cv_store(out + e, cv_mul(cv_codes<T::SIGNED>(q + e), cv_set1(ab[e / T::SB])));
+          }
+          if constexpr (T::HAS_C)
+            for (int sb = 0; sb < NS; ++sb) ct[(b * NS + sb) * NR + j] = cb[sb];
+        }
+      }
+      const float* ctp = ct.data();
+      int64_t m = 0;
+      for (; m + CMR <= M; m += CMR)
+        codes_panel_tile<T, CMR>(x + m * K, sums.data() + m * ns, K, panel.data(), ctp, n0, nvalid, y + m * ldy, ldy);
+      if (M - m == 2)
+        codes_panel_tile<T, 2>(x + m * K, sums.data() + m * ns, K, panel.data(), ctp, n0, nvalid, y + m * ldy, ldy);
+      else if (M - m == 1)
+        codes_panel_tile<T, 1>(x + m * K, sums.data() + m * ns, K, panel.data(), ctp, n0, nvalid, y + m * ldy, ldy);
+    }
+  });
+}
+
 // GGML type ids (ggml.h's enum ggml_type)
 enum GgmlType : int64_t { T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
                           T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
@@ -581,6 +1109,21 @@ auto with_ggml(int64_t type, const uint8_t* w, int64_t row_bytes, F&& f) {
     case T_Q4_K: return f(GgmlRows<Q4_K>{w, row_bytes});
     case T_Q5_K: return f(GgmlRows<Q5_K>{w, row_bytes});
     case T_Q6_K: return f(GgmlRows<Q6_K>{w, row_bytes});
+  }
+  TORCH_CHECK(false, "ggml type ", type, " has no kernel");
+}
+
+template <class F>
+auto with_codes(int64_t type, F&& f) {
+  switch (type) {
+    case T_Q4_0: return f(Q4_0c{});
+    case T_Q4_1: return f(Q4_1c{});
+    case T_Q5_0: return f(Q5_0c{});
+    case T_Q5_1: return f(Q5_1c{});
+    case T_Q8_0: return f(Q8_0c{});
+    case T_Q4_K: return f(Q4_Kc{});
+    case T_Q5_K: return f(Q5_Kc{});
+    case T_Q6_K: return f(Q6_Kc{});
   }
   TORCH_CHECK(false, "ggml type ", type, " has no kernel");
 }
@@ -605,10 +1148,12 @@ void ggml_linear(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor o
   check_x_out(x, out, w.size(0));
   const int64_t K = x.size(1), bs = block_elements(type);
   TORCH_CHECK(K % bs == 0, "K=", K, " is not a multiple of the block size ", bs);
-  with_ggml(type, w.data_ptr<uint8_t>(), w.size(1), [&](auto deq) {
-    TORCH_CHECK(w.size(1) == K / bs * decltype(deq)::BYTES, "w: ", w.size(1), " bytes per row, not ",
-                K / bs * decltype(deq)::BYTES, " (K=", K, ")");
-    linear(deq, x.data_ptr<float>(), x.size(0), K, w.size(0), out.data_ptr<float>(), out.stride(0));
+  with_codes(type, [&](auto codes) {
+    using T = decltype(codes);
+    TORCH_CHECK(w.size(1) == K / bs * T::BYTES, "w: ", w.size(1), " bytes per row, not ", K / bs * T::BYTES,
+                " (K=", K, ")");
+    codes_linear<T>(w.data_ptr<uint8_t>(), w.size(1), x.data_ptr<float>(), x.size(0), K, w.size(0),
+                    out.data_ptr<float>(), out.stride(0));
     return 0;
   });
 }
