@@ -888,19 +888,35 @@ inline CV sub_sum(const float* x) {
 
 constexpr int CMR = 3;  // input rows per tile of the codes kernels
 
-// offs[r][j] += c4[j] * (row r's sum over sub-block s): the NR outputs in one 4-wide FMA
-template <int R>
-inline void add_offsets(const float* c4, const float* sums, int64_t ns, int64_t s, float (&offs)[CMR][NR]) {
+// A row's offsets for the NR = 4 outputs of a work item, in one register: o[j] += c[j] * s
+// is one 4-wide FMA (each lane one fused multiply-add, as std::fma computes it).
+static_assert(NR == 4, "an Offs holds the NR outputs' offsets");
 #ifdef __AVX2__
-  static_assert(NR == 4, "one 128-bit FMA per row covers the NR outputs");
-  const __m128 cv = _mm_loadu_ps(c4);
-#pragma GCC unroll 3
-  for (int r = 0; r < R; ++r)
-    _mm_storeu_ps(offs[r], _mm_fmadd_ps(cv, _mm_set1_ps(sums[r * ns + s]), _mm_loadu_ps(offs[r])));
+using Offs = __m128;
+inline Offs offs_zero() { return _mm_setzero_ps(); }
+inline Offs offs_fma(const float* c4, float s, Offs o) { return _mm_fmadd_ps(_mm_loadu_ps(c4), _mm_set1_ps(s), o); }
+inline float offs_at(Offs o, int j) {
+  alignas(16) float v[4];
+  _mm_store_ps(v, o);
+  return v[j];
+}
 #else
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NR; ++j) offs[r][j] = std::fma(c4[j], sums[r * ns + s], offs[r][j]);
+struct Offs {
+  float v[4];
+};
+inline Offs offs_zero() { return Offs{}; }
+inline Offs offs_fma(const float* c4, float s, Offs o) {
+  for (int j = 0; j < 4; ++j) o.v[j] = std::fma(c4[j], s, o.v[j]);
+  return o;
+}
+inline float offs_at(Offs o, int j) { return o.v[j]; }
 #endif
+
+// offs[r] += c4 * (row r's sum over sub-block s): the NR outputs of each row at once
+template <int R>
+inline void add_offsets(const float* c4, const float* sums, int64_t ns, int64_t s, Offs (&offs)[CMR]) {
+#pragma GCC unroll 3
+  for (int r = 0; r < R; ++r) offs[r] = offs_fma(c4, sums[r * ns + s], offs[r]);
 }
 
 // One sub-block (SB elements from x's column k0) of R rows against the NR outputs:
@@ -910,7 +926,7 @@ inline void add_offsets(const float* c4, const float* sums, int64_t ns, int64_t 
 // and c_j for the NR outputs (contiguous); sums: x's sub-block sums, row r at r * ns.
 template <class T, int R, class Code>
 inline void sub_block(const float* x, int64_t ldx, int64_t k0, const float* sums, int64_t ns, int64_t s,
-                      const Code& code, const float* c4, CV (&acc)[CMR][NR], float (&offs)[CMR][NR]) {
+                      const Code& code, const float* c4, CV (&acc)[CMR][NR], Offs (&offs)[CMR]) {
   constexpr int G = T::SB / LANES;
   CV xs[CMR][G];
 #pragma GCC unroll 3
@@ -932,18 +948,16 @@ inline void sub_block(const float* x, int64_t ldx, int64_t k0, const float* sums
 }
 
 template <int R>
-inline void codes_store(CV (&acc)[CMR][NR], float (&offs)[CMR][NR], int nvalid, float* y, int64_t ldy,
-                        int64_t n0) {
+inline void codes_store(CV (&acc)[CMR][NR], Offs (&offs)[CMR], int nvalid, float* y, int64_t ldy, int64_t n0) {
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < nvalid; ++j) y[r * ldy + n0 + j] = cv_sum(acc[r][j]) + offs[r][j];
+    for (int j = 0; j < nvalid; ++j) y[r * ldy + n0 + j] = cv_sum(acc[r][j]) + offs_at(offs[r], j);
 }
 
-inline void codes_zero(CV (&acc)[CMR][NR], float (&offs)[CMR][NR]) {
-  for (int r = 0; r < CMR; ++r)
-    for (int j = 0; j < NR; ++j) {
-      acc[r][j] = cv_zero();
-      offs[r][j] = 0.0f;
-    }
+inline void codes_zero(CV (&acc)[CMR][NR], Offs (&offs)[CMR]) {
+  for (int r = 0; r < CMR; ++r) {
+    offs[r] = offs_zero();
+    for (int j = 0; j < NR; ++j) acc[r][j] = cv_zero();
+  }
 }
 
 // x's sum over each of its rows' sub-blocks: sums[r * ns + s] (lanes added in a fixed
@@ -965,7 +979,7 @@ void codes_few_rows(const uint8_t* w, int64_t row_bytes, const float* x, const f
   alignas(64) uint8_t q[NR][T::BS];
   float a[NR][NS], c[NR][NS], at[NS][NR], ct[NS][NR];
   CV acc[CMR][NR];
-  float offs[CMR][NR];
+  Offs offs[CMR];
   codes_zero(acc, offs);
   const int64_t nb = K / T::BS, ns = K / T::SB;
   const uint8_t* rows[NR];
@@ -1010,7 +1024,7 @@ void codes_panel_tile(const float* x, const float* sums, int64_t K, const float*
                       int64_t n0, int nvalid, float* y, int64_t ldy) {
   const int64_t ns = K / T::SB;
   CV acc[CMR][NR];
-  float offs[CMR][NR];
+  Offs offs[CMR];
   codes_zero(acc, offs);
   // as sub_block computes it (each acc[r][j] takes its LANES-wide FMAs in ascending k,
   // then the offsets), LANES columns at a time: R x vectors, one code vector and the
