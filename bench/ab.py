@@ -25,15 +25,16 @@ import sys
 import sysconfig
 import tempfile
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from bench import box, procstat
 from bench.profile import profile_table
 from bench.rounds import add_round_args, foreign_warning, policy_from, run_rounds
-from bench.servers import REPO, candor_server, start_warm
+from bench.servers import REPO, WARMUP, candor_server, start_warm
 from bench.stats import summary_table
 from bench.workloads import KV_BLOCKS, WORKLOADS, build_models, by_model, parse_workloads
+from launcher.gguf_checkpoint import is_gguf, prepare
 
 DEFAULT_CACHE = Path.home() / ".cache" / "candor" / "bench"
 
@@ -163,15 +164,18 @@ def main(argv: list[str] | None = None) -> int:
     logs = Path(tempfile.mkdtemp(prefix="candor-ab-"))
     try:
         for model, wls in by_model(names).items():
-            servers = [candor_server(models[model], model, None, KV_BLOCKS[model], extra,
+            servers = [candor_server(models[model], model, None, KV_BLOCKS.get(model), extra,
                                      name=s.name, repo=s.repo, python=s.python, log_dir=logs)
                        for s in sides]
             print(f"server command (both sides, each from its checkout): "
                   f"{servers[0].command_line}")
+            # a GGUF model (the real workloads): prompts go as text, through its tokenizer
+            tokenizer = prepare(str(models[model])) / "tokenizer.json" if is_gguf(models[model]) else None
             try:
-                start_warm(servers, model)
+                start_warm(servers, model, warmup=replace(WARMUP, text_tokenizer=str(tokenizer))
+                           if tokenizer else WARMUP)
                 for wl in wls:
-                    bench = WORKLOADS[wl]
+                    bench = WORKLOADS[wl].with_tokenizer(tokenizer) if tokenizer else WORKLOADS[wl]
                     print(f"\nworkload {wl}: {bench.describe()}")
                     per_side = run_rounds(servers, bench, policy, wl)
                     results[wl] = {"describe": bench.describe(), "rounds": per_side}

@@ -13,8 +13,8 @@
 #     --implementation cp --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 \
 #     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
 #     flashinfer-python==0.6.13 apache-tvm-ffi==0.1.15.post2 pyzmq==27.3.0 msgspec==0.23.0 \
-#     llguidance==1.9.1 gguf==0.19.0 pyahocorasick==2.3.1
-# (21 MB together; every runtime dependency of pyproject.toml the image lacks: the `imports`
+#     llguidance==1.9.1 gguf==0.19.0 pyahocorasick==2.3.1 pillow==13.0.0
+# (28 MB together; every runtime dependency of pyproject.toml the image lacks: the `imports`
 # stage below stops the run at once if one is still missing, as llguidance and gguf were on
 # 2026-12-04, which cost a whole lease; the device tool carries at most 64 MiB, so flashinfer-python 0.7.x,
 # 62-101 MB wheels, does not fit. Candor's calls were read against 0.7.4 and 0.6.13, whose
