@@ -31,7 +31,10 @@ many (``StepResult.accepted``). A constrained chunk's drafts are first cut where
 grammar refuses one (``GrammarStates.check_drafts``), and each verify row gets the mask of
 its own position; after sampling its matcher takes the kept drafts and the token, and the
 tokens the grammar then forces go back to the scheduler as the next step's drafts
-(``StepResult.forced``, up to ``forced_drafts`` of them).
+(``StepResult.forced``, up to ``forced_drafts`` of them). With a draft model
+(``draft_model``), after verification it is fed every live chunk's real ids and proposes
+each sampling chunk's ``propose`` drafts (``StepResult.drafts``: the request's next
+drafts; see draft_model.py for its cache, which mirrors this one's block ids).
 
 Images (a LLaVA checkpoint): a chunk names the images its positions overlap
 (``SeqChunk.images``); ``images`` (``image_cache``) encodes each once, keeps its

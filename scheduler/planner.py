@@ -384,7 +384,8 @@ class Planner:
         that its next step can carry drafts (they must follow the real token): only
         while the drafter finds a match for its known tail (copying), or its grammar
         forced tokens last time (a structured stretch), so a request with nothing to
-        copy keeps the run-ahead step."""
+        copy keeps the run-ahead step. With a draft model: while the step in flight asks
+        it for proposals for ``req`` (``SeqChunk.propose``)."""
         if not req.samples_in_flight:
             return False
         if self.drafts is not None and self.drafts.by_model:  # (its first token's step too)
@@ -430,8 +431,10 @@ class Planner:
         context = (req.token_ids[:start] if start and not req.seen_by_worker
                    and sampling.needs_history() else [])
         images = req.chunk_images(start, start + n) if req.req.images else []
+        # a draft model proposes after decodes only: after the prompt its k - 1 passes
+        # would add to the time to first token (its prefill of the prompt still runs)
         propose = (self.drafts.propose_count(req, len(self.running))
-                   if sample and self.drafts is not None else 0)
+                   if sample and n == 1 and self.drafts is not None else 0)
         req.proposing = propose > 0
         step.chunks.append(SeqChunk(req.rid, tokens, start, req.block_table[kept:], sample, kept,
                                     context, draft or [], images, propose))

@@ -1,5 +1,5 @@
-"""Speculative decoding's ``draft_model`` in the scheduler: each sampling chunk asks the
-worker's draft model for as many proposals as the request's dynamic depth and its
+"""Speculative decoding's ``draft_model`` in the scheduler: each decode asks the worker's
+draft model for as many proposals as the request's dynamic depth and its
 ``max_tokens`` allow (``SeqChunk.propose``); the request then sits out the run-ahead step
 behind it, and its next decode drafts the proposals the result brought
 (``StepResult.drafts``), never stale ones."""
@@ -28,10 +28,19 @@ def _planner(k: int = 4, **kw) -> Planner:
                    speculative=spec)
 
 
-def test_the_prompt_chunk_asks_for_proposals_and_the_next_decode_drafts_them():
+def _decoding(planner: Planner, req: SchedRequest, first: int = 11) -> None:
+    """Prefill ``req`` (no proposals after a prompt: they would add to its time to first
+    token) and decode its first token, which asks for them."""
+    planner.waiting.push(req)
+    prefill = planner.plan()
+    assert prefill.chunks[0].propose == 0
+    planner.postprocess(prefill, [first])
+
+
+def test_a_decode_asks_for_proposals_and_the_next_decode_drafts_them():
     planner = _planner()
     req = _req("a", [5, 6, 7, 8, 9])
-    planner.waiting.push(req)
+    _decoding(planner, req)
     first = planner.plan()
     (chunk,) = first.chunks
     assert chunk.propose == 4 and chunk.draft == []
@@ -52,7 +61,7 @@ def test_proposals_after_an_older_token_are_never_drafted():
     step sampled it) they are stale."""
     planner = _planner()
     req = _req("a", [5, 6, 7, 8, 9])
-    planner.waiting.push(req)
+    _decoding(planner, req)
     planner.postprocess(planner.plan(), [11], proposed=[[12, 13]])
     req.token_ids.append(12)  # as if a later step had appended its token
     req.num_generated += 1
@@ -63,20 +72,20 @@ def test_proposals_after_an_older_token_are_never_drafted():
 
 def test_proposals_never_past_max_tokens_nor_with_speculation_off_for_the_batch():
     planner = _planner(k=8)
-    req = _req("a", [5, 6, 7], max_tokens=4)
-    planner.waiting.push(req)
+    req = _req("a", [5, 6, 7], max_tokens=5)
+    _decoding(planner, req)
     first = planner.plan()
-    assert first.chunks[0].propose == 2  # 4 tokens: this one, the next step's own, 2 drafts
+    assert first.chunks[0].propose == 2  # 5 tokens: 1 out, this one, the next's own, 2 drafts
     planner.postprocess(first, [11], proposed=[[12, 13]])
     step = planner.plan()
     # should both drafts be rejected, one more token and one draft fit: a proposal
     assert step.chunks[0].draft == [12, 13] and step.chunks[0].propose == 1
-    planner.postprocess(step, [14], accepted=[1], proposed=[[15]])  # 11, 12, 14
+    planner.postprocess(step, [14], accepted=[1], proposed=[[15]])  # 11, 11, 12, 14
     assert planner.plan().chunks[0].propose == 0  # its last token: nothing to draft
     busy = _planner(disable_by_batch_size=2)
     for rid in ("a", "b"):
         busy.waiting.push(_req(rid, [5, 6, 7]))
-    busy.postprocess(busy.plan(), [11, 12])  # (a was planned alone in the batch)
+    busy.postprocess(busy.plan(), [11, 12])
     assert [c.propose for c in busy.plan().chunks] == [0, 0]  # two running: no drafts
     assert [c.rid for c in busy.plan(lookahead=True).chunks] == ["a", "b"]  # run ahead
 
@@ -84,7 +93,7 @@ def test_proposals_never_past_max_tokens_nor_with_speculation_off_for_the_batch(
 def test_a_request_whose_drafts_keep_failing_stops_asking():
     planner = _planner()
     req = _req("a", [5, 6, 7, 8, 9], max_tokens=200)
-    planner.waiting.push(req)
+    _decoding(planner, req)
     step = planner.plan()
     token = 11
     for _ in range(12):
