@@ -22,9 +22,10 @@ that no one shares (they are not full yet, so not in the prefix cache) and, wher
 target has not allocated blocks that far yet, into scratch blocks of this step. A later
 step rewrites every such position before it is read.
 
-Not with the target's KV connectors (prefill/decode split, the shared KV store: K/V
-written by an import has no draft counterpart) nor tensor parallelism: the launcher
-refuses those at start (launcher/preflight.py ``check_draft_model``).
+Under tensor parallelism rank 0 alone holds it, whole, and proposes (the drafts reach
+every rank on the next plan). Not with the target's KV connectors (prefill/decode split,
+the shared KV store: K/V written by an import has no draft counterpart): the launcher
+refuses those at start (launcher/draft_check.py).
 """
 
 from __future__ import annotations

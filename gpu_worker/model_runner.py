@@ -217,13 +217,15 @@ class ModelRunner:
 
     def _draft_model(self, path: str | None, k: int, load_format: str, seed: int,
                      max_num_seqs: int) -> DraftModel | None:
-        """Speculative decoding's draft model (``draft_model``), or None. Rank 0 alone
-        would propose, and no rank but 0 runs: the launcher refuses tensor parallelism
-        with it (as prefill/decode splits, pooling, images: see ``draft_model``)."""
-        if path is None:
+        """Speculative decoding's draft model (``draft_model``), or None. Under tensor
+        parallelism rank 0 alone holds it (whole) and proposes: drafts reach every rank
+        on the next plan, and only rank 0 answers. Its cache takes part of rank 0's KV
+        budget, and the block count is the smallest any rank holds, so the tables it
+        mirrors fit. Not with pooling or images (the launcher refuses them first)."""
+        if path is None or self.ranks.rank != 0:
             return None
-        if self.ranks.size > 1 or self.pooling is not None or self.config.vision is not None:
-            raise ValueError("a draft model is served with one rank, a generating text model")
+        if self.pooling is not None or self.config.vision is not None:
+            raise ValueError("a draft model is served with a generating text model")
         return DraftModel(path, k=k, vocab_size=self.config.vocab_size, device=self.device,
                           dtype=self.dtype, block_size=self.block_size,
                           max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,

@@ -4,11 +4,13 @@ one line naming the draft and what it clashes with.
 A draft model must be a checkpoint the gpu_worker serves, with the target's vocabulary
 (its logits index the same ids) and tokenizer (the same special tokens at the same ids:
 the same vocabulary size with other ids would draft nonsense that verification rejects
-at full cost), and a context at least the served one. It runs beside rank 0's model in
-one process, with a cache that mirrors the target's blocks, so it is refused with what
-it cannot follow: tensor parallelism, a prefill/decode split or a shared KV store (K/V
-that arrives from elsewhere has no draft counterpart), a pooling or multimodal model,
-LoRA (not yet served with it)."""
+at full cost), and a context at least the served one. It runs beside rank 0's shard
+of the model (whole: rank 0 alone proposes), with a cache that mirrors the target's
+blocks, so it is refused with what it cannot follow: a prefill/decode split or a shared
+KV store (K/V that arrives from elsewhere has no draft counterpart), a pooling or
+multimodal model. With LoRA it drafts as the base draft model would for every request
+(adapters apply to the target alone: their requests keep fewer drafts, never other
+tokens)."""
 
 from __future__ import annotations
 
@@ -32,10 +34,6 @@ def check_draft_model(topology: Topology) -> None:
 
 
 def _check_combination(topology: Topology, group: EngineGroup, draft: str) -> None:
-    ranks = max((group.tensor_parallel, *group.replica_tp))
-    if ranks > 1:
-        raise _fail(draft, f"runs on one rank, not with --tensor-parallel-size {ranks} "
-                           "(tensor_parallel)")
     if group.index == 0 and topology.disaggregation is not None:
         raise _fail(draft, "not with a prefill/decode split (--prefill-replicas / "
                            "--decode-replicas): the K/V handed over has no draft-model part")
@@ -45,8 +43,6 @@ def _check_combination(topology: Topology, group: EngineGroup, draft: str) -> No
     if group.runner == "pooling":
         raise _fail(draft, f"{group.model.name()!r} is a pooling model (--runner pooling), "
                            "which samples no tokens")
-    if group.model.lora.enabled:
-        raise _fail(draft, "not yet served with LoRA adapters (--enable-lora)")
 
 
 def _check_files(group: EngineGroup, draft: str) -> None:

@@ -388,12 +388,14 @@ class Planner:
         it for proposals for ``req`` (``SeqChunk.propose``)."""
         if not req.samples_in_flight:
             return False
-        if self.drafts is not None and self.drafts.by_model:  # (its first token's step too)
-            return self.drafts.worth_waiting(req, req.token_ids)
+        if self.drafts is not None and self.drafts.by_model and req.proposing:
+            return True
         if not self._speculates(req):
             return False
         if req.forced:
             return True
+        if self.drafts.by_model:
+            return False
         return (self.drafts.depth(req, self.drafts.spec.num_speculative_tokens,
                                   len(self.running)) > 0
                 and self.drafts.worth_waiting(req, req.token_ids))

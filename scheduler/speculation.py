@@ -173,9 +173,7 @@ class Drafts:
     def worth_waiting(self, req, ids: list[int]) -> bool:
         """Whether ``req`` should give up its run-ahead step for drafts: the drafter
         matches ``ids``' tail now (a request copying text is likely to match after its
-        next token too); with a draft model, the step in flight proposes for it."""
-        if self.by_model:
-            return req.proposing
+        next token too)."""
         req.draft_index, draft = self.propose(req.draft_index, ids, 1)
         return bool(draft)
 

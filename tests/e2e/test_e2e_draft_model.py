@@ -4,7 +4,8 @@ tiny model (few drafts kept) and with the target itself (every greedy draft kept
 the probes of test_e2e_speculative (greedy, seeded, penalties, n, stop strings, chat,
 json_schema, tools) with bitwise the choices of a server without speculation, alone, in
 a concurrent batch, streamed and under preemption; a draft model the launcher cannot
-serve with this target is refused at start in one line."""
+serve with this target is refused at start in one line. With two tensor-parallel ranks
+rank 0 drafts, and the answers are still those of the same ranks without speculation."""
 
 from __future__ import annotations
 
@@ -131,3 +132,67 @@ def test_a_draft_with_another_vocabulary_is_refused_at_start_in_one_line(tiny_mo
                      f"target {tiny_model_dir} has 2048: a draft model needs the target's "
                      "vocabulary"], out.stderr
     assert "Traceback" not in out.stderr
+
+
+async def test_with_tensor_parallelism_rank0_drafts_and_the_answers_equal_off(tiny_model_dir,
+                                                                             draft_dir, tmp_path):
+    """Two ranks: rank 0 holds the draft model and proposes; every probe answers as the
+    same two ranks answer without speculation, and the target as draft keeps every
+    greedy draft."""
+    tp = ("--tensor-parallel-size", "2")
+    started: list[CandorServer] = []
+    try:
+        for name, extra in (("off", ()), ("same", ("--speculative-config", _spec(tiny_model_dir)))):
+            started.append(CandorServer(tiny_model_dir, *FLAGS, *tp, *extra).start(
+                log_path=tmp_path / name))
+        off, same = started
+        want = await _all(off, concurrent=False)
+        got = await _all(same, concurrent=True)
+        for name in PROBES:
+            assert _choices(got[name]) == _choices(want[name]), f"{name} (TP 2): differs"
+        greedy = got["greedy"]["candor"]["speculative"]
+        assert greedy["drafted"] >= 100 and greedy["accepted"] == greedy["drafted"], greedy
+    finally:
+        codes = [srv.stop() for srv in started]
+        assert all(code == 0 for code in codes), codes
+
+
+async def test_lora_requests_draft_with_the_base_draft_model_and_equal_off(tiny_model_dir,
+                                                                          tmp_path):
+    """A LoRA deployment whose draft is the base model: requests for the base keep every
+    greedy draft, those for an adapter keep fewer (the adapter moves the target only),
+    and every answer, base or adapter, greedy or seeded, is the one without
+    speculation."""
+    from tests.support import lora_zoo
+
+    base = model_zoo.build("qwen2", tmp_path / "qwen2", tiny_model_dir)
+    adapter = lora_zoo.build_adapter(base, tmp_path / "adapters" / "ad", rank=8, alpha=16, seed=3)
+    lora = ("--served-model-name", "qwen2", "--max-model-len", "512", "--enable-lora",
+            "--lora-modules", f"ad={adapter}", "--max-lora-rank", "8")
+    started: list[CandorServer] = []
+    try:
+        for name, extra in (("off", ()), ("on", ("--speculative-config", _spec(base)))):
+            started.append(CandorServer(base, *lora, *extra).start(log_path=tmp_path / name))
+        bodies = {f"{model}-{kind}": {"model": model, "prompt": PARAGRAPH, "max_tokens": 48,
+                                      "ignore_eos": True, "logprobs": 2, **sampling}
+                  for model in ("qwen2", "ad")
+                  for kind, sampling in (("greedy", {"temperature": 0}),
+                                         ("seeded", {"temperature": 0.8, "seed": 9}))}
+        got: dict[str, dict] = {}
+        async with aiohttp.ClientSession() as session:
+            for srv, label in zip(started, ("off", "on")):
+                for name, body in bodies.items():
+                    async with session.post(srv.base_url + "/v1/completions", json=body) as resp:
+                        payload = await resp.json()
+                        assert resp.status == 200, payload
+                        got[f"{label} {name}"] = payload
+        for name in bodies:
+            assert got[f"on {name}"]["choices"] == got[f"off {name}"]["choices"], name
+        base_counts = got["on qwen2-greedy"]["candor"]["speculative"]
+        assert base_counts["drafted"] > 0 and base_counts["accepted"] == base_counts["drafted"]
+        ad = got["on ad-greedy"]["candor"].get("speculative")
+        assert ad is not None and ad["drafted"] > 0, got["on ad-greedy"]["candor"]
+        print(f"LoRA: base greedy {base_counts}, adapter greedy {ad}")
+    finally:
+        codes = [srv.stop() for srv in started]
+        assert all(code == 0 for code in codes), codes

@@ -55,6 +55,8 @@ def _variant(draft: Path, tmp_path: Path, name: str, config: dict | None = None,
 def test_a_draft_with_the_targets_tokenizer_passes(target, draft):
     _check(target, draft)
     _check(target, target)  # the target itself: every draft kept
+    _check(target, draft, "--tensor-parallel-size", "2")  # rank 0 proposes
+    _check(target, draft, "--enable-lora")  # the base draft drafts for adapters too
 
 
 def test_a_draft_that_is_not_a_servable_checkpoint_is_refused(target, draft, tmp_path):
@@ -76,9 +78,7 @@ def test_another_vocabulary_or_tokenizer_is_refused_naming_both(target, draft, t
 
 
 @pytest.mark.parametrize("flags,why", [
-    (("--tensor-parallel-size", "2"), "runs on one rank, not with --tensor-parallel-size 2"),
     (("--prefill-replicas", "1", "--decode-replicas", "1"), "not with a prefill/decode split"),
-    (("--enable-lora",), "not yet served with LoRA adapters"),
 ])
 def test_combinations_it_cannot_follow_are_refused(target, draft, flags, why):
     assert why in _refusal(target, draft, *flags)
