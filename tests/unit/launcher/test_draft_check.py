@@ -82,3 +82,19 @@ def test_another_vocabulary_or_tokenizer_is_refused_naming_both(target, draft, t
 ])
 def test_combinations_it_cannot_follow_are_refused(target, draft, flags, why):
     assert why in _refusal(target, draft, *flags)
+
+
+def test_a_gguf_draft_gets_its_prepared_directory_and_passes(tmp_path):
+    """As the target does: a GGUF file's directory (config, tokenizer from its metadata);
+    the default SmolLM2 file as its own draft passes every check."""
+    from launcher.default_model import default_gguf
+    from launcher.gguf_checkpoint import prepare_gguf_models
+
+    gguf = str(default_gguf())
+    spec = json.dumps({"method": "draft_model", "model": gguf, "num_speculative_tokens": 2})
+    topology, _ = serve_args_to_topology([gguf, "--speculative-config", spec], environ={})
+    prepared = prepare_gguf_models(topology, {"CANDOR_GGUF_CACHE": str(tmp_path)})
+    draft = prepared.engine.speculative_config.model
+    assert draft == prepared.model.path and Path(draft, "config.json").is_file()
+    assert draft.startswith(str(tmp_path))
+    check_draft_model(prepared)
