@@ -6,6 +6,13 @@ chunks carry several tokens when drafts are kept, so the chunk gap is not the IT
 their round-pair ratios, and the acceptance the on side's spec_decode counters measured.
 
   python -m bench.spec [--rounds 3] [--k 4] [--workloads copy1,copy16,chat1,chat16]
+                      [--spec JSON]
+
+``--spec``: the speculative config instead of n-gram's (``num_speculative_tokens`` from
+``--k`` unless given); a ``model`` of ``default`` is the default GGUF itself, so
+``--spec '{"method": "draft_model", "model": "default"}'`` drafts with the target as its
+own draft model (every greedy draft kept: a smoke test of the draft path's cost, not a
+speedup).
 """
 
 from __future__ import annotations
@@ -91,9 +98,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     p.add_argument("--workloads", default="copy1,copy16,chat1,chat16")
     p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--spec", type=json.loads, default=None,
+                   help="the --speculative-config JSON (default: n-gram, lookup 2..4)")
     a = p.parse_args(argv)
-    spec = json.dumps({**SPEC, "num_speculative_tokens": a.k})
     model = default_gguf()
+    chosen = {"num_speculative_tokens": a.k, **(a.spec if a.spec is not None else SPEC)}
+    if chosen.get("model") == "default":
+        chosen["model"] = str(model)
+    spec = json.dumps(chosen)
     servers = [candor_server(model, SERVED_NAME, name="spec-off"),
                candor_server(model, SERVED_NAME, extra=["--speculative-config", spec],
                              name="spec-on")]
@@ -118,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             m = Metric("decode ms / token", "per_token_s", "ms", False)
             on_t, off_t = values(per_side["spec-on"], m.key), values(per_side["spec-off"], m.key)
             lines = [f"== {name}: {kind} prompts, batch {batch}, {w.num_requests} requests, "
-                     f"<= {a.max_tokens} tokens, k={a.k}",
+                     f"<= {a.max_tokens} tokens, {spec}",
                      summary_table(per_side, ("spec-on", "spec-off")),
                      f"{m.label:<20}" + "".join(f"{' / '.join(m.fmt(v) for v in (s.lo, s.median, s.hi)):>28}"
                                                 for s in (Spread.of(off_t), Spread.of(on_t)))

@@ -129,7 +129,7 @@ class ModelSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model", "eagle", "eagle3", "medusa", "mlp_speculator",
                        "mtp")
-SERVED_SPECULATIVE_METHODS = ("ngram", "suffix")
+SERVED_SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")
 # vLLM's defaults for suffix decoding's keys
 SUFFIX_DEFAULTS = {"suffix_decoding_max_tree_depth": 24,
                    "suffix_decoding_max_cached_requests": 10000,
@@ -156,9 +156,13 @@ class SpeculativeSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     depth, as vLLM's (at most 32 here). A key of the other method is refused, never
     ignored. ``disable_by_batch_size``: no drafts while this many requests or more are
     running (a full batch is compute-bound; verifying drafts then costs more than it
-    saves). Other methods are refused at start: not yet served."""
+    saves). ``method`` draft_model: ``model``, a smaller checkpoint with the target's
+    tokenizer (a directory or a GGUF file), proposes ``num_speculative_tokens`` (required)
+    greedy drafts per step on the gpu_worker (gpu_worker/draft_model.py); as vLLM, a
+    ``model`` with no ``method`` means draft_model, and no ``method`` at all ngram. Other
+    methods are refused at start: not yet served."""
 
-    method: Literal[SPECULATIVE_METHODS] = "ngram"
+    method: Literal[SPECULATIVE_METHODS] | None = None
     num_speculative_tokens: Annotated[int, Meta(ge=1, le=32)] | None = None
     prompt_lookup_min: Annotated[int, Meta(ge=1, le=64)] | None = None
     prompt_lookup_max: Annotated[int, Meta(ge=1, le=64)] | None = None
@@ -167,18 +171,30 @@ class SpeculativeSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     suffix_decoding_max_spec_factor: Annotated[float, Meta(gt=0.0, le=64.0)] | None = None
     suffix_decoding_min_token_prob: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
     disable_by_batch_size: Annotated[int, Meta(ge=2)] | None = None
-    model: str | None = None  # a draft checkpoint (draft_model, eagle*): not yet served
+    model: str | None = None  # the draft checkpoint (draft_model; eagle*: not yet served)
 
     def __post_init__(self) -> None:
+        if self.method is None:  # vLLM's reading: a draft model if one is named
+            self.method = "draft_model" if self.model is not None else "ngram"
         if self.method not in SERVED_SPECULATIVE_METHODS:
             raise ValueError(f"speculative method {self.method!r} is not yet served (served: "
                              f"{', '.join(SERVED_SPECULATIVE_METHODS)})")
-        if self.model is not None:
-            raise ValueError(f"speculative method {self.method!r} takes no `model` (it drafts "
-                             "from the sequence itself)")
         lookup = [k for k in ("prompt_lookup_min", "prompt_lookup_max")
                   if getattr(self, k) is not None]
         suffix = [k for k in SUFFIX_DEFAULTS if getattr(self, k) is not None]
+        if self.method == "draft_model":
+            if self.model is None:
+                raise ValueError("method 'draft_model' needs `model` (the draft checkpoint)")
+            if lookup or suffix:
+                raise ValueError(f"{', '.join(lookup + suffix)}: not a key of method "
+                                 "draft_model (it drafts with `model`)")
+            if self.num_speculative_tokens is None:
+                raise ValueError("method 'draft_model' needs num_speculative_tokens")
+            self.model = os.path.abspath(os.path.expanduser(self.model))
+            return
+        if self.model is not None:
+            raise ValueError(f"speculative method {self.method!r} takes no `model` (it drafts "
+                             "from the sequence itself)")
         if self.method == "suffix":
             if lookup:
                 raise ValueError(f"{', '.join(lookup)}: method ngram's, not suffix's")

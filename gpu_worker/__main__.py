@@ -54,6 +54,7 @@ def main() -> None:
     from gpu_worker.worker_loop import WorkerLoop  # (its KV connectors import torch)
 
     eng = cfg.engine
+    spec = eng.speculative_config
     device, device_why = resolve_device(eng.device)
     if size > 1 and device == "cuda" and torch.cuda.device_count() > 1:
         device = f"cuda:{rank % torch.cuda.device_count()}"  # no per-rank device list given
@@ -74,8 +75,8 @@ def main() -> None:
         max_num_seqs=eng.max_num_seqs, ranks=ranks, deterministic=eng.deterministic,
         pooling=read_pooling_config(cfg.model_path) if cfg.runner == "pooling" else None,
         lora=cfg.lora,
-        forced_drafts=(eng.speculative_config.num_speculative_tokens
-                       if eng.speculative_config is not None else 0))
+        forced_drafts=spec.num_speculative_tokens if spec is not None else 0,
+        draft_model=spec.model if spec is not None and spec.method == "draft_model" else None)
     kv_mib = runner.num_blocks * runner.block_bytes / 2**20
     log.info("rank %d/%d: model loaded in %.2fs (%d threads), dtype %s (%s); KV cache %d blocks "
              "= %.0f MiB = %d tokens (%s)", rank, size, time.perf_counter() - started,

@@ -31,7 +31,10 @@ many (``StepResult.accepted``). A constrained chunk's drafts are first cut where
 grammar refuses one (``GrammarStates.check_drafts``), and each verify row gets the mask of
 its own position; after sampling its matcher takes the kept drafts and the token, and the
 tokens the grammar then forces go back to the scheduler as the next step's drafts
-(``StepResult.forced``, up to ``forced_drafts`` of them).
+(``StepResult.forced``, up to ``forced_drafts`` of them). With a draft model
+(``draft_model``), after verification it is fed every live chunk's real ids and proposes
+each sampling chunk's ``propose`` drafts (``StepResult.drafts``: the request's next
+drafts; see draft_model.py for its cache, which mirrors this one's block ids).
 
 Images (a LLaVA checkpoint): a chunk names the images its positions overlap
 (``SeqChunk.images``); ``images`` (``image_cache``) encodes each once, keeps its
@@ -59,20 +62,18 @@ from gpu_worker import batch_invariant, cuda_graphs
 from gpu_worker.attention.base import AttentionBackend, AttentionSpec
 from gpu_worker.attention.registry import select_backend
 from gpu_worker.batch_invariant import Numerics
+from gpu_worker.draft_model import DraftFeed, DraftModel
 from gpu_worker.grammar import GrammarStates
 from gpu_worker.image_cache import ImageCache
 from gpu_worker.kv_budget import KvDemand, auto_kv_bytes, resident_bytes
 from gpu_worker.distributed import Ranks
-from gpu_worker.loader import checkpoint_names, load_weights
 from gpu_worker.lora.store import AdapterStore
+from gpu_worker.model_build import build_model
 from gpu_worker.model_config import load_config
 from gpu_worker.models import fused_moe, row_ops
 from gpu_worker.models.decoder import DecoderForCausalLM
 from gpu_worker.models.encoder import EncoderModel
 from gpu_worker.pooler import Pooler
-from gpu_worker.quantization import kernels as quant_kernels
-from gpu_worker.quantization.plan import quantize_layers
-from gpu_worker.quantization.spec import GgmlSpec
 from gpu_worker.progress import Progress
 from gpu_worker.request_state import RequestTracker
 from gpu_worker.tp_shard import tp_shard
@@ -142,6 +143,7 @@ class ModelRunner:
         deterministic: bool | None = None,
         lora: LoraSpec | None = None,
         forced_drafts: int = 0,
+        draft_model: str | None = None,
     ) -> None:
         self.config = cfg = load_config(model_path)
         self.pooling = pooling
@@ -165,11 +167,17 @@ class ModelRunner:
                          if lora is not None and lora.enabled else None)
         self._log_moe_path()
         self._load_row_ops()
+        # speculative decoding's draft_model: its weights now (its cache shares the budget)
+        self.draft = self._draft_model(draft_model, forced_drafts, load_format, seed, max_num_seqs)
         self.num_blocks, self.kv_reason = self._size_kv_cache(num_blocks, kv_cache_memory_bytes,
                                                               gpu_memory_utilization, max_num_seqs)
         self.scratch_block = self.num_blocks  # never in a plan: _check rejects ids >= num_blocks
         self.kv_caches = self._allocate_kv_cache()
         self.attn_spec, self.attn_backend, self.deterministic_note = self._settle_determinism(deterministic)
+        if self.draft is not None:
+            self.draft.allocate(self.num_blocks)
+            log.info("draft model numerics: %s", self.draft.settle(self.deterministic))
+            log.info("draft model %s", self.draft.describe())
         if self.adapters is not None:  # their row groups padded as the mode needs
             self.adapters.settle()
 
@@ -200,25 +208,28 @@ class ModelRunner:
     # ------------------------------------------------------------------ start-up steps
 
     def _build_model(self, model_path: str, load_format: str, seed: int) -> DecoderForCausalLM | EncoderModel:
-        """This rank's shard of the model, its weights loaded (or seeded, ``dummy``). Built
-        on meta (no init cost), then materialised; the loader writes every weight. An
-        encoder config (BERT family) builds the bidirectional ``EncoderModel``."""
-        kind = EncoderModel if self.config.encoder is not None else DecoderForCausalLM
-        with torch.device("meta"):
-            model = kind(self.config, max_positions=self.max_model_len, device=self.device,
-                                       dtype=self.dtype,
-                                       tp=self.ranks.tp_group(self.shard, self.numerics),
-                                       lm_head=self.pooling is None)
-            spec = self.config.quantization
-            if spec is not None:  # a GGUF spec names its tensors; an HF format's are the file's
-                log.info(quantize_layers(model, spec, () if isinstance(spec, GgmlSpec) else
-                                         checkpoint_names(model_path)))
-                if self.device.type == "cpu" and self.dtype == torch.float32:
-                    log.info("quantized matmuls: %s", "the CPU kernels" if quant_kernels.load() is not None
-                             else "dequantized slabs (the kernels could not be built)")
-        model = model.to_empty(device=self.device).to(self.dtype)
-        load_weights(model, model_path, load_format, seed=seed)
-        return model.eval()
+        """This rank's shard of the model, its weights loaded (or seeded, ``dummy``)
+        (``model_build``; an encoder config builds the bidirectional ``EncoderModel``)."""
+        return build_model(self.config, model_path, load_format=load_format, seed=seed,
+                           max_positions=self.max_model_len, device=self.device, dtype=self.dtype,
+                           tp=self.ranks.tp_group(self.shard, self.numerics),
+                           lm_head=self.pooling is None)
+
+    def _draft_model(self, path: str | None, k: int, load_format: str, seed: int,
+                     max_num_seqs: int) -> DraftModel | None:
+        """Speculative decoding's draft model (``draft_model``), or None. Under tensor
+        parallelism rank 0 alone holds it (whole) and proposes: drafts reach every rank
+        on the next plan, and only rank 0 answers. Its cache takes part of rank 0's KV
+        budget, and the block count is the smallest any rank holds, so the tables it
+        mirrors fit. Not with pooling or images (the launcher refuses them first)."""
+        if path is None or self.ranks.rank != 0:
+            return None
+        if self.pooling is not None or self.config.vision is not None:
+            raise ValueError("a draft model is served with a generating text model")
+        return DraftModel(path, k=k, vocab_size=self.config.vocab_size, device=self.device,
+                          dtype=self.dtype, block_size=self.block_size,
+                          max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
+                          load_format=load_format, seed=seed)
 
     def _image_cache(self) -> ImageCache:
         """The encoder cache over this model's image path (none: a text model's, which
@@ -262,15 +273,19 @@ class ModelRunner:
         budget covers the scratch block too; neither: what the model
         and ``max_num_seqs`` full-context sequences can use, within what the machine has
         free (``kv_budget``)."""
+        per_block = self.block_bytes + (self.draft.block_bytes if self.draft is not None else 0)
         if num_blocks is not None:
             reason = f"--num-kv-blocks {num_blocks}"
         elif memory_bytes is not None:
             reason = f"{memory_bytes / 2**20:.0f} MiB asked for"
         else:
-            demand = KvDemand(self.block_bytes, self.block_size, max_num_seqs,
+            demand = KvDemand(per_block, self.block_size, max_num_seqs,
                               self.max_model_len, resident_bytes(self.model))
             memory_bytes, reason = auto_kv_bytes(self.device, demand, gpu_memory_utilization)
-        local = num_blocks if num_blocks is not None else memory_bytes // self.block_bytes - 1
+        if self.draft is not None and num_blocks is None:  # the draft model's cache shares it
+            memory_bytes -= self.draft.scratch_bytes
+            reason += ", with the draft model's cache"
+        local = num_blocks if num_blocks is not None else memory_bytes // per_block - 1
         blocks = self.ranks.min_int(local)  # every rank must hold every block
         if blocks < 1:
             raise ValueError(f"KV cache budget too small: two blocks need {2 * self.block_bytes} bytes")
@@ -466,10 +481,13 @@ class ModelRunner:
             sampled: list[int] = []
             logprobs: list[SampleLogprobs | None] = []
             pooled: list[bytes] = []
+            drafts: dict[int, list[int]] = {}
             if live:
                 with torch.inference_mode():
                     sampled, logprobs, failures = self._forward(live)
-                self.failed.update(failures)
+                    self.failed.update(failures)
+                    if self.draft is not None:
+                        drafts = self._propose(live, sampled)
                 self.images.finish(live)
                 if self.pooler is not None:
                     pooled = self.pooler.take()
@@ -492,11 +510,35 @@ class ModelRunner:
                     if self.accepted else [])
         forced = ([self.forced.get(id(s), []) for s in plan.seqs if s.sample]
                   if self.forced else [])
+        proposed = [drafts.get(id(s), []) for s in plan.seqs if s.sample] if drafts else []
         total = time.perf_counter() - t0
         tm.prepare += total - (tm.forward + tm.sample + tm.grammar - inner_before)
         return StepResult(step_id=plan.step_id, sampled=sampled, forward_s=total,
                           logprobs=logprobs, timings=tm, failed=failed, pooled=pooled,
-                          accepted=accepted, forced=forced)
+                          accepted=accepted, forced=forced, drafts=proposed)
+
+    def _propose(self, live: list[SeqChunk], sampled: list[int]) -> dict[int, list[int]]:
+        """The draft model's pass after verification (``draft_model``): every live chunk's
+        real ids (its tokens, the drafts kept, and the sampled token where the chunk asks
+        for proposals) fed at their positions, and ``SeqChunk.propose`` drafts after each
+        sampled token (id(chunk) -> them). Requests that failed are left out."""
+        t0 = time.perf_counter()
+        feeds: list[DraftFeed] = []
+        owners: list[SeqChunk] = []
+        tokens = iter(sampled)  # (one per sampling chunk, plan order)
+        for s in live:
+            token = next(tokens) if s.sample else NO_TOKEN
+            if s.rid in self.failed:
+                continue
+            real = s.token_ids[:len(s.token_ids) - len(s.draft) + self.accepted.get(id(s), 0)]
+            at = s.start_pos + len(real)  # the sampled token's position
+            want = min(s.propose, self.max_model_len - at) if token != NO_TOKEN else 0
+            feeds.append(DraftFeed(s.start_pos, [*real, token] if want > 0 else real,
+                                   self.block_tables[s.rid], max(0, want)))
+            owners.append(s)
+        proposals = self.draft.step(feeds)
+        self.timings.forward += time.perf_counter() - t0
+        return {id(s): p for s, p in zip(owners, proposals) if p}
 
     def _forward(self, seqs: list[SeqChunk]) -> _Sampled:
         # Flattened order: prefill chunks, then decodes (attention batches those).

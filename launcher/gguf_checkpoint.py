@@ -30,7 +30,7 @@ from pathlib import Path
 import msgspec
 
 from launcher.supervisor import say
-from cluster.topology import ModelSpec, Topology
+from cluster.topology import EngineSpec, ModelSpec, Topology
 from gpu_worker.gguf.prepared import POINTER, pointer
 from gpu_worker.gguf.reader import GGUFError
 from gpu_worker.gguf.tensors import GGUFCheckpoint
@@ -70,9 +70,24 @@ def prepare_gguf_models(topology: Topology, environ: dict[str, str] | None = Non
     the file's name as its served name where none was given). A file that cannot be
     served exits in one line."""
     model = _prepared_spec(topology.model, "model", environ)
-    models = [msgspec.structs.replace(served, model=_prepared_spec(served.model, f"models[{i}].model", environ))
+    models = [msgspec.structs.replace(served, model=_prepared_spec(served.model, f"models[{i}].model", environ),
+                                      engine=_prepared_draft(served.engine, environ))
               for i, served in enumerate(topology.models)]
-    return msgspec.structs.replace(topology, model=model, models=models)
+    return msgspec.structs.replace(topology, model=model, models=models,
+                                   engine=_prepared_draft(topology.engine, environ))
+
+
+def _prepared_draft(engine: EngineSpec, environ: dict[str, str] | None) -> EngineSpec:
+    """A speculative draft model given as a GGUF file gets its prepared directory too."""
+    spec = engine.speculative_config
+    if spec is None or spec.model is None or not is_gguf(spec.model):
+        return engine
+    try:
+        directory = prepare(spec.model, None, environ)
+    except GGUFError as err:
+        raise SystemExit(f"candor: cannot serve the draft model {err}") from None
+    return msgspec.structs.replace(
+        engine, speculative_config=msgspec.structs.replace(spec, model=str(directory)))
 
 
 def _prepared_spec(spec: ModelSpec, label: str, environ: dict[str, str] | None) -> ModelSpec:

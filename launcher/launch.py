@@ -13,6 +13,7 @@ import shutil
 import signal
 import tempfile
 
+from launcher.draft_check import check_draft_model
 from launcher.gguf_checkpoint import prepare_gguf_models
 from launcher.hf_overrides import prepare_overridden_models
 from launcher.preflight import (check_chat_template, check_lora_adapters, check_model_config,
@@ -75,6 +76,7 @@ def launch(topology: Topology, node: str | None = None,
     except TopologyError as err:
         raise SystemExit("candor: invalid topology:\n  " + "\n  ".join(err.problems)) from None
     check_model_config(topology)
+    check_draft_model(topology)
     nodes = topology.effective_nodes()
     if node is None:
         if len(nodes) > 1:

@@ -289,7 +289,9 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                    metavar="JSON",
                    help='speculative decoding, vLLM\'s keys, e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' or '
-                        '\'{"method": "suffix"}\' (suffix_decoding_* keys); the answer is the '
+                        '\'{"method": "suffix"}\' (suffix_decoding_* keys) or \'{"method": '
+                        '"draft_model", "model": DIR, "num_speculative_tokens": 4}\' (a smaller '
+                        'checkpoint with the same tokenizer); the answer is the '
                         'same bits as without it where the deterministic mode is on (each '
                         'response says: candor.speculative.exact)')
 

@@ -339,6 +339,10 @@ class SeqChunk(msgspec.Struct, array_like=True):
     its grammar refuses are dropped by the worker before the forward pass (they count as
     rejected).
 
+    ``propose`` (speculative method draft_model): how many drafts the worker's draft model
+    proposes after this chunk's sampled token (``StepResult.drafts``), for the request's
+    next step; 0: none (the scheduler would not use them).
+
     ``images``: the prompt images whose placeholder span these positions overlap. An
     image's pixels travel once, with the first chunk that needs them since the request
     was (re)admitted; a later chunk of the span names it with empty ``pixels`` and the
@@ -353,6 +357,7 @@ class SeqChunk(msgspec.Struct, array_like=True):
     context: list[int] = []
     draft: list[int] = []
     images: list[ImageInput] = []
+    propose: int = 0
 
 
 class KvExport(msgspec.Struct, array_like=True):
@@ -557,6 +562,10 @@ class StepResult(_Message, tag="result"):
     # ``sampled`` token (its next step's free drafts), aligned with ``sampled`` (empty:
     # no constrained request sampled, or speculation is off)
     forced: list[list[int]] = []
+    # speculative method draft_model: the draft model's greedy guesses at the tokens after
+    # each sampling chunk's ``sampled`` token (up to its ``propose``; its next step's
+    # drafts), aligned with ``sampled`` (empty: no chunk asked for any)
+    drafts: list[list[int]] = []
 
 
 class KvReceived(_Message, tag="kv_received"):

@@ -444,7 +444,7 @@ class EngineLoop:
         self.ops.worker_result(msg.idle_s, msg.forward_s, self.work_after_last_result,
                                msg.timings)
         for s in self.planner.postprocess(planned, msg.sampled, msg.failed,
-                                                 msg.accepted, msg.forced):
+                                                 msg.accepted, msg.forced, msg.drafts):
             sreq = s.req
             if s.failure is not None and s.failure.recompute:  # its imported KV is lost
                 self._recompute(sreq, s.failure)

@@ -180,7 +180,8 @@ class Planner:
     def postprocess(self, step: PlannedStep, sampled: list[int],
                     failed: dict[str, RequestFailure] | None = None,
                     accepted: list[int] | None = None,
-                    forced: list[list[int]] | None = None) -> list[Sampled]:
+                    forced: list[list[int]] | None = None,
+                    proposed: list[list[int]] | None = None) -> list[Sampled]:
         """A step came back with ``sampled`` (one id per sampling chunk, plan order):
         commit written blocks to the prefix cache, append each live request's token and
         finish those it ends. Requests finished meanwhile (aborts) are skipped; those
@@ -189,7 +190,8 @@ class Planner:
         how many of its drafts were kept before its token (speculative decoding); they
         are appended first, each checked for the end as a sampled token is. ``forced``:
         per sampling chunk, the tokens a constrained request's grammar forces next (its
-        next drafts)."""
+        next drafts). ``proposed``: per sampling chunk, the draft model's guesses after its
+        token (``draft_model``; its next drafts while no later token came in)."""
         self._returned(step)
         failed = failed or {}
         accepted = accepted or []
@@ -230,6 +232,8 @@ class Planner:
                     del new[i + 1:]
                     break
             self.commit(req)  # (after the kept drafts' ids: a block they fill is keyed by them)
+            if proposed:
+                req.proposed, req.proposed_at = proposed[row - 1], len(req.token_ids)
             if reason is not None:
                 self.finish(req)
             out.append(Sampled(req, new[-1], row - 1, reason, drafted=new[:-1]))
@@ -380,11 +384,18 @@ class Planner:
         that its next step can carry drafts (they must follow the real token): only
         while the drafter finds a match for its known tail (copying), or its grammar
         forced tokens last time (a structured stretch), so a request with nothing to
-        copy keeps the run-ahead step."""
-        if not req.samples_in_flight or not self._speculates(req):
+        copy keeps the run-ahead step. With a draft model: while the step in flight asks
+        it for proposals for ``req`` (``SeqChunk.propose``)."""
+        if not req.samples_in_flight:
+            return False
+        if self.drafts is not None and self.drafts.by_model and req.proposing:
+            return True
+        if not self._speculates(req):
             return False
         if req.forced:
             return True
+        if self.drafts.by_model:
+            return False
         return (self.drafts.depth(req, self.drafts.spec.num_speculative_tokens,
                                   len(self.running)) > 0
                 and self.drafts.worth_waiting(req, req.token_ids))
@@ -404,6 +415,8 @@ class Planner:
             return req.forced[:max(0, min(room, self.drafts.spec.num_speculative_tokens))]
         room = min(room, self.drafts.depth(req, self.drafts.spec.num_speculative_tokens,
                                            len(self.running)))
+        if self.drafts.by_model:
+            return self.drafts.proposals(req, room)
         req.draft_index, draft = self.drafts.propose(req.draft_index, req.token_ids, room)
         return draft
 
@@ -420,8 +433,13 @@ class Planner:
         context = (req.token_ids[:start] if start and not req.seen_by_worker
                    and sampling.needs_history() else [])
         images = req.chunk_images(start, start + n) if req.req.images else []
+        # a draft model proposes after decodes only: after the prompt its k - 1 passes
+        # would add to the time to first token (its prefill of the prompt still runs)
+        propose = (self.drafts.propose_count(req, len(self.running))
+                   if sample and n == 1 and self.drafts is not None else 0)
+        req.proposing = propose > 0
         step.chunks.append(SeqChunk(req.rid, tokens, start, req.block_table[kept:], sample, kept,
-                                    context, draft or [], images))
+                                    context, draft or [], images, propose))
         req.blocks_sent = len(req.block_table)
         self._note_writes(step, req, start, n)
         req.scheduled(n, sample)

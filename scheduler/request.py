@@ -41,6 +41,12 @@ class SchedRequest:
     # the tokens its grammar forces after its last token (the worker's latest word on it:
     # StepResult.forced), drafted next; empty for an unconstrained request
     forced: list[int] = field(default_factory=list)
+    # speculative method draft_model: its latest planned chunk asked the worker's draft
+    # model for proposals (then it sits out the run-ahead step behind it, to draft), and
+    # the latest proposals (StepResult.drafts), valid while its ids number proposed_at
+    proposing: bool = False
+    proposed: list[int] = field(default_factory=list)
+    proposed_at: int = -1
     # leading prompt images whose pixels went to the worker since it was (re)admitted
     images_sent: int = 0
 

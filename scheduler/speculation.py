@@ -1,7 +1,10 @@
 """Draft tokens for speculative decoding, proposed by the scheduler from a request's own ids
 (and, for ``suffix``, recently finished requests' outputs).
 
-The drafters are deterministic. Prompt lookup (vLLM's ``ngram``): the drafts after a
+The drafters are deterministic. A draft model (``draft_model``) runs on the worker
+(gpu_worker/draft_model.py): a chunk asks it for proposals (``SeqChunk.propose``, the
+request's dynamic depth), the step's result carries them (``StepResult.drafts``), and the
+request's next decode drafts them, planned here like the others. Prompt lookup (vLLM's ``ngram``): the drafts after a
 sequence are the tokens that followed the latest earlier occurrence of its last ``n`` ids,
 for the longest ``n`` in ``prompt_lookup_min..prompt_lookup_max`` that occurs. Suffix
 decoding (``suffix``): see ``scheduler.suffix``. The worker
@@ -109,6 +112,8 @@ class Drafts:
         self.counts = SpecCounts()
         self.cache = (SuffixCache(spec.suffix_decoding_max_cached_requests)
                       if spec.method == "suffix" else None)
+        # the worker's draft model proposes (after each step), not the scheduler
+        self.by_model = spec.method == "draft_model"
 
     def finished(self, req) -> None:
         """``req`` ended: its generated ids join the suffix cache (suffix only)."""
@@ -146,6 +151,24 @@ class Drafts:
         busy = running >= BUSY_BATCH
         depth = int(math.log(WORTH_BUSY if busy else WORTH) / math.log(rate))
         return min(k, depth if busy else max(1, depth))
+
+    @staticmethod
+    def proposals(req, k: int) -> list[int]:
+        """A draft model's drafts for ``req``'s next decode: up to ``k`` of the worker's
+        latest proposals, while they follow its ids (none once a later token came in)."""
+        return req.proposed[:k] if k > 0 and req.proposed_at == len(req.token_ids) else []
+
+    def propose_count(self, req, running: int) -> int:
+        """How many drafts the worker's draft model should propose after the token a
+        chunk of ``req`` samples (``SeqChunk.propose``): its dynamic depth, within what
+        ``max_tokens`` leaves its next step (one token of which is the worker's own);
+        0 where its next step would not draft."""
+        sreq = req.req
+        if (not self.by_model or sreq.pooling is not None or not self.allowed(running)
+                or self.gave_up(req)):
+            return 0
+        k = self.spec.num_speculative_tokens
+        return max(0, min(sreq.max_tokens - req.num_generated - 2, self.depth(req, k, running)))
 
     def worth_waiting(self, req, ids: list[int]) -> bool:
         """Whether ``req`` should give up its run-ahead step for drafts: the drafter

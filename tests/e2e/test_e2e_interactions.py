@@ -26,8 +26,9 @@ and each gets a dedicated cell marked ``xfail(strict=True)``: when a fix lands, 
 passes, the strict xfail fails loudly, and the entry is deleted here so the pair returns
 to the covering array.
 
-The ``spec`` server (speculative decoding, n-gram) runs the ``base`` rows, so its answers
-are checked bitwise against base's own references.
+The ``spec`` server (speculative decoding, n-gram) and the ``draft`` server (a draft model:
+the target itself) run the ``base`` rows, so their answers are checked bitwise against
+base's own references.
 
 The ``store`` server (DP=2 round robin with a shared KV store) runs the ``dp2`` rows
 (``MIRRORED``) rather than joining the covering array, which would change every server's
@@ -113,6 +114,10 @@ SERVERS: dict[str, tuple[str, ...]] = {
     "spec": ("--speculative-config", json.dumps({
         "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
         "prompt_lookup_max": 3})),
+    # speculative decoding with a draft model, the target itself (DRAFT_IS_TARGET: its
+    # directory once known): its cache mirrors base's blocks through hits, n, adapters
+    "draft": ("--speculative-config", json.dumps({
+        "model": "{DRAFT_IS_TARGET}", "num_speculative_tokens": 3})),
 }
 
 
@@ -171,7 +176,7 @@ MAX_TOKENS = {"none": 48, "json_schema": 48, "regex": 48, "choice": 8, "tools_re
 # ------------------------------------------------------------------ the factors
 # servers that run another server's cells instead of joining the covering array (which
 # would then change for every server): store runs dp2's rows
-MIRRORED = {"store": "dp2", "spec": "base"}
+MIRRORED = {"store": "dp2", "spec": "base", "draft": "base"}
 FACTORS: dict[str, list[Any]] = {
     "server": [name for name in SERVERS if name not in MIRRORED],
     "cache": ["miss", "hit"],
@@ -831,7 +836,8 @@ class ServerPool:
         env = no_run_ahead_env() if name == "sync" else None
         log = self.log_dir / f"{name}.log"
         lora = () if name in NO_LORA_SERVERS else self.lora_flags
-        srv = CandorServer(self.model_dir, *COMMON_FLAGS, *lora, *SERVERS[name], env=env)
+        flags = [f.replace("{DRAFT_IS_TARGET}", str(self.model_dir)) for f in SERVERS[name]]
+        srv = CandorServer(self.model_dir, *COMMON_FLAGS, *lora, *flags, env=env)
         return srv.start(timeout=300, log_path=log)
 
     def get(self, name: str) -> CandorServer:
@@ -1130,7 +1136,7 @@ def topology_problem(name: str, srv: CandorServer, log: str) -> str | None:
                                                                 "scheduler": 1})
     if status != 200 or counts != want:
         return f"{name}: /health {status}, processes {counts}, want {want}"
-    if name == "spec" and "spec_drafts" not in srv.engine_stats():
+    if name in ("spec", "draft") and "spec_drafts" not in srv.engine_stats():
         return "speculative decoding is not on in the scheduler"
     if name == "sync" and "run-ahead off" not in log:
         return "the no-run-ahead hook did not load in the scheduler"

@@ -129,3 +129,30 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
     return out[0, len(prompt):].tolist()
+
+
+def build_draft(out: Path, target_dir: Path, *, seed: int = 1, layers: int = 2) -> Path:
+    """A tiny Llama draft model for speculative decoding's ``draft_model`` over the target
+    at ``target_dir`` (the project's tiny model, or any zoo checkpoint built with its
+    tokenizer): the target's tokenizer files, vocabulary and special ids, its context,
+    ``layers`` layers and weights of its own (``seed``), so few of its drafts match."""
+    import json
+    import shutil
+
+    import transformers
+
+    target = json.loads((Path(target_dir) / "config.json").read_text())
+    config = transformers.LlamaConfig(
+        vocab_size=target["vocab_size"], hidden_size=64, intermediate_size=128,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=target["max_position_embeddings"], tie_word_embeddings=False,
+        bos_token_id=target.get("bos_token_id"), eos_token_id=target.get("eos_token_id"),
+        pad_token_id=target.get("pad_token_id"))
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(config).to(torch.float32)
+    perturb(model, seed=seed)
+    model.save_pretrained(out)
+    for f in Path(target_dir).iterdir():
+        if f.name.startswith("tokenizer") or f.name in ("chat_template.jinja", "special_tokens_map.json"):
+            shutil.copy(f, Path(out) / f.name)
+    return Path(out)

@@ -170,13 +170,24 @@ def test_a_constrained_request_drafts_what_its_grammar_forces_else_the_ngram():
 
 @pytest.mark.parametrize("bad,why", [
     ({"method": "eagle3"}, "not yet served"),
-    ({"model": "/x"}, "takes no `model`"),
+    ({"method": "ngram", "model": "/x"}, "takes no `model`"),
+    ({"method": "suffix", "model": "/x"}, "takes no `model`"),
     ({"prompt_lookup_min": 4, "prompt_lookup_max": 2}, "greater than"),
+    ({"method": "draft_model"}, "needs `model`"),
+    ({"model": "/x", "prompt_lookup_max": 3}, "prompt_lookup_max: not a key of method draft_model"),
+    ({"model": "/x", "num_speculative_tokens": None}, "draft_model' needs num_speculative_tokens"),
 ])
 def test_bad_configs_are_refused_naming_what(bad, why):
     import msgspec
     with pytest.raises(msgspec.ValidationError, match=why):
         msgspec.convert({"num_speculative_tokens": 2, **bad}, SpeculativeSpec)
+
+
+def test_a_model_without_a_method_is_a_draft_model_as_in_vllm(tmp_path):
+    import msgspec
+    spec = msgspec.convert({"model": str(tmp_path), "num_speculative_tokens": 3}, SpeculativeSpec)
+    assert (spec.method, spec.model) == ("draft_model", str(tmp_path))
+    assert msgspec.convert({"num_speculative_tokens": 3}, SpeculativeSpec).method == "ngram"
 
 
 def _decoding(planner: Planner, prompt: list[int], first: int) -> SchedRequest:
