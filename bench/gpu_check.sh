@@ -87,7 +87,7 @@ sys.exit(1 if missing else 0)
 # Kernel builds in the background; pytest (CPU-side tests + the real-signature check) meanwhile.
 timeout -k 15 240 python3 -m bench.gpu_check warm --out "$OUT/warm.json" >"$OUT/warm.log" 2>&1 &
 WARM=$!
-stage pytest 150 "$OUT/pytest.txt" python3 -m pytest -v -p no:cacheprovider tests/unit/gpu_worker/test_cuda_graphs.py \
+stage pytest 230 "$OUT/pytest.txt" python3 -m pytest -v -p no:cacheprovider tests/unit/gpu_worker/test_cuda_graphs.py \
   tests/unit/gpu_worker/test_attention_backend.py tests/unit/bench/test_bench_models.py
 tail -5 "$OUT/pytest.txt"
 echo "=== warm: waiting (started at +0s)"

@@ -216,7 +216,7 @@ def test_fake_signatures_match_real():
         return out
 
     for name, n_pos in (("BatchDecodeWithPagedKVCacheWrapper", 7), ("BatchPrefillWithPagedKVCacheWrapper", 8)):
-        ours, theirs = getattr(fake_fi, name), getattr(real, name)
+        ours, theirs = getattr(fake_flashinfer, name), getattr(real, name)
         assert names(ours.plan)[:n_pos] == names(theirs.plan)[:n_pos]
         used = {"sm_scale", "q_data_type", "kv_data_type"} | ({"causal"} if "Prefill" in name else set())
         assert used <= set(all_names(theirs, "plan"))
