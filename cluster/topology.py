@@ -308,7 +308,8 @@ class RequestLimits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     The template bounds cover request-supplied and server templates alike: source size,
     wall time of one render (the rendered text itself is bounded by the context). The image
     bounds: the count in the frontend, bytes and pixels in the tokenizer worker, which
-    decodes images."""
+    decodes images; an http(s) image URL is fetched by the frontend, only from the hosts
+    listed, within the byte, time and redirect bounds."""
 
     max_n: Annotated[int, Meta(ge=1)] = 128
     max_prompts: Annotated[int, Meta(ge=1)] = 256
