@@ -95,7 +95,8 @@ async def tokenize(request: web.Request, models: ServedModels, api: ApiSpec) -> 
                               continue_final_message=continue_final,
                               chat_template_kwargs=dict(body.chat_template_kwargs or {}),
                               chat_template=body.chat_template, strict=api.strict)
-        await request.app[MEDIA_KEY].inline(gen.messages)
+        if model.vision:  # (a text model refuses the image unfetched)
+            await request.app[MEDIA_KEY].inline(gen.messages)
     else:
         chat_only = [name for name in ("add_generation_prompt", "continue_final_message",
                                        "chat_template", "chat_template_kwargs", "tools")

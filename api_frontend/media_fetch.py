@@ -169,10 +169,11 @@ class MediaFetcher:
         for i, message in enumerate(messages or []):
             content = message.get("content")
             for j, part in enumerate(content if isinstance(content, list) else []):
-                image_url = part.get("image_url") if isinstance(part, dict) else None
+                if not isinstance(part, dict) or part.get("type") != "image_url":
+                    continue
+                image_url = part.get("image_url")
                 url = image_url.get("url") if isinstance(image_url, dict) else None
-                if (part.get("type") == "image_url" and isinstance(url, str)
-                        and is_remote(url)):
+                if isinstance(url, str) and is_remote(url):
                     wanted.setdefault(url, []).append((f"messages[{i}].content[{j}]", image_url))
         if not wanted:
             return

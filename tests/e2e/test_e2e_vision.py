@@ -430,6 +430,15 @@ def test_an_image_by_url_gives_the_tokens_of_the_same_image_inline(media_server,
         assert by_url["choices"][0]["token_ids"] == by_data["choices"][0]["token_ids"]
         assert by_url["choices"][0]["logprobs"] == by_data["choices"][0]["logprobs"]
     text = by_data["choices"][0]["message"]["content"]
+    rendered = [media_server.post_json("/v1/chat/completions/render", {
+        "model": MODEL, "messages": _user("What is in this picture?", url)})
+        for url in (image_host.url("/cat.png"), inline)]
+    assert rendered[0][0] == 200 and rendered[0] == rendered[1], rendered[0]
+    counted = [media_server.post_json("/tokenize", {
+        "model": MODEL, "messages": _user("What is in this picture?", url)})
+        for url in (image_host.url("/cat.png"), inline)]
+    assert counted[0][0] == 200 and counted[0] == counted[1], counted[0]
+    assert counted[0][1]["tokens"] == by_data["prompt_token_ids"]
 
     def responses(url: str) -> dict:
         status, body = media_server.post_json("/v1/responses", {
