@@ -16,7 +16,7 @@ from aiohttp import web
 
 from api_frontend import extra_routes, lora_routes
 from api_frontend.app_keys import (API_KEY, BODY_TIMEOUT_KEY, ENGINE_KEY, LOG_REQUESTS_KEY,
-                                   LORA_KEY, MODELS_KEY)
+                                   LORA_KEY, MEDIA_KEY, MODELS_KEY)
 from api_frontend.capabilities import capabilities as capabilities_body
 from api_frontend.endpoints.registry import ENDPOINTS
 from api_frontend.endpoints.responses.peers import ResponsePeers
@@ -26,6 +26,7 @@ from api_frontend.engine_client import EngineClient
 from api_frontend.errors import API_ERROR, ApiError
 from api_frontend.generate import REQUEST_ID_KEY
 from api_frontend.json_body import check_json_body, json_response
+from api_frontend.media_fetch import MediaFetcher
 from api_frontend.openapi import build_openapi
 from api_frontend.served_models import ServedModels
 from cluster.topology import ApiSpec, LoraSpec
@@ -140,6 +141,10 @@ async def openapi(request: web.Request) -> web.Response:
     return json_response(build_openapi())
 
 
+async def _close_media(app: web.Application) -> None:
+    await app[MEDIA_KEY].close()
+
+
 def build_app(engine: EngineClient, models: ServedModels, max_body_bytes: int,
               api: ApiSpec | None = None, body_read_timeout_s: float = 60.0,
               responses: ResponsePeers | None = None,
@@ -156,6 +161,8 @@ def build_app(engine: EngineClient, models: ServedModels, max_body_bytes: int,
     app[LOG_REQUESTS_KEY] = False
     app[API_KEY] = api = api or ApiSpec()
     app[LORA_KEY] = lora or LoraSpec()
+    app[MEDIA_KEY] = MediaFetcher(api.limits)
+    app.on_cleanup.append(_close_media)
     app[RESPONSES_KEY] = responses or ResponsePeers(
         ResponseStore(api.responses_store), 0, [engine.reply_to], engine.reply_to, engine.ctx)
     app.router.add_get("/v1/models", list_models)

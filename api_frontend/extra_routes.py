@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from api_frontend.app_keys import API_KEY, MODELS_KEY
+from api_frontend.app_keys import API_KEY, MEDIA_KEY, MODELS_KEY
 from api_frontend.engine_client import EngineClient
 from api_frontend.errors import ApiError
 from api_frontend.generate import complete_report
@@ -57,6 +57,7 @@ async def render(request: web.Request, kind: type, translate: Callable[..., Tran
     rid = f"render-{uuid.uuid4().hex}"
     tr = translate(parsed, rid, engine.reply_to, 0.0, keys, request.app[API_KEY],
                    vision=model.vision)
+    await request.app[MEDIA_KEY].inline(tr.gen.messages)
     result = await ask(engine, ipc.RenderReq(rid, engine.reply_to, gen=tr.gen))
     info = ipc.RequestInfo(rid, len(result.token_ids), result.template, result.adjustments)
     return json_response(RenderResponse(result.prompt_text, result.token_ids, card.id,
@@ -94,6 +95,8 @@ async def tokenize(request: web.Request, models: ServedModels, api: ApiSpec) -> 
                               continue_final_message=continue_final,
                               chat_template_kwargs=dict(body.chat_template_kwargs or {}),
                               chat_template=body.chat_template, strict=api.strict)
+        if model.vision:  # (a text model refuses the image unfetched)
+            await request.app[MEDIA_KEY].inline(gen.messages)
     else:
         chat_only = [name for name in ("add_generation_prompt", "continue_final_message",
                                        "chat_template", "chat_template_kwargs", "tools")

@@ -22,12 +22,13 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from api_frontend.app_keys import API_KEY, LOG_REQUESTS_KEY, MODELS_KEY
+from api_frontend.app_keys import API_KEY, LOG_REQUESTS_KEY, MEDIA_KEY, MODELS_KEY
 from api_frontend.assembly import DONE_FRAME, Assembler, Collected, sse
 from api_frontend.engine_client import EngineClient
 from api_frontend.errors import RETRY_AFTER_S, ApiError
 from api_frontend.json_body import decode_request
 from api_frontend.limits import check_share
+from api_frontend.media_fetch import MediaFetcher
 from api_frontend.served_models import adapter_of
 from api_frontend.tools import FirstCallCut
 from api_frontend.translate import Translated
@@ -91,10 +92,12 @@ class Flight:
     ``close`` aborts whatever has not finished (client gone, an error) and releases the
     rest."""
 
-    def __init__(self, engine: EngineClient, tr: Translated, api: ApiSpec) -> None:
+    def __init__(self, engine: EngineClient, tr: Translated, api: ApiSpec,
+                 media: MediaFetcher | None = None) -> None:
         self.engine = engine
         self.tr = tr
         self.api = api
+        self.media = media  # fetches the request's http(s) images before it is submitted
         self.reqs = tr.choice_reqs()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.unfinished = set(tr.choices)
@@ -110,6 +113,9 @@ class Flight:
         full = engine.queue_full(len(self.reqs))
         if full is not None:
             raise ApiError(503, full, None, "queue_full", headers={"Retry-After": RETRY_AFTER_S})
+        if self.media is not None:
+            for gen in self.tr.gens:  # (each choice's copy shares its prompt's messages)
+                await self.media.inline(gen.messages)
         for r in self.reqs:
             await engine.submit(r, self.queue)
         infos: dict[str, ipc.RequestInfo] = {}
@@ -194,7 +200,7 @@ async def run_generation(request: web.Request, engine: EngineClient, card: Model
                                           vision=vision)
     for gen in tr.gens:
         gen.lora = adapter_of(card)
-    flight = Flight(engine, tr, api)
+    flight = Flight(engine, tr, api, request.app[MEDIA_KEY])
     if request.app[LOG_REQUESTS_KEY]:
         log.info("request %s (X-Request-Id %s): model %r, %d prompt(s), n=%d, max_tokens=%s, "
                  "stream=%s, sampling %s", rid, client_request_id(request), card.id,

@@ -25,20 +25,29 @@ def chat_image_paths(messages: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+_CHAT_URL = ".image_url.url"  # where chat's image_url part holds its URL
+
+
 @dataclass
 class ImageNames:
     paths: dict[str, str] = field(default_factory=dict)  # chat's path -> the request's
+    url_field: str = _CHAT_URL  # where the request's own image part holds its URL
 
     @classmethod
-    def of(cls, messages: list[dict[str, Any]], own: list[str]) -> "ImageNames":
-        return cls(dict(zip(chat_image_paths(messages), own)))
+    def of(cls, messages: list[dict[str, Any]], own: list[str],
+           url_field: str = _CHAT_URL) -> "ImageNames":
+        return cls(dict(zip(chat_image_paths(messages), own)), url_field)
 
     def rename(self, err: ApiError) -> bool:
-        """Name the request's own part in ``err`` when it is about an image; False: not."""
+        """Name the request's own part in ``err`` when it is about an image (its URL:
+        ``url_field`` under the part); False: not."""
         param = err.param or ""
         for chat, own in self.paths.items():
             if param == chat or param.startswith(chat + "."):
-                err.param = own + param[len(chat):]
+                rest = param[len(chat):]
+                if rest.startswith(_CHAT_URL):
+                    rest = self.url_field + rest[len(_CHAT_URL):]
+                err.param = own + rest
                 err.message = err.message.replace(chat, own)
                 return True
         return False

@@ -7,7 +7,9 @@ per engine replica; ``cluster.process_config`` cuts it into each process's confi
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -281,6 +283,22 @@ class HttpSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     metrics_compat: Literal["vllm", "none"] = "vllm"
 
 
+# a host name or an IPv4 address, as an allow-list entry names it
+_HOST_NAME = re.compile(r"[a-z0-9_]([a-z0-9_.-]*[a-z0-9_])?")
+
+
+def _media_host(name: str) -> str:
+    """An allow-list entry as the host a URL names (lower case; IPv6 without brackets)."""
+    host = name.strip().lower().rstrip(".")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if ":" in host:
+        ipaddress.IPv6Address(host)  # ValueError for anything else (a port, a scheme)
+    elif not _HOST_NAME.fullmatch(host):
+        raise ValueError(host)
+    return host
+
+
 class RequestLimits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Bounds on every fan-out a request can ask for, checked in the frontend before any
     work (400 naming the field and the limit) and published by GET /v1/capabilities.
@@ -290,7 +308,8 @@ class RequestLimits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     The template bounds cover request-supplied and server templates alike: source size,
     wall time of one render (the rendered text itself is bounded by the context). The image
     bounds: the count in the frontend, bytes and pixels in the tokenizer worker, which
-    decodes images."""
+    decodes images; an http(s) image URL is fetched by the frontend, only from the hosts
+    listed, within the byte, time and redirect bounds."""
 
     max_n: Annotated[int, Meta(ge=1)] = 128
     max_prompts: Annotated[int, Meta(ge=1)] = 256
@@ -311,6 +330,24 @@ class RequestLimits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_images_per_prompt: Annotated[int, Meta(ge=0)] = 16
     max_image_bytes: Annotated[int, Meta(ge=1)] = 20 << 20
     max_image_pixels: Annotated[int, Meta(ge=1)] = 4096 * 4096
+    # http(s) image URLs: the hosts the frontend may fetch from (vLLM's
+    # --allowed-media-domains; exact host names, any port; empty: none, only data: URLs),
+    # the wall time one image's fetch may take, redirects included, and how many redirects
+    # it follows (each to a listed host; 0: none, as vLLM's VLLM_MEDIA_URL_ALLOW_REDIRECTS=0)
+    allowed_media_domains: list[str] = msgspec.field(default_factory=list)
+    media_fetch_timeout_s: Annotated[float, Meta(gt=0.0, le=600.0)] = 10.0
+    media_max_redirects: Annotated[int, Meta(ge=0, le=20)] = 5
+
+    def __post_init__(self) -> None:
+        domains = []
+        for name in self.allowed_media_domains:
+            try:
+                domains.append(_media_host(name))
+            except ValueError:
+                raise ValueError(f"allowed_media_domains: {name!r} is not a host name (write "
+                                 "the host alone, as example.com or 127.0.0.1: no scheme, port "
+                                 "or path)") from None
+        self.allowed_media_domains = domains
 
 
 class SamplingDefaults(msgspec.Struct, forbid_unknown_fields=True, kw_only=True,

@@ -403,6 +403,17 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     g.add_argument("--max-image-pixels", type=int, default=None,
                    help="largest decoded image, width x height, read from its header before "
                         "decoding (default 16777216, 4096x4096)")
+    g.add_argument("--allowed-media-domains", nargs="+", type=_str_list, default=None,
+                   metavar="HOST",
+                   help="hosts whose http(s) image URLs the server fetches, as vLLM (exact "
+                        "names, any port; space- or comma-separated, or a JSON list); default "
+                        "none: only data: URLs")
+    g.add_argument("--media-fetch-timeout", type=float, default=None, metavar="SECONDS",
+                   help="most seconds one image URL's fetch may take, redirects included "
+                        "(default 10)")
+    g.add_argument("--media-max-redirects", type=int, default=None,
+                   help="redirects an image URL's fetch follows, each to an allowed host "
+                        "(default 5; 0: none)")
     g.add_argument("--responses-store-max-entries", type=int, default=10_000,
                    help="/v1/responses kept for previous_response_id and GET, per frontend "
                         "(oldest first out; 0: store nothing)")
@@ -573,5 +584,9 @@ def serve_topology(args: argparse.Namespace, model_path: str, default_name: str,
                     ("max_request_share", args.max_request_share),
                     ("max_images_per_prompt", args.limit_mm_per_prompt),
                     ("max_image_bytes", args.max_image_bytes),
-                    ("max_image_pixels", args.max_image_pixels)) if value is not None}},
+                    ("max_image_pixels", args.max_image_pixels),
+                    ("allowed_media_domains", None if args.allowed_media_domains is None
+                     else [host for hosts in args.allowed_media_domains for host in hosts]),
+                    ("media_fetch_timeout_s", args.media_fetch_timeout),
+                    ("media_max_redirects", args.media_max_redirects)) if value is not None}},
     }, Topology)

@@ -1,7 +1,8 @@
 """An ``image_url`` content part -> a decoded RGB image, inside the deployment's limits.
 
 Images are decoded here, in the tokenizer worker, and nowhere else (DESIGN's process split):
-the frontend only checks the URL's shape. Every failure is an ``ImageError`` whose message
+the frontend only checks the URL's shape, and fetches an http(s) one on an allowed host
+into the data: URL that arrives here (``api_frontend.media_fetch`` says why there). Every failure is an ``ImageError`` whose message
 says what was wrong, so the caller can answer a 400 naming the message and part; Pillow's own
 exceptions (truncated file, unknown format, decompression bomb) never escape.
 """
@@ -40,11 +41,13 @@ class ImageError(ValueError):
 
 
 def image_bytes(url: str, limits: ImageLimits) -> bytes:
-    """The encoded file inside a ``data:image/...;base64,`` URL. Remote URLs are not fetched
-    (no operator allow-list exists yet)."""
+    """The encoded file inside a ``data:image/...;base64,`` URL. A remote URL arrives
+    fetched (the frontend's work); one that did not is refused, never fetched here."""
     if url.startswith(("http://", "https://")):
-        raise ImageError("remote image URLs are not fetched by this deployment; send the "
-                         "image inline as a data: URL (data:image/png;base64,...)")
+        raise ImageError("a remote image URL reached the tokenizer worker unfetched; the "
+                         "frontend fetches those on hosts this deployment allows "
+                         "(--allowed-media-domains), or send the image inline as a data: URL "
+                         "(data:image/png;base64,...)")
     match = _DATA_URL.match(url)
     if match is None:
         raise ImageError("an image URL must be a base64 data: URL "

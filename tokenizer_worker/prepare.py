@@ -149,6 +149,34 @@ class RequestPreparer:
         except ImageError as err:
             self._fail(req, str(err), err.param, err.code)
 
+    def _name_dropped_image(self, req: ipc.GenerateReq, messages: list[dict],
+                            render) -> None:
+        """A 400 naming the first image part the chat template leaves out of the prompt
+        (one a template cannot place, as an image in a tool message where its template
+        renders tool content as text). Found by rendering each image alone beside the
+        text: the error path only. Nothing found: the count check in ``_expand`` says it."""
+        token = self.vision.image_token
+        at = [(i, j) for i, m in enumerate(messages)
+              for j, p in enumerate(m["content"] if isinstance(m.get("content"), list) else [])
+              if isinstance(p, dict) and p.get("type") == "image"]
+
+        def keeping(keep: tuple[int, int] | None) -> list[dict]:
+            return [{**m, "content": [p for j, p in enumerate(m["content"])
+                                      if (i, j) == keep or not (isinstance(p, dict)
+                                                                and p.get("type") == "image")]}
+                    if isinstance(m.get("content"), list) else m
+                    for i, m in enumerate(messages)]
+
+        spelled = render(keeping(None)).count(token)  # the text's own, if any
+        for i, j in at:
+            if render(keeping((i, j))).count(token) == spelled:
+                where = f"messages[{i}].content[{j}]"
+                role = messages[i].get("role")
+                self._fail(req, f"{where}: the chat template does not place this image in the "
+                           f"prompt (an image in a {role!r} message), so the model cannot see "
+                           f"it; send it in a message the template renders images in",
+                           where, "unsupported_content")
+
     def _expand(self, req: ipc.GenerateReq, ids: list[int], images: list,
                 field: str) -> tuple[list[int], list[ipc.ImageInput]]:
         """Each image's placeholder repeated once per embedding it becomes, and its pixels;
@@ -228,28 +256,34 @@ class RequestPreparer:
                     kwargs.pop(k)
             messages, images = self._images(req, req.messages)
             content_format, arguments_format = self._formats_of(template)
-            if content_format == "string":
-                messages = flatten_content(messages)
-            if arguments_format == "object":
-                try:
-                    messages = arguments_as_objects(messages)
-                except ArgumentsError as err:
-                    self._fail(req, str(err), err.param, "invalid_value")
             documents = kwargs.pop("documents", None)
-            try:
-                with time_limit(self.api.limits.template_render_timeout_s):
-                    text, _ = tok.render_chat(
-                        messages, tools=req.tools, documents=documents,
-                        add_generation_prompt=req.add_generation_prompt,
-                        continue_final_message=req.continue_final_message,
-                        chat_template=template, max_output_bytes=max_bytes, **kwargs)
-            except ChatTemplateError as err:
-                self._template_failed(req, source, err, room)
+
+            def render(messages: list[dict]) -> str:
+                if content_format == "string":
+                    messages = flatten_content(messages)
+                if arguments_format == "object":
+                    try:
+                        messages = arguments_as_objects(messages)
+                    except ArgumentsError as err:
+                        self._fail(req, str(err), err.param, "invalid_value")
+                try:
+                    with time_limit(self.api.limits.template_render_timeout_s):
+                        return tok.render_chat(
+                            messages, tools=req.tools, documents=documents,
+                            add_generation_prompt=req.add_generation_prompt,
+                            continue_final_message=req.continue_final_message,
+                            chat_template=template, max_output_bytes=max_bytes, **kwargs)[0]
+                except ChatTemplateError as err:
+                    self._template_failed(req, source, err, room)
+
+            text = render(messages)
             self.last_text_bytes = utf8_len(text)
             info = ipc.TemplateInfo(source, template.origin, template.sha256)
             special = False if add_special_tokens is None else add_special_tokens
-            ids, inputs = self._expand(req, tok.encode(text, add_special_tokens=special), images,
-                                       "messages")
+            ids = tok.encode(text, add_special_tokens=special)
+            if images and ids.count(self.vision.image_token_id) < len(images):
+                self._name_dropped_image(req, messages, render)
+            ids, inputs = self._expand(req, ids, images, "messages")
             return _Prompt(ids, text, info, adjustments, inputs)
         if isinstance(req.prompt, str):
             size = self.last_text_bytes = utf8_len(req.prompt)

@@ -19,8 +19,9 @@ import pytest
 import torch
 from PIL import Image
 
+from tests.support.image_host import ImageHost
 from tests.support.server import CandorServer
-from tests.support.vision_zoo import build_llava, hf_llava
+from tests.support.vision_zoo import build_llava, hf_llava, text_only_tool_template
 
 MODEL = "tiny-llava"
 NEW = 12
@@ -252,7 +253,9 @@ def test_messages_image_block_through_the_anthropic_sdk(llava_server, hf):
         {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}]}]
     with pytest.raises(anthropic.BadRequestError) as err:
         client.messages.create(model=MODEL, max_tokens=4, messages=remote)
-    assert "not fetched" in err.value.message
+    assert "messages[0].content[0].source.url" in err.value.message
+    assert "fetches no remote images (host 'example.com')" in err.value.message
+    assert "--allowed-media-domains" in err.value.message
 
 
 def test_limit_mm_per_prompt_and_image_size_flags(llava_dir):
@@ -329,3 +332,206 @@ def test_an_unsupported_vision_config_is_refused_in_one_line_at_start(llava_dir,
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
     assert len(lines) == 1 and lines[0].startswith("candor: cannot serve ") and says in lines[0], lines
+
+
+# ---------------------------------------------------------------- images in tool results
+
+
+def _tool_chat(*result_parts: dict) -> list[dict]:
+    """A tool call and its result (text and images), as chat's messages."""
+    return [{"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "Take a photo of the garden."},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "photo", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": list(result_parts)}]
+
+
+def _tool_messages(*result_blocks: dict) -> list[dict]:
+    """The same conversation in Anthropic's shape: the result is a tool_result block."""
+    return [{"role": "user", "content": "Take a photo of the garden."},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "call_1", "name": "photo",
+                                               "input": {}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "call_1",
+                                          "content": list(result_blocks)}]}]
+
+
+def _messages_body(messages: list[dict], **extra) -> dict:
+    return {"model": MODEL, "system": "You are terse.", "max_tokens": NEW, "temperature": 0,
+            "ignore_eos": True, "messages": messages, **extra}
+
+
+def test_an_image_in_a_tool_result_is_rendered_in_place(llava_server, hf):
+    """A chat ``tool`` message with an image_url part, and a Messages tool_result holding a
+    text and an image block: the template renders the image inside the tool turn (as
+    transformers' apply_chat_template does with this template); both give HF's greedy
+    tokens for that conversation."""
+    img = image(60)
+    chat_messages = _tool_chat({"type": "text", "text": "Here it is:"},
+                               {"type": "image_url", "image_url": {"url": data_url(img)}})
+    want = hf_reference(hf, chat_messages, [img])
+    _check_against_hf(asyncio.run(_one(llava_server, chat_messages)), want)
+    status, body = llava_server.post_json("/v1/messages", _messages_body(_tool_messages(
+        {"type": "text", "text": "Here it is:"},
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": _b64(img)}})))
+    assert status == 200, body
+    assert body["content"][0]["text"] == hf[1].tokenizer.decode(want[1], skip_special_tokens=True)
+    assert body["usage"]["input_tokens"] + body["usage"]["cache_read_input_tokens"] == len(want[0])
+    llava_server.wait_all_blocks_free()
+
+
+# ---------------------------------------------------------------- http(s) image URLs
+
+
+def _png(img: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+HOSTED = image(50)
+
+
+@pytest.fixture(scope="module")
+def image_host():
+    with ImageHost(_png(HOSTED), big_bytes=200_000) as host:
+        yield host
+
+
+@pytest.fixture(scope="module")
+def media_server(llava_dir, tmp_path_factory):
+    """127.0.0.1 allowed, 2 s per fetch, 64 KiB per image; its chat template leaves images
+    in tool messages out (as a template with text-only tool turns would)."""
+    template = tmp_path_factory.mktemp("templates") / "text-only-tools.jinja"
+    template.write_text(text_only_tool_template())
+    srv = CandorServer(llava_dir, "--served-model-name", MODEL, "--allowed-media-domains",
+                       "127.0.0.1", "--media-fetch-timeout", "2", "--max-image-bytes", "64KiB",
+                       "--chat-template", str(template)).start()
+    yield srv
+    assert srv.stop() == 0
+
+
+def _user(text: str, url: str) -> list[dict]:
+    return [{"role": "system", "content": "You are terse."},
+            {"role": "user", "content": [{"type": "text", "text": text},
+                                         {"type": "image_url", "image_url": {"url": url}}]}]
+
+
+def test_an_image_by_url_gives_the_tokens_of_the_same_image_inline(media_server, image_host):
+    """The frontend fetches the URL and hands its bytes on as a data: URL: chat, Responses
+    (input_image with an image_url string) and Messages (an image block with a url source)
+    each answer bitwise as with the same image inline; a redirect to the listed host too."""
+    inline = data_url(HOSTED)
+    by_data = asyncio.run(_one(media_server, _user("What is in this picture?", inline)))
+    for path in ("/cat.png", "/redirect-here"):
+        before = image_host.hits.get("/cat.png", 0)
+        by_url = asyncio.run(_one(media_server, _user("What is in this picture?", image_host.url(path))))
+        assert image_host.hits["/cat.png"] == before + 1  # fetched, from the listed host
+        assert by_url["prompt_token_ids"] == by_data["prompt_token_ids"]
+        assert by_url["choices"][0]["token_ids"] == by_data["choices"][0]["token_ids"]
+        assert by_url["choices"][0]["logprobs"] == by_data["choices"][0]["logprobs"]
+    text = by_data["choices"][0]["message"]["content"]
+    rendered = [media_server.post_json("/v1/chat/completions/render", {
+        "model": MODEL, "messages": _user("What is in this picture?", url)})
+        for url in (image_host.url("/cat.png"), inline)]
+    assert rendered[0][0] == 200 and rendered[0] == rendered[1], rendered[0]
+    counted = [media_server.post_json("/tokenize", {
+        "model": MODEL, "messages": _user("What is in this picture?", url)})
+        for url in (image_host.url("/cat.png"), inline)]
+    assert counted[0][0] == 200 and counted[0] == counted[1], counted[0]
+    assert counted[0][1]["tokens"] == by_data["prompt_token_ids"]
+
+    def responses(url: str) -> dict:
+        status, body = media_server.post_json("/v1/responses", {
+            "model": MODEL, "instructions": "You are terse.", "max_output_tokens": NEW,
+            "temperature": 0, "ignore_eos": True, "input": [{"role": "user", "content": [
+                {"type": "input_text", "text": "What is in this picture?"},
+                {"type": "input_image", "image_url": url}]}]})
+        assert status == 200, body
+        return body
+
+    got = [responses(u) for u in (image_host.url("/cat.png"), inline)]
+    assert got[0]["output"][0]["content"][0]["text"] == got[1]["output"][0]["content"][0]["text"] == text
+    assert got[0]["usage"]["input_tokens"] == got[1]["usage"]["input_tokens"]
+
+    def messages(source: dict) -> dict:
+        status, body = media_server.post_json("/v1/messages", _messages_body([
+            {"role": "user", "content": [{"type": "text", "text": "What is in this picture?"},
+                                         {"type": "image", "source": source}]}]))
+        assert status == 200, body
+        return body
+
+    by_url = messages({"type": "url", "url": image_host.url("/cat.png")})
+    by_data = messages({"type": "base64", "media_type": "image/png", "data": _b64(HOSTED)})
+    assert by_url["content"] == by_data["content"] and by_url["content"][0]["text"] == text
+    status, counted = media_server.post_json("/v1/messages/count_tokens", {
+        "model": MODEL, "system": "You are terse.", "messages": [{"role": "user", "content": [
+            {"type": "image", "source": {"type": "url", "url": image_host.url("/cat.png")}}]}]})
+    assert status == 200 and counted["input_tokens"] > 16, counted
+    media_server.wait_all_blocks_free()
+
+
+@pytest.mark.parametrize("path, code, says", [
+    ("/missing.png", "image_fetch_failed", "could not be fetched: HTTP 404"),
+    ("/page.html", "invalid_image", "is not an image (Content-Type 'text/html')"),
+    ("/big.png", "image_too_large", "limit of 65536 bytes (--max-image-bytes)"),
+    ("/slow.png", "image_fetch_timeout", "took longer than 2s (--media-fetch-timeout)"),
+    ("/redirect-away", "unsupported_image_url", "host 'localhost' is not in this deployment's "
+     "--allowed-media-domains (127.0.0.1)"),
+])
+def test_a_url_that_cannot_be_fetched_is_a_400_naming_the_part(media_server, image_host, path,
+                                                                code, says):
+    """(``/slow.png`` answers only after the test ends: the fetch's time limit ends it.)"""
+    status, body = media_server.post_json("/v1/chat/completions", {
+        "model": MODEL, "max_tokens": 2, "messages": _user("What?", image_host.url(path))})
+    assert status == 400, body
+    err = body["error"]
+    assert (err["param"], err["code"]) == ("messages[1].content[1]", code)
+    assert err["message"].startswith("messages[1].content[1]: ") and says in err["message"], err
+    assert media_server.health()[0] == 200
+
+
+def test_url_errors_name_the_part_on_responses_and_messages(media_server, image_host):
+    """The same refusals under each API's own names; an unlisted host is refused before any
+    fetch, naming the host and the flag."""
+    status, body = media_server.post_json("/v1/responses", {
+        "model": MODEL, "max_output_tokens": 2, "input": [{"role": "user", "content": [
+            {"type": "input_text", "text": "x"},
+            {"type": "input_image", "image_url": image_host.url("/missing.png")}]}]})
+    assert status == 400 and body["error"]["param"] == "input[0].content[1]", body
+    assert "HTTP 404" in body["error"]["message"]
+    unlisted = f"http://localhost:{image_host.port}/cat.png"
+    status, body = media_server.post_json("/v1/responses", {
+        "model": MODEL, "max_output_tokens": 2, "input": [{"role": "user", "content": [
+            {"type": "input_image", "image_url": unlisted}]}]})
+    assert status == 400 and body["error"]["param"] == "input[0].content[0].image_url", body
+    assert body["error"]["code"] == "unsupported_image_url"
+    assert "host 'localhost' is not in this deployment's --allowed-media-domains" in body["error"]["message"]
+    status, body = media_server.post_json("/v1/messages", _messages_body([{"role": "user", "content": [
+        {"type": "text", "text": "x"},
+        {"type": "image", "source": {"type": "url", "url": image_host.url("/page.html")}}]}]))
+    assert status == 400 and body["type"] == "error", body
+    assert body["error"]["message"].startswith("messages[0].content[1]: the URL http://127.0.0.1:")
+    status, body = media_server.post_json("/v1/messages", _messages_body([{"role": "user", "content": [
+        {"type": "image", "source": {"type": "url", "url": unlisted}}]}]))
+    assert status == 400 and "messages[0].content[0].source.url" in body["error"]["message"], body
+    assert "host 'localhost'" in body["error"]["message"]
+
+
+def test_a_template_that_leaves_tool_images_out_is_a_400_naming_the_block(media_server, image_host):
+    """The server's template renders no image in a tool turn: an image there (chat's tool
+    message, a Messages tool_result's image block, by URL or inline) is a 400 naming it,
+    never an image silently dropped from the prompt."""
+    status, body = media_server.post_json("/v1/chat/completions", {
+        "model": MODEL, "max_tokens": 2, "messages": _tool_chat(
+            {"type": "text", "text": "Here it is:"},
+            {"type": "image_url", "image_url": {"url": image_host.url("/cat.png")}})})
+    assert status == 400, body
+    assert (body["error"]["param"], body["error"]["code"]) == ("messages[3].content[1]", "unsupported_content")
+    assert "does not place this image in the prompt (an image in a 'tool' message)" in body["error"]["message"]
+    for source in ({"type": "url", "url": image_host.url("/cat.png")},
+                   {"type": "base64", "media_type": "image/png", "data": _b64(HOSTED)}):
+        status, body = media_server.post_json("/v1/messages", _messages_body(_tool_messages(
+            {"type": "text", "text": "Here it is:"}, {"type": "image", "source": source})))
+        assert status == 400, body
+        assert body["error"]["message"].startswith("messages[2].content[0].content[1]: the chat "
+                                                   "template does not place this image"), body

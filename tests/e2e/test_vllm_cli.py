@@ -111,6 +111,26 @@ def test_image_limit_flags(tiny_model_dir, capsys):
     assert "takes images only; 'audio' can only be 0" in capsys.readouterr().err
 
 
+def test_media_url_flags(tiny_model_dir, capsys):
+    """vLLM's --allowed-media-domains (space- or comma-separated, or JSON) and Candor's
+    fetch timeout and redirect count land in api.limits; off by default; a URL where a
+    host belongs is refused at start, naming the entry."""
+    topo, _ = serve_args_to_topology([str(tiny_model_dir)], environ={})
+    assert topo.api.limits.allowed_media_domains == []
+    assert topo.api.limits.media_fetch_timeout_s == 10.0
+    topo, _ = serve_args_to_topology(
+        [str(tiny_model_dir), "--allowed-media-domains", "Images.Example.com,127.0.0.1",
+         '["cdn.example.org"]', "--media-fetch-timeout", "2.5", "--media-max-redirects", "0"],
+        environ={})
+    limits = topo.api.limits
+    assert limits.allowed_media_domains == ["images.example.com", "127.0.0.1", "cdn.example.org"]
+    assert (limits.media_fetch_timeout_s, limits.media_max_redirects) == (2.5, 0)
+    with pytest.raises(SystemExit):
+        serve_args_to_topology([str(tiny_model_dir), "--allowed-media-domains",
+                                "https://example.com/"], environ={})
+    assert "'https://example.com/' is not a host name" in capsys.readouterr().err
+
+
 def test_runner_and_its_task_alias(tiny_model_dir, capsys):
     """vLLM's --runner pooling, and --task embed as its older spelling; they must agree;
     a task Candor does not serve names the ones it does."""

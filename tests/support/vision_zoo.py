@@ -32,6 +32,20 @@ def _chat_template() -> str:
                         + IMAGE_TOKEN + "' -}}\n            " + text_part, 1)
 
 
+def text_only_tool_template() -> str:
+    """The tiny LLaVA template, except that a tool message's images are not rendered (as a
+    template whose tool turns take text only would)."""
+    text = _chat_template()
+    for old, new in (("{%- macro render_content(content) -%}",
+                      "{%- macro render_content(content, role='') -%}"),
+                     ("part.type == 'image'", "part.type == 'image' and role != 'tool'"),
+                     ("render_content(message.content)",
+                      "render_content(message.content, message.role)")):
+        assert old in text
+        text = text.replace(old, new)
+    return text
+
+
 def build_llava(out: Path, seed: int = 0) -> Path:
     """Save the checkpoint (weights, config, processor) into ``out``."""
     from tokenizers import AddedToken

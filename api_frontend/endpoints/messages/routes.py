@@ -19,7 +19,7 @@ import uuid
 import msgspec
 from aiohttp import web
 
-from api_frontend.app_keys import API_KEY, MODELS_KEY
+from api_frontend.app_keys import API_KEY, MEDIA_KEY, MODELS_KEY
 from api_frontend.endpoints.chat.translate import chat_to_generate
 from api_frontend.endpoints.messages.builder import MessageBuilder
 from api_frontend.endpoints.messages.errors import error_body
@@ -82,7 +82,7 @@ async def create(request: web.Request) -> web.StreamResponse:
     rid = f"msg_{uuid.uuid4().hex}"
     plan, tr = _translate(req, keys, rid, engine.reply_to, time.time(), api, model.vision)
     tr.gen.lora = adapter_of(card)
-    flight = Flight(engine, tr, api)
+    flight = Flight(engine, tr, api, request.app[MEDIA_KEY])
     response_key = client_request_id(request) or rid
     try:
         try:
@@ -145,6 +145,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     rid = f"count-{uuid.uuid4().hex}"
     plan, tr = _translate(req, keys, rid, engine.reply_to, 0.0, api, model.vision)
     try:
+        await request.app[MEDIA_KEY].inline(tr.gen.messages)
         result = await ask(engine, ipc.RenderReq(rid, engine.reply_to, gen=tr.gen))
     except ApiError as err:
         raise messages_name(err, plan.images) from None

@@ -51,17 +51,37 @@ def _text_parts(blocks: list[TextBlock]) -> list[dict[str, str]]:
     return [{"type": "text", "text": b.text} for b in blocks]
 
 
-def _tool_result_text(block: ToolResultBlock, where: str) -> str:
+def _tool_result_content(block: ToolResultBlock, where: str, vision: bool,
+                         images: list[str] | None) -> str | list[dict[str, Any]]:
+    """A tool_result's content as the tool message's: its text blocks joined by newlines;
+    on a model that takes images, its image blocks as chat's image parts in place (the
+    text runs between them joined likewise), so the chat template renders each image
+    where the result holds it."""
     if isinstance(block.content, str):
         return block.content
-    texts = []
+    parts: list[dict[str, Any]] = []
+    texts: list[str] = []
     for j, part in enumerate(block.content):
+        at = f"{where}.content[{j}]"
+        if vision and part.get("type") == "image":
+            if texts:
+                parts.append({"type": "text", "text": "\n".join(texts)})
+                texts = []
+            parts.append(_image_part(part.get("source"), at))
+            if images is not None:
+                images.append(at)
+            continue
         if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise _error(f"`{where}.content[{j}]`: only text blocks can be read in a "
-                         "tool_result by this text-only model", f"{where}.content[{j}].type",
-                         "unsupported_content")
+            why = (f"a tool_result holds text and image blocks, not {part.get('type')!r}"
+                   if vision else
+                   "only text blocks can be read in a tool_result by this text-only model")
+            raise _error(f"`{at}`: {why}", f"{at}.type", "unsupported_content")
         texts.append(part["text"])
-    return "\n".join(texts)
+    if not parts:
+        return "\n".join(texts)
+    if texts:
+        parts.append({"type": "text", "text": "\n".join(texts)})
+    return parts
 
 
 def _refuse_unreadable(block: Any, where: str) -> None:
@@ -72,18 +92,22 @@ def _refuse_unreadable(block: Any, where: str) -> None:
                      "unsupported_content")
 
 
-def _image_part(block: ImageBlock, at: str) -> dict[str, Any]:
-    """An image block (``source`` type ``base64``) as chat's ``image_url`` part with a
-    data: URL; a ``url`` source is refused (remote images are not fetched)."""
-    source = block.source if isinstance(block.source, dict) else {}
+def _image_part(source: Any, at: str) -> dict[str, Any]:
+    """An image block's ``source`` as chat's ``image_url`` part: ``base64`` as a data: URL,
+    ``url`` as itself (an http(s) URL, fetched if the deployment allows its host)."""
+    source = source if isinstance(source, dict) else {}
     kind = source.get("type")
     if kind == "url":
-        raise _error("remote image URLs are not fetched by this deployment; send the image "
-                     "inline (source type base64)", f"{at}.source.type", "unsupported_image_url")
+        url = source.get("url")
+        if not isinstance(url, str):
+            raise _error("an image block's url source needs `url` (a string)",
+                         f"{at}.source.url")
+        return {"type": "image_url", "image_url": {"url": url}}
     media, data = source.get("media_type"), source.get("data")
     if kind != "base64" or not isinstance(media, str) or not isinstance(data, str):
         raise _error("an image block needs `source: {\"type\": \"base64\", \"media_type\": "
-                     "\"image/png\", \"data\": ...}`", f"{at}.source")
+                     "\"image/png\", \"data\": ...}` or `source: {\"type\": \"url\", "
+                     "\"url\": ...}`", f"{at}.source")
     return {"type": "image_url", "image_url": {"url": f"data:{media};base64,{data}"}}
 
 
@@ -95,7 +119,7 @@ def _user_turn(blocks: list, where: str, vision: bool = False,
     for j, block in enumerate(blocks):
         at = f"{where}[{j}]"
         if vision and isinstance(block, ImageBlock):
-            parts.append(_image_part(block, at))
+            parts.append(_image_part(block.source, at))
             if images is not None:
                 images.append(at)
             continue
@@ -107,7 +131,7 @@ def _user_turn(blocks: list, where: str, vision: bool = False,
                 out.append({"role": "user", "content": parts})
                 parts = []
             out.append({"role": "tool", "tool_call_id": block.tool_use_id,
-                        "content": _tool_result_text(block, at)})
+                        "content": _tool_result_content(block, at, vision, images)})
         else:
             kind = type(block).__struct_config__.tag
             raise _error(f"a user turn cannot hold a {kind!r} block (those are the "
@@ -248,7 +272,8 @@ def to_chat(req: CountTokensRequest, api: ApiSpec, vision: bool = False) -> Chat
         parsed = msgspec.convert(chat, ChatCompletionRequest)
     except msgspec.ValidationError as err:
         raise messages_name(from_decode_error(err)) from None
-    return ChatPlan(parsed, list(chat), notes, ImageNames.of(chat["messages"], images))
+    return ChatPlan(parsed, list(chat), notes,
+                    ImageNames.of(chat["messages"], images, url_field=".source.url"))
 
 
 # chat's names for what this request calls otherwise (longest first)

@@ -17,7 +17,7 @@ import time
 import msgspec
 from aiohttp import web
 
-from api_frontend.app_keys import API_KEY, MODELS_KEY
+from api_frontend.app_keys import API_KEY, MEDIA_KEY, MODELS_KEY
 from api_frontend.endpoints.chat.translate import chat_to_generate
 from api_frontend.endpoints.responses.builder import ResponseBuilder
 from api_frontend.endpoints.responses.fields import TABLE
@@ -108,7 +108,7 @@ async def create(request: web.Request) -> web.StreamResponse:
     if req.store and not stored:
         tr.report.ignored.append(FieldNote("store", "this deployment keeps no responses "
                                            "(responses_store.max_entries 0)"))
-    flight = Flight(engine, tr, api)
+    flight = Flight(engine, tr, api, request.app[MEDIA_KEY])
     response_key = client_request_id(request) or rid
     try:
         try:

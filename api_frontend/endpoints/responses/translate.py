@@ -79,7 +79,8 @@ def _check_parts(parts: Any, allowed: tuple[str, ...], where: str) -> None:
         if kind == "input_image" and not isinstance(part.get("image_url"), str):
             why = ("a file_id names OpenAI's Files API, which this deployment does not serve"
                    if part.get("file_id") is not None else "it has no image_url")
-            raise _error(f"an input_image needs `image_url` (a data: URL): {why}",
+            raise _error(f"an input_image needs `image_url` (a data: URL, or an http(s) URL "
+                         f"on a host this deployment allows): {why}",
                          f"{where}[{j}].image_url", "invalid_value")
 
 
@@ -288,7 +289,7 @@ def to_chat(req: ResponsesRequest, sent: Collection[str], previous: StoredRespon
     mine = _image_paths(items, len(items) - own)
     # an image of the conversation before (already served once) is named by what brought it
     earlier = ["previous_response_id"] * (len(_image_paths(items, 0)) - len(mine))
-    images = ImageNames.of(chat["messages"], earlier + mine)
+    images = ImageNames.of(chat["messages"], earlier + mine, url_field=".image_url")
     return ChatPlan(parsed, list(chat), items, notes, images)
 
 

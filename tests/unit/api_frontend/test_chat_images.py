@@ -1,5 +1,7 @@
 """The frontend checks an image_url part's shape only: remote URLs are refused with a 400
-naming the part (no allow-list exists yet), a non-data: URL or a missing url likewise; a
+naming the part and its host unless the operator lists the host (--allowed-media-domains;
+then the URL passes on, to be fetched before submission: test_media_fetch.py), a URL of
+another scheme or a missing url likewise; a
 data: URL reaches the text-only refusal for a text model, and passes on to the tokenizer
 worker for a model that takes images, up to the deployment's count per prompt."""
 
@@ -35,6 +37,18 @@ def test_remote_urls_are_refused_naming_the_part(url, vision):
     err = _refusal({"url": url}, vision)
     assert err.param == "messages[1].content[1].image_url.url"
     assert err.code == "unsupported_image_url" and "data: URL" in err.message
+
+
+def test_a_listed_host_passes_on_and_others_name_the_flag():
+    api = ApiSpec(limits=RequestLimits(allowed_media_domains=["images.example.com"]))
+    part = {"type": "image_url", "image_url": {"url": "https://images.example.com/a.png"}}
+    tr = chat_to_generate(_body(part), "r", "x", 0.0, api=api, vision=True)
+    assert tr.gen.messages[1]["content"][1] == part  # fetched later, by Flight.start
+    with pytest.raises(ApiError) as err:
+        chat_to_generate(_body({"type": "image_url", "image_url": {"url": "http://10.0.0.1/a"}}),
+                         "r", "x", 0.0, api=api, vision=True)
+    assert err.value.param == "messages[1].content[1].image_url.url"
+    assert "host '10.0.0.1' is not in this deployment's --allowed-media-domains" in err.value.message
 
 
 @pytest.mark.parametrize("image_url, param", [

@@ -40,8 +40,8 @@ def test_jpeg_and_rgba_become_rgb():
 
 
 @pytest.mark.parametrize("url, says", [
-    ("https://example.com/cat.png", "remote image URLs are not fetched"),
-    ("http://example.com/cat.png", "remote image URLs are not fetched"),
+    ("https://example.com/cat.png", "remote image URL reached the tokenizer worker unfetched"),
+    ("http://example.com/cat.png", "remote image URL reached the tokenizer worker unfetched"),
     ("file:///etc/passwd", "must be a base64 data: URL"),
     ("data:image/png,rawbytes", "must be a base64 data: URL"),
     ("data:image/png;base64,@@@not base64@@@", "not valid base64"),

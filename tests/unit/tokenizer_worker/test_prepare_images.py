@@ -12,7 +12,7 @@ import pytest
 
 from cluster.topology import ApiSpec, RequestLimits
 from protocol import ipc
-from tests.support.vision_zoo import IMAGE_TOKEN, build_llava
+from tests.support.vision_zoo import IMAGE_TOKEN, build_llava, text_only_tool_template
 from tests.unit.tokenizer_worker.test_vision import _image, _url
 from tokenization.tokenizer_files import CheckpointTokenizer
 from tokenizer_worker.prepare import RequestPreparer
@@ -70,7 +70,7 @@ def test_image_parts_become_the_requests_images(llava_dir):
 @pytest.mark.parametrize("url,code,says", [
     ("data:image/png;base64,AAAA", "invalid_image", "cannot be decoded"),
     ("data:image/png;base64,@@@", "invalid_image", "not valid base64"),
-    ("https://example.com/x.png", "invalid_image", "remote image URLs"),
+    ("https://example.com/x.png", "invalid_image", "remote image URL reached"),
     (None, "image_too_large", "more than this deployment's limit of 100"),
 ])
 def test_a_bad_image_is_a_400_naming_its_part(llava_dir, url, code, says):
@@ -105,3 +105,52 @@ def test_a_text_only_model_refuses_an_image(tiny_model_dir):
     content = [{"type": "image_url", "image_url": {"url": _url(_image(0))}}]
     out = prep.prepare(_req(content))
     assert isinstance(out, ipc.RequestError) and out.param == "messages[1].content[0]"
+
+
+def _tool_turn(image_url: str) -> list[dict]:
+    """A tool call whose result is text and an image, as chat's tool message."""
+    return [{"role": "user", "content": "Take a photo."},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "photo", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": [
+                {"type": "text", "text": "Here it is:"},
+                {"type": "image_url", "image_url": {"url": image_url}}]}]
+
+
+def _gen(messages: list[dict], **extra) -> ipc.GenerateReq:
+    return ipc.GenerateReq(rid="t", reply_to="ipc://x", sampling=ipc.SamplingParams(),
+                           detok=ipc.DetokParams(), max_tokens=8, messages=messages, **extra)
+
+
+def test_an_image_in_a_tool_message_is_rendered_where_the_template_puts_it(llava_dir):
+    """transformers' apply_chat_template with the LLaVA test template renders an image part
+    of a tool message in place, in the tool turn; Candor's prompt ids are the processor's."""
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(llava_dir)
+    img = _image(5)
+    out = _preparer(llava_dir).prepare(_gen(_tool_turn(_url(img))))
+    assert isinstance(out, tuple), out
+    as_hf = _tool_turn("")
+    as_hf[2]["content"][1] = {"type": "image"}
+    text = processor.apply_chat_template(as_hf, add_generation_prompt=True, tokenize=False)
+    assert "<|start_header_id|>tool<|end_header_id|>\n\nHere it is:" + IMAGE_TOKEN in text
+    ref = processor(text=text, images=[img], add_special_tokens=False, return_tensors="np")
+    assert out[0].prompt_token_ids == ref["input_ids"][0].tolist()
+    assert len(out[0].images) == 1 and out[0].images[0].length == 16
+
+
+def test_a_template_that_drops_tool_images_is_a_400_naming_the_part(llava_dir):
+    api = ApiSpec(allow_request_chat_template=True)
+    prep = RequestPreparer(CheckpointTokenizer(str(llava_dir)), 1024, api, 2049,
+                           vision=VisionPrompt.for_checkpoint(llava_dir))
+    user_image = {"role": "user", "content": [{"type": "text", "text": "And this?"},
+                                              {"type": "image_url", "image_url": {"url": _url(_image(6))}}]}
+    out = prep.prepare(_gen([*_tool_turn(_url(_image(5))), user_image],
+                            chat_template=text_only_tool_template()))
+    assert isinstance(out, ipc.RequestError) and out.status == 400
+    assert (out.param, out.code) == ("messages[2].content[1]", "unsupported_content")
+    assert "does not place this image" in out.message and "'tool' message" in out.message
+    # the user's image alone renders: the same template serves it
+    out = prep.prepare(_gen([_tool_turn("")[0], user_image], chat_template=text_only_tool_template()))
+    assert isinstance(out, tuple), out
