@@ -34,7 +34,9 @@ tokens the grammar then forces go back to the scheduler as the next step's draft
 (``StepResult.forced``, up to ``forced_drafts`` of them). With a draft model
 (``draft_model``), after verification it is fed every live chunk's real ids and proposes
 each sampling chunk's ``propose`` drafts (``StepResult.drafts``: the request's next
-drafts; see draft_model.py for its cache, which mirrors this one's block ids).
+drafts; see draft_model.py for its cache, which mirrors this one's block ids). With an
+EAGLE-3 head (``eagle3``) the model keeps its aux hidden states each forward
+(``aux_layers``) and the head is fed those rows, one id behind (see eagle3.py).
 
 Images (a LLaVA checkpoint): a chunk names the images its positions overlap
 (``SeqChunk.images``); ``images`` (``image_cache``) encodes each once, keeps its
