@@ -255,3 +255,27 @@ def test_a_head_that_does_not_fit_is_refused_naming_why(target, tmp_path, change
     with pytest.raises(ValueError, match=why):
         Eagle3Drafter(str(path), k=K, target=load_config(target), device=torch.device("cpu"),
                       dtype=torch.float32, block_size=16, max_model_len=512, max_num_seqs=4)
+
+
+def test_padded_decode_steps_keep_the_aux_states_too(target, head):
+    """The CUDA-graph path's static buffers (run eagerly on CPU): a decode-only step's aux
+    states come back through the static aux buffer, in the runner's row order, and the
+    head proposes what it proposes after eager steps."""
+    prompts = {f"p{i}": (_prompt(20 + i, 18 + 5 * i), p) for i, p in enumerate([GREEDY, SEEDED, GREEDY])}
+
+    def spoil(rid, step, drafts):  # every other step carries no drafts: decode-only
+        return [] if step % 2 else drafts
+    seen = {}
+    for name in ("eager", "padded"):
+        runner = _runner(target, head)
+        if name == "padded":
+            runner.decode_graphs = runner.static_decode([2, 8])
+            assert runner.decode_graphs.aux is not None
+        proposals: list = []
+        run = generate(runner, prompts, spoil=spoil,
+                       check=lambda rid, ids, p: proposals.append((rid, len(ids), p)))
+        seen[name] = (run.out, proposals)
+        if name == "padded":
+            assert runner.decode_graphs.steps > 5, runner.decode_graphs.steps
+    assert seen["padded"] == seen["eager"]
+    assert len(seen["eager"][1]) > 10
