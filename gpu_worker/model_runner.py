@@ -201,6 +201,7 @@ class ModelRunner:
             pooling, self.model.final_norm,
             self.model.classify if pooling.task == "classify" else None)
         self.accepted: dict[int, int] = {}  # id(chunk) -> drafts kept, this step
+        self.last_rows: dict[int, int] = {}  # id(chunk) -> its last row, this step (eagle3)
         # speculative decoding: a constrained request's tokens its grammar forces after
         # this step's sample, reported up to this many (0: speculation off, none)
         self.forced_drafts = forced_drafts
