@@ -131,7 +131,7 @@ class ModelSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model", "eagle", "eagle3", "medusa", "mlp_speculator",
                        "mtp")
-SERVED_SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")
+SERVED_SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model", "eagle3")
 # vLLM's defaults for suffix decoding's keys
 SUFFIX_DEFAULTS = {"suffix_decoding_max_tree_depth": 24,
                    "suffix_decoding_max_cached_requests": 10000,
@@ -161,8 +161,10 @@ class SpeculativeSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     saves). ``method`` draft_model: ``model``, a smaller checkpoint with the target's
     tokenizer (a directory or a GGUF file), proposes ``num_speculative_tokens`` (required)
     greedy drafts per step on the gpu_worker (gpu_worker/draft_model.py); as vLLM, a
-    ``model`` with no ``method`` means draft_model, and no ``method`` at all ngram. Other
-    methods are refused at start: not yet served."""
+    ``model`` with no ``method`` means draft_model, and no ``method`` at all ngram.
+    ``method`` eagle3: ``model``, an EAGLE-3 head in vLLM's checkpoint layout, proposes
+    ``num_speculative_tokens`` (required) greedy drafts per step from the target's hidden
+    states (gpu_worker/eagle3.py). Other methods are refused at start: not yet served."""
 
     method: Literal[SPECULATIVE_METHODS] | None = None
     num_speculative_tokens: Annotated[int, Meta(ge=1, le=32)] | None = None
@@ -173,7 +175,7 @@ class SpeculativeSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     suffix_decoding_max_spec_factor: Annotated[float, Meta(gt=0.0, le=64.0)] | None = None
     suffix_decoding_min_token_prob: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
     disable_by_batch_size: Annotated[int, Meta(ge=2)] | None = None
-    model: str | None = None  # the draft checkpoint (draft_model; eagle*: not yet served)
+    model: str | None = None  # the draft checkpoint (draft_model) or EAGLE-3 head (eagle3)
 
     def __post_init__(self) -> None:
         if self.method is None:  # vLLM's reading: a draft model if one is named
@@ -184,14 +186,15 @@ class SpeculativeSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         lookup = [k for k in ("prompt_lookup_min", "prompt_lookup_max")
                   if getattr(self, k) is not None]
         suffix = [k for k in SUFFIX_DEFAULTS if getattr(self, k) is not None]
-        if self.method == "draft_model":
+        if self.method in ("draft_model", "eagle3"):
+            what = "the draft checkpoint" if self.method == "draft_model" else "the EAGLE-3 head"
             if self.model is None:
-                raise ValueError("method 'draft_model' needs `model` (the draft checkpoint)")
+                raise ValueError(f"method {self.method!r} needs `model` ({what})")
             if lookup or suffix:
                 raise ValueError(f"{', '.join(lookup + suffix)}: not a key of method "
-                                 "draft_model (it drafts with `model`)")
+                                 f"{self.method} (it drafts with `model`)")
             if self.num_speculative_tokens is None:
-                raise ValueError("method 'draft_model' needs num_speculative_tokens")
+                raise ValueError(f"method {self.method!r} needs num_speculative_tokens")
             self.model = os.path.abspath(os.path.expanduser(self.model))
             return
         if self.model is not None:

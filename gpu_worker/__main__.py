@@ -76,7 +76,9 @@ def main() -> None:
         pooling=read_pooling_config(cfg.model_path) if cfg.runner == "pooling" else None,
         lora=cfg.lora,
         forced_drafts=spec.num_speculative_tokens if spec is not None else 0,
-        draft_model=spec.model if spec is not None and spec.method == "draft_model" else None)
+        draft_model=spec.model if spec is not None and spec.method in ("draft_model", "eagle3")
+        else None,
+        draft_method=spec.method if spec is not None else "draft_model")
     kv_mib = runner.num_blocks * runner.block_bytes / 2**20
     log.info("rank %d/%d: model loaded in %.2fs (%d threads), dtype %s (%s); KV cache %d blocks "
              "= %.0f MiB = %d tokens (%s)", rank, size, time.perf_counter() - started,

@@ -100,6 +100,10 @@ class DecodeGraphRunner:
         self.static = torch.zeros(3, max_size, dtype=torch.long, device=device)  # ids, positions, slots
         self.static[2].fill_(scratch_block * block_size)
         self.hidden = torch.zeros(max_size, hidden_size, dtype=dtype, device=device)
+        # eagle3: the model's captured aux hidden states (``captured``) get a static buffer too
+        taps = getattr(model, "aux_layers", ())
+        self.aux = (torch.zeros(max_size, len(taps) * hidden_size, dtype=dtype, device=device)
+                    if taps else None)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
         self.steps = 0  # decode steps served here (tests and logs)
@@ -112,6 +116,8 @@ class DecodeGraphRunner:
         """The captured function: static inputs -> static hidden states."""
         ids, positions = self.static[0, :size], self.static[1, :size]
         self.hidden[:size].copy_(self.model(ids, positions, self.kv_caches, meta))
+        if self.aux is not None:
+            self.aux[:size].copy_(self.model.captured)
 
     def _prepare(self, size: int, chunks: list[Chunk], rows: list[list[int]]) -> AttentionMetadata:
         host = torch.tensor(rows, dtype=torch.long)
@@ -134,6 +140,8 @@ class DecodeGraphRunner:
             self._body(size, meta)
         self.steps += 1
         self.padding_rows += size - n
+        if self.aux is not None:
+            self.model.captured = self.aux[:n]
         return self.hidden[:n]
 
     def capture(self) -> int:

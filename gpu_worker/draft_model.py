@@ -51,12 +51,14 @@ log = logging.getLogger(__name__)
 class DraftFeed:
     """One request's part of a step's draft pass: ``tokens`` (real ids) at positions
     ``start``.. through ``table`` (the target's block ids), then ``propose`` greedy
-    drafts after the last of them (0: only fed)."""
+    drafts after the last of them (0: only fed). ``hidden``: one row per token, for a
+    drafter that reads hidden states too (eagle3, gpu_worker/eagle3.py)."""
 
     start: int
     tokens: list[int]
     table: list[int]
     propose: int = 0
+    hidden: torch.Tensor | None = None
 
 
 class DraftModel:
@@ -185,30 +187,40 @@ class DraftModel:
         chunks = [(feeds[i].start, len(feeds[i].tokens), tables[i]) for i in order]
         num_decodes = sum(len(feeds[i].tokens) == 1 for i in order)
         proposing = [i for i in order if wants[i]]
-        tokens = self._forward(ids, positions, chunks, num_decodes,
-                               [rows[i] for i in proposing])
+        fed = (torch.cat([feeds[i].hidden for i in order])
+               if any(f.hidden is not None for f in feeds) else None)
+        tokens, state = self._forward(ids, positions, chunks, num_decodes,
+                                      [rows[i] for i in proposing], fed)
         for i, t in zip(proposing, tokens):
             out[i].append(t)
+        before = proposing  # the feeds of ``state``'s rows, in order
         for j in range(1, max(wants, default=0)):
             active = sorted((i for i in proposing if wants[i] > j),
                             key=lambda i: feeds[i].start)
             at = {i: feeds[i].start + len(feeds[i].tokens) - 1 + j for i in active}
-            tokens = self._forward([out[i][-1] for i in active], [at[i] for i in active],
-                                   [(at[i], 1, tables[i]) for i in active], len(active),
-                                   list(range(len(active))))
+            if state is not None:  # each row's own state from the pass before
+                where = {i: n for n, i in enumerate(before)}
+                state = state[torch.tensor([where[i] for i in active], device=self.device)]
+            tokens, state = self._forward([out[i][-1] for i in active], [at[i] for i in active],
+                                          [(at[i], 1, tables[i]) for i in active], len(active),
+                                          list(range(len(active))), state)
+            before = active
             for i, t in zip(active, tokens):
                 out[i].append(t)
         return out
 
     def _forward(self, ids: list[int], positions: list[int], chunks, num_decodes: int,
-                 rows: list[int]) -> list[int]:
-        """One pass of this model over a flattened batch; the argmax token of ``rows``."""
+                 rows: list[int], hidden: torch.Tensor | None = None
+                 ) -> tuple[list[int], torch.Tensor | None]:
+        """One pass of this model over a flattened batch: the argmax token of ``rows``, and
+        what the next pass of those rows reads besides their token (a draft model: none;
+        ``hidden``: that, one row per id, from the feeds or the pass before)."""
         dev = self.device
         meta = self.attn.build(chunks, num_decodes)
         hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev),
                             torch.tensor(positions, dtype=torch.long, device=dev),
                             self.kv_caches, meta)
         if not rows:
-            return []
+            return [], None
         logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=dev)])
-        return logits.argmax(dim=-1).tolist()
+        return logits.argmax(dim=-1).tolist(), None

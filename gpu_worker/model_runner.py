@@ -34,7 +34,9 @@ tokens the grammar then forces go back to the scheduler as the next step's draft
 (``StepResult.forced``, up to ``forced_drafts`` of them). With a draft model
 (``draft_model``), after verification it is fed every live chunk's real ids and proposes
 each sampling chunk's ``propose`` drafts (``StepResult.drafts``: the request's next
-drafts; see draft_model.py for its cache, which mirrors this one's block ids).
+drafts; see draft_model.py for its cache, which mirrors this one's block ids). With an
+EAGLE-3 head (``eagle3``) the model keeps its aux hidden states each forward
+(``aux_layers``) and the head is fed those rows, one id behind (see eagle3.py).
 
 Images (a LLaVA checkpoint): a chunk names the images its positions overlap
 (``SeqChunk.images``); ``images`` (``image_cache``) encodes each once, keeps its
@@ -63,6 +65,7 @@ from gpu_worker.attention.base import AttentionBackend, AttentionSpec
 from gpu_worker.attention.registry import select_backend
 from gpu_worker.batch_invariant import Numerics
 from gpu_worker.draft_model import DraftFeed, DraftModel
+from gpu_worker.eagle3 import Eagle3Drafter, has_own_embeddings
 from gpu_worker.grammar import GrammarStates
 from gpu_worker.image_cache import ImageCache
 from gpu_worker.kv_budget import KvDemand, auto_kv_bytes, resident_bytes
@@ -144,6 +147,7 @@ class ModelRunner:
         lora: LoraSpec | None = None,
         forced_drafts: int = 0,
         draft_model: str | None = None,
+        draft_method: str = "draft_model",
     ) -> None:
         self.config = cfg = load_config(model_path)
         self.pooling = pooling
@@ -167,8 +171,10 @@ class ModelRunner:
                          if lora is not None and lora.enabled else None)
         self._log_moe_path()
         self._load_row_ops()
-        # speculative decoding's draft_model: its weights now (its cache shares the budget)
-        self.draft = self._draft_model(draft_model, forced_drafts, load_format, seed, max_num_seqs)
+        # speculative decoding's draft_model or eagle3 head: its weights now (its cache
+        # shares the budget)
+        self.draft = self._draft_model(draft_model, draft_method, forced_drafts, load_format,
+                                       seed, max_num_seqs)
         self.num_blocks, self.kv_reason = self._size_kv_cache(num_blocks, kv_cache_memory_bytes,
                                                               gpu_memory_utilization, max_num_seqs)
         self.scratch_block = self.num_blocks  # never in a plan: _check rejects ids >= num_blocks
@@ -195,6 +201,7 @@ class ModelRunner:
             pooling, self.model.final_norm,
             self.model.classify if pooling.task == "classify" else None)
         self.accepted: dict[int, int] = {}  # id(chunk) -> drafts kept, this step
+        self.last_rows: dict[int, int] = {}  # id(chunk) -> its last row, this step (eagle3)
         # speculative decoding: a constrained request's tokens its grammar forces after
         # this step's sample, reported up to this many (0: speculation off, none)
         self.forced_drafts = forced_drafts
@@ -215,21 +222,52 @@ class ModelRunner:
                            tp=self.ranks.tp_group(self.shard, self.numerics),
                            lm_head=self.pooling is None)
 
-    def _draft_model(self, path: str | None, k: int, load_format: str, seed: int,
+    def _draft_model(self, path: str | None, method: str, k: int, load_format: str, seed: int,
                      max_num_seqs: int) -> DraftModel | None:
-        """Speculative decoding's draft model (``draft_model``), or None. Under tensor
+        """Speculative decoding's draft model (``draft_model``) or EAGLE-3 head
+        (``eagle3``: then this model keeps its aux hidden states), or None. Under tensor
         parallelism rank 0 alone holds it (whole) and proposes: drafts reach every rank
         on the next plan, and only rank 0 answers. Its cache takes part of rank 0's KV
         budget, and the block count is the smallest any rank holds, so the tables it
         mirrors fit. Not with pooling or images (the launcher refuses them first)."""
-        if path is None or self.ranks.rank != 0:
+        if path is None:
             return None
         if self.pooling is not None or self.config.vision is not None:
             raise ValueError("a draft model is served with a generating text model")
+        if method == "eagle3":
+            return self._eagle3_head(path, k, max_num_seqs)
+        if self.ranks.rank != 0:
+            return None
         return DraftModel(path, k=k, vocab_size=self.config.vocab_size, device=self.device,
                           dtype=self.dtype, block_size=self.block_size,
                           max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
                           load_format=load_format, seed=seed)
+
+    def _eagle3_head(self, path: str, k: int, max_num_seqs: int) -> Eagle3Drafter | None:
+        """The EAGLE-3 head on rank 0, reading this model's aux hidden states; a head with
+        no embeddings of its own embeds with this model's table (under tensor parallelism
+        every rank sends its share once, now, and rank 0 keeps the whole)."""
+        table = None
+        if not has_own_embeddings(path):
+            embed = self.model.model.embed_tokens
+            if self.ranks.size == 1:
+                table = embed
+            elif not embed.method.dense:
+                raise ValueError(f"EAGLE-3 head {path}: it has no embed_tokens, and the target's "
+                                 "quantized table cannot be gathered across tensor-parallel ranks")
+            else:
+                whole = self.model.tp.gather_last(embed.weight.t().contiguous()).t()
+                table = torch.nn.Embedding.from_pretrained(
+                    whole[:self.config.vocab_size].contiguous(), freeze=True)
+        if self.ranks.rank != 0:
+            return None
+        head = Eagle3Drafter(path, k=k, target=self.config, device=self.device, dtype=self.dtype,
+                             block_size=self.block_size, max_model_len=self.max_model_len,
+                             max_num_seqs=max_num_seqs)
+        if table is not None:
+            head.share_embeddings(table)
+        self.model.aux_layers = head.aux_layers
+        return head
 
     def _image_cache(self) -> ImageCache:
         """The encoder cache over this model's image path (none: a text model's, which
@@ -393,6 +431,8 @@ class ModelRunner:
             self.images.release(rid)
             if self.pooler is not None:
                 self.pooler.release(rid)
+            if isinstance(self.draft, Eagle3Drafter):
+                self.draft.release(rid)
         for rid, params in plan.new_sampling.items():
             old = self.sampling.get(rid)
             self.sampling[rid] = params
@@ -525,6 +565,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         feeds: list[DraftFeed] = []
         owners: list[SeqChunk] = []
+        aux = self.model.captured if isinstance(self.draft, Eagle3Drafter) else None
         tokens = iter(sampled)  # (one per sampling chunk, plan order)
         for s in live:
             token = next(tokens) if s.sample else NO_TOKEN
@@ -533,10 +574,21 @@ class ModelRunner:
             real = s.token_ids[:len(s.token_ids) - len(s.draft) + self.accepted.get(id(s), 0)]
             at = s.start_pos + len(real)  # the sampled token's position
             want = min(s.propose, self.max_model_len - at) if token != NO_TOKEN else 0
+            if aux is not None:  # eagle3: the head's rows are one id behind (eagle3.py)
+                row = self.last_rows[id(s)] - len(s.token_ids) + 1
+                feed = self.draft.feed(s.rid, s.start_pos, real,
+                                       token if token != NO_TOKEN else None,
+                                       self.block_tables[s.rid], max(0, want),
+                                       aux[row:row + len(real)])
+                if feed is not None:
+                    feeds.append(feed)
+                    owners.append(s)
+                continue
             feeds.append(DraftFeed(s.start_pos, [*real, token] if want > 0 else real,
                                    self.block_tables[s.rid], max(0, want)))
             owners.append(s)
         proposals = self.draft.step(feeds)
+        self.model.captured = None  # (this step's aux rows: fed)
         self.timings.forward += time.perf_counter() - t0
         return {id(s): p for s, p in zip(owners, proposals) if p}
 
@@ -558,6 +610,7 @@ class ModelRunner:
         if any(not 0 <= t < vocab for t in ids):
             raise ValueError(f"token id outside vocabulary [0, {vocab})")
         to_sample = [s for s in seqs if s.sample]  # plan order
+        self.last_rows = last_row  # (the eagle3 head reads each chunk's rows after)
         rids = [s.rid for s in to_sample]
         masked = self.grammars.constrained(rids)
         batch = _Batch(ordered, prefills, decodes, ids, positions, last_row, to_sample)

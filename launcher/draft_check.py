@@ -10,7 +10,8 @@ blocks, so it is refused with what it cannot follow: a prefill/decode split or a
 KV store (K/V that arrives from elsewhere has no draft counterpart), a pooling or
 multimodal model. With LoRA it drafts as the base draft model would for every request
 (adapters apply to the target alone: their requests keep fewer drafts, never other
-tokens)."""
+tokens). An EAGLE-3 head (``eagle3``) is refused with the same combinations, and when
+its layout or sizes do not fit the target (``_check_head``)."""
 
 from __future__ import annotations
 
@@ -25,12 +26,42 @@ def _fail(draft: str, why: str) -> SystemExit:
 
 
 def check_draft_model(topology: Topology) -> None:
-    """Refuse a draft model the engines could not run with, in one line."""
+    """Refuse a draft model or EAGLE-3 head the engines could not run with, in one line."""
     for group in topology.groups():
         spec = group.engine.speculative_config
         if spec is not None and spec.method == "draft_model":
             _check_combination(topology, group, spec.model)
             _check_files(group, spec.model)
+        elif spec is not None and spec.method == "eagle3":
+            _check_combination(topology, group, spec.model)
+            _check_head(group, spec.model)
+
+
+def _check_head(group: EngineGroup, head: str) -> None:
+    """An EAGLE-3 head (gpu_worker/eagle3_config.py): its layout, its tensors, and the
+    target's sizes it reads (hidden size, vocabulary, layers)."""
+    from gpu_worker.eagle3_config import (HeadError, head_mismatch, read_head_config,
+                                          target_hidden_size, tensor_shapes)
+    from gpu_worker.model_config import load_config
+
+    def fail(why: str) -> SystemExit:
+        return SystemExit(f"candor: EAGLE-3 head {head} (--speculative-config): {why}")
+
+    target = group.model.resolved_path()
+    if not os.path.isfile(os.path.join(target, "config.json")):
+        return  # another node holds the checkpoints; its launcher checks them
+    if not os.path.isfile(os.path.join(head, "config.json")):
+        raise fail("no config.json there (an EAGLE-3 head's directory is needed)")
+    own = load_config(target)
+    if own.vision is not None:
+        raise fail(f"not with a multimodal model ({target})")
+    try:
+        cfg = read_head_config(head, own.num_layers)
+        problem = head_mismatch(cfg, own, tensor_shapes(head), target_hidden_size(head))
+    except HeadError as err:
+        raise fail(str(err)) from None
+    if problem:
+        raise fail(f"{problem} (target {target})")
 
 
 def _check_combination(topology: Topology, group: EngineGroup, draft: str) -> None:

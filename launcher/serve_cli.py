@@ -291,7 +291,8 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' or '
                         '\'{"method": "suffix"}\' (suffix_decoding_* keys) or \'{"method": '
                         '"draft_model", "model": DIR, "num_speculative_tokens": 4}\' (a smaller '
-                        'checkpoint with the same tokenizer); the answer is the '
+                        'checkpoint with the same tokenizer) or \'{"method": "eagle3", "model": '
+                        'HEAD_DIR, "num_speculative_tokens": 4}\' (an EAGLE-3 head); the answer is the '
                         'same bits as without it where the deterministic mode is on (each '
                         'response says: candor.speculative.exact)')
 

@@ -1,8 +1,8 @@
 """Draft tokens for speculative decoding, proposed by the scheduler from a request's own ids
 (and, for ``suffix``, recently finished requests' outputs).
 
-The drafters are deterministic. A draft model (``draft_model``) runs on the worker
-(gpu_worker/draft_model.py): a chunk asks it for proposals (``SeqChunk.propose``, the
+The drafters are deterministic. A draft model (``draft_model``) or an EAGLE-3 head
+(``eagle3``) runs on the worker (gpu_worker/draft_model.py, eagle3.py): a chunk asks it for proposals (``SeqChunk.propose``, the
 request's dynamic depth), the step's result carries them (``StepResult.drafts``), and the
 request's next decode drafts them, planned here like the others. Prompt lookup (vLLM's ``ngram``): the drafts after a
 sequence are the tokens that followed the latest earlier occurrence of its last ``n`` ids,
@@ -112,8 +112,9 @@ class Drafts:
         self.counts = SpecCounts()
         self.cache = (SuffixCache(spec.suffix_decoding_max_cached_requests)
                       if spec.method == "suffix" else None)
-        # the worker's draft model proposes (after each step), not the scheduler
-        self.by_model = spec.method == "draft_model"
+        # the worker's draft model or EAGLE-3 head proposes (after each step), not the
+        # scheduler
+        self.by_model = spec.method in ("draft_model", "eagle3")
 
     def finished(self, req) -> None:
         """``req`` ended: its generated ids join the suffix cache (suffix only)."""

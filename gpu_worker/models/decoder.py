@@ -328,8 +328,32 @@ class DecoderForCausalLM(nn.Module):
         if images is not None:
             x = x.index_copy(0, images[0], images[1].to(x.dtype))
         cos_sins = [r.tables(positions) for r in self.rotary]
+        if self.aux_layers:
+            return self._forward_capturing(x, cos_sins, kv_caches, meta)
         for layer, kv in zip(self.model.layers, kv_caches):
             x = layer(x, cos_sins, kv, meta)
+        return x
+
+    # Speculative decoding's eagle3 (gpu_worker/eagle3.py): the residual stream entering
+    # each of these layers (vLLM's numbering: len(layers) is the last one's output) is
+    # kept, concatenated in this order, in ``captured`` [num_tokens, len * hidden] after
+    # each forward. Empty (the default): nothing is kept and forward is unchanged.
+    aux_layers: tuple[int, ...] = ()
+    captured: torch.Tensor | None = None
+
+    def _forward_capturing(self, x, cos_sins, kv_caches, meta) -> torch.Tensor:
+        taps, hidden = self.aux_layers, x.shape[-1]
+        out = x.new_empty(x.shape[0], len(taps) * hidden)
+
+        def keep(i: int) -> None:  # (copied: the layers add into x in place)
+            for j, layer_id in enumerate(taps):
+                if layer_id == i:
+                    out[:, j * hidden:(j + 1) * hidden].copy_(x)
+        for i, (layer, kv) in enumerate(zip(self.model.layers, kv_caches)):
+            keep(i)
+            x = layer(x, cos_sins, kv, meta)
+        keep(len(self.model.layers))
+        self.captured = out
         return x
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:

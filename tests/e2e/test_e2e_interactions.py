@@ -26,9 +26,9 @@ and each gets a dedicated cell marked ``xfail(strict=True)``: when a fix lands, 
 passes, the strict xfail fails loudly, and the entry is deleted here so the pair returns
 to the covering array.
 
-The ``spec`` server (speculative decoding, n-gram) and the ``draft`` server (a draft model:
-the target itself) run the ``base`` rows, so their answers are checked bitwise against
-base's own references.
+The ``spec`` server (speculative decoding, n-gram), the ``draft`` server (a draft model:
+the target itself) and the ``eagle3`` server (a tiny random EAGLE-3 head) run the
+``base`` rows, so their answers are checked bitwise against base's own references.
 
 The ``store`` server (DP=2 round robin with a shared KV store) runs the ``dp2`` rows
 (``MIRRORED``) rather than joining the covering array, which would change every server's
@@ -66,6 +66,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.support import model_zoo
 from tests.support.metrics_text import scrape
 from tests.support.pairwise import complete, covering_array, every_pair
 from tests.support.polling import wait_until
@@ -118,6 +119,11 @@ SERVERS: dict[str, tuple[str, ...]] = {
     # directory once known): its cache mirrors base's blocks through hits, n, adapters
     "draft": ("--speculative-config", json.dumps({
         "model": "{DRAFT_IS_TARGET}", "num_speculative_tokens": 3})),
+    # speculative decoding with a tiny random EAGLE-3 head (EAGLE3_HEAD: built for the
+    # model once known): the target keeps its aux hidden states, the head's cache mirrors
+    # base's blocks; few drafts kept, none may change an answer
+    "eagle3": ("--speculative-config", json.dumps({
+        "method": "eagle3", "model": "{EAGLE3_HEAD}", "num_speculative_tokens": 3})),
 }
 
 
@@ -176,7 +182,7 @@ MAX_TOKENS = {"none": 48, "json_schema": 48, "regex": 48, "choice": 8, "tools_re
 # ------------------------------------------------------------------ the factors
 # servers that run another server's cells instead of joining the covering array (which
 # would then change for every server): store runs dp2's rows
-MIRRORED = {"store": "dp2", "spec": "base", "draft": "base"}
+MIRRORED = {"store": "dp2", "spec": "base", "draft": "base", "eagle3": "base"}
 FACTORS: dict[str, list[Any]] = {
     "server": [name for name in SERVERS if name not in MIRRORED],
     "cache": ["miss", "hit"],
@@ -837,6 +843,9 @@ class ServerPool:
         log = self.log_dir / f"{name}.log"
         lora = () if name in NO_LORA_SERVERS else self.lora_flags
         flags = [f.replace("{DRAFT_IS_TARGET}", str(self.model_dir)) for f in SERVERS[name]]
+        if name == "eagle3":
+            head = model_zoo.build_eagle3(self.log_dir / "eagle3-head", self.model_dir)
+            flags = [f.replace("{EAGLE3_HEAD}", str(head)) for f in flags]
         srv = CandorServer(self.model_dir, *COMMON_FLAGS, *lora, *flags, env=env)
         return srv.start(timeout=300, log_path=log)
 
@@ -1136,7 +1145,7 @@ def topology_problem(name: str, srv: CandorServer, log: str) -> str | None:
                                                                 "scheduler": 1})
     if status != 200 or counts != want:
         return f"{name}: /health {status}, processes {counts}, want {want}"
-    if name in ("spec", "draft") and "spec_drafts" not in srv.engine_stats():
+    if name in ("spec", "draft", "eagle3") and "spec_drafts" not in srv.engine_stats():
         return "speculative decoding is not on in the scheduler"
     if name == "sync" and "run-ahead off" not in log:
         return "the no-run-ahead hook did not load in the scheduler"

@@ -156,3 +156,69 @@ def build_draft(out: Path, target_dir: Path, *, seed: int = 1, layers: int = 2) 
         if f.name.startswith("tokenizer") or f.name in ("chat_template.jinja", "special_tokens_map.json"):
             shutil.copy(f, Path(out) / f.name)
     return Path(out)
+
+
+def build_eagle3(out: Path, target_dir: Path, *, seed: int = 2, aux_layers: list[int] | None = None,
+                 draft_vocab: int | None = None, embeddings: bool = False,
+                 drop: tuple[str, ...] = (), **config) -> Path:
+    """A tiny random EAGLE-3 head for the target at ``target_dir`` in vLLM's checkpoint
+    layout (gpu_worker/eagle3_config.py): ``config.json`` (``LlamaForCausalLMEagle3``) and
+    one safetensors file with ``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t`` and
+    ``t2d``. ``aux_layers``: its ``eagle_aux_hidden_state_layer_ids`` (None: the default
+    ones); ``draft_vocab``: a draft vocabulary of that many target ids (a random sorted
+    subset, mapped by ``d2t``; None: the whole vocabulary); ``embeddings``: its own
+    ``embed_tokens``; ``drop``: tensors left out; ``config``: config.json overrides.
+    Random: few of its drafts are kept."""
+    import json
+
+    from safetensors.torch import save_file
+
+    target = json.loads((Path(target_dir) / "config.json").read_text())
+    hidden, vocab = target["hidden_size"], target["vocab_size"]
+    heads, kv_heads, head_dim, inter = 4, 2, 16, 128
+    dv = draft_vocab or vocab
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+           "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": 1,
+           "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
+           "vocab_size": vocab, "draft_vocab_size": dv, "rms_norm_eps": 1e-6,
+           "rope_theta": 10000.0, "max_position_embeddings": target["max_position_embeddings"],
+           "tie_word_embeddings": False, "bos_token_id": target.get("bos_token_id"),
+           "eos_token_id": target.get("eos_token_id")}
+    if aux_layers is not None:
+        cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux_layers,
+                               "use_aux_hidden_state": True}
+    cfg.update(config)
+    n_aux = len(aux_layers) if aux_layers is not None else 3
+    gen = torch.Generator().manual_seed(seed)
+
+    def mat(rows: int, cols: int) -> torch.Tensor:
+        return torch.randn(rows, cols, generator=gen) * (cols ** -0.5)
+
+    def norm() -> torch.Tensor:
+        return 1.0 + 0.2 * torch.randn(hidden, generator=gen)
+    p = "midlayer."
+    tensors = {"fc.weight": mat(hidden, n_aux * hidden),
+               p + "input_layernorm.weight": norm(), p + "hidden_norm.weight": norm(),
+               p + "post_attention_layernorm.weight": norm(),
+               p + "self_attn.q_proj.weight": mat(heads * head_dim, 2 * hidden),
+               p + "self_attn.k_proj.weight": mat(kv_heads * head_dim, 2 * hidden),
+               p + "self_attn.v_proj.weight": mat(kv_heads * head_dim, 2 * hidden),
+               p + "self_attn.o_proj.weight": mat(hidden, heads * head_dim),
+               p + "mlp.gate_proj.weight": mat(inter, hidden), p + "mlp.up_proj.weight": mat(inter, hidden),
+               p + "mlp.down_proj.weight": mat(hidden, inter),
+               "norm.weight": norm(), "lm_head.weight": mat(dv, hidden)}
+    ids = (torch.arange(vocab) if dv == vocab
+           else torch.randperm(vocab, generator=gen)[:dv].sort().values)
+    tensors["d2t"] = ids - torch.arange(dv)
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[ids] = True
+    tensors["t2d"] = t2d
+    if embeddings:
+        tensors["embed_tokens.weight"] = torch.randn(vocab, hidden, generator=gen) * 0.5
+    for name in drop:
+        tensors.pop(name)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    return out

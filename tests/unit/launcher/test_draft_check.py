@@ -98,3 +98,56 @@ def test_a_gguf_draft_gets_its_prepared_directory_and_passes(tmp_path):
     assert draft == prepared.model.path and Path(draft, "config.json").is_file()
     assert draft.startswith(str(tmp_path))
     check_draft_model(prepared)
+
+
+# ---------------------------------------------------------------------- eagle3 heads
+
+
+@pytest.fixture(scope="module")
+def head(target, tmp_path_factory) -> Path:
+    return model_zoo.build_eagle3(tmp_path_factory.mktemp("head") / "h", target, aux_layers=[1, 2, 4])
+
+
+def _check_head(target: Path, head: Path | str, *flags: str) -> None:
+    spec = json.dumps({"method": "eagle3", "model": str(head), "num_speculative_tokens": 3})
+    topology, _ = serve_args_to_topology([str(target), "--speculative-config", spec, *flags],
+                                         environ={})
+    check_draft_model(topology)
+
+
+def _head_refusal(target: Path, head: Path, *flags: str) -> str:
+    with pytest.raises(SystemExit) as exc:
+        _check_head(target, head, *flags)
+    message = str(exc.value)
+    assert "\n" not in message, message
+    return message
+
+
+def test_an_eagle3_head_that_fits_passes(target, head):
+    _check_head(target, head)
+    _check_head(target, head, "--tensor-parallel-size", "2")  # rank 0 proposes
+
+
+@pytest.mark.parametrize("build,why", [
+    (dict(hidden_size=96), "hidden_size 96, the target's is 64"),
+    (dict(target_hidden_size=128), "target_hidden_size 128, the target's hidden_size is 64"),
+    (dict(drop=("fc.weight",)), "missing tensors: fc.weight"),
+    (dict(drop=("midlayer.hidden_norm.weight", "d2t"), draft_vocab=100),
+     "missing tensors: d2t, midlayer.hidden_norm.weight"),
+    (dict(vocab_size=1024), "vocab_size 1024, the target's is 2048"),
+    (dict(architectures=["LlamaForCausalLM"]), "names no EAGLE-3 head"),
+    (dict(num_hidden_layers=2), "num_hidden_layers 2: one midlayer is served"),
+    (dict(aux_layers=[1, 2, 7]), r"\[7\] outside the target's 0..4"),
+    (dict(eagle_aux_hidden_state_layer_ids=[1, 2]), "fc.weight has shape [64, 192], [64, 128] expected"),
+])
+def test_an_eagle3_head_that_does_not_fit_is_refused_in_one_line(target, tmp_path, build, why):
+    bad = model_zoo.build_eagle3(tmp_path / "bad", target, **build)
+    message = _head_refusal(target, bad)
+    assert message.startswith(f"candor: EAGLE-3 head {bad} (--speculative-config): "), message
+    assert why in message or __import__("re").search(why, message), message
+
+
+def test_an_eagle3_head_is_refused_where_a_draft_model_is(target, head, tmp_path):
+    message = _head_refusal(target, head, "--prefill-replicas", "1", "--decode-replicas", "1")
+    assert "not with a prefill/decode split" in message
+    assert "no config.json there" in _head_refusal(target, tmp_path / "absent")

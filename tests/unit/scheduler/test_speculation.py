@@ -12,7 +12,7 @@ from protocol.ipc import DetokParams, SamplingParams, TokenizedReq
 from scheduler.block_manager import BlockAllocator, chain_hash
 from scheduler.planner import Planner
 from scheduler.request import SchedRequest
-from scheduler.speculation import NgramIndex
+from scheduler.speculation import Drafts, NgramIndex
 
 BS = 4
 
@@ -169,7 +169,13 @@ def test_a_constrained_request_drafts_what_its_grammar_forces_else_the_ngram():
 
 
 @pytest.mark.parametrize("bad,why", [
-    ({"method": "eagle3"}, "not yet served"),
+    ({"method": "medusa"}, "not yet served"),
+    ({"method": "eagle"}, "not yet served"),
+    ({"method": "eagle3"}, "needs `model` \\(the EAGLE-3 head\\)"),
+    ({"method": "eagle3", "model": "/x", "num_speculative_tokens": None},
+     "eagle3' needs num_speculative_tokens"),
+    ({"method": "eagle3", "model": "/x", "prompt_lookup_min": 2},
+     "prompt_lookup_min: not a key of method eagle3"),
     ({"method": "ngram", "model": "/x"}, "takes no `model`"),
     ({"method": "suffix", "model": "/x"}, "takes no `model`"),
     ({"prompt_lookup_min": 4, "prompt_lookup_max": 2}, "greater than"),
@@ -188,6 +194,14 @@ def test_a_model_without_a_method_is_a_draft_model_as_in_vllm(tmp_path):
     spec = msgspec.convert({"model": str(tmp_path), "num_speculative_tokens": 3}, SpeculativeSpec)
     assert (spec.method, spec.model) == ("draft_model", str(tmp_path))
     assert msgspec.convert({"num_speculative_tokens": 3}, SpeculativeSpec).method == "ngram"
+
+
+def test_eagle3_takes_a_head_and_drafts_on_the_worker(tmp_path):
+    import msgspec
+    spec = msgspec.convert({"method": "eagle3", "model": str(tmp_path), "num_speculative_tokens": 3},
+                           SpeculativeSpec)
+    assert (spec.method, spec.model) == ("eagle3", str(tmp_path))
+    assert Drafts(spec).by_model
 
 
 def _decoding(planner: Planner, prompt: list[int], first: int) -> SchedRequest:
