@@ -886,7 +886,17 @@ inline CV sub_sum(const float* x) {
   return s;
 }
 
-constexpr int CMR = 3;  // input rows per tile of the codes kernels
+constexpr int CMR = 3;  // input rows per tile of the codes kernels' panel path
+
+// Up to FEW input rows take the codes-in-registers path, which decodes each block once for
+// all of them: 6 where AVX-512's 32 vector registers hold 6 x NR accumulators (a
+// speculative verify of 4 drafts is 5 rows; the panel path cost those twice a row's time),
+// else CMR. More rows go through the panel, CMR rows at a time.
+#ifdef __AVX512F__
+constexpr int FEW = 6;
+#else
+constexpr int FEW = CMR;
+#endif
 
 // A row's offsets for the NR = 4 outputs of a work item, in one register: o[j] += c[j] * s
 // is one 4-wide FMA (each lane one fused multiply-add, as std::fma computes it).
@@ -913,9 +923,9 @@ inline float offs_at(Offs o, int j) { return o.v[j]; }
 #endif
 
 // offs[r] += c4 * (row r's sum over sub-block s): the NR outputs of each row at once
-template <int R>
-inline void add_offsets(const float* c4, const float* sums, int64_t ns, int64_t s, Offs (&offs)[CMR]) {
-#pragma GCC unroll 3
+template <int R, int A>
+inline void add_offsets(const float* c4, const float* sums, int64_t ns, int64_t s, Offs (&offs)[A]) {
+#pragma GCC unroll 6
   for (int r = 0; r < R; ++r) offs[r] = offs_fma(c4, sums[r * ns + s], offs[r]);
 }
 
@@ -924,37 +934,46 @@ inline void add_offsets(const float* c4, const float* sums, int64_t ns, int64_t 
 // scaled codes a_j q_j from code(j, qf)), and offs[r][j] += c_j * (x[r]'s sum over the
 // sub-block), the NR outputs' offsets in one 4-wide FMA. a4 and c4: this sub-block's a_j
 // and c_j for the NR outputs (contiguous); sums: x's sub-block sums, row r at r * ns.
-template <class T, int R, class Code>
+template <class T, int R, int A, class Code>
 inline void sub_block(const float* x, int64_t ldx, int64_t k0, const float* sums, int64_t ns, int64_t s,
-                      const Code& code, const float* c4, CV (&acc)[CMR][NR], Offs (&offs)[CMR]) {
+                      const Code& code, const float* c4, CV (&acc)[A][NR], Offs (&offs)[A]) {
   constexpr int G = T::SB / LANES;
-  CV xs[CMR][G];
+  // up to CMR rows keep x's vectors in registers beside the accumulators; more rows
+  // (AVX-512 only) leave the registers to their accumulators and reload x from L1
+  constexpr bool HOLD = R <= CMR;
+  CV xs[HOLD ? R : 1][G];
+  if constexpr (HOLD) {
 #pragma GCC unroll 3
-  for (int r = 0; r < R; ++r) {
+    for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 4
-    for (int g = 0; g < G; ++g) xs[r][g] = cv_load(x + r * ldx + k0 + LANES * g);
+      for (int g = 0; g < G; ++g) xs[r][g] = cv_load(x + r * ldx + k0 + LANES * g);
+    }
   }
 #pragma GCC unroll 4
   for (int j = 0; j < NR; ++j) {
     CV qf[G];
     code(j, qf);
-#pragma GCC unroll 3
+#pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 4
-      for (int g = 0; g < G; ++g) acc[r][j] = cv_fma(xs[r][g], qf[g], acc[r][j]);
+      for (int g = 0; g < G; ++g) {
+        if constexpr (HOLD) acc[r][j] = cv_fma(xs[r][g], qf[g], acc[r][j]);
+        else acc[r][j] = cv_fma(cv_load(x + r * ldx + k0 + LANES * g), qf[g], acc[r][j]);
+      }
     }
   }
   if constexpr (T::HAS_C) add_offsets<R>(c4, sums, ns, s, offs);
 }
 
-template <int R>
-inline void codes_store(CV (&acc)[CMR][NR], Offs (&offs)[CMR], int nvalid, float* y, int64_t ldy, int64_t n0) {
+template <int R, int A>
+inline void codes_store(CV (&acc)[A][NR], Offs (&offs)[A], int nvalid, float* y, int64_t ldy, int64_t n0) {
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < nvalid; ++j) y[r * ldy + n0 + j] = cv_sum(acc[r][j]) + offs_at(offs[r], j);
 }
 
-inline void codes_zero(CV (&acc)[CMR][NR], Offs (&offs)[CMR]) {
-  for (int r = 0; r < CMR; ++r) {
+template <int A>
+inline void codes_zero(CV (&acc)[A][NR], Offs (&offs)[A]) {
+  for (int r = 0; r < A; ++r) {
     offs[r] = offs_zero();
     for (int j = 0; j < NR; ++j) acc[r][j] = cv_zero();
   }
@@ -971,15 +990,15 @@ std::vector<float> sub_block_sums(const float* x, int64_t M, int64_t K) {
   return sums;
 }
 
-// Few rows (M <= CMR): one block of each of the NR outputs at a time, codes in registers.
+// Few rows (M <= FEW): one block of each of the NR outputs at a time, codes in registers.
 template <class T, int R>
 void codes_few_rows(const uint8_t* w, int64_t row_bytes, const float* x, const float* sums, int64_t K,
                     int64_t n0, int nvalid, float* y, int64_t ldy) {
   constexpr int NS = T::BS / T::SB;
   alignas(64) uint8_t q[NR][T::BS];
   float a[NR][NS], c[NR][NS], at[NS][NR], ct[NS][NR];
-  CV acc[CMR][NR];
-  Offs offs[CMR];
+  CV acc[FEW][NR];
+  Offs offs[FEW];
   codes_zero(acc, offs);
   const int64_t nb = K / T::BS, ns = K / T::SB;
   const uint8_t* rows[NR];
@@ -1048,6 +1067,16 @@ void codes_panel_tile(const float* x, const float* sums, int64_t K, const float*
   codes_store<R>(acc, offs, nvalid, y, ldy, n0);
 }
 
+// codes_few_rows with R = M (1 <= M <= FEW): one instance per row count
+template <class T, int R = 1>
+void codes_few(int64_t M, const uint8_t* w, int64_t row_bytes, const float* x, const float* sums, int64_t K,
+               int64_t n0, int nvalid, float* y, int64_t ldy) {
+  if constexpr (R < FEW) {
+    if (M > R) return codes_few<T, R + 1>(M, w, row_bytes, x, sums, K, n0, nvalid, y, ldy);
+  }
+  codes_few_rows<T, R>(w, row_bytes, x, sums, K, n0, nvalid, y, ldy);
+}
+
 template <class T>
 void codes_linear(const uint8_t* w, int64_t row_bytes, const float* x, int64_t M, int64_t K, int64_t N, float* y,
                   int64_t ldy) {
@@ -1058,7 +1087,7 @@ void codes_linear(const uint8_t* w, int64_t row_bytes, const float* x, int64_t M
   const std::vector<float> sums = T::HAS_C ? sub_block_sums<T::SB>(x, M, K) : std::vector<float>(M * ns);
   at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> panel, a, c, ct;
-    if (M > CMR) {
+    if (M > FEW) {
       panel.resize(NR * K);
       ct.resize(ns * NR, 0.0f);
     }
@@ -1067,10 +1096,8 @@ void codes_linear(const uint8_t* w, int64_t row_bytes, const float* x, int64_t M
     for (int64_t item = begin; item < end; ++item) {
       const int64_t n0 = item * NR;
       const int nvalid = static_cast<int>(std::min<int64_t>(NR, N - n0));
-      if (M <= CMR) {
-        if (M == 1) codes_few_rows<T, 1>(w, row_bytes, x, sums.data(), K, n0, nvalid, y, ldy);
-        else if (M == 2) codes_few_rows<T, 2>(w, row_bytes, x, sums.data(), K, n0, nvalid, y, ldy);
-        else codes_few_rows<T, 3>(w, row_bytes, x, sums.data(), K, n0, nvalid, y, ldy);
+      if (M <= FEW) {
+        codes_few<T>(M, w, row_bytes, x, sums.data(), K, n0, nvalid, y, ldy);
         continue;
       }
       const int64_t nb = K / T::BS;
