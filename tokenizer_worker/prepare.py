@@ -248,8 +248,14 @@ class RequestPreparer:
             self.last_text_bytes = utf8_len(text)
             info = ipc.TemplateInfo(source, template.origin, template.sha256)
             special = False if add_special_tokens is None else add_special_tokens
-            ids, inputs = self._expand(req, tok.encode(text, add_special_tokens=special), images,
-                                       "messages")
+            expanded = text
+            if self.vision is not None:  # (Gemma 3 expands its image markers in the text)
+                try:
+                    expanded = self.vision.expand_text(text, images)
+                except ImageError as err:
+                    self._fail(req, str(err), "messages", err.code)
+            ids, inputs = self._expand(req, tok.encode(expanded, add_special_tokens=special),
+                                       images, "messages")
             return _Prompt(ids, text, info, adjustments, inputs)
         if isinstance(req.prompt, str):
             size = self.last_text_bytes = utf8_len(req.prompt)
