@@ -199,3 +199,25 @@ def test_pan_and_scan_is_refused_in_one_line_at_start(tmp_path):
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
     assert len(lines) == 1 and "do_pan_and_scan" in lines[0], lines
+
+
+@pytest.mark.parametrize("flags", [["--tensor-parallel-size", "2"],
+                                   ["--prefill-replicas", "1", "--decode-replicas", "1"]],
+                         ids=["tp2", "prefill-decode"])
+def test_tensor_parallel_and_prefill_decode_carry_gemma3_images(gemma3_dir, hf, flags, tmp_path):
+    """TP: every rank holds the whole tower and attends the same image spans over its
+    heads; P/D: the prefill replica computes the prompt (images whole in their chunks) and
+    hands the KV over. Both give HF's greedy tokens."""
+    srv = CandorServer(gemma3_dir, "--served-model-name", MODEL, "--max-num-batched-tokens",
+                       str(BATCHED), *flags).start(log_path=tmp_path / "log")
+    try:
+        for imgs in ([image(40)], [image(41), image(42, (30, 50))]):
+            messages = chat("What is in this picture?", *imgs)
+            status, payload = srv.post_json("/v1/chat/completions", {
+                "model": MODEL, "messages": messages, "max_tokens": NEW, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True, "logprobs": True, "top_logprobs": 2})
+            assert status == 200, payload
+            _check_against_hf(payload, hf_reference(hf, messages, imgs))
+        srv.wait_all_blocks_free()
+    finally:
+        assert srv.stop() == 0
