@@ -65,11 +65,27 @@ def _vision(cfg: dict[str, Any], text_vocab: int) -> VisionSpec:
         mm_tokens=tokens, bidirectional=True)
 
 
+# transformers' Gemma3TextConfig defaults: the hub's Gemma 3 image-text configs list only a
+# few text fields (hidden sizes, layers, rope_scaling, sliding_window); the transformers 4
+# layout's RoPE (no rope_parameters) is rope_theta for global layers and
+# rope_local_base_freq for local ones
+_TEXT_DEFAULTS = dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216,
+                      num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
+                      head_dim=256, hidden_activation="gelu_pytorch_tanh",
+                      max_position_embeddings=131072, rms_norm_eps=1e-6,
+                      query_pre_attn_scalar=256, sliding_window=4096)
+_TEXT_ROPE_DEFAULTS = dict(rope_theta=1_000_000.0, rope_local_base_freq=10_000.0)
+
+
 def _gemma3(cfg: dict[str, Any], model_type: str) -> Fields:
-    text = dict(cfg.get("text_config") or {})
+    if not isinstance(cfg.get("text_config"), dict):
+        raise UnsupportedConfig("text_config", None)
+    text = dict(cfg["text_config"])
     text_type = text.get("model_type", "gemma3_text")
     if text_type != "gemma3_text":
         raise UnsupportedConfig("text_config.model_type", text_type, {"gemma3_text"})
+    defaults = {**_TEXT_DEFAULTS, **({} if "rope_parameters" in text else _TEXT_ROPE_DEFAULTS)}
+    text = {**defaults, **{k: v for k, v in text.items() if v is not None or k not in defaults}}
     out = gemma.GEMMA3_TEXT.parse(text, text_type)
     if "tie_word_embeddings" in cfg and "tie_word_embeddings" not in text:
         out["tie_word_embeddings"] = bool(cfg["tie_word_embeddings"])

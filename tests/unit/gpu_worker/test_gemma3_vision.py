@@ -156,3 +156,30 @@ def test_config_reads_the_image_path_and_refuses_what_it_cannot_serve(gemma3):
         with pytest.raises(UnsupportedConfig, match=field) as err:
             parse_config({**raw, **patch})
         assert "\n" not in str(err.value)
+
+
+def test_a_hub_style_config_reads_transformers_defaults():
+    """google/gemma-3-4b-it's config.json lists few text fields: the rest are
+    Gemma3TextConfig's defaults (global layers on rope_theta 1e6 scaled linearly by 8,
+    local ones on 10000, every sixth layer global), as transformers reads it."""
+    raw = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+           "boi_token_index": 255999, "eoi_token_index": 256000, "image_token_index": 262144,
+           "mm_tokens_per_image": 256, "eos_token_id": [1, 106],
+           "text_config": {"hidden_size": 2560, "intermediate_size": 10240,
+                           "model_type": "gemma3_text", "num_hidden_layers": 34,
+                           "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                           "sliding_window": 1024},
+           "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                             "model_type": "siglip_vision_model", "num_attention_heads": 16,
+                             "num_hidden_layers": 27, "patch_size": 14, "vision_use_head": False}}
+    cfg = parse_config(raw)
+    assert (cfg.vocab_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (262208, 8, 4, 256)
+    assert cfg.scale == 256**-0.5 and cfg.tie_word_embeddings and cfg.eos_token_ids == [1, 106]
+    windows = [layer.window for layer in cfg.layers]
+    assert windows[5] is None and windows[11] is None and windows[0] == 1024
+    (glob, loc) = (cfg.ropes[cfg.layers[5].rope], cfg.ropes[cfg.layers[0].rope])
+    assert (glob.theta, glob.type, glob.factor) == (1e6, "linear", 8.0)
+    assert (loc.theta, loc.type) == (10000.0, "default")
+    assert cfg.vision.tokens_per_image == 256 and cfg.vision.image_token_id == 262144
+    with pytest.raises(UnsupportedConfig, match="text_config"):
+        parse_config({**raw, "text_config": None})
