@@ -159,22 +159,26 @@ class Gemma3VisionPrompt(VisionPrompt):
         if missing:
             raise ValueError(f"config.json's {', '.join(missing)} name no added token of the "
                              "tokenizer; Gemma 3's image expansion needs them")
-        self.boi, self.image_token, eoi = (names[int(v)] for v in ids.values())
+        # (as Gemma3Processor: ``image_token`` is the marker the template renders, the boi
+        # token; ``image_token_id`` the token it expands to, ``soft_token`` its text)
+        self.image_token, self.soft_token, eoi = (names[int(v)] for v in ids.values())
         self.image_token_id = image_token_id
-        self.sequence = f"\n\n{self.boi}{self.image_token * self.tokens}{eoi}\n\n"
+        self.sequence = f"\n\n{self.image_token}{self.soft_token * self.tokens}{eoi}\n\n"
         self.processor = AutoImageProcessor.from_pretrained(model_dir)
 
     def tokens_per_image(self, height: int, width: int) -> int:
         return self.tokens
 
     def expand_text(self, text: str, images: list[Image.Image]) -> str:
-        found = text.count(self.boi)
-        if found != len(images):
-            raise ImageError(f"the rendered prompt holds {found} {self.boi!r} marker(s) for "
-                             f"{len(images)} image(s); the text may not contain {self.boi!r} "
-                             "itself, and the chat template must render image parts",
-                             param="messages")
-        return text.replace(self.boi, self.sequence) if images else text
+        """Each marker expanded, when there is one per image. More markers than images
+        (text that spells one) is refused here; fewer (a template that left an image out)
+        comes back unexpanded, for the image-token check (``expand``) to refuse."""
+        found = text.count(self.image_token)
+        if found > len(images):
+            raise ImageError(f"the rendered prompt holds {found} {self.image_token!r} marker(s) "
+                             f"for {len(images)} image(s); the text may not contain "
+                             f"{self.image_token!r} itself", param="messages")
+        return text.replace(self.image_token, self.sequence) if found == len(images) else text
 
     def expand(self, ids: list[int], images: list[Image.Image]) -> tuple[list[int],
                                                                          list[ipc.ImageInput]]:
@@ -189,9 +193,10 @@ class Gemma3VisionPrompt(VisionPrompt):
                 else:
                     runs.append([i, i + 1])
         if len(runs) != len(images) or any(hi - lo != self.tokens for lo, hi in runs):
-            raise ImageError(f"the prompt's {self.image_token!r} tokens do not form one run of "
+            raise ImageError(f"the prompt's {self.soft_token!r} tokens do not form one run of "
                              f"{self.tokens} per image ({len(images)} image(s)); the text may "
-                             f"not contain {self.image_token!r} itself", param="messages")
+                             f"not contain {self.soft_token!r} itself, and the chat template "
+                             "must render image parts", param="messages")
         if not images:
             return ids, []
         pixels = self.pixel_values(images)

@@ -107,3 +107,17 @@ def test_the_launcher_refuses_what_it_cannot_serve(gemma3_dir, tmp_path):
     pas = build_gemma3_vision(tmp_path / "pas", do_pan_and_scan=True)
     with pytest.raises(SystemExit, match="cannot take images.*do_pan_and_scan"):
         check_model_config(topology(pas, 64))
+
+
+def test_a_template_that_drops_an_image_is_a_400(gemma3_dir):
+    """A template whose output holds fewer markers than images: refused, never an image
+    silently left out (the marker-count check names ``messages``)."""
+    vision = VisionPrompt.for_checkpoint(gemma3_dir)
+    assert vision.image_token == BOI and vision.soft_token == IMAGE_TOKEN  # (Gemma3Processor's names)
+    one = f"look {BOI} here"
+    assert vision.expand_text(one, [_image(0), _image(1)]) == one  # unexpanded: refused next
+    from tokenizer_worker.images import ImageError
+
+    with pytest.raises(ImageError, match="one run of 4 per image"):
+        vision.expand(CheckpointTokenizer(str(gemma3_dir)).encode(one, add_special_tokens=False),
+                      [_image(0), _image(1)])
