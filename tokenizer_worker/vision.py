@@ -128,10 +128,22 @@ def processor_problem(model_dir: str | Path) -> str | None:
     if kind not in PROCESSORS:
         return (f"image input is served for {' and '.join(sorted(PROCESSORS))} checkpoints "
                 f"only, not {kind!r}")
-    if kind == "Gemma3Processor" and _image_processor_config(model_dir).get("do_pan_and_scan"):
+    if kind != "Gemma3Processor":
+        return None
+    if _image_processor_config(model_dir).get("do_pan_and_scan"):
         return ("the image processor sets do_pan_and_scan, whose extra crops Candor does not "
                 "implement; serve it with do_pan_and_scan false (Gemma 3's default)")
+    model = json.loads((model_dir / "config.json").read_text())
+    names = _added_tokens(model_dir)
+    missing = [k for k in _GEMMA3_TOKENS
+               if model.get(k) is None or int(model[k]) not in names]
+    if missing:
+        return (f"config.json's {', '.join(missing)} name no added token of tokenizer.json; "
+                "Gemma 3's image expansion needs them")
     return None
+
+
+_GEMMA3_TOKENS = ("boi_token_index", "image_token_index", "eoi_token_index")
 
 
 class Gemma3VisionPrompt(VisionPrompt):
@@ -153,15 +165,9 @@ class Gemma3VisionPrompt(VisionPrompt):
             raise ValueError(f"processor_config.json: image_seq_length {self.tokens} differs "
                              f"from config.json's mm_tokens_per_image {model['mm_tokens_per_image']}")
         names = _added_tokens(model_dir)
-        ids = {"boi_token_index": model.get("boi_token_index"), "image_token_index": image_token_id,
-               "eoi_token_index": model.get("eoi_token_index")}
-        missing = [k for k, v in ids.items() if v is None or int(v) not in names]
-        if missing:
-            raise ValueError(f"config.json's {', '.join(missing)} name no added token of the "
-                             "tokenizer; Gemma 3's image expansion needs them")
         # (as Gemma3Processor: ``image_token`` is the marker the template renders, the boi
         # token; ``image_token_id`` the token it expands to, ``soft_token`` its text)
-        self.image_token, self.soft_token, eoi = (names[int(v)] for v in ids.values())
+        self.image_token, self.soft_token, eoi = (names[int(model[k])] for k in _GEMMA3_TOKENS)
         self.image_token_id = image_token_id
         self.sequence = f"\n\n{self.image_token}{self.soft_token * self.tokens}{eoi}\n\n"
         self.processor = AutoImageProcessor.from_pretrained(model_dir)

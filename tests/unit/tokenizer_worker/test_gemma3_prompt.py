@@ -121,3 +121,13 @@ def test_a_template_that_drops_an_image_is_a_400(gemma3_dir):
     with pytest.raises(ImageError, match="one run of 4 per image"):
         vision.expand(CheckpointTokenizer(str(gemma3_dir)).encode(one, add_special_tokens=False),
                       [_image(0), _image(1)])
+
+
+def test_image_tokens_missing_from_the_tokenizer_are_refused(gemma3_dir, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(gemma3_dir, bad)
+    raw = json.loads((bad / "config.json").read_text())
+    raw["eoi_token_index"] = 7  # an ordinary token, not an added one
+    (bad / "config.json").write_text(json.dumps(raw))
+    problem = processor_problem(bad)
+    assert problem is not None and "eoi_token_index" in problem and "\n" not in problem
