@@ -16,7 +16,7 @@ def read_model_config(model_path: str) -> dict:
 
 def takes_images(model_path: str) -> bool:
     """Whether requests to this checkpoint may carry images: a vision config beside the
-    text model's and an HF processor config (a LLaVA-style checkpoint). Which ones the
+    text model's and an HF processor config (LLaVA, Gemma 3). Which ones the
     gpu_worker can serve is its model registry's to say, before any process starts."""
     with open(os.path.join(model_path, "config.json"), encoding="utf-8") as fh:
         config = json.load(fh)

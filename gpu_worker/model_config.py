@@ -21,8 +21,8 @@ from typing import Any, Literal
 import msgspec
 
 from cluster.token_classifier import TokenClassifierError, read_token_classifier
-from gpu_worker.architectures import (bert, gemma, granite, llama, llava, mixtral, olmo2, phi3,
-                                      qwen, smollm3, starcoder2)
+from gpu_worker.architectures import (bert, gemma, gemma3_vision, granite, llama, llava, mixtral,
+                                      olmo2, phi3, qwen, smollm3, starcoder2)
 from gpu_worker.architectures.hf_config import (Architecture, EncoderSpec, LayerSpec, MoeConfig,
                                                 RopeConfig, UnsupportedConfig, VisionSpec)
 from gpu_worker.quantization.spec import QuantSpec, parse_quantization
@@ -43,6 +43,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "smollm3": smollm3.SMOLLM3,
     "starcoder2": starcoder2.STARCODER2,
     "llava": llava.LLAVA,  # a Llama/Mistral text model behind a CLIP tower (ModelConfig.vision)
+    "gemma3": gemma3_vision.GEMMA3,  # Gemma 3 text behind a SigLIP tower (ModelConfig.vision)
     "bert": bert.ENCODER,
     "roberta": bert.ENCODER,
     "xlm-roberta": bert.ENCODER,
@@ -169,10 +170,7 @@ def parse_config(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None = No
 
 
 def read_config_dict(model_path: str | Path) -> dict[str, Any]:
-    cfg = json.loads((Path(model_path) / "config.json").read_text())
-    if cfg.get("model_type") == "gemma3" and "text_config" in cfg:
-        raise UnsupportedConfig("model_type", "gemma3 (multimodal; serve a gemma3_text checkpoint)")
-    return cfg
+    return json.loads((Path(model_path) / "config.json").read_text())
 
 
 def load_config(model_path: str | Path) -> ModelConfig:

@@ -38,10 +38,12 @@ drafts; see draft_model.py for its cache, which mirrors this one's block ids). W
 EAGLE-3 head (``eagle3``) the model keeps its aux hidden states each forward
 (``aux_layers``) and the head is fed those rows, one id behind (see eagle3.py).
 
-Images (a LLaVA checkpoint): a chunk names the images its positions overlap
+Images (a LLaVA or Gemma 3 checkpoint): a chunk names the images its positions overlap
 (``SeqChunk.images``); ``images`` (``image_cache``) encodes each once, keeps its
 embeddings until every request holding it has fed its span, and the model splices them
-over the placeholder rows. A step with image rows never runs as a CUDA graph.
+over the placeholder rows. A step with image rows never runs as a CUDA graph. Gemma 3's
+image tokens attend each other both ways: each image's span goes to the attention
+backend as a bidirectional span of its chunk (the scheduler never splits one).
 
 With LoRA enabled, ``adapters`` (``lora.store``) holds the adapters and groups each
 step's rows by adapter before the forward pass; a step with adapter rows runs eagerly
@@ -356,7 +358,8 @@ class ModelRunner:
         cfg, shard = self.config, self.shard
         spec = AttentionSpec(shard.heads, shard.kv_heads, cfg.head_dim, self.block_size, self.dtype,
                              self.device, cfg.scale, tuple((layer.window, cfg.attn_softcap) for layer in cfg.layers),
-                             batch_invariant=batch_invariant, causal=cfg.encoder is None)
+                             batch_invariant=batch_invariant, causal=cfg.encoder is None,
+                             image_spans=cfg.vision is not None and cfg.vision.bidirectional)
         return spec, select_backend(spec, None if spec.causal else ["bidirectional"])
 
     @property
@@ -647,7 +650,7 @@ class ModelRunner:
                     and self.decode_graphs.fits(len(decodes))):
                 hidden = self.decode_graphs.run(chunks, ids, positions)
             else:
-                meta = self.attn_backend.build(chunks, len(decodes))
+                meta = self.attn_backend.build(chunks, len(decodes), spans=self._image_spans(prefills))
                 extra = {}
                 if self.config.encoder is not None:  # each row's segment (a pair's second text: 1)
                     extra["token_types"] = self._token_types(ordered, dev)
@@ -672,6 +675,16 @@ class ModelRunner:
             return self._sample(batch, hidden, pending)
         finally:
             tm.sample += time.perf_counter() - t_sample
+
+    def _image_spans(self, prefills: list[SeqChunk]) -> dict[int, list[tuple[int, int]]] | None:
+        """Each prefill chunk's image spans, where this model's image tokens attend each
+        other both ways (Gemma 3). The scheduler keeps a span in one chunk; a chunk that
+        holds part of one is a plan error (``AttentionBackend.build`` raises)."""
+        vision = self.config.vision
+        if vision is None or not vision.bidirectional:
+            return None
+        return {i: [(im.offset, im.offset + im.length) for im in s.images]
+                for i, s in enumerate(prefills) if s.images} or None
 
     def _token_types(self, ordered: list[SeqChunk], dev: torch.device) -> torch.Tensor:
         """Each row's token type: 1 from a text pair's ``second_segment`` on, else 0."""

@@ -116,6 +116,7 @@ def _check_model(group: EngineGroup, tp_keys: dict[int, str]) -> None:
                          "computed whole in one step: --max-num-batched-tokens "
                          f"{group.engine.max_num_batched_tokens} is below its context "
                          f"({context} tokens); raise it or lower --max-model-len")
+    _check_images(cfg, path, group.engine.max_num_batched_tokens)
     if group.runner == "pooling":
         try:
             pooling = read_pooling_config(path)
@@ -128,6 +129,24 @@ def _check_model(group: EngineGroup, tp_keys: dict[int, str]) -> None:
         say(f"{group.model.name()!r}: embeddings by {pooling.method} pooling"
             f"{', L2-normalised' if pooling.normalize else ''}, {pooling.dimension} "
             f"dimensions ({pooling.source})")
+
+
+def _check_images(cfg, path: str, max_num_batched_tokens: int) -> None:
+    """A vision checkpoint's image preprocessing must be one Candor mirrors (no pan-and-
+    scan crops), and a step must hold a whole Gemma 3 image: its tokens attend each other
+    both ways, so the scheduler never splits one over chunks."""
+    if cfg.vision is None or not os.path.isfile(os.path.join(path, "processor_config.json")):
+        return
+    from tokenizer_worker.vision import processor_problem
+
+    problem = processor_problem(path)
+    if problem is not None:
+        raise SystemExit(f"candor: cannot take images for {path}: {problem}")
+    if cfg.vision.bidirectional and max_num_batched_tokens < cfg.vision.tokens_per_image:
+        raise SystemExit(f"candor: {path}'s images are {cfg.vision.tokens_per_image} tokens each, "
+                         "computed in one step (they attend each other both ways): "
+                         f"--max-num-batched-tokens {max_num_batched_tokens} is below that; "
+                         "raise it")
 
 
 def _check_quantization(asked: str | None, path: str) -> None:

@@ -250,7 +250,9 @@ class ImageInput(msgspec.Struct, array_like=True, frozen=True):
     ``shape`` e.g. [3, 336, 336]) and where its placeholder tokens sit in the prompt
     (``offset``, ``length``: the span the vision tower's embeddings replace).
     ``content_hash`` (sha256 of the pixel values) keys the prefix cache: two different
-    images behind the same placeholder ids must never share KV."""
+    images behind the same placeholder ids must never share KV. ``whole``: the span's
+    tokens attend each other both ways (Gemma 3), so the scheduler feeds it in one chunk
+    and never starts a request (a prefix-cache hit) inside it."""
 
     pixels: bytes
     shape: list[int]
@@ -258,6 +260,7 @@ class ImageInput(msgspec.Struct, array_like=True, frozen=True):
     offset: int
     length: int
     content_hash: bytes
+    whole: bool = False
 
 
 class TokenizedReq(_Message, tag="tokenized", omit_defaults=True):
@@ -281,7 +284,7 @@ class TokenizedReq(_Message, tag="tokenized", omit_defaults=True):
     pooling: PoolingParams | None = None
     lora: str | None = None  # LoRA adapter name (the scheduler resolves it; None: the base)
     decode_replica: int = -1  # disaggregation: hand it there after its first token
-    # the prompt's images (LLaVA-style checkpoints): pixels and placeholder spans, in order
+    # the prompt's images (LLaVA, Gemma 3): pixels and placeholder spans, in order
     images: list[ImageInput] = []
 
 

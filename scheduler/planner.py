@@ -52,6 +52,13 @@ image's pixels go with the first of them since the request was (re)admitted (a p
 may start it inside a span; a preempted request's recompute sends them again): the worker
 encodes each whole image once and keeps its embeddings until the span is fed. A block's
 prefix-cache key holds the content hash of every image it overlaps (``request``).
+A ``whole`` image (Gemma 3, whose image tokens attend each other both ways) is never
+split: a chunk that would end inside it stops before it (``SchedRequest.chunk_size``; one
+that would start with it and cannot hold it waits for a step with room, which the
+launcher makes sure ``max_num_batched_tokens`` gives), and a prefix hit that would end
+inside it is cut back to the block holding its first token (``whole_blocks``): the rows
+after the cut would attend the rows before it, which that step does not compute, and a
+split would make the image's KV depend on where the chunk ended.
 
 Plans are diffs: a chunk names only the blocks the worker has not been sent for that
 request yet (``SeqChunk.kept_blocks`` / ``new_blocks``), so a decode step's message stays
@@ -298,13 +305,18 @@ class Planner:
                 step.writing.append(key)
 
     def _borrow_filling(self, req: SchedRequest, limit: int) -> None:
-        """Extend ``req``'s prefix match with blocks planned steps are filling."""
+        """Extend ``req``'s prefix match with blocks planned steps are filling (never to
+        the inside of a whole image: ``SchedRequest.whole_blocks``)."""
         bs = self.block_size
         table = req.block_table
+        entries: list[FillingBlock] = []
         for i in range(len(table), limit):
             entry = self.filling.get(req.block_key(i, bs))
-            if entry is None or entry.parent != (table[i - 1] if i else -1):
-                return
+            parent = entries[-1].block if entries else table[-1] if table else -1
+            if entry is None or entry.parent != parent:
+                break
+            entries.append(entry)
+        for entry in entries[:req.whole_blocks(len(table) + len(entries), bs) - len(table)]:
             self.allocator.acquire(entry.block)
             table.append(entry.block)
             borrowers = entry.step.lent.setdefault(entry.filler.rid, [])
@@ -337,7 +349,8 @@ class Planner:
         if not self._reads_cache(req) or req.num_computed or req.block_table:
             return 0
         limit = (len(req.token_ids) - 1) // self.block_size
-        for block in self.cached_run(req, limit):
+        run = self.cached_run(req, limit)
+        for block in run[:req.whole_blocks(len(run), self.block_size)]:
             self.allocator.acquire(block)
             req.block_table.append(block)
         req.num_registered = len(req.block_table)  # borrowed ones: it may register them too
@@ -461,7 +474,7 @@ class Planner:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_pending, budget)
+            n = req.chunk_size(req.num_scheduled, min(req.num_pending, budget))
             if n == 0 or (lookahead and self._waits_to_draft(req)) or \
                     (self.whole_prompts and n < req.num_pending):
                 i += 1
@@ -497,8 +510,8 @@ class Planner:
             if self.whole_prompts and req.num_pending > budget:
                 break  # FCFS: it runs first in a step with room for its whole prompt
             matched = self._match_prefix(req)
-            n = min(req.num_pending, budget)
-            if not self._grow(req, n):
+            n = req.chunk_size(req.num_scheduled, min(req.num_pending, budget))
+            if n == 0 or not self._grow(req, n):
                 self._unmatch(req)
                 break
             if req.cached_tokens is None:

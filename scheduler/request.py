@@ -143,6 +143,26 @@ class SchedRequest:
                 self.images_sent = k + 1
         return out
 
+    def chunk_size(self, start: int, n: int) -> int:
+        """``n``, or fewer so that a chunk from ``start`` never ends inside a ``whole``
+        image (Gemma 3: its tokens attend each other both ways, so all of them must be in
+        the step that computes any); 0 when the chunk would begin with such an image and
+        ``n`` cannot hold it (the request waits for a step with room)."""
+        end = start + n
+        for im in self.req.images:
+            if im.whole and im.offset < end < im.offset + im.length:
+                return max(0, im.offset - start)
+        return n
+
+    def whole_blocks(self, blocks: int, block_size: int) -> int:
+        """The most of ``blocks`` leading full blocks a prefix hit may take: never ending
+        inside a ``whole`` image, whose later rows would then be computed without the
+        earlier ones they attend (and the cached rows without the later ones)."""
+        for im in reversed(self.req.images):
+            if im.whole and im.offset < blocks * block_size < im.offset + im.length:
+                blocks = im.offset // block_size
+        return blocks
+
     def finish_reason_after(self, token_id: int) -> str | None:
         """Why generation ends after this newly sampled token, if it does. ``min_tokens``
         is the sampler's: it never samples eos or a stop id before then."""

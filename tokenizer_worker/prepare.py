@@ -280,7 +280,13 @@ class RequestPreparer:
             self.last_text_bytes = utf8_len(text)
             info = ipc.TemplateInfo(source, template.origin, template.sha256)
             special = False if add_special_tokens is None else add_special_tokens
-            ids = tok.encode(text, add_special_tokens=special)
+            expanded = text
+            if self.vision is not None:  # (Gemma 3 expands its image markers in the text)
+                try:
+                    expanded = self.vision.expand_text(text, images)
+                except ImageError as err:
+                    self._fail(req, str(err), "messages", err.code)
+            ids = tok.encode(expanded, add_special_tokens=special)
             if images and ids.count(self.vision.image_token_id) < len(images):
                 self._name_dropped_image(req, messages, render)
             ids, inputs = self._expand(req, ids, images, "messages")

@@ -1,6 +1,10 @@
 """Images of a chat prompt -> ``ipc.ImageInput``s and the prompt with each image's
-placeholder expanded, exactly as the checkpoint's HF processor does it (LLaVA-1.5 style:
-one ``<image>`` in the rendered text becomes one token per vision-tower patch).
+placeholder expanded, exactly as the checkpoint's HF processor does it: LLaVA-1.5 style
+(``VisionPrompt``: one ``<image>`` in the rendered text becomes one token per
+vision-tower patch, in the ids) or Gemma 3's (``Gemma3VisionPrompt``: each
+``<start_of_image>`` in the rendered text becomes ``\n\n<start_of_image>``, the image
+token ``mm_tokens_per_image`` times, ``<end_of_image>\n\n``, in the text before it is
+tokenized, as Gemma3Processor does, so the newlines merge with their neighbours as HF's do).
 
 The pixel values come from transformers' own image processor class for the checkpoint
 (the reference, loaded from its ``processor_config.json``), so they equal HF's bit for bit.
@@ -28,9 +32,9 @@ class VisionPrompt:
         from transformers import AutoImageProcessor
 
         config = json.loads((Path(model_dir) / "processor_config.json").read_text())
-        if config.get("processor_class") != "LlavaProcessor":
-            raise ValueError(f"image input is served for LlavaProcessor checkpoints only, "
-                             f"not {config.get('processor_class')!r}")
+        problem = processor_problem(model_dir)
+        if problem is not None:
+            raise ValueError(problem)
         self.image_token = config.get("image_token", "<image>")
         self.image_token_id = image_token_id
         self.patch_size = int(config["patch_size"])
@@ -50,7 +54,14 @@ class VisionPrompt:
             return None
         config = json.loads((Path(model_dir) / "config.json").read_text())
         token = config.get("image_token_index", config.get("image_token_id"))
-        return None if token is None else cls(model_dir, int(token))
+        if token is None:
+            return None
+        kind = json.loads((Path(model_dir) / "processor_config.json").read_text()).get("processor_class")
+        return (Gemma3VisionPrompt if kind == "Gemma3Processor" else VisionPrompt)(model_dir, int(token))
+
+    def expand_text(self, text: str, images: list[Image.Image]) -> str:
+        """The rendered prompt as the processor tokenizes it (LLaVA's: unchanged)."""
+        return text
 
     def tokens_per_image(self, height: int, width: int) -> int:
         """LlavaProcessor's count: one per patch, plus the tower's extra (CLS) tokens, less
@@ -92,6 +103,124 @@ class VisionPrompt:
             prev = pos + 1
         out += ids[prev:]
         return out, inputs
+
+
+PROCESSORS = {"LlavaProcessor", "Gemma3Processor"}
+
+
+def _image_processor_config(model_dir: Path) -> dict[str, Any]:
+    """The image processor's settings: nested in ``processor_config.json``
+    (transformers 5) or in ``preprocessor_config.json`` (4)."""
+    processor = json.loads((model_dir / "processor_config.json").read_text())
+    nested = processor.get("image_processor")
+    if isinstance(nested, dict):
+        return nested
+    path = model_dir / "preprocessor_config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def processor_problem(model_dir: str | Path) -> str | None:
+    """Why this checkpoint's image preprocessing cannot be served exactly (None: it can),
+    in one line: a processor class we do not mirror, or Gemma 3's pan-and-scan crops
+    (extra images per image, not implemented). Torch-free: the launcher asks first."""
+    model_dir = Path(model_dir)
+    kind = json.loads((model_dir / "processor_config.json").read_text()).get("processor_class")
+    if kind not in PROCESSORS:
+        return (f"image input is served for {' and '.join(sorted(PROCESSORS))} checkpoints "
+                f"only, not {kind!r}")
+    if kind != "Gemma3Processor":
+        return None
+    if _image_processor_config(model_dir).get("do_pan_and_scan"):
+        return ("the image processor sets do_pan_and_scan, whose extra crops Candor does not "
+                "implement; serve it with do_pan_and_scan false (Gemma 3's default)")
+    model = json.loads((model_dir / "config.json").read_text())
+    names = _added_tokens(model_dir)
+    missing = [k for k in _GEMMA3_TOKENS
+               if model.get(k) is None or int(model[k]) not in names]
+    if missing:
+        return (f"config.json's {', '.join(missing)} name no added token of tokenizer.json; "
+                "Gemma 3's image expansion needs them")
+    return None
+
+
+_GEMMA3_TOKENS = ("boi_token_index", "image_token_index", "eoi_token_index")
+
+
+class Gemma3VisionPrompt(VisionPrompt):
+    """Gemma3Processor's expansion (see the module docstring): each image is
+    ``image_seq_length`` image tokens, and their span is ``whole`` (Gemma 3's image tokens
+    attend each other both ways, so the scheduler keeps it in one chunk)."""
+
+    def __init__(self, model_dir: str | Path, image_token_id: int) -> None:
+        from transformers import AutoImageProcessor
+
+        model_dir = Path(model_dir)
+        problem = processor_problem(model_dir)
+        if problem is not None:
+            raise ValueError(problem)
+        config = json.loads((model_dir / "processor_config.json").read_text())
+        model = json.loads((model_dir / "config.json").read_text())
+        self.tokens = int(config.get("image_seq_length", model.get("mm_tokens_per_image", 256)))
+        if self.tokens != int(model.get("mm_tokens_per_image", self.tokens)):
+            raise ValueError(f"processor_config.json: image_seq_length {self.tokens} differs "
+                             f"from config.json's mm_tokens_per_image {model['mm_tokens_per_image']}")
+        names = _added_tokens(model_dir)
+        # (as Gemma3Processor: ``image_token`` is the marker the template renders, the boi
+        # token; ``image_token_id`` the token it expands to, ``soft_token`` its text)
+        self.image_token, self.soft_token, eoi = (names[int(model[k])] for k in _GEMMA3_TOKENS)
+        self.image_token_id = image_token_id
+        self.sequence = f"\n\n{self.image_token}{self.soft_token * self.tokens}{eoi}\n\n"
+        self.processor = AutoImageProcessor.from_pretrained(model_dir)
+
+    def tokens_per_image(self, height: int, width: int) -> int:
+        return self.tokens
+
+    def expand_text(self, text: str, images: list[Image.Image]) -> str:
+        """Each marker expanded, when there is one per image. More markers than images
+        (text that spells one) is refused here; fewer (a template that left an image out)
+        comes back unexpanded, for the image-token check (``expand``) to refuse."""
+        found = text.count(self.image_token)
+        if found > len(images):
+            raise ImageError(f"the rendered prompt holds {found} {self.image_token!r} marker(s) "
+                             f"for {len(images)} image(s); the text may not contain "
+                             f"{self.image_token!r} itself", param="messages")
+        return text.replace(self.image_token, self.sequence) if found == len(images) else text
+
+    def expand(self, ids: list[int], images: list[Image.Image]) -> tuple[list[int],
+                                                                         list[ipc.ImageInput]]:
+        """The images' inputs over the runs of image tokens the expanded text became: one
+        run of exactly ``tokens`` per image, or the prompt is refused (text that spells
+        the image token itself)."""
+        runs: list[list[int]] = []
+        for i, t in enumerate(ids):
+            if t == self.image_token_id:
+                if runs and runs[-1][1] == i:
+                    runs[-1][1] = i + 1
+                else:
+                    runs.append([i, i + 1])
+        if len(runs) != len(images) or any(hi - lo != self.tokens for lo, hi in runs):
+            raise ImageError(f"the prompt's {self.soft_token!r} tokens do not form one run of "
+                             f"{self.tokens} per image ({len(images)} image(s)); the text may "
+                             f"not contain {self.soft_token!r} itself, and the chat template "
+                             "must render image parts", param="messages")
+        if not images:
+            return ids, []
+        pixels = self.pixel_values(images)
+        inputs = []
+        for k, (lo, _) in enumerate(runs):
+            data = pixels[k].tobytes()
+            inputs.append(ipc.ImageInput(pixels=data, shape=list(pixels[k].shape),
+                                         dtype=str(pixels[k].dtype), offset=lo, length=self.tokens,
+                                         content_hash=hashlib.sha256(data).digest(), whole=True))
+        return ids, inputs
+
+
+def _added_tokens(model_dir: Path) -> dict[int, str]:
+    """id -> content of the tokenizer's added tokens (``tokenizer.json``)."""
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        return {}
+    return {int(t["id"]): t["content"] for t in json.loads(path.read_text()).get("added_tokens", [])}
 
 
 def image_parts(messages: list[dict[str, Any]], limits: ImageLimits

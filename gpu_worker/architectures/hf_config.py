@@ -73,10 +73,13 @@ class EncoderSpec(msgspec.Struct, frozen=True):
 
 
 class VisionSpec(msgspec.Struct, frozen=True):
-    """A LLaVA-style image path in front of the decoder (``architectures/llava.py``): a
-    CLIP vision tower run up to the deepest layer the features are read from, the
-    projector that maps its features onto the text model's embeddings, and the
-    placeholder token whose positions those embeddings replace.
+    """An image path in front of the decoder: a vision tower run up to the deepest layer
+    the features are read from, the projector that maps its features onto the text
+    model's embeddings, and the placeholder token whose positions those embeddings
+    replace. ``family``: ``llava`` (``architectures/llava.py``: a CLIP tower and a
+    two-layer projector) or ``gemma3`` (``architectures/gemma3_vision.py``: a SigLIP tower
+    and Gemma 3's pooling projector, ``mm_tokens`` tokens an image; its image tokens
+    attend each other both ways in prefill: ``bidirectional``).
 
     ``feature_layers``: hidden states read, as counts of tower layers run (0: the
     embeddings after ``pre_layrnorm``), concatenated in order (HF's
@@ -96,6 +99,11 @@ class VisionSpec(msgspec.Struct, frozen=True):
     projector_act: str
     projector_bias: bool
     image_token_id: int
+    family: Literal["llava", "gemma3"] = "llava"
+    mm_tokens: int = 0  # gemma3: the tokens an image is pooled to (mm_tokens_per_image)
+    # an image's tokens attend each other both ways during prefill (Gemma 3's token_type_ids
+    # mask): the scheduler keeps its span in one chunk, attention ORs the block in
+    bidirectional: bool = False
 
     @property
     def layers_run(self) -> int:
@@ -103,6 +111,8 @@ class VisionSpec(msgspec.Struct, frozen=True):
 
     @property
     def tokens_per_image(self) -> int:
+        if self.mm_tokens:
+            return self.mm_tokens
         return (self.image_size // self.patch_size) ** 2 + (0 if self.drop_cls else 1)
 
 

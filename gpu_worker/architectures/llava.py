@@ -102,8 +102,9 @@ LLAVA = Architecture(_llava)
 
 
 def checkpoint_name(name: str, vision: VisionSpec) -> str | None:
-    """A LLaVA checkpoint tensor's name as the decoder (``model.*``, ``lm_head.*``) or the
-    image path (``vision.tower.*``, ``vision.projector.*``) calls it; None: never read."""
+    """A LLaVA (or Gemma 3 image-text: the same layouts) checkpoint tensor's name as the
+    decoder (``model.*``, ``lm_head.*``) or the image path (``vision.tower.*``,
+    ``vision.projector.*``) calls it; None: never read."""
     for old, new in _TEXT_PREFIXES:
         if name.startswith(old):
             return new + name[len(old):]
@@ -113,8 +114,9 @@ def checkpoint_name(name: str, vision: VisionSpec) -> str | None:
     for prefix in _TOWER_PREFIXES:
         if name.startswith(prefix):
             rest = name[len(prefix):]
-            if rest.startswith("post_layernorm.") or rest == "embeddings.position_ids":
-                return None
+            if rest == "embeddings.position_ids" or rest.startswith("head.") or (
+                    rest.startswith("post_layernorm.") and vision.family == "llava"):
+                return None  # (Gemma 3's SigLIP runs post_layernorm; its pooling head never)
             if rest.startswith("encoder.layers.") and \
                     int(rest.split(".")[2]) >= vision.layers_run:
                 return None

@@ -17,6 +17,13 @@ padded batch over the runner's static slot buffer. A ``capturable`` backend retu
 same metadata object every step (its kernels read buffers re-planned in place), so the
 step can be captured as a CUDA graph; the default plans afresh each step, eagerly.
 
+Bidirectional spans (Gemma 3's images): a prefill chunk may name position ranges whose
+tokens attend each other both ways (``Spans``: chunk index -> [(first, end)], each range
+inside its chunk), on top of the causal mask and inside each layer's window (as HF's
+``token_type_ids`` mask: a query at p sees key k when k <= p or both lie in one span, and
+k > p - window). A spec with ``image_spans`` is served only by a backend that declares
+``spans`` (the registry skips the others); the scheduler never splits a span over chunks.
+
 Batch invariance (the deterministic mode): a spec with ``batch_invariant`` asks that each
 query row's result depend on its own keys alone, never on the other rows of the step, on
 whether its keys came from the cache or from its own chunk, or on where its prompt was
@@ -35,6 +42,7 @@ import torch
 
 Chunk = tuple[int, int, list[int]]  # (start_pos, num_tokens, block_table) of one sequence
 LayerKind = tuple[int | None, float | None]  # a layer's (sliding window, score soft-cap)
+Spans = dict[int, list[tuple[int, int]]]  # prefill chunk index -> bidirectional (first, end) positions
 
 
 @dataclass(frozen=True)
@@ -52,6 +60,7 @@ class AttentionSpec:
     layer_kinds: tuple[LayerKind, ...] = ((None, None),)
     batch_invariant: bool = False  # the deterministic mode (see the module docstring)
     causal: bool = True  # False: a bidirectional encoder (attention/bidirectional.py)
+    image_spans: bool = False  # prefill chunks may carry bidirectional spans (Gemma 3's images)
 
     @property
     def kinds(self) -> list[LayerKind]:
@@ -103,6 +112,7 @@ class AttentionBackend(ABC):
     name: ClassVar[str]
     capturable: ClassVar[bool] = False  # its graph_attention metadata can be captured
     batch_invariant: ClassVar[bool] = False  # it can serve a spec that asks for batch invariance
+    spans: ClassVar[bool] = False  # it honours bidirectional spans (``add_spans``)
 
     def __init__(self, spec: AttentionSpec) -> None:
         self.spec = spec
@@ -117,13 +127,27 @@ class AttentionBackend(ABC):
         return None
 
     def build(self, chunks: list[Chunk], num_decodes: int,
-              slot_mapping: torch.Tensor | None = None) -> AttentionMetadata:
+              slot_mapping: torch.Tensor | None = None, spans: Spans | None = None) -> AttentionMetadata:
         """This step's metadata; ``chunks`` in flattened-batch order (prefills, then the
         ``num_decodes`` single-token decodes). ``slot_mapping``: a caller-owned buffer
-        holding the new tokens' cache rows (computed here when None)."""
+        holding the new tokens' cache rows (computed here when None). ``spans``: the
+        prefill chunks' bidirectional ranges (see the module docstring)."""
         if slot_mapping is None:
             slot_mapping = slots(chunks, self.spec.block_size, self.spec.device)
-        return self.plan(chunks, num_decodes, slot_mapping)
+        meta = self.plan(chunks, num_decodes, slot_mapping)
+        if spans:
+            for i, ranges in spans.items():
+                start, n, _ = chunks[i]
+                if i >= len(chunks) - num_decodes or any(
+                        not start <= lo < hi <= start + n for lo, hi in ranges):
+                    raise ValueError(f"a bidirectional span {ranges} is not inside prefill chunk "
+                                     f"{i} (positions {start}..{start + n - 1})")
+            self.add_spans(meta, chunks, spans)
+        return meta
+
+    def add_spans(self, meta: AttentionMetadata, chunks: list[Chunk], spans: Spans) -> None:
+        """Make ``meta`` attend ``spans`` both ways (a backend that declares ``spans``)."""
+        raise ValueError(f"the {self.name} attention backend cannot attend a span both ways")
 
     @abstractmethod
     def plan(self, chunks: list[Chunk], num_decodes: int,

@@ -32,14 +32,15 @@ serves (and the deterministic mode is off). ``CANDOR_CPU_DECODE_KERNEL=0`` turns
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from gpu_worker.attention.base import AttentionMetadata, AttentionSpec, Chunk, write_kv
-from gpu_worker.attention.torch_backend import TorchBackend, TorchStep, merge_by_lse, padded_tables
+from gpu_worker.attention.base import AttentionMetadata, AttentionSpec, Chunk, Spans, write_kv
+from gpu_worker.attention.torch_backend import (GatherScratch, TorchBackend, TorchStep, attend_span,
+                                               merge_by_lse, padded_tables)
 from gpu_worker.cpu_extension import build
 
 _SOURCE = Path(__file__).with_name("paged_decode.cpp")
@@ -97,16 +98,26 @@ class InvariantStep(AttentionMetadata):
     tables: torch.Tensor  # [sequences, max_blocks] long, padded
     row_seq: torch.Tensor  # [num_tokens] long: each row's table
     lens: torch.Tensor  # [num_tokens] long: each row's position + 1
+    # bidirectional spans: (first row, first position, end position, sequence), each
+    # recomputed whole by ``attend_span`` (its rows' keys: the span's own and its prefix)
+    spans: list[tuple[int, int, int, int]] = field(default_factory=list)
+    scratch: GatherScratch = field(default_factory=GatherScratch)
 
     def attend(self, q, k, v, k_cache, v_cache, window=None, softcap=None):
         write_kv(k_cache, v_cache, k, v, self.slot_mapping)
-        return self.kernel(q.contiguous(), k_cache, v_cache, self.tables, self.lens, self.scale, window, softcap,
-                           row_seq=self.row_seq)[0]
+        out = self.kernel(q.contiguous(), k_cache, v_cache, self.tables, self.lens, self.scale, window, softcap,
+                          row_seq=self.row_seq)[0]
+        for row, lo, hi, seq in self.spans:
+            rows = slice(row, row + hi - lo)
+            out[rows] = attend_span(q[rows], k_cache, v_cache, self.tables[seq], lo, hi, window, softcap,
+                                    self.scale, self.scratch)
+        return out
 
 
 class CpuKernelBackend(TorchBackend):
     name = "cpu_kernel"
     batch_invariant = True
+    spans = True
 
     def __init__(self, spec: AttentionSpec, kernel: Kernel | None = None) -> None:
         super().__init__(spec)
@@ -135,11 +146,24 @@ class CpuKernelBackend(TorchBackend):
             meta.decode_tables = padded_tables(rows.lens, rows.tables, self.spec.block_size, self.spec.device)
         return meta
 
+    def add_spans(self, meta: KernelStep | InvariantStep, chunks: list[Chunk], spans: Spans) -> None:
+        if not isinstance(meta, InvariantStep):
+            return super().add_spans(meta, chunks, spans)
+        row = 0
+        starts = []
+        for _, n, _ in chunks:
+            starts.append(row)
+            row += n
+        for i, ranges in sorted(spans.items()):
+            start = chunks[i][0]
+            meta.spans += [(starts[i] + lo - start, lo, hi, i) for lo, hi in ranges]
+
     def _every_row(self, chunks: list[Chunk], num_decodes: int, slot_mapping: torch.Tensor) -> InvariantStep:
         device = self.spec.device
         counts = [n for _, n, _ in chunks]
         return InvariantStep(
             slot_mapping, sum(counts[:len(chunks) - num_decodes]), self.spec.scale, self.kernel,
+            scratch=self.scratch,
             tables=padded_tables([start + n for start, n, _ in chunks], [t for _, _, t in chunks],
                                  self.spec.block_size, device),
             row_seq=torch.repeat_interleave(torch.arange(len(chunks), device=device),

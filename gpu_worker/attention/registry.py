@@ -44,6 +44,8 @@ def select_backend(spec: AttentionSpec, names: list[str] | None = None) -> Atten
     for name in names or list(BACKENDS):
         cls = backend_class(name)
         reason = "not batch-invariant" if spec.batch_invariant and not cls.batch_invariant else None
+        if spec.image_spans and not cls.spans:
+            reason = reason or "cannot attend an image's tokens both ways (Gemma 3)"
         reason = reason or cls.unavailable(spec)
         if reason is None:
             try:

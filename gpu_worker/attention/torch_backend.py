@@ -26,6 +26,11 @@ and shared by the layers that use it. A soft-capped layer computes scores explic
 windows or soft-caps: the shared prefix may lie outside a window, and the LSE kernel has
 no cap.
 
+Bidirectional spans (Gemma 3's images, ``base.Spans``): a chunk with spans always takes
+an explicit mask, the causal one OR'd with each span's block (inside the window); see
+``span_mask``. ``attend_span`` computes one span's rows alone from the cache, which the
+batch-invariant kernel path uses for them (cpu_kernel_backend).
+
 ``TorchStep`` splits a step into its prefill, decode and cascade-suffix parts, so a
 backend that computes decodes another way (``cpu_kernel_backend``) overrides only those.
 """
@@ -38,7 +43,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.attention.base import AttentionBackend, AttentionMetadata, AttentionSpec, Chunk, write_kv
+from gpu_worker.attention.base import (AttentionBackend, AttentionMetadata, AttentionSpec, Chunk, Spans,
+                                       write_kv)
 
 _FLASH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 CASCADE_MIN_BLOCKS = 2  # shared leading blocks worth a separate prefix pass
@@ -54,6 +60,20 @@ def _window_mask(q_pos: torch.Tensor, ctx: int, window: int | None) -> torch.Ten
     return mask
 
 
+def span_mask(q_pos: torch.Tensor, ctx: int, window: int | None,
+              spans: list[tuple[int, int]]) -> torch.Tensor:
+    """``_window_mask`` with each span's tokens attending each other both ways, inside the
+    window (HF Gemma 3: AND(window, OR(causal, same image)))."""
+    mask = _window_mask(q_pos, ctx, window)
+    k_pos = torch.arange(ctx, device=q_pos.device)[None, :]
+    for lo, hi in spans:
+        block = ((q_pos >= lo) & (q_pos < hi))[:, None] & (k_pos >= lo) & (k_pos < hi)
+        if window is not None:
+            block &= k_pos > q_pos[:, None] - window
+        mask |= block
+    return mask
+
+
 @dataclass
 class PrefillChunk:
     q_start: int  # row range of this chunk in the flattened batch
@@ -61,17 +81,30 @@ class PrefillChunk:
     start_pos: int
     blocks: torch.Tensor | None = None  # block ids covering the context; None when start_pos == 0
     masks: dict = field(default_factory=dict)  # window -> mask, built on first use
+    spans: list[tuple[int, int]] = field(default_factory=list)  # bidirectional position ranges
 
     def mask(self, window: int | None, device: torch.device) -> torch.Tensor | None:
         """[n, ctx_len] bool (True = attend); None where SDPA's ``is_causal`` says the same
-        (a chunk from position 0 whose rows all fit in the window)."""
+        (a chunk from position 0 without spans whose rows all fit in the window)."""
         n = self.q_end - self.q_start
-        if self.start_pos == 0 and (window is None or n <= window):
+        if self.start_pos == 0 and not self.spans and (window is None or n <= window):
             return None
         if window not in self.masks:
             q_pos = torch.arange(self.start_pos, self.start_pos + n, device=device)
-            self.masks[window] = _window_mask(q_pos, self.start_pos + n, window)
+            self.masks[window] = span_mask(q_pos, self.start_pos + n, window, self.spans)
         return self.masks[window]
+
+
+def attend_span(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+                lo: int, hi: int, window: int | None, softcap: float | None, scale: float,
+                scratch: "GatherScratch") -> torch.Tensor:
+    """Rows ``q`` [hi - lo, heads, d] of one bidirectional span at positions lo..hi-1,
+    attending keys 0..hi-1 of ``table`` (written already) under ``span_mask``: a result
+    that depends on the span's own rows and keys alone (the batch-invariant path)."""
+    blocks = table[:-(-hi // k_cache.shape[1])]
+    ks, vs = _gather_kv(k_cache, v_cache, blocks, scratch)
+    mask = span_mask(torch.arange(lo, hi, device=q.device), hi, window, [(lo, hi)])
+    return _sdpa(q.transpose(0, 1), ks[:, :hi], vs[:, :hi], mask, scale, softcap).transpose(0, 1)
 
 
 @dataclass
@@ -213,6 +246,7 @@ class TorchBackend(AttentionBackend):
     "auto": what fits ``DECODE_GROUP_BYTES`` on CPU)."""
 
     name = "torch"
+    spans = True
 
     def __init__(self, spec: AttentionSpec, group_blocks: int | None | Literal["auto"] = "auto") -> None:
         super().__init__(spec)
@@ -229,6 +263,10 @@ class TorchBackend(AttentionBackend):
                 meta.decode_groups.append(_decode_group(lo, hi, rows, self.spec.block_size,
                                                         self.spec.device))
         return meta
+
+    def add_spans(self, meta: TorchStep, chunks: list[Chunk], spans: Spans) -> None:
+        for i, ranges in spans.items():
+            meta.prefills[i].spans = list(ranges)
 
     def _prefills(self, meta: TorchStep, chunks: list[Chunk], num_decodes: int) -> TorchStep:
         """``meta`` with the step's prefill chunks and row counts filled in."""

@@ -29,7 +29,7 @@ from gpu_worker.models.linear_method import QuantizableLinear
 from gpu_worker.models.parallel import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
                                         ReplicatedLinear, RowParallelLinear, ShardedRMSNorm, TPGroup,
                                         VocabParallelEmbedding)
-from gpu_worker.models.vision import LlavaVision
+from gpu_worker.models.vision import build_vision
 from gpu_worker.models.weights import CheckpointTensor, copy_into
 from gpu_worker.tp_shard import tp_shard
 
@@ -289,8 +289,8 @@ class DecoderForCausalLM(nn.Module):
     checkpoint may be a base model without one (sentence-transformers saves ``Qwen3Model``,
     whose tensor names lack the ``model.`` prefix).
 
-    A config with ``vision`` (LLaVA) also builds the image path (``vision``: tower and
-    projector, replicated on every rank); ``forward``'s ``images`` splices its embeddings
+    A config with ``vision`` (LLaVA, Gemma 3) also builds the image path (``vision``: tower
+    and projector, replicated on every rank); ``forward``'s ``images`` splices its embeddings
     over the placeholder rows, after the token embedding (as HF's ``masked_scatter``).
     """
 
@@ -313,7 +313,7 @@ class DecoderForCausalLM(nn.Module):
                                        config_max_positions=cfg.max_position_embeddings)
                        for rope in cfg.ropes]
         self.embed_scale = cfg.hidden_size**0.5 if cfg.embed_scale_sqrt_hidden else cfg.embed_scale
-        self.vision = (LlavaVision(cfg.vision, cfg.hidden_size)
+        self.vision = (build_vision(cfg.vision, cfg.hidden_size)
                        if cfg.vision is not None and lm_head else None)
 
     def forward(

@@ -1,9 +1,13 @@
-"""The image path of a LLaVA-style model: a CLIP vision tower and the projector that maps
+"""The image path of a vision-language model: a vision tower and the projector that maps
 its features onto the text model's embedding space (``VisionSpec``).
 
-Op for op as HF's ``CLIPVisionModel`` and ``LlavaMultiModalProjector`` (conv patches +
-CLS + learned positions, ``pre_layrnorm``, pre-LN encoder layers with biased q/k/v/out
-and SDPA attention, the tower's activation), run in the model's dtype. The tower is small
+LLaVA: op for op as HF's ``CLIPVisionModel`` and ``LlavaMultiModalProjector`` (conv
+patches + CLS + learned positions, ``pre_layrnorm``, pre-LN encoder layers with biased
+q/k/v/out and SDPA attention, the tower's activation). Gemma 3: as HF's
+``SiglipVisionModel`` (biased conv patches + learned positions, no class token, the same
+encoder layers, ``post_layernorm``) and ``Gemma3MultiModalProjector`` (the patch grid
+average-pooled to ``mm_tokens`` tokens, Gemma's ``1 + w`` RMS norm, one matrix). Both run
+in the model's dtype. The tower is small
 next to the text model, so every tensor-parallel rank holds all of it (plain
 ``nn.Linear``s, replicated): each rank computes the same embeddings and splices them into
 its own copy of the step's input embeddings. One image is encoded at a time, alone, so
@@ -12,6 +16,8 @@ and are computed once per image (``gpu_worker/image_cache.py`` keeps them).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -33,17 +39,24 @@ def _activation(name: str):
 
 
 class Embeddings(nn.Module):
-    def __init__(self, v: VisionSpec) -> None:
+    """CLIP's (a class token first, bias-free patches) or, ``siglip``, SigLIP's (biased
+    patches, no class token)."""
+
+    def __init__(self, v: VisionSpec, siglip: bool = False) -> None:
         super().__init__()
-        self.class_embedding = nn.Parameter(torch.empty(v.hidden_size))
+        self.siglip = siglip
+        if not siglip:
+            self.class_embedding = nn.Parameter(torch.empty(v.hidden_size))
         self.patch_embedding = nn.Conv2d(v.num_channels, v.hidden_size, kernel_size=v.patch_size,
-                                         stride=v.patch_size, bias=False)
-        self.position_embedding = nn.Embedding((v.image_size // v.patch_size) ** 2 + 1,
+                                         stride=v.patch_size, bias=siglip)
+        self.position_embedding = nn.Embedding((v.image_size // v.patch_size) ** 2 + (not siglip),
                                                v.hidden_size)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         patches = self.patch_embedding(pixels.to(self.patch_embedding.weight.dtype))
         patches = patches.flatten(2).transpose(1, 2)
+        if self.siglip:
+            return patches + self.position_embedding.weight
         cls = self.class_embedding.expand(pixels.shape[0], 1, -1)
         return torch.cat([cls, patches], dim=1) + self.position_embedding.weight
 
@@ -149,3 +162,67 @@ class LlavaVision(nn.Module):
         if self.spec.drop_cls:
             features = features[:, 1:]
         return self.projector(features)
+
+
+class SiglipVisionTower(nn.Module):
+    """SigLIP's tower as Gemma 3 runs it: every layer, then ``post_layernorm`` (HF's
+    ``last_hidden_state``); [images, patches, hidden]."""
+
+    def __init__(self, v: VisionSpec) -> None:
+        super().__init__()
+        self.embeddings = Embeddings(v, siglip=True)
+        self.encoder = Encoder(v)
+        self.post_layernorm = nn.LayerNorm(v.hidden_size, eps=v.layer_norm_eps)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        x = self.embeddings(pixels)
+        for layer in self.encoder.layers:
+            x = layer(x)
+        return self.post_layernorm(x)
+
+
+class Gemma3Projector(nn.Module):
+    """The patch grid average-pooled to ``mm_tokens`` (a square), Gemma's zero-centred RMS
+    norm (``x * (1 + w)`` in float32, eps the tower's), then one matrix
+    ``mm_input_projection_weight`` [vision hidden, text hidden]."""
+
+    def __init__(self, v: VisionSpec, text_hidden: int) -> None:
+        super().__init__()
+        self.side = v.image_size // v.patch_size
+        self.kernel = self.side // math.isqrt(v.mm_tokens)
+        self.eps = v.layer_norm_eps
+        self.mm_soft_emb_norm = nn.Module()
+        self.mm_soft_emb_norm.weight = nn.Parameter(torch.empty(v.hidden_size))
+        self.mm_input_projection_weight = nn.Parameter(torch.empty(v.hidden_size, text_hidden))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, _, d = x.shape
+        grid = x.transpose(1, 2).reshape(b, d, self.side, self.side).contiguous()
+        pooled = F.avg_pool2d(grid, self.kernel, self.kernel).flatten(2).transpose(1, 2)
+        f = pooled.float()
+        normed = f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + self.eps)
+        normed = (normed * (1.0 + self.mm_soft_emb_norm.weight.float())).type_as(pooled)
+        return torch.matmul(normed, self.mm_input_projection_weight).type_as(x)
+
+
+class Gemma3Vision(nn.Module):
+    """pixels [images, channels, H, W] -> embeddings [images, mm_tokens, text hidden]."""
+
+    def __init__(self, v: VisionSpec, text_hidden: int) -> None:
+        super().__init__()
+        self.spec = v
+        self.tower = SiglipVisionTower(v)
+        self.projector = Gemma3Projector(v, text_hidden)
+
+    @property
+    def pixel_shape(self) -> tuple[int, int, int]:
+        v = self.spec
+        return v.num_channels, v.image_size, v.image_size
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        return self.projector(self.tower(pixels))
+
+
+def build_vision(v: VisionSpec, text_hidden: int) -> nn.Module:
+    """The image path ``v.family`` names."""
+    return Gemma3Vision(v, text_hidden) if v.family == "gemma3" else LlavaVision(v, text_hidden)

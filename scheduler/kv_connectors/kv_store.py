@@ -126,10 +126,11 @@ class StoreReads(KvPolicy):
         if not self._shares(sreq):
             return False
         bs = planner.block_size
-        limit = (len(sreq.token_ids) - 1) // bs  # a hit never covers the last token
+        # a hit never covers the last token, nor ends inside a whole image (Gemma 3)
+        limit = sreq.whole_blocks((len(sreq.token_ids) - 1) // bs, bs)
         if limit == 0:
             return False
-        local = len(planner.cached_run(sreq, limit))
+        local = sreq.whole_blocks(len(planner.cached_run(sreq, limit)), bs)
         if local >= limit:
             return False
         if time.monotonic() < self.down_until:
@@ -208,6 +209,8 @@ class StoreReads(KvPolicy):
         local = planner._match_prefix(sreq)  # noqa: SLF001 - the admission's own match
         if local != lookup.first:  # the local cache changed meanwhile: keep what it has
             return 0
+        if sreq.whole_blocks(local + held, planner.block_size) != local + held:
+            return 0  # the store's run ends inside a whole image: computed instead
         blocks = planner.allocator.allocate(held)
         if blocks is None:
             return 0

@@ -43,8 +43,11 @@ the tiny text model cannot take images): ``VL_FACTORS`` crosses the number of im
 span, preemption recomputing it, tensor parallelism, prefill/decode handoff, speculative
 decoding, a prefix hit) and the request features that read the prompt (n, stream, seeded
 sampling, a penalty, min_tokens, logprobs, prompt logprobs). Each ``vl_cell`` is checked
-as a cell is, against its reference alone on the LLaVA ``base`` server, beside a text and
-an image bystander.
+as a cell is, against its reference alone on its family's ``base`` server, beside a text
+and an image bystander. Two servers of it serve the tiny Gemma 3 image model
+(``tests/support/gemma3_vision_zoo.py``, ``VL_FAMILY``), whose images are computed whole
+(chunked prefill stops before them) and whose prefix hits never end inside one; their
+references come from a Gemma 3 ``base`` of their own.
 """
 
 from __future__ import annotations
@@ -1273,7 +1276,7 @@ def test_combination_fuzz(body, fuzz_target, bystanders):
 
 
 # ------------------------------------------------------------------ images (a LLaVA server)
-VL_MODEL = "tiny-llava"
+VL_MODEL = "tiny-vl"  # (either family's checkpoint is served under it)
 VL_PREEMPT_BLOCKS = 24
 VL_SERVERS: dict[str, tuple[str, ...]] = {
     "base": (),
@@ -1284,7 +1287,11 @@ VL_SERVERS: dict[str, tuple[str, ...]] = {
     "spec": ("--speculative-config", json.dumps({
         "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
         "prompt_lookup_max": 3})),
+    # Gemma 3: a chunk boundary would fall inside images (4 tokens each) at 16
+    "gemma3-chunked": ("--max-num-batched-tokens", "16"),
+    "gemma3-preempt": ("--num-kv-blocks", str(VL_PREEMPT_BLOCKS)),
 }
+VL_FAMILY = {"gemma3-chunked": "gemma3", "gemma3-preempt": "gemma3"}  # else llava
 VL_FACTORS: dict[str, list[Any]] = {
     "server": list(VL_SERVERS),
     "images": [1, 2, 0],
@@ -1380,7 +1387,7 @@ VL_BYSTANDERS = [
 def vl_bystanders(cell: VlCell, prompt_tokens: int) -> list[dict]:
     """As ``kv_filling_bystanders`` on the LLaVA preempt server (the cell, admitted last,
     is the one preempted: its image's span is recomputed); the ordinary two elsewhere."""
-    if cell.server != "preempt":
+    if not cell.server.endswith("preempt"):
         return VL_BYSTANDERS
     cell_blocks = -(-prompt_tokens // BLOCK) + cell.n - 1
     each = max(1, (VL_PREEMPT_BLOCKS - 2 - cell_blocks) // 2) * BLOCK
@@ -1391,45 +1398,62 @@ def vl_bystanders(cell: VlCell, prompt_tokens: int) -> list[dict]:
 
 
 class VlPool:
-    """The LLaVA ``base`` for the section, plus one other config at a time."""
+    """Each family's ``base`` (started at its family's first cell), plus one other config
+    at a time."""
 
-    def __init__(self, model_dir: Path, log_dir: Path) -> None:
-        self.model_dir, self.log_dir = model_dir, log_dir
-        self.base = self._start("base")
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.dirs: dict[str, Path] = {}
+        self.bases: dict[str, CandorServer] = {}
         self.current: tuple[str, CandorServer] | None = None
-        self.refs: dict[str, Reply] = {}
+        self.refs: dict[tuple[str, str], Reply] = {}
 
-    def _start(self, name: str) -> CandorServer:
-        srv = CandorServer(self.model_dir, "--served-model-name", VL_MODEL, *VL_SERVERS[name])
+    def model_dir(self, family: str) -> Path:
+        if family not in self.dirs:
+            if family == "gemma3":
+                from tests.support.gemma3_vision_zoo import build_gemma3_vision as build
+            else:
+                from tests.support.vision_zoo import build_llava as build
+            self.dirs[family] = build(self.log_dir / f"model-{family}")
+        return self.dirs[family]
+
+    def _start(self, name: str, family: str) -> CandorServer:
+        srv = CandorServer(self.model_dir(family), "--served-model-name", VL_MODEL,
+                           *VL_SERVERS.get(name, ()))
         return srv.start(timeout=300, log_path=self.log_dir / f"vl-{name}.log")
+
+    def base_of(self, family: str) -> CandorServer:
+        if family not in self.bases:
+            self.bases[family] = self._start("base" if family == "llava" else f"{family}-base",
+                                             family)
+        return self.bases[family]
 
     def get(self, name: str) -> CandorServer:
         if name == "base":
-            return self.base
+            return self.base_of("llava")
         if self.current is None or self.current[0] != name:
             if self.current is not None:
                 assert self.current[1].stop() == 0
-            self.current = (name, self._start(name))
+            self.current = None
+            self.current = (name, self._start(name, VL_FAMILY.get(name, "llava")))
         return self.current[1]
 
-    async def reference(self, http: aiohttp.ClientSession, body: dict) -> Reply:
-        key = json.dumps(body, sort_keys=True)
+    async def reference(self, http: aiohttp.ClientSession, body: dict, family: str = "llava") -> Reply:
+        key = (family, json.dumps(body, sort_keys=True))
         if key not in self.refs:
-            self.refs[key] = await send(http, self.base, body)
+            self.refs[key] = await send(http, self.base_of(family), body)
         return self.refs[key]
 
     def close(self) -> None:
         if self.current is not None:
             assert self.current[1].stop() == 0
-        assert self.base.stop() == 0
+        for base in self.bases.values():
+            assert base.stop() == 0
 
 
 @pytest.fixture(scope="module")
 def vl_pool(tmp_path_factory):
-    from tests.support.vision_zoo import build_llava
-
-    path = build_llava(tmp_path_factory.mktemp("vl") / "llava")
-    pool = VlPool(path, tmp_path_factory.mktemp("vl-logs"))
+    pool = VlPool(tmp_path_factory.mktemp("vl"))
     yield pool
     pool.close()
 
@@ -1438,8 +1462,9 @@ async def run_vl_cell(cell: VlCell, pool: VlPool, target: CandorServer) -> list[
     body = vl_body(cell)
     problems: list[str] = []
     atol = logprob_atol(cell.server)
+    family = VL_FAMILY.get(cell.server, "llava")
     async with client_session() as http:
-        refs = [await pool.reference(http, single_choice(body, i)) for i in range(cell.n)]
+        refs = [await pool.reference(http, single_choice(body, i), family) for i in range(cell.n)]
         if not all(r.ok for r in refs):
             return [f"reference alone on base: {[(r.status, r.error) for r in refs]}"]
         salt = uuid.uuid4().hex
@@ -1448,7 +1473,7 @@ async def run_vl_cell(cell: VlCell, pool: VlPool, target: CandorServer) -> list[
             problems += ([f"cache warm-up: {warm.status} {warm.error}"] if not warm.ok
                          else [f"cache warm-up: {d}" for d in reply_diffs(warm, refs, False, atol)])
         others = vl_bystanders(cell, refs[0].usage["prompt_tokens"])
-        other_refs = [await pool.reference(http, b) for b in others]
+        other_refs = [await pool.reference(http, b, family) for b in others]
         before = await asyncio.to_thread(target.engine_stats)
         tasks = [asyncio.create_task(send(http, target, b)) for b in others]
         tasks.append(asyncio.create_task(send(http, target, body, salt)))
@@ -1464,7 +1489,7 @@ async def run_vl_cell(cell: VlCell, pool: VlPool, target: CandorServer) -> list[
     problems += bystander_problems(other_replies, other_refs, atol)
     if after["aborts"]["error"] != before["aborts"]["error"]:
         problems.append("a step failed")
-    if cell.server == "preempt" and after["preemptions"] == before["preemptions"]:
+    if cell.server.endswith("preempt") and after["preemptions"] == before["preemptions"]:
         problems.append("engine feature not in play: nothing was preempted")
     return problems
 

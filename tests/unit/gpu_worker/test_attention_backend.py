@@ -64,3 +64,75 @@ def cpu_kernel_load_ok() -> bool:
     from gpu_worker.attention import cpu_kernel_backend
 
     return cpu_kernel_backend.load() is not None
+
+
+def test_an_image_spans_spec_is_served_only_by_a_backend_that_honours_spans(monkeypatch):
+    """Gemma 3's bidirectional image spans: flashinfer (no such mask) declines them, so
+    on CUDA the torch path serves; on CPU the kernel and the torch path both do."""
+    assert backend_class("torch").spans and backend_class("cpu_kernel").spans
+    assert not backend_class("flashinfer").spans
+    with pytest.raises(ValueError, match="flashinfer: cannot attend an image's tokens both ways"):
+        select_backend(_spec(image_spans=True), ["flashinfer"])
+    monkeypatch.setenv("CANDOR_CPU_DECODE_KERNEL", "0")
+    assert select_backend(_spec(image_spans=True)).name == "torch"
+
+
+def _reference(q, k, v, spans, window, scale):
+    """HF Gemma 3's mask written out per pair: key j for query i when (j <= i or both in one
+    span) and j > i - window; eager softmax in float64."""
+    n = q.shape[0]
+    allow = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        for j in range(n):
+            same = any(lo <= i < hi and lo <= j < hi for lo, hi in spans)
+            allow[i, j] = (j <= i or same) and (window is None or j > i - window)
+    rep = q.shape[1] // k.shape[1]
+    kk, vv = k.repeat_interleave(rep, 1).double(), v.repeat_interleave(rep, 1).double()
+    scores = torch.einsum("ihd,jhd->hij", q.double(), kk) * scale
+    scores = scores.masked_fill(~allow, float("-inf"))
+    return torch.einsum("hij,jhd->ihd", scores.softmax(-1), vv).float()
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("name,invariant", [("torch", False), ("cpu_kernel", False),
+                                            ("cpu_kernel", True)])
+def test_bidirectional_spans_match_the_reference_mask_and_chunks(name, invariant, window):
+    """One 20-token prompt with spans 6..9 and 12..15, prefilled whole and in two chunks
+    (0..10, 11..19: spans inside chunks), beside another sequence in the same step; the
+    rows equal the reference mask's; the batch-invariant path's are the same bits either
+    way."""
+    from gpu_worker.attention.cpu_kernel_backend import load
+
+    if name == "cpu_kernel" and load() is None:
+        pytest.skip("the CPU kernel cannot be built here")
+    spec = _spec(image_spans=True, batch_invariant=invariant,
+                 layer_kinds=((window, None),))
+    backend = backend_class(name)(spec)
+    gen = torch.Generator().manual_seed(0)
+    n, spans = 20, [(6, 10), (12, 16)]
+    q, k, v = (torch.randn(n, h, 16, generator=gen) for h in (4, 2, 2))
+    want = _reference(q, k, v, spans, window, spec.scale)
+    outs = []
+    for pieces in ([(0, 20)], [(0, 11), (11, 20)]):
+        cache = [torch.zeros(8, 16, 2, 16) for _ in range(2)]
+        table = [0, 1]
+        got = torch.empty_like(q)
+        for lo, hi in pieces:
+            other = (3, 5, [4])  # another sequence's prefill beside it
+            ko, vo = torch.randn(5, 2, 16, generator=gen), torch.randn(5, 2, 16, generator=gen)
+            qo = torch.randn(5, 4, 16, generator=gen)
+            inside = [(a, b) for a, b in spans if lo <= a and b <= hi]
+            meta = backend.build([other, (lo, hi - lo, table)], 0, spans={1: inside})
+            out = meta.attend(torch.cat([qo, q[lo:hi]]), torch.cat([ko, k[lo:hi]]), torch.cat([vo, v[lo:hi]]),
+                              cache[0], cache[1], window)
+            got[lo:hi] = out[5:]
+        assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+        outs.append(got)
+    if invariant:
+        assert torch.equal(outs[0], outs[1])
+
+
+def test_a_span_outside_its_chunk_is_refused():
+    backend = backend_class("torch")(_spec(image_spans=True))
+    with pytest.raises(ValueError, match="not inside prefill chunk 0"):
+        backend.build([(0, 8, [0])], 0, spans={0: [(6, 10)]})

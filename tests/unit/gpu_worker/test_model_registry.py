@@ -105,7 +105,7 @@ def test_every_registered_architecture_is_checked_against_hf():
     """One table registers each model_type (its config parsing and checkpoint names in
     one family module); the decoder zoo builds every decoder, so the parity tests above
     cover them, the encoder zoo every encoder (tests/unit/gpu_worker/test_encoder_parity.py)
-    and the vision zoo LLaVA."""
+    and the vision zoos LLaVA and Gemma 3."""
     import transformers
 
     from tests.support import encoder_zoo
@@ -113,6 +113,7 @@ def test_every_registered_architecture_is_checked_against_hf():
     zoo = {getattr(transformers, cfg_cls).model_type for cfg_cls, _, _ in model_zoo.ARCHS.values()}
     zoo |= {getattr(transformers, arch[0]).model_type for arch in encoder_zoo.ARCHS.values()}
     zoo |= {"llava"}  # tests/support/vision_zoo.py (tests/unit/gpu_worker/test_llava.py)
+    zoo |= {"gemma3"}  # tests/support/gemma3_vision_zoo.py (tests/unit/gpu_worker/test_gemma3_vision.py)
     assert zoo == set(ARCHITECTURES)
 
 

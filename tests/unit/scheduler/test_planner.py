@@ -355,3 +355,57 @@ def test_a_prefix_hit_inside_an_images_span_sends_its_pixels():
     chunks = _step(planner)
     first = next(ch for ch in chunks if ch.rid == "d")
     assert d.cached_tokens == 8 and first.start_pos == 8 and _carried(first) == [(b"cat", True)]
+
+
+def _whole(req: SchedRequest, *spans: tuple[int, int, bytes]) -> SchedRequest:
+    """``_with_images`` with Gemma 3's ``whole`` spans (computed in one chunk)."""
+    _with_images(req, *spans)
+    req.req.images[:] = [msgspec.structs.replace(im, whole=True) for im in req.req.images]
+    return req
+
+
+def test_chunked_prefill_never_splits_a_whole_image():
+    """Budget 8: a first chunk 0..7 would end inside the span 3..10, so it stops before
+    it (0..2); the next holds the whole span and no more (3..10); the one after (11..18)
+    holds the second span (14..17) whole."""
+    planner = Planner(BlockAllocator(64), block_size=4, max_num_seqs=8, max_num_batched_tokens=8)
+    req = _whole(_req("a", 20, max_tokens=4), (3, 8, b"cat"), (14, 4, b"dog"))
+    planner.waiting.push(req)
+    spans = []
+    for _ in range(4):
+        chunk = _run_step(planner)[0]
+        spans.append((chunk.start_pos, chunk.start_pos + len(chunk.token_ids), _carried(chunk)))
+    assert spans == [(0, 3, []), (3, 11, [(b"cat", True)]), (11, 19, [(b"dog", True)]),
+                     (19, 20, [])]
+
+
+def test_a_whole_image_waits_for_room_beside_decodes():
+    planner = Planner(BlockAllocator(64), block_size=4, max_num_seqs=8, max_num_batched_tokens=8)
+    a = _req("a", 3, max_tokens=8)
+    planner.waiting.push(a)
+    _run_step(planner)  # a decodes from now on: one token a step
+    b = _whole(_req("b", 12, max_tokens=4, seq=1), (0, 8, b"cat"))
+    planner.waiting.push(b)
+    chunks = _run_step(planner)
+    assert [(c.rid, c.start_pos, len(c.token_ids)) for c in chunks] == [("a", 3, 1)]
+    assert b in planner.waiting  # 7 tokens of room: not the whole image
+    planner.finish(a)
+    chunks = _run_step(planner)
+    assert [(c.rid, c.start_pos, len(c.token_ids)) for c in chunks] == [("b", 0, 8)]
+
+
+def test_a_prefix_hit_never_ends_inside_a_whole_image():
+    """The same prompt and image again: a LLaVA image lets the hit end inside its span
+    (test above); a whole one cuts it back to the block holding its first token (block 0:
+    positions 0..3, the span starting at 3), so the image is computed again, whole."""
+    from tests.unit.scheduler.test_prefix_cache import _step
+
+    planner = Planner(BlockAllocator(64), block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    a = _whole(_req("a", 13, max_tokens=4), (5, 8, b"cat"))
+    planner.waiting.push(a)
+    _step(planner)
+    b = _whole(_req("b", 13, max_tokens=4, seq=1), (5, 8, b"cat"))
+    planner.waiting.push(b)
+    first = next(c for c in _step(planner) if c.rid == "b")
+    assert b.cached_tokens == 4 and first.start_pos == 4 and _carried(first) == [(b"cat", True)]
+    assert b.whole_blocks(3, 4) == 1 and b.whole_blocks(1, 4) == 1 and b.chunk_size(4, 5) == 1

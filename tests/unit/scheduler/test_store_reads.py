@@ -114,3 +114,23 @@ def test_a_silent_store_costs_one_deadline_then_is_not_asked(tmp_path):
         assert not reads.park(_req("lp", prompt_logprobs=1), planner)
     finally:
         ctx.destroy(linger=0)
+
+
+def test_a_store_hit_never_ends_inside_a_whole_image(tmp_path):
+    """Gemma 3 images (``whole``) at 10..21 and 40..51: the lookup asks for the blocks up
+    to the one holding the second's first token (2 of the 3 full blocks); a store that
+    holds only the first block would end the hit inside the first image, so it runs as a
+    miss."""
+    ctx, store, reads, planner = _setup(tmp_path)
+    try:
+        req = _req("r")
+        req.req.images.extend([ipc.ImageInput(b"", [3], "float32", 10, 12, b"cat", True),
+                               ipc.ImageInput(b"", [3], "float32", 40, 12, b"dog", True)])
+        assert reads.park(req, planner) and len(_lookup(store).hashes) == 2
+        reads.on_held(msg.StoreHeld("r", 1))
+        reads.on_received(ipc.KvReceived("r", 0, True))
+        assert reads.settle(planner) == [req]
+        assert req.num_computed == 0 and not req.block_table
+        assert reads.metrics.hits._value.get() == 0
+    finally:
+        ctx.destroy(linger=0)
