@@ -16,6 +16,7 @@ from gguf import GGMLQuantizationType as T
 from tokenizers import Tokenizer
 
 from bench import bandwidth, box, procstat, servers
+from bench import compare
 from bench.compare import bandwidth_lines, rss_line
 from bench.rounds import measure_round
 from gpu_worker.gguf.reader import GGUFFile
@@ -134,3 +135,24 @@ def test_bandwidth_share_from_the_batch_1_gaps():
                      "of the bandwidth limit",
                      "llamacpp: batch-1 decode 200 tok/s [200..200] (1 / ITL p50) = 200% "
                      "[200%..200%] of the bandwidth limit"]
+
+
+def test_each_side_gets_the_limit_of_its_own_weights():
+    """vLLM and candor-fp32 read the float32 folder, candor and llama.cpp the GGUF file."""
+    rounds = {"candor": [{"itl_s_p50": 0.01}], "vllm": [{"itl_s_p50": 0.05}]}
+    lines = bandwidth_lines(rounds, {"candor": 100 * 10**6, "vllm": 500 * 10**6}, 10.0)
+    assert lines[0].startswith("candor: batch-1 decode 100 tok/s") and "= 100%" in lines[0]
+    assert lines[1].startswith("vllm: batch-1 decode 20 tok/s") and "= 100%" in lines[1]
+
+
+def test_every_candor_peer_pair_present_gets_its_ratios():
+    one = {"output_tokens_per_s": 10.0, "itl_s_p50": 0.02, "errors": 0}
+    two = {"output_tokens_per_s": 20.0, "itl_s_p50": 0.01, "errors": 0}
+    rounds = {"candor": [two], "llamacpp": [one], "candor-fp32": [one], "vllm": [two]}
+    assert compare.pairs_of(rounds) == [("candor", "llamacpp"), ("candor", "vllm"),
+                                        ("candor-fp32", "vllm")]
+    text = compare.report({"r1": {"desc": "d", "rounds": rounds}})
+    assert "candor/llamacpp by round pair" in text  # the summary table's column
+    assert "candor/vllm by round pair" in text and "candor-fp32/vllm by round pair" in text
+    fp32 = text.split("candor-fp32/vllm by round pair")[1]
+    assert "output tok/s" in fp32 and "0.50x" in fp32
