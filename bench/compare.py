@@ -104,11 +104,12 @@ def measure_rss(servers: list[Server]) -> dict[str, dict[str, int]]:
 
 
 def rss_line(rss: dict[str, dict[str, int]]) -> str:
+    """Each server's RSS in all, then every role's, largest first."""
     parts = []
     for name, roles in rss.items():
-        top = max(roles, key=roles.get)
-        parts.append(f"{name} {sum(roles.values()) / 2**20:.0f} MiB in all, its {top} "
-                     f"{roles[top] / 2**20:.0f} MiB")
+        each = ", ".join(f"{role} {n / 2**20:.0f}" for role, n in
+                         sorted(roles.items(), key=lambda kv: -kv[1]))
+        parts.append(f"{name} {sum(roles.values()) / 2**20:.0f} MiB in all ({each})")
     return "RSS after the rounds: " + "; ".join(parts)
 
 

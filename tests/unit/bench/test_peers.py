@@ -106,7 +106,14 @@ def test_rss_by_role_reads_the_tree(llama_like):
     rss = procstat.rss_by_role(llama_like.pid)
     assert list(rss) == [procstat.role_of(llama_like.pid, "python")] and sum(rss.values()) > 10 * 2**20
     line = rss_line({"llamacpp": rss})
-    assert line.startswith("RSS after the rounds: llamacpp ") and " MiB in all, its " in line
+    assert line.startswith("RSS after the rounds: llamacpp ") and " MiB in all (" in line
+
+
+def test_the_rss_line_names_every_role_largest_first():
+    line = rss_line({"candor": {"scheduler": 100 * 2**20, "gpu_worker": 900 * 2**20},
+                     "vllm": {"vllm": 2**30}})
+    assert line == ("RSS after the rounds: candor 1000 MiB in all (gpu_worker 900, "
+                    "scheduler 100); vllm 1024 MiB in all (vllm 1024)")
 
 
 @pytest.mark.parametrize("arch,tied", [("llama", False), ("qwen2", True)])
