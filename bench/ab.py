@@ -10,7 +10,8 @@ this one, so only what differs is installed); the header says which. Both server
 up together; rounds alternate which goes first; every round is printed, then each
 metric's min/median/max per side, the head/base ratios round pair by round pair, a
 profile (CPU per process role, step-loop phases) and a warning if other processes were
-busy on the box before or during the rounds.
+busy on the box before or during the rounds. After a model's workloads each side's RSS
+is printed, with its largest process role.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from bench import box, procstat
+from bench.compare import measure_rss, rss_line
 from bench.profile import profile_table
 from bench.rounds import add_round_args, foreign_warning, policy_from, run_rounds
 from bench.servers import REPO, WARMUP, candor_server, start_warm
@@ -185,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(profile_table(per_side, ("head", "base")))
                     if warning := foreign_warning(per_side):
                         print(warning)
+                print(rss_line(measure_rss(servers)))  # each side's, by process role
             finally:
                 for s in servers:
                     s.stop()

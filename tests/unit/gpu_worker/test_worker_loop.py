@@ -18,6 +18,7 @@ import zmq
 
 from cluster.process_config import process_configs
 from cluster.topology import Topology
+from gpu_worker.heap_trim import HeapTrim
 from gpu_worker.kv_connectors.base import KvConnector
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.worker_loop import WorkerLoop
@@ -77,7 +78,10 @@ def rank(tiny_dir, tmp_path):
     plans = Sender(ctx, cfg.addresses.worker_in, bind=True, kind=zmq.XPUB)
     results: Receiver = Receiver(ctx, cfg.addresses.worker_out, ipc.WorkerOutbound)
     Recording.events, Recording.results = [], results
-    loop = WorkerLoop(cfg, ModelRunner(str(tiny_dir), num_blocks=16), connectors=(Recording,))
+    trims: list[int] = []
+    loop = WorkerLoop(cfg, ModelRunner(str(tiny_dir), num_blocks=16), connectors=(Recording,),
+                      heap=HeapTrim(lambda pad: trims.append(pad) or 1))
+    loop.trims = trims
     wait_until(lambda: plans.sock.poll(0), "the rank to subscribe to the plans")
     plans.sock.recv()
     try:
@@ -128,3 +132,14 @@ def test_work_for_a_connector_this_rank_does_not_run_fails_that_step_alone(rank)
     assert _turn(loop, plans, again)
     assert isinstance(results.recv(timeout_ms=5000), ipc.StepResult)
     assert not _turn(loop, plans, ipc.Shutdown())  # the loop's last turn
+
+
+def test_the_heap_is_trimmed_once_per_idle_spell_after_steps(rank):
+    loop, plans, results = rank
+    assert loop.step(timeout_ms=10) and loop.trims == []  # idle before any step: nothing
+    plan = ipc.StepPlan(1, [ipc.SeqChunk("a", PROMPT, 0, [0], True)], {"a": GREEDY})
+    assert _turn(loop, plans, plan)
+    assert isinstance(results.recv(timeout_ms=5000), ipc.StepResult)
+    assert loop.trims == []  # never between steps
+    assert loop.step(timeout_ms=10) and loop.step(timeout_ms=10)
+    assert loop.trims == [0]  # the first plan-less turn after it, once
