@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.attention.base import AttentionBackend, AttentionMetadata, AttentionSpec, Chunk
+from gpu_worker.attention.base import AttentionBackend, AttentionMetadata, AttentionSpec, Chunk, Spans
 
 
 class BidirectionalMetadata(AttentionMetadata):
@@ -45,7 +45,9 @@ class BidirectionalBackend(AttentionBackend):
         return None
 
     def build(self, chunks: list[Chunk], num_decodes: int,
-              slot_mapping: torch.Tensor | None = None) -> AttentionMetadata:
+              slot_mapping: torch.Tensor | None = None, spans: Spans | None = None) -> AttentionMetadata:
+        """(``spans``: every position of an encoder's prompt already attends every other,
+        so an image span needs nothing more; none come, as no encoder takes images.)"""
         return self.plan(chunks, num_decodes, torch.empty(0, dtype=torch.long))
 
     def plan(self, chunks: list[Chunk], num_decodes: int, slot_mapping: torch.Tensor) -> AttentionMetadata:

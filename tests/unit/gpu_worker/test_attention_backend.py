@@ -2,6 +2,8 @@
 flashinfer module imports without CUDA or flashinfer installed. Every backend of the
 registry's table loads under its name, and selection takes the first that serves."""
 
+import inspect
+
 import pytest
 import torch
 
@@ -25,6 +27,15 @@ def test_every_registered_backend_loads_under_its_name():
         assert issubclass(cls, AttentionBackend) and cls.name == name
     with pytest.raises(ValueError, match="unknown attention backend 'nope'"):
         backend_class("nope")
+
+
+def test_every_backend_takes_the_base_build_signature():
+    """The runner calls ``build`` the one way the base declares (an override that missed a
+    new keyword, ``spans``, failed every encoder step once the image spans arrived)."""
+    want = inspect.signature(AttentionBackend.build)
+    for name in BACKENDS:
+        got = inspect.signature(backend_class(name).build)
+        assert list(got.parameters) == list(want.parameters), name
 
 
 def test_selection_skips_what_cannot_serve_and_says_why(monkeypatch, caplog):
