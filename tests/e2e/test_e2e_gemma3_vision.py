@@ -16,9 +16,8 @@ import sys
 
 import aiohttp
 import pytest
-import torch
 
-from tests.e2e.test_e2e_vision import chat, data_url, image
+from tests.e2e.test_e2e_vision import _check_against_hf, chat, data_url, hf_reference, image
 from tests.support.gemma3_vision_zoo import BOI, IMAGE_TOKEN, MM_TOKENS, build_gemma3_vision, hf_gemma3
 from tests.support.server import REPO, CandorServer, free_port
 
@@ -45,21 +44,6 @@ def server(gemma3_dir, tmp_path_factory):
     assert srv.stop() == 0
 
 
-def hf_reference(hf, messages: list[dict], images: list) -> tuple[list[int], list[int], list[torch.Tensor]]:
-    """(prompt ids, greedy ids, the log-softmax row of each) from HF on the same chat."""
-    model, processor = hf
-    as_hf = [{**m, "content": [p if p["type"] == "text" else {"type": "image"} for p in m["content"]]}
-             if isinstance(m["content"], list) else m for m in messages]
-    text = processor.apply_chat_template(as_hf, add_generation_prompt=True, tokenize=False)
-    inputs = processor(text=text, images=images or None, add_special_tokens=False, return_tensors="pt")
-    with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=NEW, do_sample=False, output_logits=True,
-                             return_dict_in_generate=True)
-    n = inputs["input_ids"].shape[1]
-    rows = [torch.log_softmax(step[0].float(), -1) for step in out.logits]
-    return inputs["input_ids"][0].tolist(), out.sequences[0, n:].tolist(), rows
-
-
 async def _chat(session, srv: CandorServer, messages: list[dict], **extra) -> tuple[int, dict]:
     body = {"model": MODEL, "messages": messages, "max_tokens": NEW, "temperature": 0,
             "ignore_eos": True, "return_token_ids": True, "logprobs": True, "top_logprobs": 2,
@@ -73,18 +57,6 @@ async def _one(srv, messages, **extra) -> dict:
         status, payload = await _chat(session, srv, messages, **extra)
     assert status == 200, payload
     return payload
-
-
-def _check_against_hf(payload: dict, want: tuple) -> None:
-    prompt, ids, rows = want
-    choice = payload["choices"][0]
-    assert payload["prompt_token_ids"] == prompt
-    assert payload["usage"]["prompt_tokens"] == len(prompt)  # the image tokens count
-    assert choice["token_ids"] == ids
-    for entry, row, token in zip(choice["logprobs"]["content"], rows, ids):
-        assert abs(entry["logprob"] - row[token].item()) < 1e-4
-        assert [t["logprob"] for t in entry["top_logprobs"]] == pytest.approx(
-            row.topk(2).values.tolist(), abs=1e-4)
 
 
 def _image_starts(hf, prompt: list[int]) -> list[int]:

@@ -96,7 +96,7 @@ def _check_against_hf(payload: dict, want: tuple) -> None:
     prompt, ids, rows = want
     choice = payload["choices"][0]
     assert payload["prompt_token_ids"] == prompt
-    assert payload["usage"]["prompt_tokens"] == len(prompt)  # the placeholders count
+    assert payload["usage"]["prompt_tokens"] == len(prompt)  # the image placeholders count
     assert choice["token_ids"] == ids
     for entry, row, token in zip(choice["logprobs"]["content"], rows, ids):
         assert abs(entry["logprob"] - row[token].item()) < 1e-4
