@@ -14,7 +14,6 @@ import io
 import random
 
 import aiohttp
-import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -22,14 +21,10 @@ from PIL import Image
 from tests.support.image_host import ImageHost
 from tests.support.server import CandorServer
 from tests.support.vision_zoo import build_llava, hf_llava, text_only_tool_template
+from tests.support.vision_zoo import random_image as image
 
 MODEL = "tiny-llava"
 NEW = 12
-
-
-def image(seed: int, size=(45, 38)) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8), "RGB")
 
 
 def data_url(img: Image.Image, fmt: str = "PNG") -> str:

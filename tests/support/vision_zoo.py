@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+from PIL import Image
+
 import torch
 
 IMAGE_TOKEN = "<image>"
@@ -98,3 +101,9 @@ def hf_greedy(model, processor, text: str, images: list, n: int) -> tuple[list[i
         out = model.generate(**inputs, max_new_tokens=n, do_sample=False)
     prompt = inputs["input_ids"][0].tolist()
     return prompt, out[0, len(prompt):].tolist()
+
+
+def random_image(seed: int, size=(45, 38)) -> Image.Image:
+    """A seeded RGB image of random pixels, ``size`` (width, height): the tests' images."""
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8), "RGB")

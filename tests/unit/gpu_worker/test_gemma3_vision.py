@@ -12,12 +12,12 @@ import json
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from gpu_worker.model_config import UnsupportedConfig, load_config, parse_config
 from gpu_worker.model_runner import ModelRunner
 from protocol.ipc import ImageInput, SamplingParams, SeqChunk, StepPlan
 from tests.support.gemma3_vision_zoo import BOI, MM_TOKENS, build_gemma3_vision, hf_gemma3
+from tests.support.vision_zoo import random_image as image
 from tokenizer_worker.vision import VisionPrompt
 
 NEW = 10
@@ -33,11 +33,6 @@ def gemma3(tmp_path_factory):
     path = build_gemma3_vision(tmp_path_factory.mktemp("gemma3") / "model")
     model, processor = hf_gemma3(path)
     return path, model, processor
-
-
-def image(seed: int, size=(45, 38)) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8), "RGB")
 
 
 def prompt(path, processor, text: str, images: list) -> tuple[list[int], list[ImageInput]]:

@@ -9,12 +9,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from gpu_worker.model_config import UnsupportedConfig, load_config, parse_config
 from gpu_worker.model_runner import ModelRunner
 from protocol.ipc import ImageInput, SamplingParams, SeqChunk, StepPlan
 from tests.support.vision_zoo import IMAGE_TOKEN, build_llava, hf_llava
+from tests.support.vision_zoo import random_image as image
 from tokenizer_worker.vision import VisionPrompt
 
 NEW = 12
@@ -26,11 +26,6 @@ def llava(tmp_path_factory):
     path = build_llava(tmp_path_factory.mktemp("llava") / "model")
     model, processor = hf_llava(path)
     return path, model, processor
-
-
-def image(seed: int, size=(45, 38)) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8), "RGB")
 
 
 def prompt(processor, text: str, images: list) -> tuple[list[int], list[ImageInput]]:
