@@ -11,24 +11,12 @@ Where the C library is not glibc there is nothing to call, and nothing happens.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 from collections.abc import Callable
 
+from cluster.heap import glibc_trim
+
 log = logging.getLogger(__name__)
-
-
-def glibc_trim() -> Callable[[int], int] | None:
-    """glibc's ``malloc_trim``, or None where the C library has none."""
-    name = ctypes.util.find_library("c")
-    try:
-        fn = ctypes.CDLL(name).malloc_trim
-    except (OSError, AttributeError, TypeError):
-        return None
-    fn.argtypes = [ctypes.c_size_t]
-    fn.restype = ctypes.c_int
-    return fn
 
 
 class HeapTrim:

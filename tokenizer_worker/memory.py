@@ -6,23 +6,13 @@ the C library has no such call (musl, macOS)."""
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
+from cluster.heap import glibc_trim
 
 __all__ = ["TRIM_AFTER_BYTES", "release_memory"]
 
 TRIM_AFTER_BYTES = 1 << 20  # trimming costs about a millisecond; worth it past this much text
 
-
-def _load_trim():
-    name = ctypes.util.find_library("c")
-    try:
-        return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
-    except OSError:
-        return None
-
-
-_MALLOC_TRIM = _load_trim()
+_MALLOC_TRIM = glibc_trim()
 
 
 def release_memory() -> bool:
