@@ -43,6 +43,8 @@ def refusal(url: str, root: str) -> str | None:
         return f"it names host {host!r}; a file:// URL reads this machine's files only"
     if not parsed.path.startswith("/"):
         return "its path is not absolute"
+    if "\0" in parsed.path:
+        return "its path holds a NUL character"
     return None
 
 
@@ -66,10 +68,11 @@ def read(url: str, root: str, max_bytes: int) -> tuple[str, bytes]:
     path = URL(url).path
     outside = FetchError(f"the file {shown(path)} is not inside this deployment's "
                          "--allowed-local-media-path", "unsupported_image_url")
-    if not _inside(os.path.realpath(path), root):
+    real = os.path.realpath(path)
+    if not _inside(real, root):
         raise outside
     try:
-        fd = os.open(os.path.realpath(path), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
         raise FetchError(f"the file {shown(path)} could not be read: no such file",
                          "image_fetch_failed") from None

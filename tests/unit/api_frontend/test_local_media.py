@@ -57,5 +57,17 @@ def test_refusals_before_any_read(root):
     assert is_local("FILE:///x") and not is_local("https://x")
     assert "reads no local files" in refusal(f"file://{root}/a.png", "")
     assert "names host 'example.com'" in refusal(f"file://example.com{root}/a.png", root)
+    assert "NUL" in refusal(f"file://{root}/a%00.png", root)
     assert refusal(f"file://localhost{root}/a.png", root) is None
     assert refusal(f"file://{root}/a.png", root) is None
+
+
+def test_a_file_swapped_out_after_the_check_is_refused_by_its_descriptor(root, monkeypatch):
+    """The path checked inside, but what the open reaches lies outside (a symlink swapped in
+    between, simulated by the open itself): the descriptor's real path refuses it."""
+    secret = os.path.join(os.path.dirname(root), "secret.png")
+    real_open = os.open
+    monkeypatch.setattr(os, "open", lambda path, flags, *a: real_open(secret, flags, *a))
+    with pytest.raises(FetchError) as err:
+        read(f"file://{root}/a.png", root, 100)
+    assert err.value.code == "unsupported_image_url" and "is not inside" in str(err.value)
