@@ -74,6 +74,7 @@ from gpu_worker.kv_budget import KvDemand, auto_kv_bytes, resident_bytes
 from gpu_worker.distributed import Ranks
 from gpu_worker.lora.store import AdapterStore
 from gpu_worker.model_build import build_model
+from gpu_worker.mrope import positions as mrope_positions
 from gpu_worker.model_config import load_config
 from gpu_worker.models import fused_moe, row_ops
 from gpu_worker.models.decoder import DecoderForCausalLM
@@ -105,7 +106,7 @@ class _Batch:
     prefills: list[SeqChunk]
     decodes: list[SeqChunk]
     ids: list[int]
-    positions: list[int]
+    positions: list[int] | list[list[int]]  # [3][rows] where M-RoPE positions image rows
     last_row: dict[int, int]  # id(seq) -> row of its last token
     to_sample: list[SeqChunk]  # plan order
 
@@ -274,11 +275,7 @@ class ModelRunner:
     def _image_cache(self) -> ImageCache:
         """The encoder cache over this model's image path (none: a text model's, which
         refuses chunks with images)."""
-        vision = getattr(self.model, "vision", None)
-        if vision is None:
-            return ImageCache(None)
-        return ImageCache(vision, vision.pixel_shape, vision.spec.tokens_per_image,
-                          self.device, self.dtype)
+        return ImageCache(getattr(self.model, "vision", None), self.device, self.dtype)
 
     def _log_moe_path(self) -> None:
         """Build the fused MoE kernel now (not on the first request) where it applies, and
@@ -604,11 +601,20 @@ class ModelRunner:
         ids: list[int] = []
         positions: list[int] = []
         last_row: dict[int, int] = {}  # id(seq) -> row of its last token
+        mrope = bool(self.config.rope.mrope_section)
+        per_chunk: list[tuple[list[int], list[list[int]] | None]] = []
         for s in ordered:
             ids.extend(s.token_ids)
-            positions.extend(range(s.start_pos, s.start_pos + len(s.token_ids)))
+            if mrope:  # (the chunk's rope_shift; its image rows by their grids)
+                per_chunk.append(mrope_positions(s))
+                positions.extend(per_chunk[-1][0])
+            else:
+                positions.extend(range(s.start_pos, s.start_pos + len(s.token_ids)))
             last_row[id(s)] = len(ids) - 1
             self.tracker.observe(s, self.sampling.get(s.rid))
+        if any(axes is not None for _, axes in per_chunk):  # [3, rows]: M-RoPE's image rows
+            positions = [[p for flat, axes in per_chunk for p in (axes[a] if axes else flat)]
+                         for a in range(3)]
         vocab = self.config.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise ValueError(f"token id outside vocabulary [0, {vocab})")
