@@ -204,8 +204,8 @@ def parse_rope(cfg: dict[str, Any], params: dict[str, Any]) -> RopeConfig:
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
     if rope_type == "su":  # Phi-3's early name for longrope
         rope_type = "longrope"
-    if rope_type == "mrope":  # Qwen2-VL's transformers 4 name: default RoPE, sectioned
-        rope_type = "default"
+    if rope_type == "mrope" and params.get("mrope_section"):  # Qwen2-VL's transformers 4
+        rope_type = "default"  # name: default RoPE, sectioned
     if rope_type not in ROPE_TYPES:
         raise UnsupportedConfig("rope_type", rope_type, ROPE_TYPES)
     partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
