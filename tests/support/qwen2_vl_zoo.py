@@ -7,11 +7,11 @@ installed) and the project's tiny tokenizer with Qwen's ``<|vision_start|>``,
 byte-identical; nothing is downloaded.
 
 Images are resized to multiples of 28 (14-pixel patches merged 2x2) between
-``MIN_PIXELS`` and ``MAX_PIXELS``: the tests' 45x38 image becomes a 56x28 one, 4x2 patches,
-2 tokens; a 100x70 one a 112x84, 8x6 patches, 4x3 = 12 tokens (a grid that is not square,
-so M-RoPE's height and width positions differ). Qwen2.5-VL's 56-pixel windows hold 2x2
-merged tokens, so a 4x3 grid is cut into windows with a ragged edge, and block 1 of 2
-attends the whole image (``fullatt_block_indexes``)."""
+``MIN_PIXELS`` and ``MAX_PIXELS``: the tests' 45x38 image becomes 84x56, 6x4 patches,
+3 x 2 = 6 tokens; a 100x70 one 112x56, 4 x 2 = 8 tokens; a 60x130 one 56x140, 2 x 5
+(grids that are not square, so M-RoPE's height and width positions differ). Qwen2.5-VL's
+56-pixel windows hold 2x2 merged tokens, so a 2 x 5 grid is cut into windows with a
+ragged edge, and block 1 of 2 attends the whole image (``fullatt_block_indexes``)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ VISION_START, IMAGE_PAD, VISION_END, VIDEO_PAD = ("<|vision_start|>", "<|image_p
                                                   "<|vision_end|>", "<|video_pad|>")
 PATCH = 14
 MERGE = 2
-MIN_PIXELS = 28 * 28
+MIN_PIXELS = 28 * 28 * 4
 MAX_PIXELS = 28 * 28 * 16
 TEXT_KWARGS = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,

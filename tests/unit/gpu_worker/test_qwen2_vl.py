@@ -28,7 +28,8 @@ PARAMS = SamplingParams(temperature=0.0, logprobs=2)
 MARK = VISION_START + IMAGE_PAD + VISION_END
 TEXT_ONE = "USER: A preamble of text before the picture. What is in " + MARK + " here? ASSISTANT:"
 TEXT_TWO = "Compare " + MARK + " and then " + MARK + " now, briefly please"
-# (width, height): 56x28 -> 1x2 tokens; 100x70 -> 2x4 tokens (after smart_resize)
+# (width, height) -> token grid (rows x columns, after smart_resize): 100x70 -> 2x4,
+# 45x38 -> 2x3, 60x130 -> 5x2
 SIZES = [(100, 70), (45, 38), (60, 130)]
 FAMILIES = ["qwen2_vl", "qwen2_5_vl"]
 
@@ -80,7 +81,7 @@ def test_preprocessing_equals_hf_processor(qwen):
     assert ids == want["input_ids"][0].tolist()
     grids = want["image_grid_thw"].tolist()
     assert [im.grid for im in inputs] == [[t, h // 2, w // 2] for t, h, w in grids]
-    assert [im.length for im in inputs] == [t * h * w // 4 for t, h, w in grids] == [8, 2]
+    assert [im.length for im in inputs] == [t * h * w // 4 for t, h, w in grids] == [8, 6]
     pixels = np.concatenate([np.frombuffer(im.pixels, np.float32).reshape(im.shape) for im in inputs])
     assert np.array_equal(pixels, want["pixel_values"].numpy())
     image_id = processor.tokenizer.convert_tokens_to_ids(IMAGE_PAD)
