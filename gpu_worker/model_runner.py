@@ -38,12 +38,16 @@ drafts; see draft_model.py for its cache, which mirrors this one's block ids). W
 EAGLE-3 head (``eagle3``) the model keeps its aux hidden states each forward
 (``aux_layers``) and the head is fed those rows, one id behind (see eagle3.py).
 
-Images (a LLaVA or Gemma 3 checkpoint): a chunk names the images its positions overlap
-(``SeqChunk.images``); ``images`` (``image_cache``) encodes each once, keeps its
-embeddings until every request holding it has fed its span, and the model splices them
-over the placeholder rows. A step with image rows never runs as a CUDA graph. Gemma 3's
-image tokens attend each other both ways: each image's span goes to the attention
-backend as a bidirectional span of its chunk (the scheduler never splits one).
+Images (a LLaVA, Gemma 3, Qwen2-VL or Qwen2.5-VL checkpoint): a chunk names the images its
+positions overlap (``SeqChunk.images``); ``images`` (``image_cache``) encodes each once,
+keeps its embeddings until every request holding it has fed its span, and the model
+splices them over the placeholder rows. A step with image rows never runs as a CUDA
+graph. Gemma 3's image tokens attend each other both ways: each image's span goes to the
+attention backend as a bidirectional span of its chunk (the scheduler never splits one).
+Qwen2-VL's M-RoPE: each chunk's rows are positioned from its ``rope_shift`` and its
+images' grids (``mrope``); a step with image rows passes [3, rows] positions, any other
+step the one position per row that text and decode rows take (index + shift), so decode
+steps keep their CUDA graphs.
 
 With LoRA enabled, ``adapters`` (``lora.store``) holds the adapters and groups each
 step's rows by adapter before the forward pass; a step with adapter rows runs eagerly

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.architectures.hf_config import VisionSpec
-from gpu_worker.models.vision import _activation
+from gpu_worker.models.vision import tower_activation
 from protocol.ipc import ImageInput
 
 
@@ -91,7 +91,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, v: VisionSpec) -> None:
         super().__init__()
-        self.act = _activation(v.act)
+        self.act = tower_activation(v.act)
         self.fc1 = nn.Linear(v.hidden_size, v.intermediate_size)
         self.fc2 = nn.Linear(v.intermediate_size, v.hidden_size)
 
@@ -102,7 +102,7 @@ class MLP(nn.Module):
 class GatedMLP(nn.Module):
     def __init__(self, v: VisionSpec) -> None:
         super().__init__()
-        self.act = _activation(v.act)
+        self.act = tower_activation(v.act)
         self.gate_proj = nn.Linear(v.hidden_size, v.intermediate_size)
         self.up_proj = nn.Linear(v.hidden_size, v.intermediate_size)
         self.down_proj = nn.Linear(v.intermediate_size, v.hidden_size)

@@ -12,7 +12,9 @@ next to the text model, so every tensor-parallel rank holds all of it (plain
 ``nn.Linear``s, replicated): each rank computes the same embeddings and splices them into
 its own copy of the step's input embeddings. One image is encoded at a time, alone, so
 its embeddings never depend on what else is in the step (the deterministic mode's promise)
-and are computed once per image (``gpu_worker/image_cache.py`` keeps them).
+and are computed once per image (``gpu_worker/image_cache.py`` keeps them). Qwen2-VL's
+and Qwen2.5-VL's tower, whose images come in any size, is ``qwen2_vl_vision.py``; every
+image path answers the cache's ``input_problem`` and ``embed``.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from gpu_worker.architectures.hf_config import VisionSpec
 from protocol.ipc import ImageInput
 
 
-def _activation(name: str):
+def tower_activation(name: str):
     if name == "quick_gelu":  # HF's QuickGELUActivation
         return lambda x: x * torch.sigmoid(1.702 * x)
     if name == "gelu":
@@ -83,7 +85,7 @@ class SelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, v: VisionSpec) -> None:
         super().__init__()
-        self.act = _activation(v.act)
+        self.act = tower_activation(v.act)
         self.fc1 = nn.Linear(v.hidden_size, v.intermediate_size)
         self.fc2 = nn.Linear(v.intermediate_size, v.hidden_size)
 
@@ -137,7 +139,7 @@ class Projector(nn.Module):
         super().__init__()
         self.linear_1 = nn.Linear(v.hidden_size * len(v.feature_layers), text_hidden,
                                   bias=v.projector_bias)
-        self.act = _activation(v.projector_act)
+        self.act = tower_activation(v.projector_act)
         self.linear_2 = nn.Linear(text_hidden, text_hidden, bias=v.projector_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
