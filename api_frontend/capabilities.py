@@ -10,7 +10,7 @@ from api_frontend import field_policy
 from api_frontend.endpoints.registry import ENDPOINTS
 from api_frontend.json_body import json_response
 from api_frontend.served_models import ROUTES, ServedModels
-from cluster.topology import ApiSpec, LoraSpec
+from cluster.topology import ApiSpec, LoraSpec, RequestLimits
 from protocol import ipc
 
 DETERMINISM_SCOPE = (
@@ -26,6 +26,15 @@ def determinism(stats: ipc.SchedulerStats | None) -> dict:
     return {"enabled": stats.deterministic if known else None,
             "note": stats.deterministic_note if known else "the engine has not reported yet",
             "scope": DETERMINISM_SCOPE}
+
+
+def public_limits(limits: RequestLimits) -> dict:
+    """The limits as published: whether remote fetch and local files are on, never the
+    operator's allow-list (which hosts, which directory) itself."""
+    out = msgspec.to_builtins(limits)
+    out["remote_media_fetch"] = bool(out.pop("allowed_media_domains"))
+    out["local_media_files"] = bool(out.pop("allowed_local_media_path"))
+    return out
 
 
 def capabilities(models: ServedModels, api: ApiSpec, stats: ipc.SchedulerStats | None = None,
@@ -52,8 +61,8 @@ def capabilities(models: ServedModels, api: ApiSpec, stats: ipc.SchedulerStats |
                     "routes": ROUTES[m.runner], "max_model_len": m.card.max_model_len,
                     "pooling": msgspec.to_builtins(m.pooling) if m.pooling else None}
                    for m in models.models],
-        "policy": msgspec.to_builtins(api),
-        "limits": msgspec.to_builtins(api.limits),
+        "policy": {**msgspec.to_builtins(api), "limits": public_limits(api.limits)},
+        "limits": public_limits(api.limits),
         "lora": {"enabled": lora.enabled, "max_loras": lora.max_loras,
                  "max_lora_rank": lora.max_lora_rank, "max_cpu_loras": lora.host_capacity,
                  "runtime_updates": lora.enabled and lora.allow_runtime_updates},

@@ -75,6 +75,9 @@ FOREIGN: tuple[Foreign, ...] = (
     Foreign("stop_regex", "rejected", "regular-expression stops are not implemented"),
     Foreign("typical_p", "rejected", "typical sampling is not implemented", (1, 1.0)),
     Foreign("documents", "rejected", "chat documents (RAG templates) are not implemented"),
+    Foreign("mm_processor_kwargs", "rejected", "per-request image processor settings are not "
+            "implemented (Gemma 3's pan-and-scan follows the checkpoint's do_pan_and_scan)",
+            ({},)),
     Foreign("request_id", "ignored", "send the X-Request-Id header instead; it is echoed"),
     Foreign("kv_transfer_params", "ignored", "Candor's disaggregated prefill/decode is the "
             "deployment's (`--prefill-replicas` / `--decode-replicas`): the scheduler hands "

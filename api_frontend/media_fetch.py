@@ -17,7 +17,9 @@ Content-Length past it is refused unread), the wall time by ``media_fetch_timeou
 (redirects included), the redirects by ``media_max_redirects``, each to an ``http``/
 ``https`` URL on a listed host. Every refusal is a 400 naming the part (``messages[i].
 content[j]``) and saying why; hosts are matched exactly, as vLLM does (no wildcards: a
-listed name is a host the operator trusts, DNS included).
+listed name is a host the operator trusts, DNS included). ``inline`` also reads
+``file://`` URLs, through ``local_media`` (behind ``--allowed-local-media-path``), into
+the same ``data:`` URLs.
 """
 
 from __future__ import annotations
@@ -29,20 +31,17 @@ from typing import Any
 import aiohttp
 from yarl import URL
 
+from api_frontend import local_media
 from api_frontend.errors import ApiError
+from api_frontend.media_errors import FetchError, shown
 from cluster.topology import RequestLimits
 
 REDIRECTS = (301, 302, 303, 307, 308)
 _CHUNK = 1 << 16
-_SHOWN_URL_CHARS = 200
 
 
 def is_remote(url: str) -> bool:
     return url[:8].lower().startswith(("http://", "https://"))
-
-
-def shown(url: str) -> str:
-    return url if len(url) <= _SHOWN_URL_CHARS else url[:_SHOWN_URL_CHARS] + "..."
 
 
 def refusal(url: str, domains: list[str]) -> str | None:
@@ -62,15 +61,9 @@ def refusal(url: str, domains: list[str]) -> str | None:
             return (f"this deployment fetches no remote images (host {shown_host!r}); start "
                     "it with --allowed-media-domains naming the host, or send the image "
                     "inline as a data: URL (data:image/png;base64,...)")
-        return (f"host {shown_host!r} is not in this deployment's --allowed-media-domains "
-                f"({', '.join(domains)})")
+        # (the list itself is the operator's: not told to clients)
+        return f"host {shown_host!r} is not in this deployment's --allowed-media-domains"
     return None
-
-
-class FetchError(Exception):
-    def __init__(self, message: str, code: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 class MediaFetcher:
@@ -82,6 +75,7 @@ class MediaFetcher:
         self.max_bytes = limits.max_image_bytes
         self.timeout_s = limits.media_fetch_timeout_s
         self.max_redirects = limits.media_max_redirects
+        self.local_root = limits.allowed_local_media_path
         self._session: aiohttp.ClientSession | None = None
 
     def _client(self) -> aiohttp.ClientSession:
@@ -160,10 +154,21 @@ class MediaFetcher:
                                  "stopped there", "image_too_large")
         return bytes(data)
 
+    async def read(self, url: str) -> tuple[str, bytes]:
+        """(media type, bytes) of an http(s) URL (fetched) or a file:// one (read in a
+        thread, off the loop); a FetchError says why not."""
+        if not local_media.is_local(url):
+            return await self.fetch(url)
+        why = local_media.refusal(url, self.local_root)
+        if why is not None:
+            raise FetchError(f"the image URL {shown(url)} is not read: {why}",
+                             "unsupported_image_url")
+        return await asyncio.to_thread(local_media.read, url, self.local_root, self.max_bytes)
+
     async def inline(self, messages: list[dict[str, Any]] | None) -> None:
-        """Each http(s) ``image_url`` part of chat ``messages`` rewritten in place as the
-        ``data:`` URL of what it points to, the request's fetches run together (a URL
-        twice is fetched once). The first to fail is a 400 naming its part
+        """Each http(s) or file:// ``image_url`` part of chat ``messages`` rewritten in
+        place as the ``data:`` URL of what it points to, the request's reads run together
+        (a URL twice is read once). The first to fail is a 400 naming its part
         (``messages[i].content[j]``), and the others are cancelled."""
         wanted: dict[str, list[tuple[str, dict[str, Any]]]] = {}
         for i, message in enumerate(messages or []):
@@ -173,14 +178,14 @@ class MediaFetcher:
                     continue
                 image_url = part.get("image_url")
                 url = image_url.get("url") if isinstance(image_url, dict) else None
-                if isinstance(url, str) and is_remote(url):
+                if isinstance(url, str) and (is_remote(url) or local_media.is_local(url)):
                     wanted.setdefault(url, []).append((f"messages[{i}].content[{j}]", image_url))
         if not wanted:
             return
 
         async def one(url: str) -> None:
             try:
-                media, data = await self.fetch(url)
+                media, data = await self.read(url)
             except FetchError as err:
                 where = wanted[url][0][0]
                 raise ApiError(400, f"{where}: {err}", where, err.code) from None

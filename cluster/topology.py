@@ -340,6 +340,9 @@ class RequestLimits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     allowed_media_domains: list[str] = msgspec.field(default_factory=list)
     media_fetch_timeout_s: Annotated[float, Meta(gt=0.0, le=600.0)] = 10.0
     media_max_redirects: Annotated[int, Meta(ge=0, le=20)] = 5
+    # file:// image URLs: the directory the frontend may read them from (vLLM's
+    # --allowed-local-media-path; an absolute path; "": none, a file:// URL is refused)
+    allowed_local_media_path: str = ""
 
     def __post_init__(self) -> None:
         domains = []
@@ -351,6 +354,9 @@ class RequestLimits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                                  "the host alone, as example.com or 127.0.0.1: no scheme, port "
                                  "or path)") from None
         self.allowed_media_domains = domains
+        if self.allowed_local_media_path and not self.allowed_local_media_path.startswith("/"):
+            raise ValueError(f"allowed_local_media_path: {self.allowed_local_media_path!r} is not "
+                             "an absolute path")
 
 
 class SamplingDefaults(msgspec.Struct, forbid_unknown_fields=True, kw_only=True,

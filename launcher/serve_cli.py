@@ -67,6 +67,15 @@ def _json_object(text: str) -> dict:
     return value
 
 
+def _media_directory(text: str) -> str:
+    """--allowed-local-media-path: an existing directory, as its real path (symlinks
+    resolved), which the files a file:// URL names must lie inside."""
+    path = os.path.realpath(os.path.expanduser(text))
+    if not os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a directory")
+    return path
+
+
 def _mm_limit(text: str) -> int:
     """vLLM's --limit-mm-per-prompt '{"image": N}' -> the images one prompt may hold.
     Candor takes images only: another modality may be named with 0 (nothing to allow)."""
@@ -409,6 +418,10 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                    help="hosts whose http(s) image URLs the server fetches, as vLLM (exact "
                         "names, any port; space- or comma-separated, or a JSON list); default "
                         "none: only data: URLs")
+    g.add_argument("--allowed-local-media-path", type=_media_directory, default=None,
+                   metavar="DIR",
+                   help="directory whose files file:// image URLs may name, as vLLM (only "
+                        "files whose real path lies inside it); default none: no file:// URLs")
     g.add_argument("--media-fetch-timeout", type=float, default=None, metavar="SECONDS",
                    help="most seconds one image URL's fetch may take, redirects included "
                         "(default 10)")
@@ -588,6 +601,7 @@ def serve_topology(args: argparse.Namespace, model_path: str, default_name: str,
                     ("max_image_pixels", args.max_image_pixels),
                     ("allowed_media_domains", None if args.allowed_media_domains is None
                      else [host for hosts in args.allowed_media_domains for host in hosts]),
+                    ("allowed_local_media_path", args.allowed_local_media_path),
                     ("media_fetch_timeout_s", args.media_fetch_timeout),
                     ("media_max_redirects", args.media_max_redirects)) if value is not None}},
     }, Topology)

@@ -35,13 +35,14 @@ class Refusal(msgspec.Struct, tag="refusal", tag_field="type"):
 
 
 class InputImage(msgspec.Struct, tag="input_image", tag_field="type", omit_defaults=True):
-    """An image in a user message (a model that takes images): ``image_url`` a data: URL
+    """An image in a user message or a function call's output (a model that takes images):
+    ``image_url`` a data:, http(s) or file:// URL (as chat's image_url)
     (``file_id`` names OpenAI's Files API, which Candor does not serve); ``detail`` is
     accepted and not read (the checkpoint's processor fixes the resolution)."""
 
     image_url: str | None = None
     file_id: str | None = None
-    detail: str = "auto"
+    detail: str | None = "auto"
 
 
 TextPart = InputText | OutputText | Refusal
@@ -70,7 +71,7 @@ class FunctionCallItem(msgspec.Struct, tag="function_call", tag_field="type", kw
 class FunctionCallOutputItem(msgspec.Struct, tag="function_call_output", tag_field="type",
                              kw_only=True, omit_defaults=True):
     call_id: str
-    output: str | list[InputText]
+    output: str | list[InputText | InputImage]  # images: a model that takes them
     id: str | None = None
     status: str | None = None
 

@@ -4,7 +4,8 @@ placeholder expanded, exactly as the checkpoint's HF processor does it: LLaVA-1.
 vision-tower patch, in the ids) or Gemma 3's (``Gemma3VisionPrompt``: each
 ``<start_of_image>`` in the rendered text becomes ``\n\n<start_of_image>``, the image
 token ``mm_tokens_per_image`` times, ``<end_of_image>\n\n``, in the text before it is
-tokenized, as Gemma3Processor does, so the newlines merge with their neighbours as HF's do).
+tokenized, as Gemma3Processor does, so the newlines merge with their neighbours as HF's do;
+with pan-and-scan on, an image's crops follow it, in Gemma3Processor's words).
 
 The pixel values come from transformers' own image processor class for the checkpoint
 (the reference, loaded from its ``processor_config.json``), so they equal HF's bit for bit.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -123,22 +125,10 @@ def processor_class(model_dir: str | Path) -> str | None:
     return None if kind is None else str(kind)
 
 
-def _image_processor_config(model_dir: Path) -> dict[str, Any]:
-    """The image processor's settings: nested in ``processor_config.json``
-    (transformers 5) or in ``preprocessor_config.json`` (4)."""
-    path = model_dir / "processor_config.json"
-    processor = json.loads(path.read_text()) if path.is_file() else {}
-    nested = processor.get("image_processor")
-    if isinstance(nested, dict):
-        return nested
-    path = model_dir / "preprocessor_config.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
 def processor_problem(model_dir: str | Path) -> str | None:
     """Why this checkpoint's image preprocessing cannot be served exactly (None: it can),
-    in one line: a processor class we do not mirror, or Gemma 3's pan-and-scan crops
-    (extra images per image, not implemented). Torch-free: the launcher asks first."""
+    in one line: a processor class we do not mirror, or Gemma 3 image tokens its tokenizer
+    lacks. Torch-free: the launcher asks first."""
     model_dir = Path(model_dir)
     kind = processor_class(model_dir)
     if kind not in PROCESSORS:
@@ -153,9 +143,6 @@ def processor_problem(model_dir: str | Path) -> str | None:
         return None
     if kind != "Gemma3Processor":
         return None
-    if _image_processor_config(model_dir).get("do_pan_and_scan"):
-        return ("the image processor sets do_pan_and_scan, whose extra crops Candor does not "
-                "implement; serve it with do_pan_and_scan false (Gemma 3's default)")
     model = json.loads((model_dir / "config.json").read_text())
     names = _added_tokens(model_dir)
     missing = [k for k in _GEMMA3_TOKENS
@@ -167,12 +154,26 @@ def processor_problem(model_dir: str | Path) -> str | None:
 
 
 _GEMMA3_TOKENS = ("boi_token_index", "image_token_index", "eoi_token_index")
+# Gemma3Processor's values for the pan-and-scan settings an image processor leaves unset
+_PAN_AND_SCAN_DEFAULTS = {"pan_and_scan_min_crop_size": 256, "pan_and_scan_max_num_crops": 4,
+                          "pan_and_scan_min_ratio_to_activate": 1.2}
+_CROPS_TEXT = ("Here is the original image {} and here are some crops to help you see "
+               "better ")  # (Gemma3Processor's, then the crops' sequences joined by spaces)
 
 
 class Gemma3VisionPrompt(VisionPrompt):
     """Gemma3Processor's expansion (see the module docstring): each image is
     ``image_seq_length`` image tokens, and their span is ``whole`` (Gemma 3's image tokens
-    attend each other both ways, so the scheduler keeps it in one chunk)."""
+    attend each other both ways, so the scheduler keeps it in one chunk).
+
+    Pan-and-scan (the image processor's ``do_pan_and_scan``): an image whose aspect ratio
+    reaches ``pan_and_scan_min_ratio_to_activate`` is also cut, along its long side, into
+    2 to ``pan_and_scan_max_num_crops`` crops of at least ``pan_and_scan_min_crop_size``
+    pixels; its marker becomes Gemma3Processor's text for that ("Here is the original
+    image <seq> and here are some crops to help you see better <seq> <seq>..."), and the
+    original and each crop are one image input each, of ``image_seq_length`` tokens. The
+    settings the image processor leaves unset are Gemma3Processor's defaults, as vLLM
+    resolves them."""
 
     def __init__(self, model_dir: str | Path, image_token_id: int) -> None:
         from transformers import AutoImageProcessor
@@ -194,9 +195,33 @@ class Gemma3VisionPrompt(VisionPrompt):
         self.image_token_id = image_token_id
         self.sequence = f"\n\n{self.image_token}{self.soft_token * self.tokens}{eoi}\n\n"
         self.processor = AutoImageProcessor.from_pretrained(model_dir)
+        self.pan_and_scan: dict[str, Any] | None = None
+        if getattr(self.processor, "do_pan_and_scan", None):
+            self.pan_and_scan = {"do_pan_and_scan": True, **{
+                k: default if getattr(self.processor, k, None) is None else getattr(self.processor, k)
+                for k, default in _PAN_AND_SCAN_DEFAULTS.items()}}
 
     def tokens_per_image(self, height: int, width: int) -> int:
         return self.tokens
+
+    def crops(self, image: Image.Image) -> int:
+        """How many pan-and-scan crops ``image`` is cut into (0: none), as
+        Gemma3ImageProcessor counts them: along the long side, about its aspect ratio in
+        number, within [2, max_num_crops] and at least min_crop_size pixels each."""
+        if self.pan_and_scan is None:
+            return 0
+        min_crop = self.pan_and_scan["pan_and_scan_min_crop_size"]
+        long, short = max(image.size), min(image.size)
+        if short == 0 or long / short < self.pan_and_scan["pan_and_scan_min_ratio_to_activate"]:
+            return 0
+        n = min(math.floor(long / short + 0.5), math.floor(long / min_crop))
+        n = min(self.pan_and_scan["pan_and_scan_max_num_crops"], max(2, n))
+        return 0 if min(math.ceil(long / n), short) < min_crop else n
+
+    def _image_text(self, crops: int) -> str:
+        if not crops:
+            return self.sequence
+        return _CROPS_TEXT.format(self.sequence) + " ".join([self.sequence] * crops)
 
     def expand_text(self, text: str, images: list[Image.Image]) -> str:
         """Each marker expanded, when there is one per image. More markers than images
@@ -207,13 +232,17 @@ class Gemma3VisionPrompt(VisionPrompt):
             raise ImageError(f"the rendered prompt holds {found} {self.image_token!r} marker(s) "
                              f"for {len(images)} image(s); the text may not contain "
                              f"{self.image_token!r} itself", param="messages")
-        return text.replace(self.image_token, self.sequence) if found == len(images) else text
+        if found != len(images):
+            return text
+        pieces = text.split(self.image_token)
+        return pieces[0] + "".join(self._image_text(self.crops(img)) + after
+                                   for img, after in zip(images, pieces[1:]))
 
     def expand(self, ids: list[int], images: list[Image.Image]) -> tuple[list[int],
                                                                          list[ipc.ImageInput]]:
         """The images' inputs over the runs of image tokens the expanded text became: one
-        run of exactly ``tokens`` per image, or the prompt is refused (text that spells
-        the image token itself)."""
+        run of exactly ``tokens`` per image and per pan-and-scan crop, or the prompt is
+        refused (text that spells the image token itself)."""
         runs: list[list[int]] = []
         for i, t in enumerate(ids):
             if t == self.image_token_id:
@@ -221,14 +250,17 @@ class Gemma3VisionPrompt(VisionPrompt):
                     runs[-1][1] = i + 1
                 else:
                     runs.append([i, i + 1])
-        if len(runs) != len(images) or any(hi - lo != self.tokens for lo, hi in runs):
+        crops = [self.crops(img) for img in images]
+        wanted = len(images) + sum(crops)
+        if len(runs) != wanted or any(hi - lo != self.tokens for lo, hi in runs):
+            also = f", {sum(crops)} pan-and-scan crop(s)" if any(crops) else ""
             raise ImageError(f"the prompt's {self.soft_token!r} tokens do not form one run of "
-                             f"{self.tokens} per image ({len(images)} image(s)); the text may "
-                             f"not contain {self.soft_token!r} itself, and the chat template "
-                             "must render image parts", param="messages")
+                             f"{self.tokens} per image ({len(images)} image(s){also}); the text "
+                             f"may not contain {self.soft_token!r} itself, and the chat "
+                             "template must render image parts", param="messages")
         if not images:
             return ids, []
-        pixels = self.pixel_values(images)
+        pixels = self.pixel_values(images, crops)
         inputs = []
         for k, (lo, _) in enumerate(runs):
             data = pixels[k].tobytes()
@@ -236,6 +268,16 @@ class Gemma3VisionPrompt(VisionPrompt):
                                          dtype=str(pixels[k].dtype), offset=lo, length=self.tokens,
                                          content_hash=hashlib.sha256(data).digest(), whole=True))
         return ids, inputs
+
+    def pixel_values(self, images: list[Image.Image], crops: list[int] | None = None) -> np.ndarray:
+        """Each image's pixels, then its crops' (``crops``: the counts ``expand`` placed
+        tokens for; the image processor's own count must agree)."""
+        out = self.processor(images=images, return_tensors="np", **(self.pan_and_scan or {}))
+        made = [int(n) for n in out.get("num_crops", [0] * len(images))]
+        if crops is not None and made != crops:
+            raise RuntimeError(f"the image processor cut {made} pan-and-scan crops where "
+                               f"{crops} were counted")
+        return np.ascontiguousarray(out["pixel_values"], dtype=np.float32)
 
 
 _QWEN_PROCESSORS = {"Qwen2VLProcessor", "Qwen2_5_VLProcessor"}

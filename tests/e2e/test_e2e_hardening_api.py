@@ -194,7 +194,7 @@ def test_over_long_request_line_and_header_are_error_shaped(srv):
     ("lora_request", {"lora_name": "x"}), ("truncate_prompt_tokens", 4),
     ("logits_processors", ["x"]), ("bad_words", ["a"]), ("allowed_token_ids", [1]),
     ("vllm_xargs", {"a": 1}), ("return_hidden_states", True),
-    ("spaces_between_special_tokens", False),
+    ("spaces_between_special_tokens", False), ("mm_processor_kwargs", {"do_pan_and_scan": True}),
 ])
 async def test_fields_that_would_change_output_are_rejected(srv, field, value):
     for path, base in (("/v1/completions", {"prompt": "x"}),

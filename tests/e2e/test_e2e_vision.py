@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import json
 import random
 
 import aiohttp
@@ -57,13 +58,16 @@ def llava_server(llava_dir):
     assert srv.stop() == 0
 
 
-def hf_reference(hf, messages: list[dict], images: list) -> tuple[list[int], list[int], list[torch.Tensor]]:
-    """(prompt ids, greedy ids, the log-softmax row of each) from HF on the same chat."""
+def hf_reference(hf, messages: list[dict], images: list, **processor_kwargs
+                 ) -> tuple[list[int], list[int], list[torch.Tensor]]:
+    """(prompt ids, greedy ids, the log-softmax row of each) from HF on the same chat
+    (``processor_kwargs``: passed to the processor's call, as HF users pass them)."""
     model, processor = hf
     as_hf = [{**m, "content": [p if p["type"] == "text" else {"type": "image"} for p in m["content"]]}
              if isinstance(m["content"], list) else m for m in messages]
     text = processor.apply_chat_template(as_hf, add_generation_prompt=True, tokenize=False)
-    inputs = processor(text=text, images=images or None, add_special_tokens=False, return_tensors="pt")
+    inputs = processor(text=text, images=images or None, add_special_tokens=False, return_tensors="pt",
+                       **processor_kwargs)
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=NEW, do_sample=False, output_logits=True,
                              return_dict_in_generate=True)
@@ -374,6 +378,55 @@ def test_an_image_in_a_tool_result_is_rendered_in_place(llava_server, hf):
     llava_server.wait_all_blocks_free()
 
 
+def _function_call_output(*output: dict) -> list[dict]:
+    """``_tool_chat``'s conversation as Responses input items (its system message goes in
+    ``instructions``): the call's output is a list of content parts."""
+    return [{"role": "user", "content": "Take a photo of the garden."},
+            {"type": "function_call", "call_id": "call_1", "name": "photo", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "call_1", "output": list(output)}]
+
+
+def test_an_image_in_a_function_call_output_runs_as_chats_tool_image(llava_server, hf):
+    """A Responses ``function_call_output`` whose ``output`` holds input_text and input_image
+    parts (through the OpenAI SDK) is chat's tool message with those parts: HF's greedy
+    tokens for that chat conversation, the same prompt length; a file_id image, an
+    input_file part and a bad image are 400s naming the part under ``input[2].output[j]``."""
+    import openai
+
+    client = openai.OpenAI(base_url=llava_server.base_url + "/v1", api_key="unused", max_retries=0)
+    img = image(61)
+    want = hf_reference(hf, _tool_chat({"type": "text", "text": "Here it is:"},
+                                       {"type": "image_url", "image_url": {"url": data_url(img)}}), [img])
+    out = client.responses.create(
+        model=MODEL, instructions="You are terse.", max_output_tokens=NEW, temperature=0,
+        input=_function_call_output({"type": "input_text", "text": "Here it is:"},
+                                    {"type": "input_image", "image_url": data_url(img), "detail": None}),
+        extra_body={"ignore_eos": True})
+    assert out.output_text == hf[1].tokenizer.decode(want[1], skip_special_tokens=True)
+    assert out.usage.input_tokens == len(want[0])
+    cases = [({"type": "input_image", "file_id": "file-123"}, "input[2].output[1].image_url", "file_id"),
+             ({"type": "input_file", "file_data": "data:application/pdf;base64,AAAA"},
+              "input[2].output[1].type", "'input_file' is not supported"),
+             ({"type": "input_image", "image_url": "data:image/png;base64,AAAA"}, "input[2].output[1]",
+              "cannot be decoded")]
+    for part, param, says in cases:
+        with pytest.raises(openai.BadRequestError) as err:
+            client.responses.create(model=MODEL, max_output_tokens=2, input=_function_call_output(
+                {"type": "input_text", "text": "Here it is:"}, part))
+        assert err.value.body["param"] == param and says in err.value.body["message"], err.value.body
+    llava_server.wait_all_blocks_free()
+
+
+def test_the_text_model_refuses_an_image_in_a_function_call_output(server):
+    status, body = server.post_json("/v1/responses", {
+        "model": "tiny-llama", "max_output_tokens": 2, "input": _function_call_output(
+            {"type": "input_text", "text": "Here it is:"},
+            {"type": "input_image", "image_url": data_url(image(0))})})
+    assert status == 400, body
+    assert (body["error"]["param"], body["error"]["code"]) == ("input[2].output[1].type",
+                                                               "unsupported_content")
+
+
 # ---------------------------------------------------------------- http(s) image URLs
 
 
@@ -393,13 +446,31 @@ def image_host():
 
 
 @pytest.fixture(scope="module")
-def media_server(llava_dir, tmp_path_factory):
-    """127.0.0.1 allowed, 2 s per fetch, 64 KiB per image; its chat template leaves images
-    in tool messages out (as a template with text-only tool turns would)."""
+def media_dir(tmp_path_factory):
+    """The directory ``--allowed-local-media-path`` names (``inside/``): the hosted image,
+    one past the byte limit, a symlink to a file beside the directory, a subdirectory;
+    ``outside.png`` sits next to it."""
+    root = tmp_path_factory.mktemp("media")
+    inside = root / "inside"
+    (inside / "sub").mkdir(parents=True)
+    (inside / "cat.png").write_bytes(_png(HOSTED))
+    (inside / "sub" / "cat.png").write_bytes(_png(HOSTED))
+    (inside / "big.png").write_bytes(b"\x89PNG" + b"\0" * 200_000)
+    (root / "outside.png").write_bytes(_png(HOSTED))
+    (inside / "escape.png").symlink_to(root / "outside.png")
+    return inside
+
+
+@pytest.fixture(scope="module")
+def media_server(llava_dir, media_dir, tmp_path_factory):
+    """127.0.0.1 allowed, 2 s per fetch, 64 KiB per image, files under ``media_dir``; its
+    chat template leaves images in tool messages out (as a template with text-only tool
+    turns would)."""
     template = tmp_path_factory.mktemp("templates") / "text-only-tools.jinja"
     template.write_text(text_only_tool_template())
     srv = CandorServer(llava_dir, "--served-model-name", MODEL, "--allowed-media-domains",
                        "127.0.0.1", "--media-fetch-timeout", "2", "--max-image-bytes", "64KiB",
+                       "--allowed-local-media-path", str(media_dir),
                        "--chat-template", str(template)).start()
     yield srv
     assert srv.stop() == 0
@@ -471,7 +542,7 @@ def test_an_image_by_url_gives_the_tokens_of_the_same_image_inline(media_server,
     ("/big.png", "image_too_large", "limit of 65536 bytes (--max-image-bytes)"),
     ("/slow.png", "image_fetch_timeout", "took longer than 2s (--media-fetch-timeout)"),
     ("/redirect-away", "unsupported_image_url", "host 'localhost' is not in this deployment's "
-     "--allowed-media-domains (127.0.0.1)"),
+     "--allowed-media-domains"),
 ])
 def test_a_url_that_cannot_be_fetched_is_a_400_naming_the_part(media_server, image_host, path,
                                                                 code, says):
@@ -530,3 +601,82 @@ def test_a_template_that_leaves_tool_images_out_is_a_400_naming_the_block(media_
         assert status == 400, body
         assert body["error"]["message"].startswith("messages[2].content[0].content[1]: the chat "
                                                    "template does not place this image"), body
+
+
+def test_capabilities_say_whether_media_is_fetched_but_not_from_where(media_server, media_dir,
+                                                                       llava_server):
+    """The operator's allow-list (hosts, local directory) is not published: /v1/capabilities
+    says only whether remote fetch and local files are on; a refused host is not told the
+    list either."""
+    for srv, on in ((media_server, True), (llava_server, False)):
+        status, raw = srv.get("/v1/capabilities")
+        assert status == 200
+        caps = json.loads(raw)
+        for limits in (caps["limits"], caps["policy"]["limits"]):
+            assert limits["remote_media_fetch"] is on and limits["local_media_files"] is on
+            assert "allowed_media_domains" not in limits and "allowed_local_media_path" not in limits
+        assert b"127.0.0.1" not in raw and str(media_dir).encode() not in raw
+    status, body = media_server.post_json("/v1/chat/completions", {
+        "model": MODEL, "max_tokens": 2, "messages": _user("What?", "http://example.com/a.png")})
+    assert status == 400 and "127.0.0.1" not in body["error"]["message"], body
+
+
+# ---------------------------------------------------------------- file:// URLs
+
+
+def test_a_local_file_gives_the_tokens_of_the_same_image_inline(media_server, media_dir):
+    """``file://`` under ``--allowed-local-media-path`` (a subdirectory, ``localhost`` as the
+    host, a ``..`` that stays inside): bitwise the answer of the same image as a data: URL,
+    on chat and Responses."""
+    by_data = asyncio.run(_one(media_server, _user("What is in this picture?", data_url(HOSTED))))
+    for url in (f"file://{media_dir}/cat.png", f"file://localhost{media_dir}/sub/cat.png",
+                f"file://{media_dir}/sub/../cat.png"):
+        by_file = asyncio.run(_one(media_server, _user("What is in this picture?", url)))
+        assert by_file["prompt_token_ids"] == by_data["prompt_token_ids"]
+        assert by_file["choices"][0]["token_ids"] == by_data["choices"][0]["token_ids"]
+        assert by_file["choices"][0]["logprobs"] == by_data["choices"][0]["logprobs"]
+    status, body = media_server.post_json("/v1/responses", {
+        "model": MODEL, "instructions": "You are terse.", "max_output_tokens": NEW,
+        "temperature": 0, "ignore_eos": True, "input": [{"role": "user", "content": [
+            {"type": "input_text", "text": "What is in this picture?"},
+            {"type": "input_image", "image_url": f"file://{media_dir}/cat.png"}]}]})
+    assert status == 200, body
+    assert body["output"][0]["content"][0]["text"] == by_data["choices"][0]["message"]["content"]
+    media_server.wait_all_blocks_free()
+
+
+@pytest.mark.parametrize("name, code, says", [
+    ("../outside.png", "unsupported_image_url", "is not inside this deployment's --allowed-local-media-path"),
+    ("escape.png", "unsupported_image_url", "is not inside this deployment's --allowed-local-media-path"),
+    ("missing.png", "image_fetch_failed", "no such file"),
+    ("sub", "image_fetch_failed", "not a regular file"),
+    ("big.png", "image_too_large", "limit of 65536 bytes (--max-image-bytes)"),
+], ids=["dotdot", "symlink-escape", "missing", "directory", "too-big"])
+def test_a_local_file_that_may_not_be_read_is_a_400_naming_the_part(media_server, media_dir, name,
+                                                                    code, says):
+    status, body = media_server.post_json("/v1/chat/completions", {
+        "model": MODEL, "max_tokens": 2, "messages": _user("What?", f"file://{media_dir}/{name}")})
+    assert status == 400, body
+    err = body["error"]
+    assert (err["param"], err["code"]) == ("messages[1].content[1]", code), err
+    assert err["message"].startswith("messages[1].content[1]: ") and says in err["message"], err
+    assert str(media_dir.parent / "outside.png") not in err["message"]  # (the resolved target)
+    assert media_server.health()[0] == 200
+
+
+def test_a_file_url_without_the_flag_is_a_400(llava_server, media_dir):
+    status, body = llava_server.post_json("/v1/chat/completions", {
+        "model": MODEL, "max_tokens": 2, "messages": _user("What?", f"file://{media_dir}/cat.png")})
+    assert status == 400, body
+    err = body["error"]
+    assert (err["param"], err["code"]) == ("messages[1].content[1].image_url.url", "unsupported_image_url")
+    assert "reads no local files" in err["message"] and "--allowed-local-media-path" in err["message"]
+
+
+def test_a_file_url_naming_another_host_is_a_400(media_server, media_dir):
+    status, body = media_server.post_json("/v1/chat/completions", {
+        "model": MODEL, "max_tokens": 2,
+        "messages": _user("What?", f"file://elsewhere.example{media_dir}/cat.png")})
+    assert status == 400, body
+    assert body["error"]["param"] == "messages[1].content[1].image_url.url", body
+    assert "host 'elsewhere.example'" in body["error"]["message"]

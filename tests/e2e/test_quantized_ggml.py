@@ -31,6 +31,7 @@ from gpu_worker.quantization import kernels
 from gpu_worker.quantization.spec import GGML_TYPES, GgmlSpec
 from tests.support import ggml_zoo, lora_zoo, model_zoo
 from tests.support.server import free_port
+from tests.support.tp_ranks import leave_group
 from tests.e2e.test_tensor_parallel import _generate
 
 TYPES = list(GGML_TYPES)
@@ -200,6 +201,7 @@ def _rank_main(rank: int, size: int, port: int, path: str, results) -> None:
     tokens = _generate(ModelRunner(path, num_blocks=64, ranks=ranks), _prompts(), MAX_NEW)
     if rank == 0:
         results["tokens"] = tokens
+    leave_group()
 
 
 def test_two_tensor_parallel_ranks_split_rows_and_whole_blocks(zoo):

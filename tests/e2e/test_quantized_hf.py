@@ -23,6 +23,7 @@ from gpu_worker.model_config import load_config
 from gpu_worker.tp_shard import shard_problems
 from tests.support import model_zoo, quant_zoo
 from tests.support.server import free_port
+from tests.support.tp_ranks import leave_group
 from tests.e2e.test_tensor_parallel import _generate
 
 MAX_NEW = 10
@@ -152,6 +153,7 @@ def _rank_main(rank: int, size: int, port: int, paths: dict, results) -> None:
         tokens = _generate(ModelRunner(path, num_blocks=64, ranks=ranks), _prompts(), MAX_NEW)
         if rank == 0:
             results[name] = tokens
+    leave_group()
 
 
 def test_two_tensor_parallel_ranks_slice_packed_words_groups_and_blocks(zoo):

@@ -31,6 +31,7 @@ from tests.support import model_zoo
 from tests.support.faults import drop_plan_env
 from tests.support.polling import wait_until
 from tests.support.server import REPO, CandorServer, free_port, role_of
+from tests.support.tp_ranks import leave_group
 
 MAX_NEW = 12
 GREEDY = SamplingParams(temperature=0.0)
@@ -91,6 +92,7 @@ def _rank_main(rank: int, size: int, port: int, paths: dict[str, str], results) 
         tokens = _generate(runner, _prompts(), MAX_NEW)
         if rank == 0:
             results[arch] = (tokens, runner.num_blocks)
+    leave_group()
 
 
 @pytest.fixture(scope="module")

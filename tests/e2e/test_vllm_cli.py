@@ -131,6 +131,23 @@ def test_media_url_flags(tiny_model_dir, capsys):
     assert "'https://example.com/' is not a host name" in capsys.readouterr().err
 
 
+def test_allowed_local_media_path(tiny_model_dir, tmp_path, capsys):
+    """vLLM's --allowed-local-media-path lands in api.limits as the directory's real path
+    (a symlink to it resolved); off by default; a path that is no directory is refused at
+    start."""
+    topo, _ = serve_args_to_topology([str(tiny_model_dir)], environ={})
+    assert topo.api.limits.allowed_local_media_path == ""
+    (tmp_path / "media").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "media")
+    topo, _ = serve_args_to_topology(
+        [str(tiny_model_dir), "--allowed-local-media-path", str(tmp_path / "link")], environ={})
+    assert topo.api.limits.allowed_local_media_path == str((tmp_path / "media").resolve())
+    with pytest.raises(SystemExit):
+        serve_args_to_topology([str(tiny_model_dir), "--allowed-local-media-path",
+                                str(tmp_path / "nowhere")], environ={})
+    assert "is not a directory" in capsys.readouterr().err
+
+
 def test_runner_and_its_task_alias(tiny_model_dir, capsys):
     """vLLM's --runner pooling, and --task embed as its older spelling; they must agree;
     a task Candor does not serve names the ones it does."""

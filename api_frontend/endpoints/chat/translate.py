@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import msgspec
 
-from api_frontend import reasoning
+from api_frontend import local_media, reasoning
 from api_frontend.endpoints.chat.fields import TABLE
 from api_frontend.errors import ApiError
 from api_frontend.media_fetch import is_remote, refusal, shown
 from api_frontend.tools import tool_plan
 from api_frontend.translate import Translated, checked, common, constraint, translated
-from cluster.topology import ApiSpec
+from cluster.topology import ApiSpec, RequestLimits
 from protocol import ipc
 from protocol.openai_api import ChatCompletionRequest
 
@@ -27,25 +27,30 @@ def logprobs_k(req: ChatCompletionRequest) -> tuple[int, int]:
     return (req.top_logprobs or 0) if req.logprobs else -1, prompt_k
 
 
-def _check_image_url(image_url: object, param: str, domains: list[str]) -> None:
+def _check_image_url(image_url: object, param: str, limits: RequestLimits) -> None:
     """The URL's shape only (DESIGN: images are decoded in the tokenizer worker): an object
-    with a string ``url``, a data: URL or an http(s) URL on a host of the operator's
-    allow-list (``--allowed-media-domains``; the frontend fetches it before submitting,
-    ``media_fetch``)."""
+    with a string ``url``: a data: URL, an http(s) URL on a host of the operator's
+    allow-list (``--allowed-media-domains``) or a file:// URL when local files are on
+    (``--allowed-local-media-path``); the frontend reads the last two before submitting
+    (``media_fetch``)."""
     url = image_url.get("url") if isinstance(image_url, dict) else None
     if not isinstance(url, str):
         raise ApiError(400, "an image_url part needs `image_url: {\"url\": ...}`", param,
                        "invalid_value")
-    if is_remote(url):
-        why = refusal(url, domains)
+    if is_remote(url) or local_media.is_local(url):
+        remote = is_remote(url)
+        why = (refusal(url, limits.allowed_media_domains) if remote
+               else local_media.refusal(url, limits.allowed_local_media_path))
         if why is not None:
-            raise ApiError(400, f"the image URL {shown(url)} is not fetched: {why}",
+            raise ApiError(400, f"the image URL {shown(url)} is not "
+                           f"{'fetched' if remote else 'read'}: {why}",
                            f"{param}.url", "unsupported_image_url")
         return
     if not url.startswith("data:"):
-        raise ApiError(400, "an image URL must be a data: URL (data:image/png;base64,...) or "
+        raise ApiError(400, "an image URL must be a data: URL (data:image/png;base64,...), "
                        "an http(s) URL on a host this deployment allows "
-                       "(--allowed-media-domains)", f"{param}.url", "invalid_value")
+                       "(--allowed-media-domains) or a file:// URL under its "
+                       "--allowed-local-media-path", f"{param}.url", "invalid_value")
 
 
 def _check_content(req: ChatCompletionRequest, api: ApiSpec, vision: bool) -> None:
@@ -63,7 +68,7 @@ def _check_content(req: ChatCompletionRequest, api: ApiSpec, vision: bool) -> No
         for j, part in enumerate(message.content):
             if part.type == "image_url":
                 _check_image_url(part.image_url, f"messages[{i}].content[{j}].image_url",
-                                 api.limits.allowed_media_domains)
+                                 api.limits)
                 if vision:
                     images += 1
                     limit = api.limits.max_images_per_prompt

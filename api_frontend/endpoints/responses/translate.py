@@ -32,6 +32,7 @@ from protocol.responses_api import (ITEM_TYPES, FunctionCallItem, FunctionCallOu
 
 TEXT_PARTS = ("input_text", "output_text", "refusal")
 IMAGE_PARTS = (*TEXT_PARTS, "input_image")  # a model that takes images
+OUTPUT_IMAGE_PARTS = ("input_text", "input_image")  # a function call's output, likewise
 METADATA_MAX_KEYS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's bounds
 _ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
               "reasoning": "rs"}
@@ -110,7 +111,8 @@ def input_items(raw: str | list[dict[str, Any]], limits: RequestLimits,
             _check_parts(obj.get("content"), IMAGE_PARTS if vision else TEXT_PARTS,
                          f"{where}.content")
         elif kind == "function_call_output":
-            _check_parts(obj.get("output"), ("input_text",), f"{where}.output")
+            _check_parts(obj.get("output"), OUTPUT_IMAGE_PARTS if vision else ("input_text",),
+                         f"{where}.output")
         item = _convert({**obj, "type": kind}, cls, where)
         if item.id is None:
             item.id = item_id(kind)
@@ -130,13 +132,27 @@ def _text(content: str | list) -> str | list[dict[str, Any]]:
     return [_part(p) for p in content]
 
 
+def _tool_output(output: str | list) -> str | list[dict[str, Any]]:
+    """A function call's output as a chat tool message's content: text parts joined into
+    one string; with images, chat's parts in order (as a chat tool message with images)."""
+    if isinstance(output, str):
+        return output
+    if any(isinstance(p, InputImage) for p in output):
+        return _text(output)
+    return "".join(p.text for p in output)
+
+
 def _image_paths(items: list[Item], skipped: int) -> list[str]:
-    """``input[i].content[j]`` of each input_image of this request's own items (the last
-    ones; ``skipped``: the previous response's, which come first), in order."""
+    """``input[i].content[j]`` (``input[i].output[j]``: a function call's output) of each
+    input_image of this request's own items (the last ones; ``skipped``: the previous
+    response's, which come first), in order."""
     out = []
     for i, item in enumerate(items[skipped:]):
         if isinstance(item, MessageItem) and isinstance(item.content, list):
             out += [f"input[{i}].content[{j}]" for j, p in enumerate(item.content)
+                    if isinstance(p, InputImage)]
+        elif isinstance(item, FunctionCallOutputItem) and isinstance(item.output, list):
+            out += [f"input[{i}].output[{j}]" for j, p in enumerate(item.output)
                     if isinstance(p, InputImage)]
     return out
 
@@ -155,9 +171,8 @@ def chat_messages(instructions: str | None, items: list[Item]) -> list[dict[str,
             out.append({"role": "assistant", "content": "",
                         "reasoning_content": "".join(thought)})
         elif isinstance(item, FunctionCallOutputItem):
-            output = item.output if isinstance(item.output, str) else "".join(
-                p.text for p in item.output)
-            out.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
+            out.append({"role": "tool", "tool_call_id": item.call_id,
+                        "content": _tool_output(item.output)})
         elif isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": item.name, "arguments": item.arguments}}

