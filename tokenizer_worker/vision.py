@@ -301,7 +301,11 @@ class QwenVisionPrompt(VisionPrompt):
         if problem is not None:
             raise ValueError(problem)
         self.image_token_id = image_token_id
-        self.image_token = _added_tokens(model_dir)[image_token_id]
+        names = _added_tokens(model_dir)
+        self.image_token = names[image_token_id]
+        video = json.loads((model_dir / "config.json").read_text()).get("video_token_id")
+        self.video_token_id = None if video is None else int(video)
+        self.video_token = names.get(self.video_token_id, "<|video_pad|>")
         self.processor = AutoImageProcessor.from_pretrained(model_dir)
         self.merge = int(self.processor.merge_size)
 
@@ -331,7 +335,12 @@ class QwenVisionPrompt(VisionPrompt):
     def expand(self, ids: list[int], images: list[Image.Image]) -> tuple[list[int],
                                                                          list[ipc.ImageInput]]:
         """The images' inputs over the runs of image tokens the expanded text became: one
-        run per image, of its own token count, or the prompt is refused."""
+        run per image, of its own token count, or the prompt is refused; so is a video
+        token (video input is not served: HF's processor would expand it for a video)."""
+        if self.video_token_id is not None and self.video_token_id in ids:
+            raise ImageError(f"the prompt holds {self.video_token!r}, the video placeholder; "
+                             "video input is not served, and the text may not contain "
+                             f"{self.video_token!r} itself", param="messages")
         runs: list[list[int]] = []
         for i, t in enumerate(ids):
             if t == self.image_token_id:

@@ -5,7 +5,7 @@ a 16-token chunked prefill that splits an image's span still equals HF (M-RoPE p
 from each chunk's images); an image request alone and inside a concurrent batch of text
 and image requests is bitwise equal; the same image again hits the cache past the image
 (and the decode's M-RoPE delta still holds), another image behind the same ids only
-before it; an image token spelled in text and a bad image are 400s; tensor parallelism,
+before it; an image or video token spelled in text and a bad image are 400s; tensor parallelism,
 a prefill/decode handoff and n-gram speculative decoding give HF's tokens."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 
 from tests.e2e.test_e2e_vision import _check_against_hf, chat, data_url, hf_reference, image
-from tests.support.qwen2_vl_zoo import IMAGE_PAD, build_qwen2_vl, hf_qwen2_vl
+from tests.support.qwen2_vl_zoo import IMAGE_PAD, VIDEO_PAD, build_qwen2_vl, hf_qwen2_vl
 from tests.support.server import CandorServer
 
 MODEL = "tiny-qwen2-vl"
@@ -163,8 +163,9 @@ async def test_the_same_image_hits_the_cache_past_it_and_another_image_never(ser
 
 @pytest.mark.parametrize("text,url", [
     (f"I typed {IMAGE_PAD} myself.", None),
+    (f"A video: {VIDEO_PAD}", None),
     ("What?", "data:image/png;base64,AAAA"),
-], ids=["image-token-in-text", "bad-image"])
+], ids=["image-token-in-text", "video-token-in-text", "bad-image"])
 async def test_a_placeholder_mismatch_or_bad_image_is_a_400(server, text, url):
     parts = [{"type": "text", "text": text},
              {"type": "image_url", "image_url": {"url": url or data_url(image(0))}}]

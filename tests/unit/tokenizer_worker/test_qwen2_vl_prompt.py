@@ -11,7 +11,7 @@ import json
 import pytest
 
 from cluster.checkpoint import has_processor, takes_images
-from tests.support.qwen2_vl_zoo import IMAGE_PAD, VISION_END, VISION_START, build_qwen2_vl
+from tests.support.qwen2_vl_zoo import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START, build_qwen2_vl
 from tests.support.vision_zoo import random_image as image
 from tokenizer_worker.images import ImageError
 from tokenizer_worker.vision import QwenVisionPrompt, VisionPrompt, processor_problem
@@ -39,6 +39,7 @@ def test_each_image_token_becomes_its_images_token_count(qwen_dir):
 
 @pytest.mark.parametrize("text,images,match", [
     (f"{MARK} and {IMAGE_PAD} typed", 1, "may not contain"),
+    (f"{MARK} and a {VIDEO_PAD}", 1, "video input is not served"),
     ("no image here", 1, "one run per image"),
     (MARK, 0, "may not contain"),
 ])
