@@ -89,3 +89,20 @@ def test_a_preprocessor_config_without_a_processor_class_takes_no_images(qwen_di
     pre.pop("processor_class")
     (copy / "preprocessor_config.json").write_text(json.dumps(pre))
     assert not takes_images(str(copy)) and VisionPrompt.for_checkpoint(copy) is None
+
+
+def test_a_transformers_4_preprocessor_config_reads_its_pixel_bounds(qwen_dir, tmp_path):
+    """The hub's Qwen2-VL preprocessor_config.json (transformers 4) sets ``min_pixels`` and
+    ``max_pixels`` rather than ``size``: the same bounds, the same token counts."""
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(qwen_dir, copy)
+    pre = json.loads((copy / "preprocessor_config.json").read_text())
+    size = pre.pop("size")
+    pre.update(min_pixels=size["shortest_edge"], max_pixels=size["longest_edge"])
+    (copy / "preprocessor_config.json").write_text(json.dumps(pre))
+    ours, hub = VisionPrompt.for_checkpoint(qwen_dir), VisionPrompt.for_checkpoint(copy)
+    sizes = [(100, 70), (45, 38), (60, 130), (400, 400), (20, 20)]
+    assert [hub.tokens_per_image(h, w) for w, h in sizes] == \
+        [ours.tokens_per_image(h, w) for w, h in sizes] == [8, 6, 10, 16, 4]
