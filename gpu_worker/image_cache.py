@@ -15,6 +15,7 @@ wrong shape, is a plan the scheduler should never send: a ValueError (the step f
 from __future__ import annotations
 
 import math
+
 import numpy as np
 import torch
 

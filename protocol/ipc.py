@@ -249,8 +249,9 @@ class ImageInput(msgspec.Struct, array_like=True, frozen=True):
     tokenizer worker: its pixel values as raw bytes (C order, ``dtype`` as numpy names it,
     ``shape`` e.g. [3, 336, 336]) and where its placeholder tokens sit in the prompt
     (``offset``, ``length``: the span the vision tower's embeddings replace).
-    ``content_hash`` (sha256 of the pixel values) keys the prefix cache: two different
-    images behind the same placeholder ids must never share KV. ``whole``: the span's
+    ``content_hash`` (sha256 of the pixel values, and of the grid where there is one)
+    keys the prefix cache: two different images behind the same placeholder ids must
+    never share KV. ``whole``: the span's
     tokens attend each other both ways (Gemma 3), so the scheduler feeds it in one chunk
     and never starts a request (a prefix-cache hit) inside it. ``grid``: the span's tokens
     as a [temporal, rows, columns] grid (Qwen2-VL: images of any size, and M-RoPE positions
