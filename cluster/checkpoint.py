@@ -16,12 +16,24 @@ def read_model_config(model_path: str) -> dict:
 
 def takes_images(model_path: str) -> bool:
     """Whether requests to this checkpoint may carry images: a vision config beside the
-    text model's and an HF processor config (LLaVA, Gemma 3). Which ones the
-    gpu_worker can serve is its model registry's to say, before any process starts."""
+    text model's and an HF processor config (LLaVA, Gemma 3), or a preprocessor config
+    that names the processor (the hub's Qwen2-VL). Which ones the gpu_worker can serve is
+    its model registry's to say, before any process starts."""
     with open(os.path.join(model_path, "config.json"), encoding="utf-8") as fh:
         config = json.load(fh)
-    return ("vision_config" in config
-            and os.path.isfile(os.path.join(model_path, "processor_config.json")))
+    return "vision_config" in config and has_processor(model_path)
+
+
+def has_processor(model_path: str) -> bool:
+    """An HF processor config beside the checkpoint: ``processor_config.json``, or a
+    ``preprocessor_config.json`` that names its ``processor_class``."""
+    if os.path.isfile(os.path.join(model_path, "processor_config.json")):
+        return True
+    path = os.path.join(model_path, "preprocessor_config.json")
+    if not os.path.isfile(path):
+        return False
+    with open(path, encoding="utf-8") as fh:
+        return json.load(fh).get("processor_class") is not None
 
 
 def max_seq_length(model_path: str) -> int | None:

@@ -15,7 +15,6 @@ wrong shape, is a plan the scheduler should never send: a ValueError (the step f
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -24,15 +23,13 @@ from protocol.ipc import ImageInput, SeqChunk
 
 
 class ImageCache:
-    """``encode``: pixels [images, C, H, W] -> embeddings [images, tokens, hidden] (the
-    model's ``vision``); None: this model takes no images."""
+    """``vision``: the model's image path (``models/vision.py``: ``input_problem(im)``
+    says why an image does not fit it, ``embed(pixels, im)`` gives its embeddings
+    [tokens, hidden]); None: this model takes no images."""
 
-    def __init__(self, encode: Callable[[torch.Tensor], torch.Tensor] | None,
-                 pixel_shape: tuple[int, ...] = (), tokens_per_image: int = 0,
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
-        self.encode = encode
-        self.pixel_shape = list(pixel_shape)
-        self.tokens_per_image = tokens_per_image
+    def __init__(self, vision=None, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32) -> None:
+        self.vision = vision
         self.device, self.dtype = torch.device(device), dtype
         self.embeddings: dict[bytes, torch.Tensor] = {}  # content hash -> [tokens, hidden]
         self.holders: dict[bytes, set[str]] = {}  # content hash -> rids still feeding its span
@@ -46,25 +43,24 @@ class ImageCache:
         """Take note of the chunk's images before the step runs; check what came."""
         if not seq.images:
             return
-        if self.encode is None:
+        if self.vision is None:
             raise ValueError(f"{seq.rid}: images sent to a model without a vision tower")
         start, end = seq.start_pos, seq.start_pos + len(seq.token_ids)
         for im in seq.images:
             if not (im.offset < end and im.offset + im.length > start):
                 raise ValueError(f"{seq.rid}: image at {im.offset}..{im.offset + im.length - 1} "
                                  f"is outside the chunk's positions {start}..{end - 1}")
-            if im.length != self.tokens_per_image:
-                raise ValueError(f"{seq.rid}: an image spans {im.length} positions; this model "
-                                 f"gives one {self.tokens_per_image} embeddings")
+            problem = self.vision.input_problem(im)
+            if problem is not None:
+                raise ValueError(f"{seq.rid}: {problem}")
             key = im.content_hash
             if key not in self.embeddings and key not in self.pending:
                 if not im.pixels:
                     raise ValueError(f"{seq.rid}: an image's pixels were never sent and its "
                                      "embeddings are not cached")
-                if (im.shape != self.pixel_shape or im.dtype != "float32"
-                        or len(im.pixels) != 4 * math.prod(im.shape)):
-                    raise ValueError(f"{seq.rid}: image pixels of shape {im.shape} ({im.dtype}); "
-                                     f"this model's tower takes {self.pixel_shape} float32")
+                if len(im.pixels) != 4 * math.prod(im.shape):
+                    raise ValueError(f"{seq.rid}: {len(im.pixels)} bytes of pixels for shape "
+                                     f"{im.shape} float32")
                 self.pending[key] = im
             self.holders.setdefault(key, set()).add(seq.rid)
 
@@ -72,8 +68,7 @@ class ImageCache:
         """Each image alone (its embeddings never depend on what else came in the step)."""
         for key, im in self.pending.items():
             pixels = torch.from_numpy(np.frombuffer(im.pixels, dtype=np.float32).reshape(im.shape).copy())
-            out = self.encode(pixels.unsqueeze(0).to(self.device))
-            self.embeddings[key] = out[0].to(self.dtype)
+            self.embeddings[key] = self.vision.embed(pixels.to(self.device), im).to(self.dtype)
             self.encoded += 1
         self.pending.clear()
 

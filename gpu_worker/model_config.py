@@ -22,7 +22,7 @@ import msgspec
 
 from cluster.token_classifier import TokenClassifierError, read_token_classifier
 from gpu_worker.architectures import (bert, gemma, gemma3_vision, granite, llama, llava, mixtral,
-                                      olmo2, phi3, qwen, smollm3, starcoder2)
+                                      olmo2, phi3, qwen, qwen2_vl, smollm3, starcoder2)
 from gpu_worker.architectures.hf_config import (Architecture, EncoderSpec, LayerSpec, MoeConfig,
                                                 RopeConfig, UnsupportedConfig, VisionSpec)
 from gpu_worker.quantization.spec import QuantSpec, parse_quantization
@@ -44,6 +44,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     "starcoder2": starcoder2.STARCODER2,
     "llava": llava.LLAVA,  # a Llama/Mistral text model behind a CLIP tower (ModelConfig.vision)
     "gemma3": gemma3_vision.GEMMA3,  # Gemma 3 text behind a SigLIP tower (ModelConfig.vision)
+    "qwen2_vl": qwen2_vl.QWEN2_VL,  # Qwen2 text with M-RoPE behind Qwen's tower (ModelConfig.vision)
+    "qwen2_5_vl": qwen2_vl.QWEN2_VL,
     "bert": bert.ENCODER,
     "roberta": bert.ENCODER,
     "xlm-roberta": bert.ENCODER,

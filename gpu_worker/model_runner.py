@@ -38,12 +38,16 @@ drafts; see draft_model.py for its cache, which mirrors this one's block ids). W
 EAGLE-3 head (``eagle3``) the model keeps its aux hidden states each forward
 (``aux_layers``) and the head is fed those rows, one id behind (see eagle3.py).
 
-Images (a LLaVA or Gemma 3 checkpoint): a chunk names the images its positions overlap
-(``SeqChunk.images``); ``images`` (``image_cache``) encodes each once, keeps its
-embeddings until every request holding it has fed its span, and the model splices them
-over the placeholder rows. A step with image rows never runs as a CUDA graph. Gemma 3's
-image tokens attend each other both ways: each image's span goes to the attention
-backend as a bidirectional span of its chunk (the scheduler never splits one).
+Images (a LLaVA, Gemma 3, Qwen2-VL or Qwen2.5-VL checkpoint): a chunk names the images its
+positions overlap (``SeqChunk.images``); ``images`` (``image_cache``) encodes each once,
+keeps its embeddings until every request holding it has fed its span, and the model
+splices them over the placeholder rows. A step with image rows never runs as a CUDA
+graph. Gemma 3's image tokens attend each other both ways: each image's span goes to the
+attention backend as a bidirectional span of its chunk (the scheduler never splits one).
+Qwen2-VL's M-RoPE: each chunk's rows are positioned from its ``rope_shift`` and its
+images' grids (``mrope``); a step with image rows passes [3, rows] positions, any other
+step the one position per row that text and decode rows take (index + shift), so decode
+steps keep their CUDA graphs.
 
 With LoRA enabled, ``adapters`` (``lora.store``) holds the adapters and groups each
 step's rows by adapter before the forward pass; a step with adapter rows runs eagerly
@@ -74,6 +78,7 @@ from gpu_worker.kv_budget import KvDemand, auto_kv_bytes, resident_bytes
 from gpu_worker.distributed import Ranks
 from gpu_worker.lora.store import AdapterStore
 from gpu_worker.model_build import build_model
+from gpu_worker.mrope import positions as mrope_positions
 from gpu_worker.model_config import load_config
 from gpu_worker.models import fused_moe, row_ops
 from gpu_worker.models.decoder import DecoderForCausalLM
@@ -105,7 +110,7 @@ class _Batch:
     prefills: list[SeqChunk]
     decodes: list[SeqChunk]
     ids: list[int]
-    positions: list[int]
+    positions: list[int] | list[list[int]]  # [3][rows] where M-RoPE positions image rows
     last_row: dict[int, int]  # id(seq) -> row of its last token
     to_sample: list[SeqChunk]  # plan order
 
@@ -274,11 +279,7 @@ class ModelRunner:
     def _image_cache(self) -> ImageCache:
         """The encoder cache over this model's image path (none: a text model's, which
         refuses chunks with images)."""
-        vision = getattr(self.model, "vision", None)
-        if vision is None:
-            return ImageCache(None)
-        return ImageCache(vision, vision.pixel_shape, vision.spec.tokens_per_image,
-                          self.device, self.dtype)
+        return ImageCache(getattr(self.model, "vision", None), self.device, self.dtype)
 
     def _log_moe_path(self) -> None:
         """Build the fused MoE kernel now (not on the first request) where it applies, and
@@ -604,11 +605,20 @@ class ModelRunner:
         ids: list[int] = []
         positions: list[int] = []
         last_row: dict[int, int] = {}  # id(seq) -> row of its last token
+        mrope = bool(self.config.rope.mrope_section)
+        per_chunk: list[tuple[list[int], list[list[int]] | None]] = []
         for s in ordered:
             ids.extend(s.token_ids)
-            positions.extend(range(s.start_pos, s.start_pos + len(s.token_ids)))
+            if mrope:  # (the chunk's rope_shift; its image rows by their grids)
+                per_chunk.append(mrope_positions(s))
+                positions.extend(per_chunk[-1][0])
+            else:
+                positions.extend(range(s.start_pos, s.start_pos + len(s.token_ids)))
             last_row[id(s)] = len(ids) - 1
             self.tracker.observe(s, self.sampling.get(s.rid))
+        if any(axes is not None for _, axes in per_chunk):  # [3, rows]: M-RoPE's image rows
+            positions = [[p for flat, axes in per_chunk for p in (axes[a] if axes else flat)]
+                         for a in range(3)]
         vocab = self.config.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise ValueError(f"token id outside vocabulary [0, {vocab})")

@@ -12,7 +12,7 @@ import socket
 
 import msgspec
 
-from cluster.checkpoint import effective_max_model_len
+from cluster.checkpoint import effective_max_model_len, has_processor
 from cluster.generation_config import GenerationConfigError, sampling_defaults
 from launcher.supervisor import say
 from cluster.topology import EngineGroup, HttpSpec, NodeSpec, Topology
@@ -135,7 +135,7 @@ def _check_images(cfg, path: str, max_num_batched_tokens: int) -> None:
     """A vision checkpoint's image preprocessing must be one Candor mirrors (no pan-and-
     scan crops), and a step must hold a whole Gemma 3 image: its tokens attend each other
     both ways, so the scheduler never splits one over chunks."""
-    if cfg.vision is None or not os.path.isfile(os.path.join(path, "processor_config.json")):
+    if cfg.vision is None or not has_processor(path):
         return
     from tokenizer_worker.vision import processor_problem
 

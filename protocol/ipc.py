@@ -249,10 +249,13 @@ class ImageInput(msgspec.Struct, array_like=True, frozen=True):
     tokenizer worker: its pixel values as raw bytes (C order, ``dtype`` as numpy names it,
     ``shape`` e.g. [3, 336, 336]) and where its placeholder tokens sit in the prompt
     (``offset``, ``length``: the span the vision tower's embeddings replace).
-    ``content_hash`` (sha256 of the pixel values) keys the prefix cache: two different
-    images behind the same placeholder ids must never share KV. ``whole``: the span's
+    ``content_hash`` (sha256 of the pixel values, and of the grid where there is one)
+    keys the prefix cache: two different images behind the same placeholder ids must
+    never share KV. ``whole``: the span's
     tokens attend each other both ways (Gemma 3), so the scheduler feeds it in one chunk
-    and never starts a request (a prefix-cache hit) inside it."""
+    and never starts a request (a prefix-cache hit) inside it. ``grid``: the span's tokens
+    as a [temporal, rows, columns] grid (Qwen2-VL: images of any size, and M-RoPE positions
+    its tokens by row and column); empty: a model whose images are a flat span."""
 
     pixels: bytes
     shape: list[int]
@@ -261,6 +264,14 @@ class ImageInput(msgspec.Struct, array_like=True, frozen=True):
     length: int
     content_hash: bytes
     whole: bool = False
+    grid: list[int] = []
+
+    @property
+    def rope_gain(self) -> int:
+        """How much further the positions after the span stand under M-RoPE than its
+        length would put them (HF's ``get_rope_index``: an image advances the text's
+        position by max(rows, columns), not by its token count); 0 without a grid."""
+        return max(self.grid[1], self.grid[2]) - self.length if self.grid else 0
 
 
 class TokenizedReq(_Message, tag="tokenized", omit_defaults=True):
@@ -349,7 +360,14 @@ class SeqChunk(msgspec.Struct, array_like=True):
     ``images``: the prompt images whose placeholder span these positions overlap. An
     image's pixels travel once, with the first chunk that needs them since the request
     was (re)admitted; a later chunk of the span names it with empty ``pixels`` and the
-    worker reads its embeddings from its encoder cache (keyed by content hash)."""
+    worker reads its embeddings from its encoder cache (keyed by content hash).
+
+    ``rope_shift`` (M-RoPE, Qwen2-VL): what the prompt's images that end at or before
+    ``start_pos`` add to the positions (the sum of their ``rope_gain``s, never above 0):
+    a text token at index p is rotated by position p + the shift, an image's tokens by
+    their grid (``images``); a decode's is every image's. Computed from the request's
+    images alone, so a chunk gets the same positions however the prompt was split,
+    cached or recomputed, on a prefill or a decode replica."""
 
     rid: str
     token_ids: list[int]
@@ -361,6 +379,7 @@ class SeqChunk(msgspec.Struct, array_like=True):
     draft: list[int] = []
     images: list[ImageInput] = []
     propose: int = 0
+    rope_shift: int = 0
 
 
 class KvExport(msgspec.Struct, array_like=True):

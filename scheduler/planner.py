@@ -456,8 +456,9 @@ class Planner:
         propose = (self.drafts.propose_count(req, len(self.running))
                    if sample and n == 1 and self.drafts is not None else 0)
         req.proposing = propose > 0
+        shift = req.rope_shift(start) if req.req.images else 0
         step.chunks.append(SeqChunk(req.rid, tokens, start, req.block_table[kept:], sample, kept,
-                                    context, draft or [], images, propose))
+                                    context, draft or [], images, propose, shift))
         req.blocks_sent = len(req.block_table)
         self._note_writes(step, req, start, n)
         req.scheduled(n, sample)

@@ -149,6 +149,11 @@ class SchedRequest:
                 self.images_sent = k + 1
         return out
 
+    def rope_shift(self, start: int) -> int:
+        """M-RoPE's shift of the positions from ``start`` on (``SeqChunk.rope_shift``): the
+        gains of the prompt images that end at or before it."""
+        return sum(im.rope_gain for im in self.req.images if im.offset + im.length <= start)
+
     def chunk_size(self, start: int, n: int) -> int:
         """``n``, or fewer so that a chunk from ``start`` never ends inside a ``whole``
         image (Gemma 3: its tokens attend each other both ways, so all of them must be in

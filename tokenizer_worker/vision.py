@@ -46,20 +46,22 @@ class VisionPrompt:
 
     @staticmethod
     def has_images(model_dir: str | Path) -> bool:
-        return (Path(model_dir) / "processor_config.json").is_file()
+        return processor_class(model_dir) is not None
 
     @classmethod
     def for_checkpoint(cls, model_dir: str | Path) -> "VisionPrompt | None":
         """The checkpoint's image preprocessing, or None for a model that takes no images
-        (no ``processor_config.json`` or no image token in its config)."""
-        if not cls.has_images(model_dir):
+        (no processor named beside it, or no image token in its config)."""
+        kind = processor_class(model_dir)
+        if kind is None:
             return None
         config = json.loads((Path(model_dir) / "config.json").read_text())
         token = config.get("image_token_index", config.get("image_token_id"))
         if token is None:
             return None
-        kind = json.loads((Path(model_dir) / "processor_config.json").read_text()).get("processor_class")
-        return (Gemma3VisionPrompt if kind == "Gemma3Processor" else VisionPrompt)(model_dir, int(token))
+        prompt = {"Gemma3Processor": Gemma3VisionPrompt, "Qwen2VLProcessor": QwenVisionPrompt,
+                  "Qwen2_5_VLProcessor": QwenVisionPrompt}.get(kind, VisionPrompt)
+        return prompt(model_dir, int(token))
 
     def expand_text(self, text: str, images: list[Image.Image]) -> str:
         """The rendered prompt as the processor tokenizes it (LLaVA's: unchanged)."""
@@ -107,7 +109,20 @@ class VisionPrompt:
         return out, inputs
 
 
-PROCESSORS = {"LlavaProcessor", "Gemma3Processor"}
+PROCESSORS = {"LlavaProcessor", "Gemma3Processor", "Qwen2VLProcessor", "Qwen2_5_VLProcessor"}
+
+
+def processor_class(model_dir: str | Path) -> str | None:
+    """The HF processor the checkpoint names: ``processor_config.json``'s
+    ``processor_class`` ("" where it names none), or else ``preprocessor_config.json``'s
+    (the hub's Qwen2-VL checkpoints have no processor_config.json); None: no processor
+    named beside it (a model that takes no images)."""
+    path = Path(model_dir) / "processor_config.json"
+    if path.is_file():
+        return str(json.loads(path.read_text()).get("processor_class") or "")
+    path = Path(model_dir) / "preprocessor_config.json"
+    kind = json.loads(path.read_text()).get("processor_class") if path.is_file() else None
+    return None if kind is None else str(kind)
 
 
 def processor_problem(model_dir: str | Path) -> str | None:
@@ -115,10 +130,17 @@ def processor_problem(model_dir: str | Path) -> str | None:
     in one line: a processor class we do not mirror, or Gemma 3 image tokens its tokenizer
     lacks. Torch-free: the launcher asks first."""
     model_dir = Path(model_dir)
-    kind = json.loads((model_dir / "processor_config.json").read_text()).get("processor_class")
+    kind = processor_class(model_dir)
     if kind not in PROCESSORS:
-        return (f"image input is served for {' and '.join(sorted(PROCESSORS))} checkpoints "
-                f"only, not {kind!r}")
+        return (f"image input is served for {', '.join(sorted(PROCESSORS))} checkpoints "
+                f"only, not {kind or None!r}")
+    if kind in _QWEN_PROCESSORS:
+        model = json.loads((model_dir / "config.json").read_text())
+        token = model.get("image_token_id")
+        if token is None or int(token) not in _added_tokens(model_dir):
+            return ("config.json's image_token_id names no added token of tokenizer.json; "
+                    "Qwen2-VL's image expansion needs it")
+        return None
     if kind != "Gemma3Processor":
         return None
     model = json.loads((model_dir / "config.json").read_text())
@@ -256,6 +278,103 @@ class Gemma3VisionPrompt(VisionPrompt):
             raise RuntimeError(f"the image processor cut {made} pan-and-scan crops where "
                                f"{crops} were counted")
         return np.ascontiguousarray(out["pixel_values"], dtype=np.float32)
+
+
+_QWEN_PROCESSORS = {"Qwen2VLProcessor", "Qwen2_5_VLProcessor"}
+
+
+class QwenVisionPrompt(VisionPrompt):
+    """Qwen2VLProcessor's expansion (Qwen2.5-VL's is the same): each image token the
+    template renders (``<|image_pad|>``, between ``<|vision_start|>`` and
+    ``<|vision_end|>``) becomes one per token of that image, rows x columns of its
+    patch grid over ``merge_size``^2, in the text before it is tokenized. The image
+    processor resizes each image to its own size (multiples of patch x merge pixels,
+    between min and max pixels), so images differ in token count; each input carries its
+    token grid (``ImageInput.grid``: M-RoPE positions and the tower read it) and its
+    patches [patches, channels x temporal x patch x patch], as HF's processor flattens them."""
+
+    def __init__(self, model_dir: str | Path, image_token_id: int) -> None:
+        from transformers import AutoImageProcessor
+
+        model_dir = Path(model_dir)
+        problem = processor_problem(model_dir)
+        if problem is not None:
+            raise ValueError(problem)
+        self.image_token_id = image_token_id
+        names = _added_tokens(model_dir)
+        self.image_token = names[image_token_id]
+        video = json.loads((model_dir / "config.json").read_text()).get("video_token_id")
+        self.video_token_id = None if video is None else int(video)
+        self.video_token = names.get(self.video_token_id, "<|video_pad|>")
+        self.processor = AutoImageProcessor.from_pretrained(model_dir)
+        self.merge = int(self.processor.merge_size)
+
+    def tokens_per_image(self, height: int, width: int) -> int:
+        """The image's token count (its size before resizing), as the processor counts it."""
+        try:
+            return self.processor.get_number_of_image_patches(height, width) // self.merge**2
+        except ValueError as err:  # (smart_resize: an aspect ratio past 200)
+            raise ImageError(f"the image cannot be resized for this model: {err}") from None
+
+    def expand_text(self, text: str, images: list[Image.Image]) -> str:
+        """Each image token repeated for its image, when there is one per image. More
+        tokens than images (text that spells one) is refused here; fewer (a template that
+        left an image out) comes back unexpanded, for ``expand`` to refuse."""
+        pieces = text.split(self.image_token)
+        if len(pieces) - 1 > len(images):
+            raise ImageError(f"the rendered prompt holds {len(pieces) - 1} {self.image_token!r} "
+                             f"token(s) for {len(images)} image(s); the text may not contain "
+                             f"{self.image_token!r} itself", param="messages")
+        if len(pieces) - 1 != len(images):
+            return text
+        out = [pieces[0]]
+        for img, piece in zip(images, pieces[1:]):
+            out += [self.image_token * self.tokens_per_image(img.height, img.width), piece]
+        return "".join(out)
+
+    def expand(self, ids: list[int], images: list[Image.Image]) -> tuple[list[int],
+                                                                         list[ipc.ImageInput]]:
+        """The images' inputs over the runs of image tokens the expanded text became: one
+        run per image, of its own token count, or the prompt is refused; so is a video
+        token (video input is not served: HF's processor would expand it for a video)."""
+        if self.video_token_id is not None and self.video_token_id in ids:
+            raise ImageError(f"the prompt holds {self.video_token!r}, the video placeholder; "
+                             "video input is not served, and the text may not contain "
+                             f"{self.video_token!r} itself", param="messages")
+        runs: list[list[int]] = []
+        for i, t in enumerate(ids):
+            if t == self.image_token_id:
+                if runs and runs[-1][1] == i:
+                    runs[-1][1] = i + 1
+                else:
+                    runs.append([i, i + 1])
+        want = [self.tokens_per_image(img.height, img.width) for img in images]
+        if [hi - lo for lo, hi in runs] != want:
+            raise ImageError(f"the prompt's {self.image_token!r} tokens do not form one run per "
+                             f"image ({len(images)} image(s)); the text may not contain "
+                             f"{self.image_token!r} itself, and the chat template must render "
+                             "image parts", param="messages")
+        if not images:
+            return ids, []
+        try:
+            out = self.processor(images=images, return_tensors="np")
+        except ValueError as err:
+            raise ImageError(f"the image cannot be preprocessed for this model: {err}") from None
+        patches = np.asarray(out["pixel_values"], dtype=np.float32)
+        inputs = []
+        first = 0
+        for (lo, hi), (t, h, w) in zip(runs, out["image_grid_thw"].tolist()):
+            grid = [int(t), int(h) // self.merge, int(w) // self.merge]
+            one = np.ascontiguousarray(patches[first:first + t * h * w])
+            first += t * h * w
+            data = one.tobytes()
+            # (the grid is part of the key: the same patch values laid out another way are
+            # another image)
+            digest = hashlib.sha256(data + np.asarray(grid, dtype=np.int64).tobytes()).digest()
+            inputs.append(ipc.ImageInput(pixels=data, shape=list(one.shape), dtype=str(one.dtype),
+                                         offset=lo, length=hi - lo, content_hash=digest,
+                                         grid=grid))
+        return ids, inputs
 
 
 def _added_tokens(model_dir: Path) -> dict[int, str]:

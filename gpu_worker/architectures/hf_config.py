@@ -51,6 +51,9 @@ class RopeConfig(msgspec.Struct, frozen=True):
     short_factor: list[float] = []
     long_factor: list[float] = []
     factor_given: bool = True  # False: derive it from max_position_embeddings (yarn, longrope)
+    # M-RoPE (Qwen2-VL): how many of the head_dim / 2 rotary frequencies take the temporal,
+    # height and width position, in that order; empty: one position per token
+    mrope_section: list[int] = []
 
 
 class MoeConfig(msgspec.Struct, frozen=True):
@@ -77,7 +80,9 @@ class VisionSpec(msgspec.Struct, frozen=True):
     the features are read from, the projector that maps its features onto the text
     model's embeddings, and the placeholder token whose positions those embeddings
     replace. ``family``: ``llava`` (``architectures/llava.py``: a CLIP tower and a
-    two-layer projector) or ``gemma3`` (``architectures/gemma3_vision.py``: a SigLIP tower
+    two-layer projector), ``qwen2_vl`` / ``qwen2_5_vl`` (``architectures/qwen2_vl.py``:
+    Qwen's patch-merging tower, images of any size) or ``gemma3``
+    (``architectures/gemma3_vision.py``: a SigLIP tower
     and Gemma 3's pooling projector, ``mm_tokens`` tokens an image; its image tokens
     attend each other both ways in prefill: ``bidirectional``).
 
@@ -99,11 +104,20 @@ class VisionSpec(msgspec.Struct, frozen=True):
     projector_act: str
     projector_bias: bool
     image_token_id: int
-    family: Literal["llava", "gemma3"] = "llava"
+    family: Literal["llava", "gemma3", "qwen2_vl", "qwen2_5_vl"] = "llava"
     mm_tokens: int = 0  # gemma3: the tokens an image is pooled to (mm_tokens_per_image)
     # an image's tokens attend each other both ways during prefill (Gemma 3's token_type_ids
     # mask): the scheduler keeps its span in one chunk, attention ORs the block in
     bidirectional: bool = False
+    # Qwen2-VL / Qwen2.5-VL (architectures/qwen2_vl.py): images of any size, as patches of
+    # temporal_patch_size frames (a still image repeated) whose merge_size x merge_size
+    # neighbours merge into one token; 2.5: attention within window_size-pixel windows
+    # except in full_attention_blocks
+    temporal_patch_size: int = 0
+    merge_size: int = 0
+    window_size: int = 0
+    full_attention_blocks: list[int] = []
+    rope_theta: float = 10000.0  # the tower's 2-D rotary positions (Qwen)
 
     @property
     def layers_run(self) -> int:
@@ -111,6 +125,9 @@ class VisionSpec(msgspec.Struct, frozen=True):
 
     @property
     def tokens_per_image(self) -> int:
+        """Every image's token count (0: it varies with the image's size, Qwen2-VL's)."""
+        if self.merge_size:
+            return 0
         if self.mm_tokens:
             return self.mm_tokens
         return (self.image_size // self.patch_size) ** 2 + (0 if self.drop_cls else 1)
@@ -187,6 +204,8 @@ def parse_rope(cfg: dict[str, Any], params: dict[str, Any]) -> RopeConfig:
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
     if rope_type == "su":  # Phi-3's early name for longrope
         rope_type = "longrope"
+    if rope_type == "mrope" and params.get("mrope_section"):  # Qwen2-VL's transformers 4
+        rope_type = "default"  # name: default RoPE, sectioned
     if rope_type not in ROPE_TYPES:
         raise UnsupportedConfig("rope_type", rope_type, ROPE_TYPES)
     partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
@@ -210,6 +229,7 @@ def parse_rope(cfg: dict[str, Any], params: dict[str, Any]) -> RopeConfig:
         truncate=bool(params.get("truncate", True)),
         short_factor=[float(x) for x in params.get("short_factor") or []],
         long_factor=[float(x) for x in params.get("long_factor") or []],
+        mrope_section=[int(x) for x in params.get("mrope_section") or []],
     )
 
 

@@ -139,10 +139,23 @@ class RotaryEmbedding:
                 cos, sin = cos * scale, sin * scale
         self.cos = cos.to(device=device, dtype=dtype)
         self.sin = sin.to(device=device, dtype=dtype)
+        # M-RoPE: which of the (temporal, height, width) positions each column rotates by
+        # (column j is frequency j mod head_dim / 2; mrope_section counts them in order)
+        self.section = None
+        if rope.mrope_section:
+            per_freq = [k for k, n in enumerate(rope.mrope_section) for _ in range(n)]
+            self.section = torch.tensor(per_freq + per_freq, device="cpu").to(device)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This step's [num_tokens, 1, head_dim] cos and sin, looked up once for all layers."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        """This step's [num_tokens, 1, head_dim] cos and sin, looked up once for all layers.
+        ``positions`` [3, num_tokens] (M-RoPE: each token's temporal, height and width
+        position): each column from the position its section names (as HF's Qwen2-VL; a
+        token whose three positions agree gets the plain table's row)."""
+        if positions.dim() == 1:
+            return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        pick = self.section.view(1, 1, -1).expand(1, positions.shape[1], -1)
+        return (self.cos[positions].gather(0, pick)[0].unsqueeze(1),
+                self.sin[positions].gather(0, pick)[0].unsqueeze(1))
 
     @staticmethod
     def rotate(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

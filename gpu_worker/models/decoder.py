@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gpu_worker.architectures import llava
+from gpu_worker.architectures import llava, qwen2_vl
 from gpu_worker.attention.base import AttentionMetadata
 from gpu_worker.model_config import LayerSpec, ModelConfig, architecture
 from gpu_worker.models import fused_moe
@@ -321,7 +321,8 @@ class DecoderForCausalLM(nn.Module):
         images: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Final hidden states (before the last norm) for every token: [num_tokens, hidden].
-        ``images``: (rows, embeddings) that replace those rows' token embeddings."""
+        ``positions``: [num_tokens], or [3, num_tokens] for M-RoPE (Qwen2-VL's image
+        tokens). ``images``: (rows, embeddings) that replace those rows' token embeddings."""
         x = self.model.embed_tokens(input_ids)
         if self.embed_scale != 1.0:  # Gemma rounds sqrt(hidden) to the compute dtype first
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
@@ -420,7 +421,8 @@ class DecoderForCausalLM(nn.Module):
         if name.startswith("score.") and self.score is not None:
             return name, ()
         if self.config.vision is not None:
-            name = llava.checkpoint_name(name, self.config.vision)
+            name = (qwen2_vl.checkpoint_name(name) if self.config.vision.merge_size
+                    else llava.checkpoint_name(name, self.config.vision))
             if name is None or name.startswith("vision."):
                 return None if name is None or self.vision is None else (name, ())
         if not name.startswith(("model.", "lm_head.")):  # a base model's checkpoint

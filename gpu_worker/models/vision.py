@@ -12,7 +12,9 @@ next to the text model, so every tensor-parallel rank holds all of it (plain
 ``nn.Linear``s, replicated): each rank computes the same embeddings and splices them into
 its own copy of the step's input embeddings. One image is encoded at a time, alone, so
 its embeddings never depend on what else is in the step (the deterministic mode's promise)
-and are computed once per image (``gpu_worker/image_cache.py`` keeps them).
+and are computed once per image (``gpu_worker/image_cache.py`` keeps them). Qwen2-VL's
+and Qwen2.5-VL's tower, whose images come in any size, is ``qwen2_vl_vision.py``; every
+image path answers the cache's ``input_problem`` and ``embed``.
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.architectures.hf_config import VisionSpec
+from protocol.ipc import ImageInput
 
 
-def _activation(name: str):
+def tower_activation(name: str):
     if name == "quick_gelu":  # HF's QuickGELUActivation
         return lambda x: x * torch.sigmoid(1.702 * x)
     if name == "gelu":
@@ -82,7 +85,7 @@ class SelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, v: VisionSpec) -> None:
         super().__init__()
-        self.act = _activation(v.act)
+        self.act = tower_activation(v.act)
         self.fc1 = nn.Linear(v.hidden_size, v.intermediate_size)
         self.fc2 = nn.Linear(v.intermediate_size, v.hidden_size)
 
@@ -136,14 +139,39 @@ class Projector(nn.Module):
         super().__init__()
         self.linear_1 = nn.Linear(v.hidden_size * len(v.feature_layers), text_hidden,
                                   bias=v.projector_bias)
-        self.act = _activation(v.projector_act)
+        self.act = tower_activation(v.projector_act)
         self.linear_2 = nn.Linear(text_hidden, text_hidden, bias=v.projector_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_2(self.act(self.linear_1(x)))
 
 
-class LlavaVision(nn.Module):
+class FixedSizeVision(nn.Module):
+    """An image path whose images all have the tower's one size and give
+    ``spec.tokens_per_image`` embeddings (LLaVA, Gemma 3): what ``ImageCache`` asks of an
+    image path (``input_problem``, ``embed``), over ``forward`` [images, C, H, W]."""
+
+    spec: VisionSpec
+
+    @property
+    def pixel_shape(self) -> list[int]:
+        v = self.spec
+        return [v.num_channels, v.image_size, v.image_size]
+
+    def input_problem(self, im: ImageInput) -> str | None:
+        if im.length != self.spec.tokens_per_image:
+            return (f"an image spans {im.length} positions; this model gives one "
+                    f"{self.spec.tokens_per_image} embeddings")
+        if im.shape != self.pixel_shape or im.dtype != "float32":
+            return (f"image pixels of shape {im.shape} ({im.dtype}); this model's tower takes "
+                    f"{self.pixel_shape} float32")
+        return None
+
+    def embed(self, pixels: torch.Tensor, im: ImageInput) -> torch.Tensor:
+        return self(pixels.unsqueeze(0))[0]
+
+
+class LlavaVision(FixedSizeVision):
     """pixels [images, channels, H, W] -> embeddings [images, tokens_per_image, text hidden]."""
 
     def __init__(self, v: VisionSpec, text_hidden: int) -> None:
@@ -151,11 +179,6 @@ class LlavaVision(nn.Module):
         self.spec = v
         self.tower = ClipVisionTower(v)
         self.projector = Projector(v, text_hidden)
-
-    @property
-    def pixel_shape(self) -> tuple[int, int, int]:
-        v = self.spec
-        return v.num_channels, v.image_size, v.image_size
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         features = self.tower(pixels)
@@ -205,7 +228,7 @@ class Gemma3Projector(nn.Module):
         return torch.matmul(normed, self.mm_input_projection_weight).type_as(x)
 
 
-class Gemma3Vision(nn.Module):
+class Gemma3Vision(FixedSizeVision):
     """pixels [images, channels, H, W] -> embeddings [images, mm_tokens, text hidden]."""
 
     def __init__(self, v: VisionSpec, text_hidden: int) -> None:
@@ -214,15 +237,13 @@ class Gemma3Vision(nn.Module):
         self.tower = SiglipVisionTower(v)
         self.projector = Gemma3Projector(v, text_hidden)
 
-    @property
-    def pixel_shape(self) -> tuple[int, int, int]:
-        v = self.spec
-        return v.num_channels, v.image_size, v.image_size
-
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         return self.projector(self.tower(pixels))
 
 
 def build_vision(v: VisionSpec, text_hidden: int) -> nn.Module:
     """The image path ``v.family`` names."""
+    if v.family in ("qwen2_vl", "qwen2_5_vl"):
+        from gpu_worker.models.qwen2_vl_vision import QwenVision
+        return QwenVision(v, text_hidden)
     return Gemma3Vision(v, text_hidden) if v.family == "gemma3" else LlavaVision(v, text_hidden)

@@ -47,7 +47,9 @@ as a cell is, against its reference alone on its family's ``base`` server, besid
 and an image bystander. Two servers of it serve the tiny Gemma 3 image model
 (``tests/support/gemma3_vision_zoo.py``, ``VL_FAMILY``), whose images are computed whole
 (chunked prefill stops before them) and whose prefix hits never end inside one; their
-references come from a Gemma 3 ``base`` of their own.
+references come from a Gemma 3 ``base`` of their own. Three serve the tiny Qwen2-VL
+(``tests/support/qwen2_vl_zoo.py``: M-RoPE positions, images split over chunks,
+recomputed after preemption, decoded on another replica), against a Qwen2-VL ``base``.
 """
 
 from __future__ import annotations
@@ -1290,8 +1292,15 @@ VL_SERVERS: dict[str, tuple[str, ...]] = {
     # Gemma 3: a chunk boundary would fall inside images (4 tokens each) at 16
     "gemma3-chunked": ("--max-num-batched-tokens", "16"),
     "gemma3-preempt": ("--num-kv-blocks", str(VL_PREEMPT_BLOCKS)),
+    # Qwen2-VL: images of 2x3 tokens split over 16-token chunks at M-RoPE positions; a
+    # preempted image recomputed at the same positions; the decode replica's M-RoPE delta
+    "qwen2vl-chunked": ("--max-num-batched-tokens", "16"),
+    "qwen2vl-preempt": ("--num-kv-blocks", str(VL_PREEMPT_BLOCKS)),
+    "qwen2vl-pd": ("--prefill-replicas", "1", "--decode-replicas", "1",
+                   "--max-num-batched-tokens", "64"),
 }
-VL_FAMILY = {"gemma3-chunked": "gemma3", "gemma3-preempt": "gemma3"}  # else llava
+VL_FAMILY = {"gemma3-chunked": "gemma3", "gemma3-preempt": "gemma3",  # else llava
+             "qwen2vl-chunked": "qwen2_vl", "qwen2vl-preempt": "qwen2_vl", "qwen2vl-pd": "qwen2_vl"}
 VL_FACTORS: dict[str, list[Any]] = {
     "server": list(VL_SERVERS),
     "images": [1, 2, 0],
@@ -1412,6 +1421,8 @@ class VlPool:
         if family not in self.dirs:
             if family == "gemma3":
                 from tests.support.gemma3_vision_zoo import build_gemma3_vision as build
+            elif family == "qwen2_vl":
+                from tests.support.qwen2_vl_zoo import build_qwen2_vl as build
             else:
                 from tests.support.vision_zoo import build_llava as build
             self.dirs[family] = build(self.log_dir / f"model-{family}")

@@ -105,7 +105,7 @@ def test_every_registered_architecture_is_checked_against_hf():
     """One table registers each model_type (its config parsing and checkpoint names in
     one family module); the decoder zoo builds every decoder, so the parity tests above
     cover them, the encoder zoo every encoder (tests/unit/gpu_worker/test_encoder_parity.py)
-    and the vision zoos LLaVA and Gemma 3."""
+    and the vision zoos LLaVA, Gemma 3, Qwen2-VL and Qwen2.5-VL."""
     import transformers
 
     from tests.support import encoder_zoo
@@ -114,6 +114,7 @@ def test_every_registered_architecture_is_checked_against_hf():
     zoo |= {getattr(transformers, arch[0]).model_type for arch in encoder_zoo.ARCHS.values()}
     zoo |= {"llava"}  # tests/support/vision_zoo.py (tests/unit/gpu_worker/test_llava.py)
     zoo |= {"gemma3"}  # tests/support/gemma3_vision_zoo.py (tests/unit/gpu_worker/test_gemma3_vision.py)
+    zoo |= {"qwen2_vl", "qwen2_5_vl"}  # tests/support/qwen2_vl_zoo.py (tests/unit/gpu_worker/test_qwen2_vl.py)
     assert zoo == set(ARCHITECTURES)
 
 

@@ -409,3 +409,18 @@ def test_a_prefix_hit_never_ends_inside_a_whole_image():
     first = next(c for c in _step(planner) if c.rid == "b")
     assert b.cached_tokens == 4 and first.start_pos == 4 and _carried(first) == [(b"cat", True)]
     assert b.whole_blocks(3, 4) == 1 and b.whole_blocks(1, 4) == 1 and b.chunk_size(4, 5) == 1
+
+
+def test_chunks_carry_the_m_rope_shift_of_the_images_before_them():
+    """Qwen2-VL's gridded images: a 2x4 image (8 tokens at 3..10) advances M-RoPE's
+    positions by 4, a 1x4 one (4 tokens at 14..17) by 4: gains -4 and 0. Each chunk
+    carries the gains of the images that end at or before its start (an image it
+    overlaps is its own to position); every decode carries them all."""
+    planner = Planner(BlockAllocator(64), block_size=4, max_num_seqs=8, max_num_batched_tokens=6)
+    req = _with_images(_req("a", 20, max_tokens=4), (3, 8, b"cat"), (14, 4, b"dog"))
+    req.req.images[:] = [msgspec.structs.replace(im, grid=grid) for im, grid in
+                         zip(req.req.images, ([1, 2, 4], [1, 1, 4]))]
+    assert [im.rope_gain for im in req.req.images] == [-4, 0]
+    planner.waiting.push(req)
+    got = [(c.start_pos, c.rope_shift) for c in (_run_step(planner)[0] for _ in range(6))]
+    assert got == [(0, 0), (6, 0), (12, -4), (18, -4), (20, -4), (21, -4)]
