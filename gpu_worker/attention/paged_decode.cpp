@@ -37,7 +37,10 @@
 // path's shared prefix).
 //
 // Built with AVX2+FMA when the machine has them (cpu_extension.py names the build by ISA);
-// the portable loops below are the fallback and the reference for the vector code.
+// the portable loops below are the fallback and the reference for the vector code. Where
+// the build also targets AVX-512 (cpu_extension.wide_flags), a pair's two rows share
+// 16-lane vectors (row a's 8 lanes low, row b's high) and the softmax takes 16 scores at a
+// time: every lane does the AVX2 code's operations, so the results are the same bits.
 
 namespace {
 
