@@ -1052,6 +1052,7 @@ constexpr int TR = 6, TC = 4;  // 24 accumulators + 6 x vectors + 1 panel vector
 constexpr int TR = CMR, TC = NR;  // 12 + 3 + 1 of AVX2's 16
 #endif
 constexpr int PANEL = 32;  // outputs per many-row work item (a multiple of TC and LANES)
+constexpr int64_t X_BLOCK = 1 << 20;  // bytes of x per block of rows (half an L2)
 static_assert(PANEL % TC == 0 && PANEL % LANES == 0, "the panel splits into tiles and vectors");
 
 // The scaled codes of outputs n0 .. n0 + count into panel rows of K floats (rows past
@@ -1209,21 +1210,27 @@ void codes_many(const uint8_t* w, int64_t row_bytes, const float* x, const float
                 int64_t N, float* y, int64_t ldy) {
   const int64_t items = (N + PANEL - 1) / PANEL, ns = K / T::SB;
   const int64_t grain = std::max<int64_t>(1, ITEM_WEIGHTS / (PANEL * K));
+  // rows in blocks of about X_BLOCK bytes of x, which stay in L2 while a thread's panels
+  // (decoded again for each block) sweep them
+  const int64_t rows = std::max<int64_t>(TR, X_BLOCK / (K * 4) / TR * TR);
   at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> panel(PANEL * K), ct(ns * PANEL), o(TR * PANEL);
     std::vector<CV> accs(TR * PANEL, cv_zero());
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t n0 = item * PANEL;
-      const int count = static_cast<int>(std::min<int64_t>(PANEL, N - n0));
-      decode_panel<T>(w, row_bytes, K, n0, count, panel.data(), ct.data());
-      int64_t m = 0;
-      for (; m + TR <= M; m += TR) {
-        panel_offsets<T, TR>(sums + m * ns, ns, ct.data(), o.data());
-        panel_rows<TR>(x + m * K, K, panel.data(), o.data(), count, y + m * ldy + n0, ldy, accs.data());
+    for (int64_t m0 = 0; m0 < M; m0 += rows) {
+      const int64_t m1 = std::min(M, m0 + rows);
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t n0 = item * PANEL;
+        const int count = static_cast<int>(std::min<int64_t>(PANEL, N - n0));
+        decode_panel<T>(w, row_bytes, K, n0, count, panel.data(), ct.data());
+        int64_t m = m0;
+        for (; m + TR <= m1; m += TR) {
+          panel_offsets<T, TR>(sums + m * ns, ns, ct.data(), o.data());
+          panel_rows<TR>(x + m * K, K, panel.data(), o.data(), count, y + m * ldy + n0, ldy, accs.data());
+        }
+        if (m < m1)
+          panel_tail<T>(m1 - m, x + m * K, sums + m * ns, ns, K, panel.data(), ct.data(), o.data(), count,
+                        y + m * ldy + n0, ldy, accs.data());
       }
-      if (m < M)
-        panel_tail<T>(M - m, x + m * K, sums + m * ns, ns, K, panel.data(), ct.data(), o.data(), count,
-                      y + m * ldy + n0, ldy, accs.data());
     }
   });
 }

@@ -89,9 +89,11 @@ def test_kernel_matmul_is_the_dequantized_product_and_batch_invariant(type_name,
 @pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0", "Q4_K", "Q6_K"])
 def test_many_row_matmul_gives_each_row_its_result_alone(type_name, threads):
     """A prefill-sized batch (tiles of rows over panels of outputs, partial ones at both
-    ends) gives every row bitwise its one-row result (the few-row path), within float
-    rounding of float64's product."""
-    k, n, m = 768, 70, 203  # 70 outputs: two whole panels of 32 and a part; 203 rows: a partial tile
+    ends, x in blocks of rows) gives every row bitwise its one-row result (the few-row
+    path), within float rounding of float64's product."""
+    # 70 outputs: two whole panels of 32 and a part; 403 rows of 768: two blocks of x (1 MiB
+    # each, 336 rows), the second ending in a partial tile
+    k, n, m = 768, 70, 403
     raw = _raw(type_name, n, k, seed=3)
     w = torch.from_numpy(dequantize(raw, GGMLQuantizationType[type_name]).copy())
     blocks, type_id = torch.from_numpy(raw), GGML_TYPES[type_name][0]
