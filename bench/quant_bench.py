@@ -1,13 +1,15 @@
 """Quantized weights against the fp32 path: matmul speed, and worker memory.
 
     python -m bench.quant_bench matmul [--threads N] [--shapes smollm2|llama7b] [--reps R]
+                                       [--rows 1,16] [--kinds fp32,Q4_1]
     python -m bench.quant_bench rss [--root DIR]
 
 ``matmul``: each quantized kernel (GGUF types, group-wise int4, FP8) and the fp32 path the
 dense layers run (oneDNN on a packed weight, as ``Numerics`` serves) over a model's linear
 layers (SmolLM2-135M's or a Llama-7B layer's shapes): ms per call, the weight's GB/s,
-GFLOP/s, and the tokens per second that model's matmuls alone would allow at batch 1
-and 16 (a decode step of 1 or 16 rows through every layer), with the ratio to fp32.
+GFLOP/s, and the tokens per second that model's matmuls alone would allow at each
+``--rows`` count (a step of that many rows through every layer: 1 and 16 are decode
+batches, hundreds a prefill chunk's), with the ratio to fp32.
 
 ``rss``: a ~100M-parameter Llama (``bench.models``) served in fp32, as GGUF Q4_1 blocks
 and as GPTQ int4 / FP8 / W8A8 checkpoints (tests' writers: run from a checkout): each in a
@@ -99,28 +101,33 @@ def matmul(args) -> None:
     shape = SHAPES[args.shapes]
     mats = [(name, n, k, shape["layers"]) for name, n, k in shape["mats"]] + [("head", *shape["head"], 1)]
     print(f"{args.shapes} linear layers, {args.threads} thread(s), best of 3 x {args.reps} calls")
-    print(f"{'kind':<12}{'layer':<9}{'M':>3}{'ms':>9}{'GB/s':>8}{'GFLOP/s':>9}")
+    print(f"{'kind':<12}{'layer':<9}{'M':>5}{'ms':>9}{'GB/s':>8}{'GFLOP/s':>9}")
     step: dict[tuple[str, int], float] = {}
     held: dict[str, int] = {}
     from gpu_worker.quantization.spec import GGML_TYPES
-    kinds = [kind for kind in KINDS  # (a K-quant's 256-element blocks need rows of whole blocks)
+    rows = [int(r) for r in args.rows.split(",")]
+    kinds = [kind for kind in (args.kinds.split(",") if args.kinds else KINDS)
+             # (a K-quant's 256-element blocks need rows of whole blocks)
              if kind not in GGML_TYPES or all(k % GGML_TYPES[kind][1] == 0 for _, _, k, _ in mats)]
     for kind in kinds:
         for name, n, k, count in mats:
             nbytes, f = _weights(kind, n, k)
             held[kind] = held.get(kind, 0) + nbytes * count
-            for m in (1, 16):
+            for m in rows:
                 x = torch.randn(m, k)
                 s = _time(f, x, args.reps)
                 step[(kind, m)] = step.get((kind, m), 0.0) + s * count
-                print(f"{kind:<12}{name:<9}{m:>3}{s * 1e3:>9.3f}{nbytes / s / 1e9:>8.1f}"
+                print(f"{kind:<12}{name:<9}{m:>5}{s * 1e3:>9.3f}{nbytes / s / 1e9:>8.1f}"
                       f"{2 * m * n * k / s / 1e9:>9.1f}")
-    print(f"\nwhole model's matmuls ({shape['layers']} layers + head): weights, decode tok/s at batch 1 and 16")
-    print(f"{'kind':<12}{'MiB':>8}{'tok/s@1':>10}{'x fp32':>8}{'tok/s@16':>10}{'x fp32':>8}{'GB/s@1':>8}")
+    print(f"\nwhole model's matmuls ({shape['layers']} layers + head): weights, then tok/s at each row"
+          " count (x fp32: the ratio to the fp32 path)")
+    print(f"{'kind':<12}{'MiB':>8}" + "".join(f"{f'tok/s@{m}':>12}{'x fp32':>8}" for m in rows) + f"{'GB/s@1':>8}")
     for kind in kinds:
-        t1, t16 = step[(kind, 1)], step[(kind, 16)]
-        print(f"{kind:<12}{held[kind] / 2**20:>8.0f}{1 / t1:>10.1f}{step[('fp32', 1)] / t1:>8.2f}"
-              f"{16 / t16:>10.1f}{step[('fp32', 16)] / t16:>8.2f}{held[kind] / t1 / 1e9:>8.1f}")
+        line = f"{kind:<12}{held[kind] / 2**20:>8.0f}"
+        for m in rows:
+            t = step[(kind, m)]
+            line += f"{m / t:>12.1f}" + (f"{step[('fp32', m)] / t:>8.2f}" if ("fp32", m) in step else f"{'-':>8}")
+        print(line + (f"{held[kind] / step[(kind, 1)] / 1e9:>8.1f}" if 1 in rows else ""))
 
 
 # ---------------------------------------------------------------- rss
@@ -201,6 +208,8 @@ def main() -> None:
     m.add_argument("--threads", type=int, default=1)
     m.add_argument("--shapes", choices=list(SHAPES), default="smollm2")
     m.add_argument("--reps", type=int, default=5)
+    m.add_argument("--rows", default="1,16", help="row counts (M) to time, comma-separated")
+    m.add_argument("--kinds", default="", help=f"weight kinds, comma-separated (default: all of {','.join(KINDS)})")
     r = sub.add_parser("rss")
     r.add_argument("--root", default=str(Path.home() / ".cache" / "candor" / "bench" / "quant"))
     args = p.parse_args()

@@ -41,11 +41,11 @@ import torch
 from gpu_worker.attention.base import AttentionMetadata, AttentionSpec, Chunk, Spans, write_kv
 from gpu_worker.attention.torch_backend import (GatherScratch, TorchBackend, TorchStep, attend_span,
                                                merge_by_lse, padded_tables)
-from gpu_worker.cpu_extension import build
+from gpu_worker.cpu_extension import build, wide_flags
 
 _SOURCE = Path(__file__).with_name("paged_decode.cpp")
 DISABLE_ENV = "CANDOR_CPU_DECODE_KERNEL"
-CFLAGS = ("-ffp-contract=off",)
+CFLAGS = ("-ffp-contract=off", *wide_flags())
 _NO_ROWS = torch.empty(0, dtype=torch.long)
 # (q, k_cache, v_cache, tables, lens, scale, window=None, softcap=None, row_seq=None) -> (out, lse)
 Kernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]

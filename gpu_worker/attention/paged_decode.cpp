@@ -37,7 +37,10 @@
 // path's shared prefix).
 //
 // Built with AVX2+FMA when the machine has them (cpu_extension.py names the build by ISA);
-// the portable loops below are the fallback and the reference for the vector code.
+// the portable loops below are the fallback and the reference for the vector code. Where
+// the build also targets AVX-512 (cpu_extension.wide_flags), a pair's two rows share
+// 16-lane vectors (row a's 8 lanes low, row b's high) and the softmax takes 16 scores at a
+// time: every lane does the AVX2 code's operations, so the results are the same bits.
 
 namespace {
 
@@ -124,11 +127,40 @@ inline __m256 exp256(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
+#ifdef __AVX512F__
+// exp256's operations on 16 lanes (each lane's value is exp256's for it)
+inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.f)), _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+#endif
+
 // Softmax of one head's n scores in place; returns their sum (max already subtracted).
 inline float softmax_row(float* s, int64_t n, float mx) {
   const __m256 m = _mm256_set1_ps(mx);
   __m256 acc = _mm256_setzero_ps();
   int64_t t = 0;
+#ifdef __AVX512F__
+  // sixteen at a time, the sum still eight lanes wide: the low half's eight, then the high's
+  for (const __m512 m16 = _mm512_set1_ps(mx); t + 16 <= n; t += 16) {
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + t), m16));
+    _mm512_storeu_ps(s + t, e);
+    acc = _mm256_add_ps(acc, _mm512_castps512_ps256(e));
+    acc = _mm256_add_ps(acc, _mm512_extractf32x8_ps(e, 1));
+  }
+#endif
   for (; t + 8 <= n; t += 8) {
     const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t), m));
     _mm256_storeu_ps(s + t, e);
@@ -209,6 +241,7 @@ inline void score_row(const float* qh, const float* base, const int64_t* ko, int
 }
 
 // Two rows on one table (query heads qa, qb), keys [a, b) of both, four at a time.
+#ifndef __AVX512F__
 template <int V>
 inline void score_pair(const float* qa, const float* qb, const float* base, const int64_t* ko, int64_t c,
                        float* da, float* db, int64_t a, int64_t b, __m256 scale) {
@@ -228,6 +261,45 @@ inline void score_pair(const float* qa, const float* qb, const float* base, cons
     }
   }
 }
+
+#else
+// Where the build targets AVX-512 (cpu_extension.wide_flags): the pair's two rows side by
+// side in 16-lane vectors, row a's 8 lanes low and row b's high, so one FMA does both
+// rows' (each K vector broadcast to both halves, each query row loaded once per call):
+// every lane takes exactly dot2x4's operations (lanes never mix), then sum8 on the halves.
+template <int V>
+inline void score_pair(const float* qa, const float* qb, const float* base, const int64_t* ko, int64_t c,
+                       float* da, float* db, int64_t a, int64_t b, __m256 scale) {
+  __m512 q[V];
+  for (int i = 0; i < V; ++i)
+    q[i] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(qa + i * 8)), _mm256_loadu_ps(qb + i * 8), 1);
+  for (int64_t t = a; t < b; t += 4) {
+    const int64_t n4 = std::min<int64_t>(4, b - t);
+    const float* kp[4];
+    for (int i = 0; i < 4; ++i) kp[i] = base + ko[t - c + std::min<int64_t>(i, n4 - 1)];
+    __m512 acc[4];
+    for (int j = 0; j < 4; ++j) acc[j] = _mm512_mul_ps(q[0], _mm512_broadcast_f32x8(_mm256_loadu_ps(kp[j])));
+    for (int i = 1; i < V; ++i)
+      for (int j = 0; j < 4; ++j)
+        acc[j] = _mm512_fmadd_ps(q[i], _mm512_broadcast_f32x8(_mm256_loadu_ps(kp[j] + i * 8)), acc[j]);
+    __m256 h[8];  // dot2x4's order: row a's keys 0-3, then row b's
+    for (int j = 0; j < 4; ++j) {
+      h[j] = _mm512_castps512_ps256(acc[j]);
+      h[4 + j] = _mm512_extractf32x8_ps(acc[j], 1);
+    }
+    const __m256 r = _mm256_mul_ps(sum8(h), scale);
+    if (n4 == 4) {
+      _mm_storeu_ps(da + t, _mm256_castps256_ps128(r));
+      _mm_storeu_ps(db + t, _mm256_extractf128_ps(r, 1));
+    } else {
+      float tmp[8];
+      _mm256_storeu_ps(tmp, r);
+      std::copy(tmp, tmp + n4, da + t);
+      std::copy(tmp + 4, tmp + 4 + n4, db + t);
+    }
+  }
+}
+#endif
 
 // o[0 .. 8N) += sum over keys t in [a, b) of p[t] * v_t, one FMA per key in key order, the
 // accumulators in registers (ko[t - c]: key t's vector).
@@ -276,6 +348,7 @@ inline void accumulate_head(float* o, const float* base, const int64_t* ko, int6
 }
 
 // Two rows' heads, four registers of each at a time.
+#ifndef __AVX512F__
 template <int V>
 inline void accumulate_head2(float* oa, float* ob, const float* base, const int64_t* ko, int64_t c, const float* pa,
                              const float* pb, int64_t a, int64_t b) {
@@ -286,6 +359,27 @@ inline void accumulate_head2(float* oa, float* ob, const float* base, const int6
     accumulate_head2<V - 4>(oa + 32, ob + 32, base + 32, ko, c, pa, pb, a, b);
   }
 }
+
+#else
+// AVX-512: both rows' whole heads in V 16-lane registers (row a low, row b high), each V
+// vector broadcast to both halves: per lane accumulate's FMA per key in key order.
+template <int V>
+inline void accumulate_head2(float* oa, float* ob, const float* base, const int64_t* ko, int64_t c, const float* pa,
+                             const float* pb, int64_t a, int64_t b) {
+  __m512 acc[V];
+  for (int i = 0; i < V; ++i)
+    acc[i] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(oa + i * 8)), _mm256_loadu_ps(ob + i * 8), 1);
+  for (int64_t t = a; t < b; ++t) {
+    const __m512 w = _mm512_mask_broadcastss_ps(_mm512_set1_ps(pa[t]), 0xFF00, _mm_load_ss(pb + t));
+    const float* v = base + ko[t - c];
+    for (int i = 0; i < V; ++i) acc[i] = _mm512_fmadd_ps(w, _mm512_broadcast_f32x8(_mm256_loadu_ps(v + i * 8)), acc[i]);
+  }
+  for (int i = 0; i < V; ++i) {
+    _mm256_storeu_ps(oa + i * 8, _mm512_castps512_ps256(acc[i]));
+    _mm256_storeu_ps(ob + i * 8, _mm512_extractf32x8_ps(acc[i], 1));
+  }
+}
+#endif
 
 // Whether two block tables name the same blocks for keys [lo, hi).
 inline bool same_blocks(const int64_t* x, const int64_t* y, int64_t lo, int64_t hi, int64_t BS) {

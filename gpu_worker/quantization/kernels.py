@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from gpu_worker.cpu_extension import build, isa_flags
+from gpu_worker.cpu_extension import build, wide_flags
 
 _SOURCE = Path(__file__).with_name("quant_linear.cpp")
 DISABLE_ENV = "CANDOR_CPU_QUANT_KERNELS"
@@ -27,18 +27,6 @@ def load():
     if os.environ.get(DISABLE_ENV, "1") == "0":
         return None
     return build(_SOURCE, FUNCTIONS, openmp=True, cflags=("-ffp-contract=off", *wide_flags()))
-
-
-def wide_flags() -> tuple[str, ...]:
-    """F16C on every AVX2 CPU (the blocks' fp16 scales in one instruction each), and
-    AVX-512 where torch found it: the GGML kernels then sum 16 lanes at a time, twice the
-    work per instruction of AVX2 (batch 1 is bound by it). The flags are part of the
-    build's name, so a cache shared with another CPU never hands it this binary."""
-    if isa_flags()[0] != "avx2":
-        return ()
-    if torch.backends.cpu.get_cpu_capability() == "AVX512":
-        return ("-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
-    return ("-mf16c",)
 
 
 def applies(x: torch.Tensor) -> bool:

@@ -584,11 +584,12 @@ torch::Tensor dequantize_rows(const D& deq, int64_t N, int64_t K) {
 // The values differ from the dequantized product's by float rounding (the tests hold both
 // to float64's product).
 //
-// Batch-invariant as the other kernels: output (m, n) is, for each sub-block in ascending
-// order, t = one chain of 8-lane FMAs of x and q from zero, then acc = fma(a, t, acc) and
-// acc = fma(c, s, acc) with s the lanes of x's sub-block summed in a fixed order; then the
-// fixed lane tree. Few rows compute it from the codes in registers, many rows from a panel
-// holding the same codes as floats (exact small integers): the same operations either way.
+// Batch-invariant as the other kernels: output (m, n) is the fixed lane tree of one chain
+// of LANES-wide FMAs of x and the scaled codes a * q (each one rounded product) in
+// ascending k from zero, plus the offsets: fma(c, s, .) over the sub-blocks in ascending
+// order from zero, s the lanes of x's sub-block summed in a fixed order. Few rows compute
+// it from the codes in registers, many rows from a panel holding the same scaled codes:
+// the same operations either way.
 
 // The codes kernels' vectors: 16 lanes where the compiler targets AVX-512 (kernels.py
 // adds its flags where torch found it), else the 8 lanes of Vec. The lane count is part
@@ -891,7 +892,7 @@ constexpr int CMR = 3;  // input rows per tile of the codes kernels' panel path
 // Up to FEW input rows take the codes-in-registers path, which decodes each block once for
 // all of them: 6 where AVX-512's 32 vector registers hold 6 x NR accumulators (a
 // speculative verify of 4 drafts is 5 rows; the panel path cost those twice a row's time),
-// else CMR. More rows go through the panel, CMR rows at a time.
+// else CMR. More rows go through the panels (codes_many).
 #ifdef __AVX512F__
 constexpr int FEW = 6;
 #else
@@ -1036,35 +1037,202 @@ void codes_few_rows(const uint8_t* w, int64_t row_bytes, const float* x, const f
   codes_store<R>(acc, offs, nvalid, y, ldy, n0);
 }
 
-// Many rows: the NR outputs' scaled codes a * q over the whole width (a panel, exactly the
-// values the few-row path computes), swept by every CMR-row tile of x.
+// Many rows (M > FEW): a work item decodes PANEL outputs' scaled codes a * q over the whole
+// width (exactly the values the few-row path computes; the panel stays in L2) and their
+// offsets c, then sweeps it with tiles of TR input rows by TC outputs: each tile's TR rows
+// of x stay in L1 while it crosses the panel, so x streams from memory once per PANEL
+// outputs (not once per NR: at 512 rows and more x outgrew L2 and the kernel ran at a
+// quarter of oneDNN's speed). Each accumulator takes its LANES-wide FMAs in ascending k,
+// as sub_block's; the offsets are the same fma chains over the sub-blocks, from zero,
+// computed LANES outputs at a time (each lane one fused multiply-add, as offs_fma's);
+// output = the lane tree of the accumulator + the offset, as codes_store.
+#ifdef __AVX512F__
+constexpr int TR = 6, TC = 4;  // 24 accumulators + 6 x vectors + 1 panel vector of AVX-512's 32
+#else
+constexpr int TR = CMR, TC = NR;  // 12 + 3 + 1 of AVX2's 16
+#endif
+constexpr int PANEL = 32;  // outputs per many-row work item (a multiple of TC and LANES)
+constexpr int64_t X_BLOCK = 1 << 20;  // bytes of x per block of rows (half an L2)
+static_assert(PANEL % TC == 0 && PANEL % LANES == 0, "the panel splits into tiles and vectors");
+
+// The scaled codes of outputs n0 .. n0 + count into panel rows of K floats (rows past
+// count: zero, their outputs never stored) and each output's offsets, ct[s * PANEL + j].
+template <class T>
+void decode_panel(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t n0, int count, float* panel,
+                  float* ct) {
+  constexpr int NS = T::BS / T::SB;
+  const int64_t nb = K / T::BS;
+  alignas(64) uint8_t q[T::BS];
+  float ab[NS], cb[NS];
+  for (int j = 0; j < PANEL; ++j) {
+    float* prow = panel + j * K;
+    if (j >= count) {
+      std::fill(prow, prow + K, 0.0f);
+      if constexpr (T::HAS_C)
+        for (int64_t s = 0; s < nb * NS; ++s) ct[s * PANEL + j] = 0.0f;
+      continue;
+    }
+    const uint8_t* row = w + (n0 + j) * row_bytes;
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = row + b * T::BYTES;
+      float* out = prow + b * T::BS;
+      if constexpr (T::DIRECT) {
+        T::coefs(blk, ab, cb);
+        for (int sb = 0; sb < NS; ++sb) {
+          CV qf[T::SB / LANES];
+          T::vecs(blk, sb, qf);
+          for (int g = 0; g < T::SB / LANES; ++g)
+            cv_store(out + sb * T::SB + LANES * g, cv_mul(qf[g], cv_set1(ab[sb])));
+        }
+      } else {
+        T::codes(blk, q, ab, cb);
+        for (int e = 0; e < T::BS; e += LANES)
+          cv_store(out + e, cv_mul(cv_codes<T::SIGNED>(q + e), cv_set1(ab[e / T::SB])));
+      }
+      if constexpr (T::HAS_C)
+        for (int sb = 0; sb < NS; ++sb) ct[(b * NS + sb) * PANEL + j] = cb[sb];
+    }
+  }
+}
+
+// o[r * PANEL + j] = the offsets of R rows (sums: row r's sub-block sums at r * ns) for
+// the panel's outputs: fma(c_sj, sum_rs, .) over s ascending from zero (zero without c)
 template <class T, int R>
-void codes_panel_tile(const float* x, const float* sums, int64_t K, const float* panel, const float* ct,
-                      int64_t n0, int nvalid, float* y, int64_t ldy) {
-  const int64_t ns = K / T::SB;
-  CV acc[CMR][NR];
-  Offs offs[CMR];
-  codes_zero(acc, offs);
-  // as sub_block computes it (each acc[r][j] takes its LANES-wide FMAs in ascending k,
-  // then the offsets), LANES columns at a time: R x vectors, one code vector and the
-  // accumulators in registers, as the dense tile (tile_fma) keeps them
-  for (int64_t s = 0; s < ns; ++s) {
-#pragma GCC unroll 4
-    for (int g = 0; g < T::SB / LANES; ++g) {
-      const int64_t k = s * T::SB + LANES * g;
-      CV xv[CMR];
-#pragma GCC unroll 3
+void panel_offsets(const float* sums, int64_t ns, const float* ct, float* o) {
+  constexpr int V = PANEL / LANES;
+  CV acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = cv_zero();
+  if constexpr (T::HAS_C) {
+    for (int64_t s = 0; s < ns; ++s) {
+      CV c[V];
+      for (int v = 0; v < V; ++v) c[v] = cv_load(ct + s * PANEL + v * LANES);
+#pragma GCC unroll 6
+      for (int r = 0; r < R; ++r) {
+        const CV sv = cv_set1(sums[r * ns + s]);
+        for (int v = 0; v < V; ++v) acc[r][v] = cv_fma(c[v], sv, acc[r][v]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) cv_store(o + r * PANEL + v * LANES, acc[r][v]);
+}
+
+// cv_sum of LANES accumulators at once, result l from acc[l]: each stage of the lane tree
+// (halves, quarters, then pairs) for every accumulator in one add, the same adds of the
+// same lanes in the same order as cv_sum's, so bitwise its results
+#ifdef __AVX512F__
+inline CV cv_sums(const CV* acc) {
+  __m512 u[8], s[4];
+  for (int p = 0; p < 8; ++p)  // lanes i + lanes i + 8 of accumulators 2p, 2p + 1
+    u[p] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2 * p], acc[2 * p + 1], 0x44),
+                         _mm512_shuffle_f32x4(acc[2 * p], acc[2 * p + 1], 0xEE));
+  for (int q = 0; q < 4; ++q)  // then i + (i + 4): 128-bit chunk c of s[q] is accumulator 4q + c
+    s[q] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * q], u[2 * q + 1], 0x88),
+                         _mm512_shuffle_f32x4(u[2 * q], u[2 * q + 1], 0xDD));
+  const __m512 t01 = _mm512_add_ps(_mm512_shuffle_ps(s[0], s[1], 0x44), _mm512_shuffle_ps(s[0], s[1], 0xEE));
+  const __m512 t23 = _mm512_add_ps(_mm512_shuffle_ps(s[2], s[3], 0x44), _mm512_shuffle_ps(s[2], s[3], 0xEE));
+  // lane 4c + p: accumulator 4p + c
+  const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(t01, t23, 0x88), _mm512_shuffle_ps(t01, t23, 0xDD));
+  return _mm512_permutexvar_ps(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), r);
+}
+#elif defined(__AVX2__)
+inline CV cv_sums(const CV* acc) {
+  __m256 s[4];
+  for (int q = 0; q < 4; ++q)  // lanes i + lanes i + 4: chunk c of s[q] is accumulator 2q + c
+    s[q] = _mm256_add_ps(_mm256_permute2f128_ps(acc[2 * q], acc[2 * q + 1], 0x20),
+                         _mm256_permute2f128_ps(acc[2 * q], acc[2 * q + 1], 0x31));
+  const __m256 t01 = _mm256_add_ps(_mm256_shuffle_ps(s[0], s[1], 0x44), _mm256_shuffle_ps(s[0], s[1], 0xEE));
+  const __m256 t23 = _mm256_add_ps(_mm256_shuffle_ps(s[2], s[3], 0x44), _mm256_shuffle_ps(s[2], s[3], 0xEE));
+  // lane 4c + p: accumulator 2p + c
+  const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(t01, t23, 0x88), _mm256_shuffle_ps(t01, t23, 0xDD));
+  return _mm256_permutevar8x32_ps(r, _mm256_set_epi32(7, 3, 6, 2, 5, 1, 4, 0));
+}
+#else
+inline CV cv_sums(const CV* acc) {
+  CV r;
+  for (int l = 0; l < LANES; ++l) r.l[l] = cv_sum(acc[l]);
+  return r;
+}
+#endif
+
+// R rows of x (row r at x + r * K) against the panel's first count outputs, TC at a time;
+// each tile's accumulators wait in accs (row r's output j at r * PANEL + j) to be summed
+// LANES outputs at a time
+template <int R>
+void panel_rows(const float* x, int64_t K, const float* panel, const float* o, int count, float* y,
+                int64_t ldy, CV* accs) {
+  for (int c0 = 0; c0 < count; c0 += TC) {
+    const float* p = panel + c0 * K;
+    CV acc[R][TC];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < TC; ++j) acc[r][j] = cv_zero();
+    for (int64_t k = 0; k < K; k += LANES) {
+      CV xv[R];
+#pragma GCC unroll 6
       for (int r = 0; r < R; ++r) xv[r] = cv_load(x + r * K + k);
 #pragma GCC unroll 4
-      for (int j = 0; j < NR; ++j) {
-        const CV wv = cv_load(panel + j * K + k);
-#pragma GCC unroll 3
+      for (int j = 0; j < TC; ++j) {
+        const CV wv = cv_load(p + j * K + k);
+#pragma GCC unroll 6
         for (int r = 0; r < R; ++r) acc[r][j] = cv_fma(xv[r], wv, acc[r][j]);
       }
     }
-    if constexpr (T::HAS_C) add_offsets<R>(ct + s * NR, sums, ns, s, offs);
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < TC; ++j) accs[r * PANEL + c0 + j] = acc[r][j];
   }
-  codes_store<R>(acc, offs, nvalid, y, ldy, n0);
+  for (int r = 0; r < R; ++r)
+    for (int c0 = 0; c0 < count; c0 += LANES) {
+      const CV v = cv_add(cv_sums(accs + r * PANEL + c0), cv_load(o + r * PANEL + c0));
+      if (c0 + LANES <= count) {
+        cv_store(y + r * ldy + c0, v);
+      } else {
+        alignas(64) float part[LANES];
+        cv_store(part, v);
+        std::copy(part, part + (count - c0), y + r * ldy + c0);
+      }
+    }
+}
+
+// the last M % TR rows: one instance per count
+template <class T, int R = 1>
+void panel_tail(int64_t M, const float* x, const float* sums, int64_t ns, int64_t K, const float* panel,
+                const float* ct, float* o, int count, float* y, int64_t ldy, CV* accs) {
+  if constexpr (R + 1 < TR) {
+    if (M > R) return panel_tail<T, R + 1>(M, x, sums, ns, K, panel, ct, o, count, y, ldy, accs);
+  }
+  panel_offsets<T, R>(sums, ns, ct, o);
+  panel_rows<R>(x, K, panel, o, count, y, ldy, accs);
+}
+
+template <class T>
+void codes_many(const uint8_t* w, int64_t row_bytes, const float* x, const float* sums, int64_t M, int64_t K,
+                int64_t N, float* y, int64_t ldy) {
+  const int64_t items = (N + PANEL - 1) / PANEL, ns = K / T::SB;
+  const int64_t grain = std::max<int64_t>(1, ITEM_WEIGHTS / (PANEL * K));
+  // rows in blocks of about X_BLOCK bytes of x, which stay in L2 while a thread's panels
+  // (decoded again for each block) sweep them
+  const int64_t rows = std::max<int64_t>(TR, X_BLOCK / (K * 4) / TR * TR);
+  at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> panel(PANEL * K), ct(ns * PANEL), o(TR * PANEL);
+    std::vector<CV> accs(TR * PANEL, cv_zero());
+    for (int64_t m0 = 0; m0 < M; m0 += rows) {
+      const int64_t m1 = std::min(M, m0 + rows);
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t n0 = item * PANEL;
+        const int count = static_cast<int>(std::min<int64_t>(PANEL, N - n0));
+        decode_panel<T>(w, row_bytes, K, n0, count, panel.data(), ct.data());
+        int64_t m = m0;
+        for (; m + TR <= m1; m += TR) {
+          panel_offsets<T, TR>(sums + m * ns, ns, ct.data(), o.data());
+          panel_rows<TR>(x + m * K, K, panel.data(), o.data(), count, y + m * ldy + n0, ldy, accs.data());
+        }
+        if (m < m1)
+          panel_tail<T>(m1 - m, x + m * K, sums + m * ns, ns, K, panel.data(), ct.data(), o.data(), count,
+                        y + m * ldy + n0, ldy, accs.data());
+      }
+    }
+  });
 }
 
 // codes_few_rows with R = M (1 <= M <= FEW): one instance per row count
@@ -1081,56 +1249,15 @@ template <class T>
 void codes_linear(const uint8_t* w, int64_t row_bytes, const float* x, int64_t M, int64_t K, int64_t N, float* y,
                   int64_t ldy) {
   if (M == 0 || N == 0) return;
-  constexpr int NS = T::BS / T::SB;
-  const int64_t items = (N + NR - 1) / NR, ns = K / T::SB;
-  const int64_t grain = std::max<int64_t>(1, ITEM_WEIGHTS / (NR * K));
+  const int64_t ns = K / T::SB;
   const std::vector<float> sums = T::HAS_C ? sub_block_sums<T::SB>(x, M, K) : std::vector<float>(M * ns);
+  if (M > FEW) return codes_many<T>(w, row_bytes, x, sums.data(), M, K, N, y, ldy);
+  const int64_t items = (N + NR - 1) / NR;
+  const int64_t grain = std::max<int64_t>(1, ITEM_WEIGHTS / (NR * K));
   at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> panel, a, c, ct;
-    if (M > FEW) {
-      panel.resize(NR * K);
-      ct.resize(ns * NR, 0.0f);
-    }
-    alignas(64) uint8_t q[T::BS];
-    float ab[NS], cb[NS];
     for (int64_t item = begin; item < end; ++item) {
       const int64_t n0 = item * NR;
-      const int nvalid = static_cast<int>(std::min<int64_t>(NR, N - n0));
-      if (M <= FEW) {
-        codes_few<T>(M, w, row_bytes, x, sums.data(), K, n0, nvalid, y, ldy);
-        continue;
-      }
-      const int64_t nb = K / T::BS;
-      for (int j = 0; j < NR; ++j) {
-        const uint8_t* row = w + (n0 + std::min(j, nvalid - 1)) * row_bytes;
-        for (int64_t b = 0; b < nb; ++b) {
-          const uint8_t* blk = row + b * T::BYTES;
-          float* out = panel.data() + j * K + b * T::BS;
-          if constexpr (T::DIRECT) {
-            T::coefs(blk, ab, cb);
-            for (int sb = 0; sb < NS; ++sb) {
-              CV qf[T::SB / LANES];
-              T::vecs(blk, sb, qf);
-              for (int g = 0; g < T::SB / LANES; ++g)
-                cv_store(out + sb * T::SB + LANES * g, cv_mul(qf[g], cv_set1(ab[sb])));
-            }
-          } else {
-            T::codes(blk, q, ab, cb);
-            for (int e = 0; e < T::BS; e += LANES)
-              cv_store(out + e, cv_mul(cv_codes<T::SIGNED>(q + e), cv_set1(ab[e / T::SB])));
-          }
-          if constexpr (T::HAS_C)
-            for (int sb = 0; sb < NS; ++sb) ct[(b * NS + sb) * NR + j] = cb[sb];
-        }
-      }
-      const float* ctp = ct.data();
-      int64_t m = 0;
-      for (; m + CMR <= M; m += CMR)
-        codes_panel_tile<T, CMR>(x + m * K, sums.data() + m * ns, K, panel.data(), ctp, n0, nvalid, y + m * ldy, ldy);
-      if (M - m == 2)
-        codes_panel_tile<T, 2>(x + m * K, sums.data() + m * ns, K, panel.data(), ctp, n0, nvalid, y + m * ldy, ldy);
-      else if (M - m == 1)
-        codes_panel_tile<T, 1>(x + m * K, sums.data() + m * ns, K, panel.data(), ctp, n0, nvalid, y + m * ldy, ldy);
+      codes_few<T>(M, w, row_bytes, x, sums.data(), K, n0, static_cast<int>(std::min<int64_t>(NR, N - n0)), y, ldy);
     }
   });
 }

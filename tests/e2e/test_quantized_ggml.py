@@ -86,6 +86,35 @@ def test_kernel_matmul_is_the_dequantized_product_and_batch_invariant(type_name,
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+def test_many_row_matmul_gives_each_row_its_result_alone(type_name, threads):
+    """A prefill-sized batch (tiles of rows over panels of outputs, partial ones at both
+    ends, x in blocks of rows) gives every row bitwise its one-row result (the few-row
+    path), within float rounding of float64's product."""
+    # 70 outputs: two whole panels of 32 and a part; 403 rows of 768: two blocks of x (1 MiB
+    # each, 336 rows), the second ending in a partial tile
+    k, n, m = 768, 70, 403
+    raw = _raw(type_name, n, k, seed=3)
+    w = torch.from_numpy(dequantize(raw, GGMLQuantizationType[type_name]).copy())
+    blocks, type_id = torch.from_numpy(raw), GGML_TYPES[type_name][0]
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(1))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        batch = torch.full((m, n + 5), float("nan"))
+        _kernel().ggml_linear(x, blocks, type_id, batch[:, 2:2 + n])
+        assert batch[:, :2].isnan().all() and batch[:, 2 + n:].isnan().all()
+        batch = batch[:, 2:2 + n]
+        torch.testing.assert_close(batch, x.double().mm(w.double().T).float(), rtol=1e-5, atol=1e-4)
+        for r in range(m):
+            alone = torch.empty(1, n)
+            _kernel().ggml_linear(x[r:r + 1], blocks, type_id, alone)
+            assert torch.equal(alone[0], batch[r]), r
+    finally:
+        torch.set_num_threads(before)
+
+
 class _Layer(torch.nn.Module):
     """What a method needs of a layer: its logical shape and the group's numerics."""
 
