@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.architectures.hf_config import VisionSpec
-from gpu_worker.models.vision import tower_activation
+from gpu_worker.models.tower_activation import tower_activation
 from protocol.ipc import ImageInput
 
 

@@ -26,19 +26,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.architectures.hf_config import VisionSpec
+from gpu_worker.models.qwen2_vl_vision import QwenVision
+from gpu_worker.models.tower_activation import tower_activation
 from protocol.ipc import ImageInput
-
-
-def tower_activation(name: str):
-    if name == "quick_gelu":  # HF's QuickGELUActivation
-        return lambda x: x * torch.sigmoid(1.702 * x)
-    if name == "gelu":
-        return F.gelu
-    if name == "gelu_tanh":
-        return lambda x: F.gelu(x, approximate="tanh")
-    if name == "silu":
-        return F.silu
-    raise ValueError(f"unknown activation {name!r}")
 
 
 class Embeddings(nn.Module):
@@ -244,6 +234,5 @@ class Gemma3Vision(FixedSizeVision):
 def build_vision(v: VisionSpec, text_hidden: int) -> nn.Module:
     """The image path ``v.family`` names."""
     if v.family in ("qwen2_vl", "qwen2_5_vl"):
-        from gpu_worker.models.qwen2_vl_vision import QwenVision
         return QwenVision(v, text_hidden)
     return Gemma3Vision(v, text_hidden) if v.family == "gemma3" else LlavaVision(v, text_hidden)
