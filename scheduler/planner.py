@@ -222,9 +222,7 @@ class Planner:
                 req.drafts_accepted(len(kept))
                 req.spec_drafted += len(chunk.draft)
                 req.spec_accepted += len(kept)
-                req.seen_kept += len(kept)
-                req.seen_refusals += len(kept) < len(chunk.draft)
-                req.shadow = []
+                req.spec_refusals += len(kept) < len(chunk.draft)
                 if self.drafts is not None:
                     self.drafts.counts.add(len(chunk.draft), len(kept))
             if not chunk.sample:
@@ -241,9 +239,6 @@ class Planner:
                     del new[i + 1:]
                     break
             self.commit(req)  # (after the kept drafts' ids: a block they fill is keyed by them)
-            if (not chunk.draft and reason is None and self.drafts is not None
-                    and self.drafts.allowed(len(self.running))):
-                self.drafts.observe(req, new)
             if proposed:
                 req.proposed, req.proposed_at = proposed[row - 1], len(req.token_ids)
             if reason is not None:

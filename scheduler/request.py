@@ -37,13 +37,7 @@ class SchedRequest:
     draft_index: object | None = None
     spec_drafted: int = 0  # draft tokens verified for it, and those accepted (its report)
     spec_accepted: int = 0
-    # dynamic k's evidence (``Drafts.depth``): drafts kept, and drafting runs cut short by a
-    # refusal, over its verified drafts and its shadow guesses (``Drafts.observe``)
-    seen_kept: int = 0
-    seen_refusals: int = 0
-    # the drafter's guesses at the ids after its latest ones, made while it did not draft
-    # (scored against the ids that come: ``Drafts.observe``)
-    shadow: list[int] = field(default_factory=list)
+    spec_refusals: int = 0  # its drafting steps that did not keep every draft (dynamic k)
     # the tokens its grammar forces after its last token (the worker's latest word on it:
     # StepResult.forced), drafted next; empty for an unconstrained request
     forced: list[int] = field(default_factory=list)

@@ -133,28 +133,6 @@ class Drafts:
         ``PROBATION`` of them): it decodes on as without speculation."""
         return req.spec_drafted >= PROBATION and req.spec_accepted < LOW_ACCEPTANCE * req.spec_drafted
 
-    def observe(self, req, new: list[int]) -> None:
-        """Shadow drafting: score ``req``'s shadow guesses against the ``new`` ids a step
-        without drafts appended, then guess again from its ids as they are now. A guess
-        kept or refused counts as a verified draft does in ``depth``'s estimate, so a
-        request that does not draft (a busy batch, a low estimate) still shows whether it
-        has turned to copying; the price is one lookup per step, no verify rows. (A draft
-        model proposes on the worker: no shadow there.)"""
-        if self.by_model or self.gave_up(req):
-            return
-        for token in new:
-            if not req.shadow:
-                break
-            if token == req.shadow[0]:
-                req.seen_kept += 1
-                req.shadow = req.shadow[1:]
-            else:
-                req.seen_refusals += 1
-                req.shadow = []
-        if not req.shadow:
-            req.draft_index, req.shadow = self.propose(req.draft_index, req.token_ids,
-                                                       self.spec.num_speculative_tokens)
-
     @staticmethod
     def depth(req, k: int, running: int = 1) -> int:
         """How many drafts ``req``'s next step verifies, at most ``k`` (dynamic k; 0:
@@ -166,22 +144,14 @@ class Drafts:
         a^j >= WORTH, so a request whose drafts are mostly right drafts deep and one
         often wrong drafts one or two, before ``gave_up`` stops it. With ``running`` at
         BUSY_BATCH or more (rows cost compute) the bar is WORTH_BUSY: copying still
-        drafts, plain text mostly not.
-
-        With other requests running, drafting also costs ``req`` its run-ahead step (see
-        the module docstring): it advances every other step, 1 + E kept tokens (E the
-        expected kept drafts, a + a^2 + ... + a^depth) where it would have had 2. So
-        there it drafts only while E >= 1. The evidence counts shadow guesses too
-        (``observe``), so a request that stopped drafting starts again once it copies."""
-        rate = (req.seen_kept + PRIOR_KEPT) / (req.seen_kept + req.seen_refusals + PRIOR_SEEN)
+        drafts, plain text mostly not."""
+        rate = (req.spec_accepted + PRIOR_KEPT) / (
+            req.spec_accepted + req.spec_refusals + PRIOR_SEEN)
         if rate >= 1.0:
             return k
         busy = running >= BUSY_BATCH
         depth = int(math.log(WORTH_BUSY if busy else WORTH) / math.log(rate))
-        depth = min(k, depth if busy else max(1, depth))
-        if running > 1 and rate * (1 - rate ** depth) / (1 - rate) < 1.0:
-            return 0  # drafting would trade a run-ahead step for less than one token
-        return depth
+        return min(k, depth if busy else max(1, depth))
 
     @staticmethod
     def proposals(req, k: int) -> list[int]:
