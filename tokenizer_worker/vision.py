@@ -112,6 +112,19 @@ class VisionPrompt:
 PROCESSORS = {"LlavaProcessor", "Gemma3Processor", "Qwen2VLProcessor", "Qwen2_5_VLProcessor"}
 
 
+def token_runs(ids: list[int], token_id: int) -> list[list[int]]:
+    """Each maximal run of ``token_id`` in ``ids`` as [start, end) (the placeholder spans
+    an expanded prompt's images take)."""
+    runs: list[list[int]] = []
+    for i, t in enumerate(ids):
+        if t == token_id:
+            if runs and runs[-1][1] == i:
+                runs[-1][1] = i + 1
+            else:
+                runs.append([i, i + 1])
+    return runs
+
+
 def processor_class(model_dir: str | Path) -> str | None:
     """The HF processor the checkpoint names: ``processor_config.json``'s
     ``processor_class`` ("" where it names none), or else ``preprocessor_config.json``'s
@@ -243,13 +256,7 @@ class Gemma3VisionPrompt(VisionPrompt):
         """The images' inputs over the runs of image tokens the expanded text became: one
         run of exactly ``tokens`` per image and per pan-and-scan crop, or the prompt is
         refused (text that spells the image token itself)."""
-        runs: list[list[int]] = []
-        for i, t in enumerate(ids):
-            if t == self.image_token_id:
-                if runs and runs[-1][1] == i:
-                    runs[-1][1] = i + 1
-                else:
-                    runs.append([i, i + 1])
+        runs = token_runs(ids, self.image_token_id)
         crops = [self.crops(img) for img in images]
         wanted = len(images) + sum(crops)
         if len(runs) != wanted or any(hi - lo != self.tokens for lo, hi in runs):
@@ -341,13 +348,7 @@ class QwenVisionPrompt(VisionPrompt):
             raise ImageError(f"the prompt holds {self.video_token!r}, the video placeholder; "
                              "video input is not served, and the text may not contain "
                              f"{self.video_token!r} itself", param="messages")
-        runs: list[list[int]] = []
-        for i, t in enumerate(ids):
-            if t == self.image_token_id:
-                if runs and runs[-1][1] == i:
-                    runs[-1][1] = i + 1
-                else:
-                    runs.append([i, i + 1])
+        runs = token_runs(ids, self.image_token_id)
         want = [self.tokens_per_image(img.height, img.width) for img in images]
         if [hi - lo for lo, hi in runs] != want:
             raise ImageError(f"the prompt's {self.image_token!r} tokens do not form one run per "
