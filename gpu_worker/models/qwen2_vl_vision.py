@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.architectures.hf_config import VisionSpec
-from gpu_worker.models.tower_activation import tower_activation
+from gpu_worker.models.tower_activation import MLP, tower_activation
 from protocol.ipc import ImageInput
 
 
@@ -86,17 +86,6 @@ class Attention(nn.Module):
                 for qs, ks, vs in zip(q.split(segments, 2), k.split(segments, 2), v.split(segments, 2))]
         out = torch.cat(outs, dim=2)[0].transpose(0, 1).reshape(n, -1)
         return self.proj(out)
-
-
-class MLP(nn.Module):
-    def __init__(self, v: VisionSpec) -> None:
-        super().__init__()
-        self.act = tower_activation(v.act)
-        self.fc1 = nn.Linear(v.hidden_size, v.intermediate_size)
-        self.fc2 = nn.Linear(v.intermediate_size, v.hidden_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
 
 
 class GatedMLP(nn.Module):

@@ -27,7 +27,7 @@ from torch import nn
 
 from gpu_worker.architectures.hf_config import VisionSpec
 from gpu_worker.models.qwen2_vl_vision import QwenVision
-from gpu_worker.models.tower_activation import tower_activation
+from gpu_worker.models.tower_activation import MLP, tower_activation
 from protocol.ipc import ImageInput
 
 
@@ -70,17 +70,6 @@ class SelfAttention(nn.Module):
         v = self.v_proj(x).view(shape).transpose(1, 2)
         out = F.scaled_dot_product_attention(q, k, v, scale=self.head_dim**-0.5)
         return self.out_proj(out.transpose(1, 2).reshape(b, n, -1))
-
-
-class MLP(nn.Module):
-    def __init__(self, v: VisionSpec) -> None:
-        super().__init__()
-        self.act = tower_activation(v.act)
-        self.fc1 = nn.Linear(v.hidden_size, v.intermediate_size)
-        self.fc2 = nn.Linear(v.intermediate_size, v.hidden_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
 
 
 class EncoderLayer(nn.Module):
