@@ -12,13 +12,18 @@ Shapes (fp32, 16-token blocks, blocks scattered over the cache as a busy server'
   enough to time on a busy box, where a call of several ms is always preempted);
   ``c-prefix``: its first step, the 1024-token prefix as one causal chunk;
 - ``b-decode``: workload (b)'s decode step on llama-100m: 32 decodes, 12 heads of 64,
-  contexts 129..256.
+  contexts 129..256;
+- ``s-prefill0`` / ``s-prefill1``: the real model's (SmolLM2-135M: 9 query heads over 3
+  KV heads of 64) 2k-token prompt (bench.compare's r2k) in its two 1024-token chunks,
+  the first (positions 0..1023) and the second (1024..2047); ``s-decode16``: its r16
+  decode step, 16 streams at contexts 130..258.
 One layer per call. Each version of the source is built as the worker builds it
 (``cpu_extension.build``, named by ISA and source hash, so two versions coexist); the
 versions run alternately, ``--repeats`` timed calls each per round (the fastest call of
 a round counts: on a busy box the rest is time spent waiting for a core), and each line
 prints the median over rounds with the min and max, and the per-round ratio. ``--check`` also asserts both versions agree within 1e-5 (they need not be bitwise
-equal: the row's arithmetic may change between versions, never within one).
+equal: the row's arithmetic may change between versions, never within one);
+``--bitwise`` asserts they are the same bits.
 """
 
 from __future__ import annotations
@@ -66,6 +71,19 @@ def shapes(seed: int = 0) -> dict[str, tuple]:
     tables = torch.tensor([free[i * 16:(i + 1) * 16] for i in range(32)])
     lens = torch.tensor([129 + (i * 37) % 128 for i in range(32)])
     out["b-decode"] = (torch.randn(32, h, d, generator=g), kc, vc, tables, lens, d ** -0.5, None)
+    # SmolLM2-135M: 9 query heads over 3 KV heads of 64, 1024 blocks
+    h, kvh = 9, 3
+    kc, vc = torch.randn(nb, BS, kvh, d, generator=g), torch.randn(nb, BS, kvh, d, generator=g)
+    free = _scattered(nb, g)
+    prompt = torch.tensor([free[:128]])
+    zeros = torch.zeros(1024, dtype=torch.long)
+    out["s-prefill0"] = (torch.randn(1024, h, d, generator=g), kc, vc, prompt, torch.arange(1, 1025), d ** -0.5,
+                         zeros)
+    out["s-prefill1"] = (torch.randn(1024, h, d, generator=g), kc, vc, prompt, torch.arange(1025, 2049),
+                         d ** -0.5, zeros)
+    tables = torch.tensor([free[128 + i * 17:128 + (i + 1) * 17] for i in range(16)])
+    lens = torch.tensor([130 + (i * 37) % 129 for i in range(16)])
+    out["s-decode16"] = (torch.randn(16, h, d, generator=g), kc, vc, tables, lens, d ** -0.5, None)
     return out
 
 
@@ -97,8 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--shapes", default="c-decode,c-chunk,c-prefill,c-prefix,b-decode")
+    p.add_argument("--shapes", default="c-decode,c-chunk,c-prefill,c-prefix,b-decode,s-prefill0,s-prefill1,s-decode16")
     p.add_argument("--check", action="store_true")
+    p.add_argument("--bitwise", action="store_true")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     versions = {"this": _kernel(a.source)}
@@ -112,6 +131,10 @@ def main(argv: list[str] | None = None) -> int:
             o2, l2 = versions["against"](*args)
             torch.testing.assert_close(o1, o2, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(l1, l2, rtol=1e-5, atol=1e-5)
+        if a.bitwise and len(versions) == 2:
+            o1, l1 = versions["this"](*args)
+            o2, l2 = versions["against"](*args)
+            assert torch.equal(o1, o2) and torch.equal(l1, l2), f"{name}: the versions differ in bits"
         per = {v: [] for v in versions}
         for r in range(a.rounds):
             order = list(versions) if r % 2 == 0 else list(reversed(versions))

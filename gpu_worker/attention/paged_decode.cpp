@@ -80,9 +80,13 @@ inline void key_range(const RowSpan* rs, int64_t R, int64_t& tlo, int64_t& thi) 
   }
 }
 
-// Keys per chunk: a chunk's K (or V) rows, all heads (~16 KB, at least 8 keys), stay in
-// L1 while every row of the tile uses them, and are read in memory order.
-inline int64_t chunk_keys(int64_t width) { return std::max<int64_t>(8, 4096 / width / 8 * 8); }
+// Keys per chunk: a chunk's K (or V) rows, all heads (at least 8 keys), stay in L1 while
+// every row of the tile uses them, and are read in memory order: ~16 KB, or ~32 KB for
+// attend_tile_grouped, whose calls per chunk cost more to set up (measured on SmolLM2's
+// shapes: 16 keys a chunk made its 2k prefill 1.15x slower than 40).
+inline int64_t chunk_keys(int64_t width, bool grouped = false) {
+  return std::max<int64_t>(8, (grouped ? 8192 : 4096) / width / 8 * 8);
+}
 
 #ifdef CANDOR_AVX2
 inline float hsum(__m256 v) {
@@ -144,6 +148,17 @@ inline __m512 exp512(__m512 x) {
   y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
   const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+// Lanes of four pair accumulators (A[j]: key j's lanes, one query vector's 8 in the low
+// half, the other's in the high) summed by sum8's tree ((0+1)+(2+3)) + ((4+5)+(6+7)),
+// 16 lanes at a time: the low vector's four keys, then the high one's (dot2x4's order).
+inline __m256 sum8_pairs(const __m512* A) {
+  const __m512 s01 = _mm512_add_ps(_mm512_shuffle_ps(A[0], A[1], 0x88), _mm512_shuffle_ps(A[0], A[1], 0xDD));
+  const __m512 s23 = _mm512_add_ps(_mm512_shuffle_ps(A[2], A[3], 0x88), _mm512_shuffle_ps(A[2], A[3], 0xDD));
+  const __m512 t = _mm512_add_ps(_mm512_shuffle_ps(s01, s23, 0x88), _mm512_shuffle_ps(s01, s23, 0xDD));
+  return _mm512_castps512_ps256(
+      _mm512_add_ps(_mm512_shuffle_f32x4(t, t, 0x88), _mm512_shuffle_f32x4(t, t, 0xDD)));
 }
 #endif
 
@@ -278,25 +293,17 @@ inline void score_pair(const float* qa, const float* qb, const float* base, cons
     const float* kp[4];
     for (int i = 0; i < 4; ++i) kp[i] = base + ko[t - c + std::min<int64_t>(i, n4 - 1)];
     __m512 acc[4];
+#pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) acc[j] = _mm512_mul_ps(q[0], _mm512_broadcast_f32x8(_mm256_loadu_ps(kp[j])));
+#pragma GCC unroll 16
     for (int i = 1; i < V; ++i)
+#pragma GCC unroll 4
       for (int j = 0; j < 4; ++j)
         acc[j] = _mm512_fmadd_ps(q[i], _mm512_broadcast_f32x8(_mm256_loadu_ps(kp[j] + i * 8)), acc[j]);
-    __m256 h[8];  // dot2x4's order: row a's keys 0-3, then row b's
-    for (int j = 0; j < 4; ++j) {
-      h[j] = _mm512_castps512_ps256(acc[j]);
-      h[4 + j] = _mm512_extractf32x8_ps(acc[j], 1);
-    }
-    const __m256 r = _mm256_mul_ps(sum8(h), scale);
-    if (n4 == 4) {
-      _mm_storeu_ps(da + t, _mm256_castps256_ps128(r));
-      _mm_storeu_ps(db + t, _mm256_extractf128_ps(r, 1));
-    } else {
-      float tmp[8];
-      _mm256_storeu_ps(tmp, r);
-      std::copy(tmp, tmp + n4, da + t);
-      std::copy(tmp + 4, tmp + 4 + n4, db + t);
-    }
+    const __m256 r = _mm256_mul_ps(sum8_pairs(acc), scale);  // dot2x4's order: row a's keys 0-3, then row b's
+    const __mmask8 keys = (1u << n4) - 1;
+    _mm_mask_storeu_ps(da + t, keys, _mm256_castps256_ps128(r));
+    _mm_mask_storeu_ps(db + t, keys, _mm256_extractf128_ps(r, 1));
   }
 }
 #endif
@@ -381,6 +388,142 @@ inline void accumulate_head2(float* oa, float* ob, const float* base, const int6
 }
 #endif
 
+#ifdef __AVX512F__
+// GQA grouping (AVX-512, G >= 2): the G query heads of a KV head read its K and V vectors
+// together, so each load feeds several FMAs and, more to the point, enough independent
+// accumulators are in flight that the FMAs are not waiting on each other's latency (one
+// head alone keeps 4-8 chains, half of what two FMA ports at four cycles need). Every
+// lane still does exactly the operations dot8 / accumulate do for it, in the same order,
+// so the results are the same bits as the one-head-at-a-time code.
+
+// Two query vectors side by side, 8 dims of each per 16-lane vector (a's low, b's high):
+// dst[i], i < V.
+template <int V>
+inline void pack_pair(float* dst, const float* a, const float* b) {
+  for (int i = 0; i < V; ++i) {
+    _mm256_storeu_ps(dst + i * 16, _mm256_loadu_ps(a + i * 8));
+    _mm256_storeu_ps(dst + i * 16 + 8, _mm256_loadu_ps(b + i * 8));
+  }
+}
+
+// NP packed pairs of query vectors (qp: V 16-lane vectors each, one after the other)
+// against keys [a, b) of one KV head, four keys at a time: pair p's scores to da[p] (its
+// low vector's) and db[p] (its high one's; none when null).
+template <int V, int NP>
+inline void score_packed(const float* qp, const float* base, const int64_t* ko, int64_t c, float* const* da,
+                         float* const* db, int64_t a, int64_t b, __m256 scale) {
+  // (the loops unrolled whole, so the accumulators stay in registers through the sums)
+  for (int64_t t = a; t < b; t += 4) {
+    const int64_t n4 = std::min<int64_t>(4, b - t);
+    const float* kp[4];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) kp[i] = base + ko[t - c + std::min<int64_t>(i, n4 - 1)];
+    __m512 acc[NP][4];
+    {
+      __m512 qv[NP];
+#pragma GCC unroll 4
+      for (int p = 0; p < NP; ++p) qv[p] = _mm512_loadu_ps(qp + p * V * 16);
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        const __m512 k = _mm512_broadcast_f32x8(_mm256_loadu_ps(kp[j]));
+#pragma GCC unroll 4
+        for (int p = 0; p < NP; ++p) acc[p][j] = _mm512_mul_ps(qv[p], k);
+      }
+    }
+#pragma GCC unroll 16
+    for (int i = 1; i < V; ++i) {
+      __m512 qv[NP];
+#pragma GCC unroll 4
+      for (int p = 0; p < NP; ++p) qv[p] = _mm512_loadu_ps(qp + (p * V + i) * 16);
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        const __m512 k = _mm512_broadcast_f32x8(_mm256_loadu_ps(kp[j] + i * 8));
+#pragma GCC unroll 4
+        for (int p = 0; p < NP; ++p) acc[p][j] = _mm512_fmadd_ps(qv[p], k, acc[p][j]);
+      }
+    }
+    const __mmask8 keys = (1u << n4) - 1;
+#pragma GCC unroll 4
+    for (int p = 0; p < NP; ++p) {
+      const __m256 r = _mm256_mul_ps(sum8_pairs(acc[p]), scale);
+      _mm_mask_storeu_ps(da[p] + t, keys, _mm256_castps256_ps128(r));
+      if (db[p]) _mm_mask_storeu_ps(db[p] + t, keys, _mm256_extractf128_ps(r, 1));
+    }
+  }
+}
+
+// Up to three pairs (12 accumulators; the 4 keys' vectors and 3 query vectors stay in
+// registers).
+template <int V>
+inline void score_pairs(const float* qp, int64_t np, const float* base, const int64_t* ko, int64_t c,
+                        float* const* da, float* const* db, int64_t a, int64_t b, __m256 scale) {
+  switch (np) {
+    case 3: return score_packed<V, 3>(qp, base, ko, c, da, db, a, b, scale);
+    case 2: return score_packed<V, 2>(qp, base, ko, c, da, db, a, b, scale);
+    default: return score_packed<V, 1>(qp, base, ko, c, da, db, a, b, scale);
+  }
+}
+
+// o[n][0 .. 16 W) += sum over keys t in [a, b) of p[n][t] * v_t for NQ query vectors n of
+// one KV head: accumulate's one FMA per key in key order per lane, 16 lanes at a time,
+// each V vector loaded once for all NQ.
+template <int W, int NQ>
+inline void accumulate_many(float* const* o, const float* const* p, const float* base, const int64_t* ko,
+                            int64_t c, int64_t a, int64_t b) {
+  __m512 acc[NQ][W];
+#pragma GCC unroll 6
+  for (int n = 0; n < NQ; ++n)
+#pragma GCC unroll 4
+    for (int i = 0; i < W; ++i) acc[n][i] = _mm512_loadu_ps(o[n] + i * 16);
+  for (int64_t t = a; t < b; ++t) {
+    const float* v = base + ko[t - c];
+    __m512 x[W];
+#pragma GCC unroll 4
+    for (int i = 0; i < W; ++i) x[i] = _mm512_loadu_ps(v + i * 16);
+#pragma GCC unroll 6
+    for (int n = 0; n < NQ; ++n) {
+      const __m512 w = _mm512_set1_ps(p[n][t]);
+#pragma GCC unroll 4
+      for (int i = 0; i < W; ++i) acc[n][i] = _mm512_fmadd_ps(w, x[i], acc[n][i]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int n = 0; n < NQ; ++n)
+#pragma GCC unroll 4
+    for (int i = 0; i < W; ++i) _mm512_storeu_ps(o[n] + i * 16, acc[n][i]);
+}
+
+template <int W>
+inline void accumulate_group(float* const* o, const float* const* p, int64_t nq, const float* base,
+                             const int64_t* ko, int64_t c, int64_t a, int64_t b) {
+  switch (nq) {
+    case 6: return accumulate_many<W, 6>(o, p, base, ko, c, a, b);
+    case 5: return accumulate_many<W, 5>(o, p, base, ko, c, a, b);
+    case 4: return accumulate_many<W, 4>(o, p, base, ko, c, a, b);
+    case 3: return accumulate_many<W, 3>(o, p, base, ko, c, a, b);
+    case 2: return accumulate_many<W, 2>(o, p, base, ko, c, a, b);
+    default: return accumulate_many<W, 1>(o, p, base, ko, c, a, b);
+  }
+}
+
+// Up to six query vectors' outputs (o[n], 16 V16 dims) over keys [a, b) of one KV head,
+// 64 dims at a time (at most 24 accumulators).
+template <int V16>
+inline void accumulate_heads(float* const* o, const float* const* p, int64_t nq, const float* base,
+                             const int64_t* ko, int64_t c, int64_t a, int64_t b) {
+  float* os[6];
+  for (int d = 0; d < V16; d += 4) {
+    for (int64_t n = 0; n < nq; ++n) os[n] = o[n] + d * 16;
+    switch (std::min(4, V16 - d)) {
+      case 4: accumulate_group<4>(os, p, nq, base + d * 16, ko, c, a, b); break;
+      case 3: accumulate_group<3>(os, p, nq, base + d * 16, ko, c, a, b); break;
+      case 2: accumulate_group<2>(os, p, nq, base + d * 16, ko, c, a, b); break;
+      default: accumulate_group<1>(os, p, nq, base + d * 16, ko, c, a, b); break;
+    }
+  }
+}
+#endif
+
 // Whether two block tables name the same blocks for keys [lo, hi).
 inline bool same_blocks(const int64_t* x, const int64_t* y, int64_t lo, int64_t hi, int64_t BS) {
   if (x == y) return true;
@@ -423,6 +566,138 @@ inline void for_each_rows(const RowSpan* rs, int64_t R, int64_t c0, int64_t c1, 
   }
 }
 
+// An exact softmax per row and head (the scores become weights); each row's log-sum-exp
+// and the reciprocal of its sum.
+inline void softmax_rows(const RowSpan* rs, int64_t R, int64_t H, float cap, float* s, float* sum, float* lse) {
+  for (int64_t j = 0; j < R; ++j) {
+    const int64_t m = rs[j].n - rs[j].lo;
+    float* sj = s + rs[j].off;
+    soft_cap(sj, H * m, cap);
+    for (int64_t hq = 0; hq < H; ++hq) {
+      const float mx = row_max(sj + hq * m, m);
+      const float total = softmax_row(sj + hq * m, m, mx);
+      lse[j * H + hq] = mx + std::log(total);
+      sum[j * H + hq] = 1.f / total;
+    }
+  }
+}
+
+// Each of n output vectors scaled by its row's 1 / sum.
+template <int V>
+inline void normalise(float* out, const float* sum, int64_t n) {
+  for (int64_t k = 0; k < n; ++k) {
+    const __m256 inv = _mm256_set1_ps(sum[k]);
+    float* o = out + k * V * 8;
+    for (int i = 0; i < V; ++i) _mm256_storeu_ps(o + i * 8, _mm256_mul_ps(_mm256_loadu_ps(o + i * 8), inv));
+  }
+}
+
+#ifdef __AVX512F__
+// attend_tile with the G query heads of each KV head taken together (see "GQA grouping"):
+// the same chunks, pairs and key order, the same operations per lane. qpack holds the
+// tile's query vectors packed in pairs: for each row and KV head its heads two by two
+// ((G + 1) / 2 pairs, the last one's high half a copy when G is odd), then for each row
+// but the last, with the next row, head by head (G pairs).
+template <int V>
+void attend_tile_grouped(const float* q, const float* kc, const float* vc, const RowSpan* rs, int64_t R,
+                         int64_t BS, int64_t KVH, int64_t G, __m256 scale, float cap, float* s, float* sum,
+                         float* out, float* lse, int64_t* ko, float* qpack, int64_t tlo, int64_t thi) {
+  const int64_t H = KVH * G, D = V * 8, width = KVH * D, KC = chunk_keys(width, true), NPS = (G + 1) / 2;
+  const int64_t PAIR = V * 16;  // floats per packed pair
+  auto scores = [&](int64_t j, int64_t hq) { return s + rs[j].off + hq * (rs[j].n - rs[j].lo) - rs[j].lo; };
+  auto qrow = [&](int64_t j, int64_t hq) { return q + (j * H + hq) * D; };
+  float* joint_pack = qpack + R * KVH * NPS * PAIR;
+  for (int64_t j = 0; j < R; ++j)
+    for (int64_t kh = 0; kh < KVH; ++kh) {
+      for (int64_t p = 0; p < NPS; ++p) {
+        const int64_t g = kh * G + 2 * p;
+        pack_pair<V>(qpack + ((j * KVH + kh) * NPS + p) * PAIR, qrow(j, g), qrow(j, std::min(g + 1, kh * G + G - 1)));
+      }
+      if (j + 1 < R)
+        for (int64_t g = 0; g < G; ++g)
+          pack_pair<V>(joint_pack + ((j * KVH + kh) * G + g) * PAIR, qrow(j, kh * G + g), qrow(j + 1, kh * G + g));
+    }
+  // one row's heads of KV head kh against keys [a, b)
+  auto score_heads = [&](int64_t j, int64_t kh, const float* base, int64_t c, int64_t a, int64_t b) {
+    if (a >= b) return;
+    const float* qp = qpack + (j * KVH + kh) * NPS * PAIR;
+    for (int64_t p0 = 0; p0 < NPS; p0 += 3) {
+      const int64_t np = std::min<int64_t>(3, NPS - p0);
+      float *da[3], *db[3];
+      for (int64_t p = 0; p < np; ++p) {
+        const int64_t g = 2 * (p0 + p);
+        da[p] = scores(j, kh * G + g);
+        db[p] = g + 1 < G ? scores(j, kh * G + g + 1) : nullptr;
+      }
+      score_pairs<V>(qp + p0 * PAIR, np, base, ko, c, da, db, a, b, scale);
+    }
+  };
+  // rows j and j + 1, each head of KV head kh, against keys [a, b) both attend
+  auto score_joint = [&](int64_t j, int64_t kh, const float* base, int64_t c, int64_t a, int64_t b) {
+    if (a >= b) return;
+    const float* qp = joint_pack + (j * KVH + kh) * G * PAIR;
+    for (int64_t g0 = 0; g0 < G; g0 += 3) {
+      const int64_t np = std::min<int64_t>(3, G - g0);
+      float *da[3], *db[3];
+      for (int64_t p = 0; p < np; ++p) da[p] = scores(j, kh * G + g0 + p), db[p] = scores(j + 1, kh * G + g0 + p);
+      score_pairs<V>(qp + g0 * PAIR, np, base, ko, c, da, db, a, b, scale);
+    }
+  };
+  for (int64_t c0 = tlo; c0 < thi; c0 += KC)
+    for_each_rows(rs, R, c0, std::min(thi, c0 + KC), BS, width, ko, [&](const Rows& r) {
+      for (int64_t kh = 0; kh < KVH; ++kh) {
+        const float* base = kc + kh * D;
+        if (!r.joint()) {
+          score_heads(r.j, kh, base, r.c, r.a, r.b);
+          if (r.two) score_heads(r.j + 1, kh, base, r.c, r.a2, r.b2);
+          continue;
+        }
+        score_joint(r.j, kh, base, r.c, r.both_a, r.both_b);
+        // the keys only one of the two attends
+        score_heads(r.j, kh, base, r.c, r.a, std::min(r.b, r.both_a));
+        score_heads(r.j, kh, base, r.c, std::max(r.a, r.both_b), r.b);
+        score_heads(r.j + 1, kh, base, r.c, r.a2, std::min(r.b2, r.both_a));
+        score_heads(r.j + 1, kh, base, r.c, std::max(r.a2, r.both_b), r.b2);
+      }
+    });
+  softmax_rows(rs, R, H, cap, s, sum, lse);
+  // V pass: rows' heads (one row's, or a pair's over the keys both attend) six at a time
+  auto accumulate_rows = [&](int64_t j, int64_t rows, int64_t kh, const float* base, int64_t c, int64_t a,
+                             int64_t b) {
+    if (a >= b) return;
+    for (int64_t n0 = 0; n0 < rows * G; n0 += 6) {
+      const int64_t nq = std::min<int64_t>(6, rows * G - n0);
+      float* o[6];
+      const float* p[6];
+      for (int64_t n = 0; n < nq; ++n) {
+        const int64_t row = j + (n0 + n) / G, hq = kh * G + (n0 + n) % G;
+        o[n] = out + (row * H + hq) * D;
+        p[n] = scores(row, hq);
+      }
+      accumulate_heads<V / 2>(o, p, nq, base, ko, c, a, b);
+    }
+  };
+  std::fill(out, out + R * H * D, 0.f);
+  for (int64_t c0 = tlo; c0 < thi; c0 += KC)
+    for_each_rows(rs, R, c0, std::min(thi, c0 + KC), BS, width, ko, [&](const Rows& r) {
+      for (int64_t kh = 0; kh < KVH; ++kh) {
+        const float* base = vc + kh * D;
+        if (!r.joint()) {
+          accumulate_rows(r.j, 1, kh, base, r.c, r.a, r.b);
+          if (r.two) accumulate_rows(r.j + 1, 1, kh, base, r.c, r.a2, r.b2);
+          continue;
+        }
+        accumulate_rows(r.j, 1, kh, base, r.c, r.a, r.both_a);
+        accumulate_rows(r.j + 1, 1, kh, base, r.c, r.a2, r.both_a);
+        accumulate_rows(r.j, 2, kh, base, r.c, r.both_a, r.both_b);
+        accumulate_rows(r.j, 1, kh, base, r.c, r.both_b, r.b);
+        accumulate_rows(r.j + 1, 1, kh, base, r.c, r.both_b, r.b2);
+      }
+    });
+  normalise<V>(out, sum, R * H);
+}
+#endif
+
 // A tile's rows, keys in chunks: for each chunk and KV head, every row of the tile that
 // attends keys of the chunk takes them (rows that share blocks read them from L1). A row
 // sees its own keys in key order, whatever tile it is in and however its keys fall into
@@ -431,7 +706,7 @@ inline void for_each_rows(const RowSpan* rs, int64_t R, int64_t c0, int64_t c1, 
 template <int V>
 void attend_tile(const float* q, const float* kc, const float* vc, const RowSpan* rs, int64_t R, int64_t BS,
                  int64_t KVH, int64_t G, float sc, float cap, float* s, float* sum, float* out, float* lse,
-                 int64_t* ko) {
+                 int64_t* ko, float* qpack) {
   const int64_t H = KVH * G, D = V * 8, width = KVH * D, KC = chunk_keys(width);
   const __m256 scale = _mm256_set1_ps(sc);
   int64_t tlo, thi;
@@ -439,6 +714,14 @@ void attend_tile(const float* q, const float* kc, const float* vc, const RowSpan
   auto scores = [&](int64_t j, int64_t hq) {  // [t]: row j's score (then weight) of key t for head hq
     return s + rs[j].off + hq * (rs[j].n - rs[j].lo) - rs[j].lo;
   };
+#ifdef __AVX512F__
+  if constexpr (V % 2 == 0) {
+    if (G >= 2) {
+      attend_tile_grouped<V>(q, kc, vc, rs, R, BS, KVH, G, scale, cap, s, sum, out, lse, ko, qpack, tlo, thi);
+      return;
+    }
+  }
+#endif
   // K pass: each row's scores against its own keys; two rows on one table (a prefill
   // chunk's) take the keys both attend together.
   for (int64_t c0 = tlo; c0 < thi; c0 += KC)
@@ -463,18 +746,7 @@ void attend_tile(const float* q, const float* kc, const float* vc, const RowSpan
           score_row<V>(q2, base, ko, r.c, d2, std::max(r.a2, r.both_b), r.b2, scale);
         }
     });
-  // An exact softmax per row and head.
-  for (int64_t j = 0; j < R; ++j) {
-    const int64_t m = rs[j].n - rs[j].lo;
-    float* sj = s + rs[j].off;
-    soft_cap(sj, H * m, cap);
-    for (int64_t hq = 0; hq < H; ++hq) {
-      const float mx = row_max(sj + hq * m, m);
-      const float total = softmax_row(sj + hq * m, m, mx);
-      lse[j * H + hq] = mx + std::log(total);
-      sum[j * H + hq] = 1.f / total;
-    }
-  }
+  softmax_rows(rs, R, H, cap, s, sum, lse);
   // V pass: out[hq] = sum_t p[hq, t] * v[t, hq / G], in the same chunks; each row's keys
   // in key order (a pair's keys before and after those both attend, alone).
   std::fill(out, out + R * H * D, 0.f);
@@ -500,12 +772,7 @@ void attend_tile(const float* q, const float* kc, const float* vc, const RowSpan
           accumulate_head<V>(o2, base, ko, r.c, p2, r.both_b, r.b2);
         }
     });
-  for (int64_t j = 0; j < R; ++j)
-    for (int64_t hq = 0; hq < H; ++hq) {
-      const __m256 inv = _mm256_set1_ps(sum[j * H + hq]);
-      float* o = out + (j * H + hq) * D;
-      for (int i = 0; i < V; ++i) _mm256_storeu_ps(o + i * 8, _mm256_mul_ps(_mm256_loadu_ps(o + i * 8), inv));
-    }
+  normalise<V>(out, sum, R * H);
 }
 #endif
 
@@ -564,15 +831,15 @@ void attend_tile_generic(const float* q, const float* kc, const float* vc, const
 
 void attend(const float* q, const float* kc, const float* vc, const RowSpan* rs, int64_t R, int64_t BS,
             int64_t KVH, int64_t G, int64_t D, float sc, float cap, float* s, float* sum, float* out, float* lse,
-            int64_t* ko) {
+            int64_t* ko, float* qpack) {
 #ifdef CANDOR_AVX2
   switch (D) {  // the head sizes the vector code is instantiated for
-    case 16: return attend_tile<2>(q, kc, vc, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, ko);
-    case 32: return attend_tile<4>(q, kc, vc, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, ko);
-    case 64: return attend_tile<8>(q, kc, vc, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, ko);
-    case 80: return attend_tile<10>(q, kc, vc, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, ko);
-    case 96: return attend_tile<12>(q, kc, vc, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, ko);
-    case 128: return attend_tile<16>(q, kc, vc, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, ko);
+    case 16: return attend_tile<2>(q, kc, vc, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, ko, qpack);
+    case 32: return attend_tile<4>(q, kc, vc, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, ko, qpack);
+    case 64: return attend_tile<8>(q, kc, vc, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, ko, qpack);
+    case 80: return attend_tile<10>(q, kc, vc, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, ko, qpack);
+    case 96: return attend_tile<12>(q, kc, vc, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, ko, qpack);
+    case 128: return attend_tile<16>(q, kc, vc, rs, R, BS, KVH, G, sc, cap, s, sum, out, lse, ko, qpack);
     default: break;
   }
 #endif
@@ -644,7 +911,10 @@ std::tuple<torch::Tensor, torch::Tensor> paged_attention(torch::Tensor q, torch:
   at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> s, sum(R * H);
     std::vector<RowSpan> rs(R);
-    std::vector<int64_t> ko(chunk_keys(KVH * D));
+    std::vector<int64_t> ko(chunk_keys(KVH * D, true));
+    // attend_tile_grouped's packed queries, on a cache line (its 16-lane loads never split)
+    std::vector<float> qpack_(R * KVH * ((G + 1) / 2 + G) * 2 * D + 16);
+    float* qpack = qpack_.data() + (16 - reinterpret_cast<uintptr_t>(qpack_.data()) / 4 % 16) % 16;
     for (int64_t w = begin; w < end; ++w) {
       for (int64_t k = w; k < T; k += workers) {
         const int64_t r0 = starts[k], n_rows = starts[k + 1] - r0;
@@ -657,7 +927,7 @@ std::tuple<torch::Tensor, torch::Tensor> paged_attention(torch::Tensor q, torch:
         }
         s.resize(off);
         attend(qp + r0 * H * D, kp, vp, rs.data(), n_rows, BS, KVH, G, D, sc, cap, s.data(), sum.data(),
-               op + r0 * H * D, lsep + r0 * H, ko.data());
+               op + r0 * H * D, lsep + r0 * H, ko.data(), qpack);
       }
     }
   });

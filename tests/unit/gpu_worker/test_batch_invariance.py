@@ -69,9 +69,11 @@ def _assert_rows(out: torch.Tensor, rows: list[tuple[int, int]], alone: dict, wh
         assert torch.equal(out[i], alone[row]), f"{what}: row {row} differs from the same row alone"
 
 
-# head_dim 16/32/64/128 take the vector code (where built), 24 the portable loops.
+# head_dim 16/32/64/80/128 take the vector code (where built), 24 the portable loops; on
+# AVX-512 builds GQA groups (2, 3 and 8 query heads a KV head here) take the grouped passes.
 @needs_kernel
-@pytest.mark.parametrize("heads,kvh,d", [(4, 2, 16), (6, 3, 24), (4, 4, 64), (2, 1, 128), (8, 2, 32)])
+@pytest.mark.parametrize("heads,kvh,d", [(4, 2, 16), (6, 3, 24), (4, 4, 64), (2, 1, 128), (8, 2, 32), (9, 3, 64),
+                                         (16, 2, 80)])
 @pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (None, 2.0)])
 def test_attention_row_is_independent_of_batch_and_prefill_split(threads, heads, kvh, d, window, softcap):
     seqs = Sequences([37, 20, 64], heads, kvh, d, seed=heads + d)
@@ -109,7 +111,7 @@ def test_attention_prefill_rows_match_reference(heads, kvh, d):
 
 
 @needs_kernel
-@pytest.mark.parametrize("heads,kvh,d", [(1, 1, 64), (4, 2, 32), (6, 3, 24)])
+@pytest.mark.parametrize("heads,kvh,d", [(1, 1, 64), (4, 2, 32), (6, 3, 24), (9, 3, 64)])
 @pytest.mark.parametrize("window", [None, 100])
 def test_attention_row_is_independent_of_its_tile_over_a_shared_prefix(threads, heads, kvh, d, window):
     """Workload (c)'s shape: 64 sequences whose tables start with the same 64 cached blocks

@@ -40,9 +40,9 @@ def _reference_lse(q, k_cache, v_cache, tables, lens, bs, scale):
     return torch.stack(out)
 
 
-# head_dim 16/32/64/128 take the vector code (where built), 24 the portable loops.
+# head_dim 16/32/64/80/128 take the vector code (where built), 24 the portable loops.
 @pytest.mark.parametrize("heads,kvh,d", [(4, 4, 16), (6, 2, 16), (8, 1, 16), (4, 2, 64), (2, 1, 128),
-                                         (4, 4, 32), (6, 3, 24)])
+                                         (4, 4, 32), (6, 3, 24), (9, 3, 64), (16, 2, 80), (10, 1, 96)])
 def test_kernel_matches_reference(heads, kvh, d):
     torch.manual_seed(heads * 10 + kvh + d)
     bs, nblocks = 4, 96
