@@ -16,7 +16,8 @@ Shapes (fp32, 16-token blocks, blocks scattered over the cache as a busy server'
 - ``s-prefill0`` / ``s-prefill1``: the real model's (SmolLM2-135M: 9 query heads over 3
   KV heads of 64) 2k-token prompt (bench.compare's r2k) in its two 1024-token chunks,
   the first (positions 0..1023) and the second (1024..2047); ``s-decode16``: its r16
-  decode step, 16 streams at contexts 130..258.
+  decode step, 16 streams at contexts 130..258, and ``s-decode16-dram`` the same on a cache
+  of a served size, whose blocks no CPU cache holds from one call to the next.
 One layer per call. Each version of the source is built as the worker builds it
 (``cpu_extension.build``, named by ISA and source hash, so two versions coexist); the
 versions run alternately, ``--repeats`` timed calls each per round (the fastest call of
@@ -84,6 +85,12 @@ def shapes(seed: int = 0) -> dict[str, tuple]:
     tables = torch.tensor([free[128 + i * 17:128 + (i + 1) * 17] for i in range(16)])
     lens = torch.tensor([130 + (i * 37) % 129 for i in range(16)])
     out["s-decode16"] = (torch.randn(16, h, d, generator=g), kc, vc, tables, lens, d ** -0.5, None)
+    # the same step on a served-size cache (8192 blocks, 192 MiB of K and V: not in any cache)
+    nb = 8192
+    kc, vc = torch.randn(nb, BS, kvh, d, generator=g), torch.randn(nb, BS, kvh, d, generator=g)
+    free = _scattered(nb, g)
+    tables = torch.tensor([free[i * 17:(i + 1) * 17] for i in range(16)])
+    out["s-decode16-dram"] = (torch.randn(16, h, d, generator=g), kc, vc, tables, lens, d ** -0.5, None)
     return out
 
 

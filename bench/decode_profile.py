@@ -1,11 +1,12 @@
-"""Where one batch-1 decode step of a model goes: wall time per module kind (every layer's
+"""Where one decode step of a model goes (batch 1, or ``--batch`` streams): wall time per module kind (every layer's
 modules summed, their own time apart from their children's), the step's parts outside
 the forward, and what is left for Python between modules.
 
-    python -m bench.decode_profile [--model FILE.gguf|DIR] [--context 64] [--steps 64]
+    python -m bench.decode_profile [--model FILE.gguf|DIR] [--context 64] [--steps 64] [--batch 1]
 
 A ``ModelRunner`` in this process (float32, as the gpu_worker builds it, ``--threads``
-threads) prefills one prompt of ``--context`` tokens, then runs ``--steps`` decode steps
+threads) prefills ``--batch`` prompts of ``--context`` tokens (each its own blocks), then
+runs ``--steps`` decode steps of all of them
 twice: untimed (the step's own wall time, the fastest and the median), then with forward
 hooks on every module (perf_counter on entry and exit: about 1 us per module call, which
 the hooked step's extra time shows). Module names are folded over layers
@@ -31,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=64)
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--batch", type=int, default=1, help="streams decoded together (r16: 16)")
     a = p.parse_args(argv)
     os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")  # as gpu_worker/__main__ does
     import torch
@@ -45,14 +47,17 @@ def main(argv: list[str] | None = None) -> int:
         from launcher.default_model import default_gguf
         model = str(default_gguf())
     path = str(prepare(model)) if is_gguf(model) else model
-    blocks = (a.context + 2 * a.steps) // 16 + 2
-    runner = ModelRunner(path, num_blocks=blocks, max_model_len=a.context + 2 * a.steps + 16)
-    table = list(range(blocks))
-    prompt = [(7 * j) % 1000 + 3 for j in range(a.context)]
-    step_id = 1
-    res = runner.execute(StepPlan(step_id, [SeqChunk("r", prompt, 0, table, True)],
-                                  {"r": SamplingParams(temperature=0.0)}))
-    last, pos = res.sampled[0], a.context
+    per_seq = (a.context + 2 * a.steps) // 16 + 2
+    runner = ModelRunner(path, num_blocks=per_seq * a.batch, max_model_len=a.context + 2 * a.steps + 16)
+    rids = [f"r{i}" for i in range(a.batch)]
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(a.batch)]
+    last: list[int] = []
+    for i, rid in enumerate(rids):  # one prefill step per prompt
+        prompt = [(7 * j + 13 * i) % 1000 + 3 for j in range(a.context)]
+        res = runner.execute(StepPlan(i + 1, [SeqChunk(rid, prompt, 0, tables[i], True)],
+                                      {rid: SamplingParams(temperature=0.0)}))
+        last.append(res.sampled[0])
+    pos, step_id = a.context, a.batch
 
     def decode(n: int) -> list[float]:
         nonlocal last, pos, step_id
@@ -60,10 +65,10 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(n):
             step_id += 1
             t0 = time.perf_counter()
-            out = runner.execute(StepPlan(step_id, [SeqChunk("r", [last], pos, [], True,
-                                                             kept_blocks=len(table))], {}))
+            out = runner.execute(StepPlan(step_id, [SeqChunk(rid, [tok], pos, [], True, kept_blocks=per_seq)
+                                                    for rid, tok in zip(rids, last)], {}))
             walls.append(time.perf_counter() - t0)
-            last, pos = out.sampled[0], pos + 1
+            last, pos = list(out.sampled), pos + 1
         return walls
 
     decode(4)  # first calls
@@ -105,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ms = lambda s: f"{1e3 * s:7.2f}"  # noqa: E731
     fast, med = min(plain), statistics.median(plain)
-    print(f"model {model}: batch-1 decode at context {a.context}..{pos}, {a.threads} thread(s)")
+    print(f"model {model}: batch-{a.batch} decode at context {a.context}..{pos}, {a.threads} thread(s)")
     print(f"step wall: fastest {ms(fast)} ms, median {ms(med)} ms (hooked: fastest "
           f"{ms(min(hooked))}, median {ms(statistics.median(hooked))})")
     print(f"  of which (mean): prepare {ms(parts[0])}  forward {ms(parts[1])}  sample "
