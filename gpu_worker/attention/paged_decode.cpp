@@ -195,6 +195,53 @@ inline float row_max(const float* s, int64_t n) {
   return mx;
 }
 
+#ifdef __AVX512F__
+// The softmax of NH heads' n scores each (head h at s + h * n) in place: each head's max
+// (over 16-lane vectors in four chains: a max is the same whatever the order) and sum
+// (total[h]), each head exactly softmax_row's operations, the heads interleaved so that
+// their sums' chains of dependent adds overlap (one head alone waits on each add).
+template <int NH>
+inline void softmax_heads(float* s, int64_t n, float* mx, float* total) {
+  for (int h = 0; h < NH; ++h) {
+    const float* sh = s + h * n;
+    __m512 m[4];
+    for (auto& v : m) v = _mm512_set1_ps(-INFINITY);
+    int64_t t = 0;
+    for (; t + 64 <= n; t += 64)
+      for (int i = 0; i < 4; ++i) m[i] = _mm512_max_ps(m[i], _mm512_loadu_ps(sh + t + 16 * i));
+    for (; t + 16 <= n; t += 16) m[0] = _mm512_max_ps(m[0], _mm512_loadu_ps(sh + t));
+    float x = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m[0], m[1]), _mm512_max_ps(m[2], m[3])));
+    for (; t < n; ++t) x = std::max(x, sh[t]);
+    mx[h] = x;
+  }
+  __m512 m16[NH];
+  __m256 acc[NH];
+  for (int h = 0; h < NH; ++h) m16[h] = _mm512_set1_ps(mx[h]), acc[h] = _mm256_setzero_ps();
+  int64_t t = 0;
+  for (; t + 16 <= n; t += 16)
+#pragma GCC unroll 4
+    for (int h = 0; h < NH; ++h) {
+      float* sh = s + h * n;
+      const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sh + t), m16[h]));
+      _mm512_storeu_ps(sh + t, e);
+      acc[h] = _mm256_add_ps(acc[h], _mm512_castps512_ps256(e));
+      acc[h] = _mm256_add_ps(acc[h], _mm512_extractf32x8_ps(e, 1));
+    }
+  for (int h = 0; h < NH; ++h) {
+    float* sh = s + h * n;
+    int64_t u = t;
+    for (; u + 8 <= n; u += 8) {
+      const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sh + u), _mm512_castps512_ps256(m16[h])));
+      _mm256_storeu_ps(sh + u, e);
+      acc[h] = _mm256_add_ps(acc[h], e);
+    }
+    float sum = hsum(acc[h]);
+    for (; u < n; ++u) sum += (sh[u] = std::exp(sh[u] - mx[h]));
+    total[h] = sum;
+  }
+}
+#endif
+
 // One query head (qh) against eight keys' vectors of that head (k[0..7]): lane k is key
 // k's dot product, each a lane-wise multiply then FMAs over the head in order, then sum8.
 template <int V>
@@ -573,12 +620,27 @@ inline void softmax_rows(const RowSpan* rs, int64_t R, int64_t H, float cap, flo
     const int64_t m = rs[j].n - rs[j].lo;
     float* sj = s + rs[j].off;
     soft_cap(sj, H * m, cap);
+#ifdef __AVX512F__
+    for (int64_t h0 = 0; h0 < H; h0 += 3) {  // three heads at a time
+      float mx[3], total[3];
+      switch (std::min<int64_t>(3, H - h0)) {
+        case 3: softmax_heads<3>(sj + h0 * m, m, mx, total); break;
+        case 2: softmax_heads<2>(sj + h0 * m, m, mx, total); break;
+        default: softmax_heads<1>(sj + h0 * m, m, mx, total); break;
+      }
+      for (int64_t i = 0; i < std::min<int64_t>(3, H - h0); ++i) {
+        lse[j * H + h0 + i] = mx[i] + std::log(total[i]);
+        sum[j * H + h0 + i] = 1.f / total[i];
+      }
+    }
+#else
     for (int64_t hq = 0; hq < H; ++hq) {
       const float mx = row_max(sj + hq * m, m);
       const float total = softmax_row(sj + hq * m, m, mx);
       lse[j * H + hq] = mx + std::log(total);
       sum[j * H + hq] = 1.f / total;
     }
+#endif
   }
 }
 
