@@ -707,6 +707,8 @@ inline CV half_bytes(const uint8_t*) { return cv_zero(); }
 struct Q4_0c {
   static constexpr int BS = 32, BYTES = 18, SB = 32;
   static constexpr bool HAS_C = true, SIGNED = false, DIRECT = DIRECT_CODES;
+  static constexpr int MIN_AT = -1;  // (gather_coefs: no stored min; c = C_OF_A * a)
+  static constexpr float C_OF_A = -8.0f;
   static inline void codes(const uint8_t* b, uint8_t* q, float* a, float* c) {
     const float d = half_at(b);
 #ifdef __AVX2__
@@ -727,6 +729,8 @@ struct Q4_0c {
 struct Q4_1c {
   static constexpr int BS = 32, BYTES = 20, SB = 32;
   static constexpr bool HAS_C = true, SIGNED = false, DIRECT = DIRECT_CODES;
+  static constexpr int MIN_AT = 2;  // (gather_coefs: c is the half after a)
+  static constexpr float C_OF_A = 0.0f;
   static inline void codes(const uint8_t* b, uint8_t* q, float* a, float* c) {
 #ifdef __AVX2__
     put32(q, nibbles32(b + 4));
@@ -777,6 +781,8 @@ struct Q5_1c {
 struct Q8_0c {
   static constexpr int BS = 32, BYTES = 34, SB = 32;
   static constexpr bool HAS_C = false, SIGNED = true, DIRECT = true;
+  static constexpr int MIN_AT = -1;
+  static constexpr float C_OF_A = 0.0f;
   static inline void codes(const uint8_t* b, uint8_t* q, float* a, float*) {
     std::memcpy(q, b + 2, 32);
     a[0] = half_at(b);
@@ -887,6 +893,27 @@ inline CV sub_sum(const float* x) {
   return s;
 }
 
+// Types whose blocks are one sub-block that starts with its fp16 scale a (and, MIN_AT 2,
+// its fp16 c right after): gather_coefs reads sixteen blocks' a and c at once (one
+// gather of the leading 32 bits, two fp16 conversions, exact as half_at's) where coefs
+// took a scalar load and conversion per value, the largest part of decoding a block.
+template <class T, class = void>
+struct Gathers : std::false_type {};
+#ifdef __AVX512F__
+template <class T>
+struct Gathers<T, std::void_t<decltype(T::MIN_AT)>> : std::bool_constant<T::DIRECT && T::BS == T::SB> {};
+
+// a[i], c[i]: the coefficients of the block at base + off[i], i < 16
+template <class T>
+inline void gather_coefs(const uint8_t* base, __m512i off, float* a, float* c) {
+  const __m512i dw = _mm512_i32gather_epi32(off, base, 1);
+  const __m512 av = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dw));
+  _mm512_storeu_ps(a, av);
+  if constexpr (T::MIN_AT == 2) _mm512_storeu_ps(c, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dw, 16))));
+  else if constexpr (T::HAS_C) _mm512_storeu_ps(c, _mm512_mul_ps(_mm512_set1_ps(T::C_OF_A), av));
+}
+#endif
+
 constexpr int CMR = 3;  // input rows per tile of the codes kernels' panel path
 
 // Up to FEW input rows take the codes-in-registers path, which decodes each block once for
@@ -992,6 +1019,7 @@ std::vector<float> sub_block_sums(const float* x, int64_t M, int64_t K) {
 }
 
 // Few rows (M <= FEW): one block of each of the NR outputs at a time, codes in registers.
+constexpr int GATHER_ROWS = 4;
 template <class T, int R>
 void codes_few_rows(const uint8_t* w, int64_t row_bytes, const float* x, const float* sums, int64_t K,
                     int64_t n0, int nvalid, float* y, int64_t ldy) {
@@ -1004,27 +1032,64 @@ void codes_few_rows(const uint8_t* w, int64_t row_bytes, const float* x, const f
   const int64_t nb = K / T::BS, ns = K / T::SB;
   const uint8_t* rows[NR];
   for (int j = 0; j < NR; ++j) rows[j] = w + (n0 + std::min(j, nvalid - 1)) * row_bytes;
+#ifdef __AVX512F__
+  // Gathers<T>: four blocks' coefficients of the NR outputs in one gather, already in
+  // at/ct's layout (block-major, NR outputs side by side); element 4i + j: block i, output j
+  alignas(64) float at4[4][NR], ct4[4][NR];
+  __m512i off4 = _mm512_setzero_si512();
+  constexpr bool GATHER = Gathers<T>::value && R <= GATHER_ROWS;
+  if constexpr (GATHER) {
+    alignas(64) int32_t o[16];
+    for (int i = 0; i < 4; ++i)
+      for (int j = 0; j < NR; ++j) o[4 * i + j] = static_cast<int32_t>((rows[j] - rows[0]) + i * T::BYTES);
+    off4 = _mm512_load_si512(o);
+  }
+#endif
+  const float (*atp)[NR] = at;  // this block's at and ct (at4's or at's rows)
+  const float (*ctp)[NR] = ct;
   for (int64_t b = 0; b < nb; ++b) {
-    for (int j = 0; j < NR; ++j) {
+    for (int j = 0; j < NR; ++j)
       // two work items ahead (the next 2 NR rows are contiguous after these), at this
       // block's offset (past the matrix: harmless): the stream arrives before it is read
       __builtin_prefetch(rows[j] + 2 * NR * row_bytes + b * T::BYTES);
-      if constexpr (T::DIRECT) T::coefs(rows[j] + b * T::BYTES, a[j], c[j]);
-      else T::codes(rows[j] + b * T::BYTES, q[j], a[j], c[j]);
-    }
-    for (int sb = 0; sb < NS; ++sb)
-      for (int j = 0; j < NR; ++j) {
-        at[sb][j] = a[j][sb];
-        ct[sb][j] = c[j][sb];
+#ifdef __AVX512F__
+    if constexpr (GATHER) {
+      if (b % 4 == 0) {  // (past the last block: its blocks again, never read)
+        const int64_t b0 = std::min<int64_t>(b, nb - 4 < 0 ? 0 : nb - 4);
+        if (nb >= 4) {
+          gather_coefs<T>(rows[0] + b0 * T::BYTES, off4, &at4[0][0], &ct4[0][0]);
+        } else {
+          for (int64_t i = 0; i < nb; ++i)
+            for (int j = 0; j < NR; ++j) T::coefs(rows[j] + i * T::BYTES, &at4[i][j], &ct4[i][j]);
+        }
+        if (b0 != b) {  // the last blocks, gathered from nb - 4: move blocks b.. to the front
+          for (int64_t i = 0; i < nb - b; ++i)
+            for (int j = 0; j < NR; ++j) at4[i][j] = at4[i + (b - b0)][j], ct4[i][j] = ct4[i + (b - b0)][j];
+        }
       }
+      atp = &at4[b % 4];
+      ctp = &ct4[b % 4];
+    } else
+#endif
+    {
+      for (int j = 0; j < NR; ++j) {
+        if constexpr (T::DIRECT) T::coefs(rows[j] + b * T::BYTES, a[j], c[j]);
+        else T::codes(rows[j] + b * T::BYTES, q[j], a[j], c[j]);
+      }
+      for (int sb = 0; sb < NS; ++sb)
+        for (int j = 0; j < NR; ++j) {
+          at[sb][j] = a[j][sb];
+          ct[sb][j] = c[j][sb];
+        }
+    }
     for (int sb = 0; sb < NS; ++sb) {
       const int64_t k0 = b * T::BS + sb * T::SB;
       if constexpr (T::DIRECT) {
         sub_block<T, R>(x, K, k0, sums, ns, b * NS + sb, [&](int j, CV* qf) {
           T::vecs(rows[j] + b * T::BYTES, sb, qf);
-          const CV aj = cv_set1(at[sb][j]);
+          const CV aj = cv_set1(atp[sb][j]);
           for (int g = 0; g < T::SB / LANES; ++g) qf[g] = cv_mul(qf[g], aj);
-        }, ct[sb], acc, offs);
+        }, ctp[sb], acc, offs);
       } else {
         sub_block<T, R>(x, K, k0, sums, ns, b * NS + sb, [&](int j, CV* qf) {
           const CV aj = cv_set1(at[sb][j]);
@@ -1073,6 +1138,30 @@ void decode_panel(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t n0, in
       continue;
     }
     const uint8_t* row = w + (n0 + j) * row_bytes;
+#ifdef __AVX512F__
+    if constexpr (Gathers<T>::value) {  // sixteen blocks' coefficients at a time
+      alignas(64) float a16[16], c16[16];
+      const __m512i off = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                             _mm512_set1_epi32(T::BYTES));
+      for (int64_t b0 = 0; b0 < nb; b0 += 16) {
+        const int64_t n = std::min<int64_t>(16, nb - b0);
+        if (n == 16) {
+          gather_coefs<T>(row + b0 * T::BYTES, off, a16, c16);
+        } else {
+          for (int64_t i = 0; i < n; ++i) T::coefs(row + (b0 + i) * T::BYTES, a16 + i, c16 + i);
+        }
+        for (int64_t i = 0; i < n; ++i) {
+          const int64_t b = b0 + i;
+          CV qf[T::SB / LANES];
+          T::vecs(row + b * T::BYTES, 0, qf);
+          const CV ab = cv_set1(a16[i]);
+          for (int g = 0; g < T::SB / LANES; ++g) cv_store(prow + b * T::BS + LANES * g, cv_mul(qf[g], ab));
+          if constexpr (T::HAS_C) ct[b * PANEL + j] = c16[i];
+        }
+      }
+      continue;
+    }
+#endif
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* blk = row + b * T::BYTES;
       float* out = prow + b * T::BS;

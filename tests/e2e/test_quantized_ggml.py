@@ -86,6 +86,30 @@ def test_kernel_matmul_is_the_dequantized_product_and_batch_invariant(type_name,
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("k", [64, 224, 800])
+def test_gathered_block_scales_at_every_width(type_name, k):
+    """The 32-element types read their blocks' scales sixteen (panels) or four blocks by
+    four outputs (few rows) at a time: widths of 2, 7 and 25 blocks leave partial groups
+    at the end. Every row count gives the dequantized product, and each row its one-row
+    result bitwise."""
+    n, big = 13, 20  # 13 outputs: a partial work item of 4
+    raw = _raw(type_name, n, k, seed=k)
+    w = torch.from_numpy(dequantize(raw, GGMLQuantizationType[type_name]).copy())
+    blocks, type_id = torch.from_numpy(raw), GGML_TYPES[type_name][0]
+    x = torch.randn(big, k, generator=torch.Generator().manual_seed(k))
+
+    def run(rows: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(rows.shape[0], n)
+        _kernel().ggml_linear(rows.contiguous(), blocks, type_id, out)
+        return out
+
+    alone = torch.cat([run(x[r:r + 1]) for r in range(big)])
+    torch.testing.assert_close(alone, x.double().mm(w.double().T).float(), rtol=1e-5, atol=1e-4)
+    for m in (2, 3, 4, 5, 6, 7, 16, big):
+        assert torch.equal(run(x[:m]), alone[:m]), m
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0", "Q4_K", "Q6_K"])
 def test_many_row_matmul_gives_each_row_its_result_alone(type_name, threads):
