@@ -98,9 +98,11 @@ def _kernel(source: Path):
     module = build(source, ["paged_attention"], openmp=True, cflags=cpu_kernel_backend.CFLAGS)
     if module is None:
         raise SystemExit(f"{source} could not be built here")
-    empty = torch.empty(0, dtype=torch.long)
+    empty, no_kv = torch.empty(0, dtype=torch.long), torch.empty(0, 0, 0)
+    # (sources before the fused K/V write take 9 arguments, later ones 12)
+    extra = (no_kv, no_kv, empty) if "arg11" in (module.paged_attention.__doc__ or "") else ()
     return lambda q, kc, vc, t, lens, sc, rs: module.paged_attention(
-        q, kc, vc, t, empty if rs is None else rs, lens, sc, 0, 0.0)
+        q, kc, vc, t, empty if rs is None else rs, lens, sc, 0, 0.0, *extra)
 
 
 def _best_ms(fn, args, repeats: int) -> float:

@@ -47,7 +47,8 @@ _SOURCE = Path(__file__).with_name("paged_decode.cpp")
 DISABLE_ENV = "CANDOR_CPU_DECODE_KERNEL"
 CFLAGS = ("-ffp-contract=off", *wide_flags())
 _NO_ROWS = torch.empty(0, dtype=torch.long)
-# (q, k_cache, v_cache, tables, lens, scale, window=None, softcap=None, row_seq=None) -> (out, lse)
+_NO_KV = torch.empty(0, 0, 0)
+# (q, k_cache, v_cache, tables, lens, scale, window=None, softcap=None, row_seq=None, new_kv=None) -> (out, lse)
 Kernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -55,15 +56,18 @@ def load() -> Kernel | None:
     """The compiled ``paged_attention``, or None when it cannot be built. Row b of ``q``
     attends keys 0..lens[b]-1 of block table ``tables[row_seq[b]]`` (``row_seq`` None:
     ``tables[b]``). ``window``: each row attends its last ``window`` keys only;
-    ``softcap``: scores pass through ``softcap * tanh(score / softcap)`` first."""
+    ``softcap``: scores pass through ``softcap * tanh(score / softcap)`` first; ``new_kv``
+    (k, v, slot_mapping): the step's new K/V rows, stored at their slots first."""
     module = build(_SOURCE, ["paged_attention"], openmp=True, cflags=CFLAGS)
     if module is None:
         return None
     kernel = module.paged_attention
 
-    def paged_attention(q, k_cache, v_cache, tables, lens, scale, window=None, softcap=None, row_seq=None):
+    def paged_attention(q, k_cache, v_cache, tables, lens, scale, window=None, softcap=None, row_seq=None,
+                        new_kv=None):
+        k, v, slots = (_NO_KV, _NO_KV, _NO_ROWS) if new_kv is None else new_kv
         return kernel(q, k_cache, v_cache, tables, _NO_ROWS if row_seq is None else row_seq, lens, scale,
-                      window or 0, softcap or 0.0)
+                      window or 0, softcap or 0.0, k, v, slots)
 
     return paged_attention
 
@@ -104,9 +108,12 @@ class InvariantStep(AttentionMetadata):
     scratch: GatherScratch = field(default_factory=GatherScratch)
 
     def attend(self, q, k, v, k_cache, v_cache, window=None, softcap=None):
-        write_kv(k_cache, v_cache, k, v, self.slot_mapping)
+        new_kv = (k, v, self.slot_mapping)  # stored by the kernel call (its heads must be contiguous)
+        if k.stride(-1) != 1 or v.stride(-1) != 1:
+            write_kv(k_cache, v_cache, k, v, self.slot_mapping)
+            new_kv = None
         out = self.kernel(q.contiguous(), k_cache, v_cache, self.tables, self.lens, self.scale, window, softcap,
-                          row_seq=self.row_seq)[0]
+                          row_seq=self.row_seq, new_kv=new_kv)[0]
         for row, lo, hi, seq in self.spans:
             rows = slice(row, row + hi - lo)
             out[rows] = attend_span(q[rows], k_cache, v_cache, self.tables[seq], lo, hi, window, softcap,

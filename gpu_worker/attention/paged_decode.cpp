@@ -4,6 +4,7 @@
 #include <vector>
 #include <algorithm>
 #include <tuple>
+#include <cstring>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define CANDOR_AVX2 1
@@ -916,6 +917,33 @@ inline bool all_within(const torch::Tensor& t, int64_t lo, int64_t hi) {
   return std::all_of(p, p + t.numel(), [&](int64_t v) { return v >= lo && v < hi; });
 }
 
+// The step's new K and V rows ([n, KVH, D], each head contiguous) stored at their
+// cache slots before any row attends: the write and the attention in one call, where
+// two index_copy_ calls cost more than the copy.
+inline void write_rows(torch::Tensor& kc, torch::Tensor& vc, const torch::Tensor& k, const torch::Tensor& v,
+                       torch::Tensor slots) {
+  const int64_t BS = kc.size(1), KVH = kc.size(2), D = kc.size(3), width = KVH * D;
+  TORCH_CHECK(slots.is_cpu() && slots.dtype() == torch::kInt64 && slots.dim() == 1, "slots: int64 [n]");
+  slots = slots.contiguous();
+  const int64_t n = slots.size(0);
+  for (const torch::Tensor* t : {&k, &v}) {
+    TORCH_CHECK(t->is_cpu() && t->dtype() == torch::kFloat32 && t->dim() == 3 && t->size(0) == n &&
+                    t->size(1) == KVH && t->size(2) == D && t->stride(2) == 1,
+                "new K/V rows: fp32 [n, kv_heads, head_dim], each head contiguous");
+  }
+  TORCH_CHECK(all_within(slots, 0, kc.size(0) * BS), "slot out of range");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  float* kp = kc.data_ptr<float>();
+  float* vp = vc.data_ptr<float>();
+  const float* ks = k.data_ptr<float>();
+  const float* vs = v.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t h = 0; h < KVH; ++h) {
+      std::memcpy(kp + sp[i] * width + h * D, ks + i * k.stride(0) + h * k.stride(1), D * sizeof(float));
+      std::memcpy(vp + sp[i] * width + h * D, vs + i * v.stride(0) + h * v.stride(1), D * sizeof(float));
+    }
+}
+
 // Rows per tile: up to 16, but few enough that every thread gets a tile.
 inline int64_t tile_rows(int64_t B, int64_t threads) {
   return std::max<int64_t>(1, std::min<int64_t>(16, (B + threads - 1) / threads));
@@ -926,7 +954,8 @@ inline int64_t tile_rows(int64_t B, int64_t threads) {
 std::tuple<torch::Tensor, torch::Tensor> paged_attention(torch::Tensor q, torch::Tensor kc, torch::Tensor vc,
                                                          torch::Tensor tables, torch::Tensor row_seq,
                                                          torch::Tensor lens, double scale, int64_t window,
-                                                         double softcap) {
+                                                         double softcap, torch::Tensor k_new, torch::Tensor v_new,
+                                                         torch::Tensor slots) {
   TORCH_CHECK(q.dtype() == torch::kFloat32 && kc.dtype() == torch::kFloat32 && vc.dtype() == torch::kFloat32);
   TORCH_CHECK(q.is_contiguous() && kc.is_contiguous() && vc.is_contiguous());
   TORCH_CHECK(q.is_cpu() && kc.is_cpu() && vc.is_cpu() && tables.is_cpu() && lens.is_cpu() && row_seq.is_cpu());
@@ -936,6 +965,7 @@ std::tuple<torch::Tensor, torch::Tensor> paged_attention(torch::Tensor q, torch:
   const int64_t BS = kc.size(1), KVH = kc.size(2), S = tables.size(0), MB = tables.size(1);
   TORCH_CHECK(kc.size(3) == D && H % KVH == 0 && vc.sizes() == kc.sizes());
   const int64_t G = H / KVH;
+  if (slots.numel() > 0) write_rows(kc, vc, k_new, v_new, slots);
   const bool own_tables = row_seq.numel() == 0;
   TORCH_CHECK(lens.size(0) == B && (own_tables ? S == B : row_seq.size(0) == B));
   auto out = torch::empty_like(q);

@@ -64,6 +64,10 @@ class Attention(nn.Module):
             qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
             qk = RotaryEmbedding.rotate(qk.view(n, self.num_heads + self.num_kv_heads, self.head_dim), cos_sin)
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        elif self.qk_norm == "none" and cos_sin is not None and qkv.stride(-1) == 1:
+            # the CPU kernel: q and k rotated out of the projection in one call (rope's bits)
+            q, k = row_ops.load().rope_qk(qkv, cos_sin[0][:, 0], cos_sin[1][:, 0], self.num_heads, self.num_kv_heads)
+            v = qkv[:, self.q_size + self.kv_size:]
         else:  # (the CPU kernel rotates q and k into contiguous tensors, one call each)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             if self.qk_norm == "full":

@@ -165,19 +165,13 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor h, double scale, torch
 // x [n, heads, dim] (last dim contiguous, any other strides), cos/sin [n, dim] (rows
 // contiguous) -> x rotated by each row's position, contiguous [n, heads, dim]:
 // x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x[half:], x[:half]) (as HF).
-torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat, "rope: fp32 CPU tensors only");
-  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0, "rope: x [n, heads, even dim]");
-  check_rows(cos, "rope");
-  check_rows(sin, "rope");
-  const int64_t n = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
-  TORCH_CHECK(cos.size(0) == n && cos.size(1) == dim && sin.sizes() == cos.sizes(), "rope: cos/sin [n, dim]");
-  const int64_t sn = x.stride(0), sh = x.stride(1), sc = cos.stride(0), ss = sin.stride(0);
-  auto out = torch::empty({n, heads, dim}, x.options());
-  const float* xp = x.data_ptr<float>();
+namespace {
+// out [n, heads, dim] (contiguous) = x's rows rotated (x: head h of row r at r * sn + h * sh)
+void rotate_heads(const float* xp, int64_t sn, int64_t sh, int64_t n, int64_t heads, int64_t dim,
+                  const torch::Tensor& cos, const torch::Tensor& sin, float* op) {
+  const int64_t half = dim / 2, sc = cos.stride(0), ss = sin.stride(0);
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
-  float* op = out.data_ptr<float>();
 #pragma omp parallel for if (n * heads * dim >= PARALLEL_ELEMENTS)
   for (int64_t r = 0; r < n; ++r) {
     const float* c = cp + r * sc;
@@ -197,7 +191,38 @@ torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
       }
     }
   }
+}
+}  // namespace
+
+torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat, "rope: fp32 CPU tensors only");
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0, "rope: x [n, heads, even dim]");
+  check_rows(cos, "rope");
+  check_rows(sin, "rope");
+  const int64_t n = x.size(0), heads = x.size(1), dim = x.size(2);
+  TORCH_CHECK(cos.size(0) == n && cos.size(1) == dim && sin.sizes() == cos.sizes(), "rope: cos/sin [n, dim]");
+  auto out = torch::empty({n, heads, dim}, x.options());
+  rotate_heads(x.data_ptr<float>(), x.stride(0), x.stride(1), n, heads, dim, cos, sin, out.data_ptr<float>());
   return out;
+}
+
+// qkv [n, (heads + 2 kv_heads) * dim] (rows contiguous, any row stride: the fused
+// projection) -> (q [n, heads, dim], k [n, kv_heads, dim]), each rotated as rope rotates
+// it: one call where splitting, reshaping and two rope calls took five ops.
+std::tuple<torch::Tensor, torch::Tensor> rope_qk(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
+                                                 int64_t heads, int64_t kv_heads) {
+  check_rows(qkv, "rope_qk");
+  check_rows(cos, "rope_qk");
+  check_rows(sin, "rope_qk");
+  const int64_t n = qkv.size(0), dim = cos.size(1);
+  TORCH_CHECK(dim % 2 == 0 && qkv.size(1) == (heads + 2 * kv_heads) * dim, "rope_qk: qkv [n, (heads + 2 kv_heads) * dim]");
+  TORCH_CHECK(cos.size(0) == n && sin.sizes() == cos.sizes(), "rope_qk: cos/sin [n, dim]");
+  auto q = torch::empty({n, heads, dim}, qkv.options());
+  auto k = torch::empty({n, kv_heads, dim}, qkv.options());
+  const float* xp = qkv.data_ptr<float>();
+  rotate_heads(xp, qkv.stride(0), dim, n, heads, dim, cos, sin, q.data_ptr<float>());
+  rotate_heads(xp + heads * dim, qkv.stride(0), dim, n, kv_heads, dim, cos, sin, k.data_ptr<float>());
+  return {q, k};
 }
 
 // gate_up [n, 2 * inter] (rows contiguous, any row stride: the fused gate|up projection)

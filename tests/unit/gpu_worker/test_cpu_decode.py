@@ -81,6 +81,33 @@ def test_kernel_softmax_is_exact_over_a_wide_score_range():
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
 
 
+def test_kernel_writes_the_new_rows_before_attending():
+    """``new_kv``: the step's K/V rows stored at their slots (as ``write_kv`` stores them,
+    V a strided view of a fused projection) and attended by the same call; a slot past
+    the cache is refused before anything is written."""
+    torch.manual_seed(3)
+    bs, nblocks, kvh, heads, d = 4, 8, 2, 6, 16
+    k_cache, v_cache = torch.randn(nblocks, bs, kvh, d), torch.randn(nblocks, bs, kvh, d)
+    qkv = torch.randn(3, (heads + 2 * kvh) * d)
+    k = torch.randn(3, kvh, d)
+    v = qkv[:, (heads + kvh) * d:].view(3, kvh, d)
+    slots = torch.tensor([9, 10, 11])  # block 2, offsets 1..3
+    tables, lens = torch.tensor([[5, 2]]), torch.tensor([6, 7, 8])
+    q, rows = torch.randn(3, heads, d), torch.zeros(3, dtype=torch.long)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    from gpu_worker.attention.base import write_kv
+    write_kv(want_k, want_v, k, v, slots)
+    want = KERNEL(q, want_k, want_v, tables, lens, d ** -0.5, row_seq=rows)
+    got = KERNEL(q, k_cache, v_cache, tables, lens, d ** -0.5, row_seq=rows, new_kv=(k, v, slots))
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    before = k_cache.clone()
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        KERNEL(q, k_cache, v_cache, tables, lens, d ** -0.5, row_seq=rows,
+               new_kv=(k, v, torch.tensor([9, 10, nblocks * bs])))
+    assert torch.equal(k_cache, before)
+
+
 def test_kernel_rejects_bad_lengths():
     k = torch.zeros(4, 4, 1, 8)
     with pytest.raises(RuntimeError, match="out of range"):

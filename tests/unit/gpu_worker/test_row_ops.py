@@ -37,6 +37,9 @@ def test_rope_gives_torchs_bits_on_the_fused_projections_views(threads, rows, he
         out = RotaryEmbedding.rotate(x, (cos, sin))
         assert out.is_contiguous()
         assert torch.equal(out, _torch_rotate(x, cos, sin))
+    # both out of the projection in one call, as Attention takes them on CPU
+    fused_q, fused_k = row_ops.load().rope_qk(qkv, cos[:, 0], sin[:, 0], heads, kv_heads)
+    assert torch.equal(fused_q, _torch_rotate(q, cos, sin)) and torch.equal(fused_k, _torch_rotate(k, cos, sin))
 
 
 @pytest.mark.parametrize("width", [16, 48, 64, 100, 768])
