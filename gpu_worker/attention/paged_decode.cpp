@@ -680,31 +680,32 @@ void attend_tile_grouped(const float* q, const float* kc, const float* vc, const
         for (int64_t g = 0; g < G; ++g)
           pack_pair<V>(joint_pack + ((j * KVH + kh) * G + g) * PAIR, qrow(j, kh * G + g), qrow(j + 1, kh * G + g));
     }
-  // one row's heads of KV head kh against keys [a, b)
-  auto score_heads = [&](int64_t j, int64_t kh, const float* base, int64_t c, int64_t a, int64_t b) {
+  // n packed pairs from qp against keys [a, b), three at a time; dest(p, da, db) names
+  // pair p's two score rows
+  auto score_in_threes = [&](const float* qp, int64_t n, auto dest, const float* base, int64_t c, int64_t a,
+                             int64_t b) {
     if (a >= b) return;
-    const float* qp = qpack + (j * KVH + kh) * NPS * PAIR;
-    for (int64_t p0 = 0; p0 < NPS; p0 += 3) {
-      const int64_t np = std::min<int64_t>(3, NPS - p0);
+    for (int64_t p0 = 0; p0 < n; p0 += 3) {
+      const int64_t np = std::min<int64_t>(3, n - p0);
       float *da[3], *db[3];
-      for (int64_t p = 0; p < np; ++p) {
-        const int64_t g = 2 * (p0 + p);
-        da[p] = scores(j, kh * G + g);
-        db[p] = g + 1 < G ? scores(j, kh * G + g + 1) : nullptr;
-      }
+      for (int64_t p = 0; p < np; ++p) dest(p0 + p, da[p], db[p]);
       score_pairs<V>(qp + p0 * PAIR, np, base, ko, c, da, db, a, b, scale);
     }
   };
-  // rows j and j + 1, each head of KV head kh, against keys [a, b) both attend
+  // one row's heads of KV head kh (two by two; the last pair's high half unused when G is odd)
+  auto score_heads = [&](int64_t j, int64_t kh, const float* base, int64_t c, int64_t a, int64_t b) {
+    score_in_threes(qpack + (j * KVH + kh) * NPS * PAIR, NPS, [&](int64_t p, float*& da, float*& db) {
+      const int64_t g = 2 * p;
+      da = scores(j, kh * G + g);
+      db = g + 1 < G ? scores(j, kh * G + g + 1) : nullptr;
+    }, base, c, a, b);
+  };
+  // rows j and j + 1, each head of KV head kh, over keys both attend
   auto score_joint = [&](int64_t j, int64_t kh, const float* base, int64_t c, int64_t a, int64_t b) {
-    if (a >= b) return;
-    const float* qp = joint_pack + (j * KVH + kh) * G * PAIR;
-    for (int64_t g0 = 0; g0 < G; g0 += 3) {
-      const int64_t np = std::min<int64_t>(3, G - g0);
-      float *da[3], *db[3];
-      for (int64_t p = 0; p < np; ++p) da[p] = scores(j, kh * G + g0 + p), db[p] = scores(j + 1, kh * G + g0 + p);
-      score_pairs<V>(qp + g0 * PAIR, np, base, ko, c, da, db, a, b, scale);
-    }
+    score_in_threes(joint_pack + (j * KVH + kh) * G * PAIR, G, [&](int64_t g, float*& da, float*& db) {
+      da = scores(j, kh * G + g);
+      db = scores(j + 1, kh * G + g);
+    }, base, c, a, b);
   };
   for (int64_t c0 = tlo; c0 < thi; c0 += KC)
     for_each_rows(rs, R, c0, std::min(thi, c0 + KC), BS, width, ko, [&](const Rows& r) {
