@@ -730,7 +730,6 @@ struct Q4_1c {
   static constexpr int BS = 32, BYTES = 20, SB = 32;
   static constexpr bool HAS_C = true, SIGNED = false, DIRECT = DIRECT_CODES;
   static constexpr int MIN_AT = 2;  // (gather_coefs: c is the half after a)
-  static constexpr float C_OF_A = 0.0f;
   static inline void codes(const uint8_t* b, uint8_t* q, float* a, float* c) {
 #ifdef __AVX2__
     put32(q, nibbles32(b + 4));
@@ -781,8 +780,7 @@ struct Q5_1c {
 struct Q8_0c {
   static constexpr int BS = 32, BYTES = 34, SB = 32;
   static constexpr bool HAS_C = false, SIGNED = true, DIRECT = true;
-  static constexpr int MIN_AT = -1;
-  static constexpr float C_OF_A = 0.0f;
+  static constexpr int MIN_AT = -1;  // (gather_coefs: no c)
   static inline void codes(const uint8_t* b, uint8_t* q, float* a, float*) {
     std::memcpy(q, b + 2, 32);
     a[0] = half_at(b);
@@ -1054,17 +1052,12 @@ void codes_few_rows(const uint8_t* w, int64_t row_bytes, const float* x, const f
       __builtin_prefetch(rows[j] + 2 * NR * row_bytes + b * T::BYTES);
 #ifdef __AVX512F__
     if constexpr (GATHER) {
-      if (b % 4 == 0) {  // (past the last block: its blocks again, never read)
-        const int64_t b0 = std::min<int64_t>(b, nb - 4 < 0 ? 0 : nb - 4);
-        if (nb >= 4) {
-          gather_coefs<T>(rows[0] + b0 * T::BYTES, off4, &at4[0][0], &ct4[0][0]);
+      if (b % 4 == 0) {  // four whole blocks gathered; a last group of fewer, one by one
+        if (b + 4 <= nb) {
+          gather_coefs<T>(rows[0] + b * T::BYTES, off4, &at4[0][0], &ct4[0][0]);
         } else {
-          for (int64_t i = 0; i < nb; ++i)
-            for (int j = 0; j < NR; ++j) T::coefs(rows[j] + i * T::BYTES, &at4[i][j], &ct4[i][j]);
-        }
-        if (b0 != b) {  // the last blocks, gathered from nb - 4: move blocks b.. to the front
           for (int64_t i = 0; i < nb - b; ++i)
-            for (int j = 0; j < NR; ++j) at4[i][j] = at4[i + (b - b0)][j], ct4[i][j] = ct4[i + (b - b0)][j];
+            for (int j = 0; j < NR; ++j) T::coefs(rows[j] + (b + i) * T::BYTES, &at4[i][j], &ct4[i][j]);
         }
       }
       atp = &at4[b % 4];
@@ -1129,6 +1122,11 @@ void decode_panel(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t n0, in
   const int64_t nb = K / T::BS;
   alignas(64) uint8_t q[T::BS];
   float ab[NS], cb[NS];
+#ifdef __AVX512F__
+  // Gathers<T>: the offsets of sixteen consecutive blocks of a row
+  const __m512i blocks16 = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                              _mm512_set1_epi32(T::BYTES));
+#endif
   for (int j = 0; j < PANEL; ++j) {
     float* prow = panel + j * K;
     if (j >= count) {
@@ -1141,12 +1139,10 @@ void decode_panel(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t n0, in
 #ifdef __AVX512F__
     if constexpr (Gathers<T>::value) {  // sixteen blocks' coefficients at a time
       alignas(64) float a16[16], c16[16];
-      const __m512i off = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                             _mm512_set1_epi32(T::BYTES));
       for (int64_t b0 = 0; b0 < nb; b0 += 16) {
         const int64_t n = std::min<int64_t>(16, nb - b0);
         if (n == 16) {
-          gather_coefs<T>(row + b0 * T::BYTES, off, a16, c16);
+          gather_coefs<T>(row + b0 * T::BYTES, blocks16, a16, c16);
         } else {
           for (int64_t i = 0; i < n; ++i) T::coefs(row + (b0 + i) * T::BYTES, a16 + i, c16 + i);
         }
