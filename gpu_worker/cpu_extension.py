@@ -54,6 +54,23 @@ def wide_flags() -> tuple[str, ...]:
     return ("-mf16c",)
 
 
+def int_dot_flags() -> tuple[str, ...]:
+    """AVX-512 VNNI, and AMX's int8 tiles, where this CPU has them (Linux's cpuinfo says):
+    the GGML kernels then multiply a block's integer codes by x's integer digits, exact
+    sums whichever instruction adds them. Part of the build's name, as wide_flags."""
+    if "-mavx512f" not in wide_flags():
+        return ()
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
+            flags = next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), [])
+    except OSError:
+        return ()
+    if "avx512_vnni" not in flags:
+        return ()
+    amx = ("-mamx-tile", "-mamx-int8") if {"amx_tile", "amx_int8"} <= set(flags) else ()
+    return ("-mavx512vnni", *amx)
+
+
 def _ninja_version() -> str:
     ninja = shutil.which("ninja")
     if ninja is None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from gpu_worker.cpu_extension import build, wide_flags
+from gpu_worker.cpu_extension import build, int_dot_flags, wide_flags
 
 _SOURCE = Path(__file__).with_name("quant_linear.cpp")
 DISABLE_ENV = "CANDOR_CPU_QUANT_KERNELS"
@@ -26,7 +26,7 @@ def load():
     """The compiled module (``FUNCTIONS``), or None."""
     if os.environ.get(DISABLE_ENV, "1") == "0":
         return None
-    return build(_SOURCE, FUNCTIONS, openmp=True, cflags=("-ffp-contract=off", *wide_flags()))
+    return build(_SOURCE, FUNCTIONS, openmp=True, cflags=("-ffp-contract=off", *wide_flags(), *int_dot_flags()))
 
 
 def applies(x: torch.Tensor) -> bool:

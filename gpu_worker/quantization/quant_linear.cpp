@@ -28,9 +28,15 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <type_traits>
 #include <vector>
 #ifdef __AVX2__
 #include <immintrin.h>
+#endif
+#if defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 namespace {
@@ -1330,12 +1336,338 @@ void codes_few(int64_t M, const uint8_t* w, int64_t row_bytes, const float* x, c
   codes_few_rows<T, R>(w, row_bytes, x, sums, K, n0, nvalid, y, ldy);
 }
 
+// ---------------------------------------------------------------------------------------
+// GGML Q4_0 / Q4_1 / Q8_0 on exact integer dot products (AVX-512 VNNI; AMX tiles for many
+// rows). Each row of x is split, per block of 32, into a power-of-two scale s = 2^(e - 7)
+// (every |x| of the block below 2^e) and three digits,
+//     x = s * (D0 + D1 / 256 + D2 / 65536) + r,   X = round(x / s * 65536) (|X| < 2^23),
+//     D0 = X >> 16 in [-128, 127], D1 and D2 its next two bytes in [0, 255],
+// so |r| <= s / 131072 = 2^(e - 24): the block's largest value's own fp32 resolution.
+// A block's sums S_j = sum_k q_k * D_jk are integers, exact whatever instruction adds
+// them in whatever order: the few-row path (VPDPBUSD, one tile of 16 outputs with its
+// codes in registers) and the many-row path (AMX TDPB*D on 16 x 16 tiles) get the same
+// S_j, and then every output takes the same float operations per block, ascending:
+//     f = fma(fma(S2, 2^-8, S1), 2^-8, S0);  t = f * s;  acc = fma(t, d, acc);
+//     acc = fma(c, xsum, acc)   (types with an offset; xsum: sub_block_sums' block sum)
+// so a row's result is bitwise the same alone, in any batch, at any thread count, on
+// either path. Integer products cost a quarter of the float ones per instruction, and
+// AMX does 16 x 16 x 32 of them per instruction: 16-row decode and prefill steps go
+// several times faster than the float kernel's, while batch 1 stays bound by the weight
+// stream (the codes need no conversion to float).
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define CANDOR_INT_DOTS 1
+constexpr int NT = 16;          // outputs per tile (lanes)
+constexpr int FEW_INT = 8;      // rows up to which the VNNI path beats a tile's fixed cost
+constexpr int64_t INT_X_BLOCK = 1 << 20;  // bytes of x's digits per block of rows (L2)
+
+template <class T> struct IntDots : std::false_type {};
+template <> struct IntDots<Q4_0c> : std::true_type {};
+template <> struct IntDots<Q4_1c> : std::true_type {};
+template <> struct IntDots<Q8_0c> : std::true_type {};
+
+// x's digits: three [Mp, K] byte planes (Mp: M rounded up to 16, padding rows zero), the
+// scale of each row's block [Mp, nb], and (Q8_0's few-row path) each block's sum of D0
+struct Digits {
+  int64_t M, Mp, K, nb;
+  std::vector<int8_t> d0;
+  std::vector<uint8_t> d1, d2;
+  std::vector<float> scale;
+  std::vector<int32_t> d0sum;
+};
+
+inline void digits_of(__m512 a, __m128i& b0, __m128i& b1, __m128i& b2) {  // a = x / s, |a| < 128
+  // X = a * 2^16 rounded to an integer (|X| < 2^23, exact in a float): its three bytes
+  const __m512i X = _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(65536.0f))),
+                                     _mm512_set1_epi32((1 << 23) - 1));
+  b0 = _mm512_cvtepi32_epi8(_mm512_srai_epi32(X, 16));
+  b1 = _mm512_cvtepi32_epi8(_mm512_srli_epi32(X, 8));
+  b2 = _mm512_cvtepi32_epi8(X);
+}
+
+inline Digits split_digits(const float* x, int64_t M, int64_t K, bool d0sums) {
+  Digits g;
+  g.M = M, g.Mp = (M + 15) / 16 * 16, g.K = K, g.nb = K / 32;
+  g.d0.assign(g.Mp * K, 0);
+  g.d1.assign(g.Mp * K, 0);
+  g.d2.assign(g.Mp * K, 0);
+  g.scale.assign(g.Mp * g.nb, 0.0f);
+  if (d0sums) g.d0sum.assign(M * g.nb, 0);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < g.nb; ++b) {
+      const float* xb = x + m * K + b * 32;
+      const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+      float s = 1.0f;
+      if (!std::isfinite(amax)) {
+        s = std::numeric_limits<float>::quiet_NaN();  // the row's outputs come out NaN
+      } else if (amax >= 0x1p-100f) {
+        int e;
+        std::frexp(amax, &e);  // amax < 2^e
+        s = std::ldexp(1.0f, e - 7);
+      } else {
+        continue;  // all digits zero (values under 2^-100 count as zero)
+      }
+      g.scale[m * g.nb + b] = s;
+      if (std::isnan(s)) continue;
+      const __m512 inv = _mm512_set1_ps(1.0f / s);  // a power of two: x * inv is exact
+      __m128i p0[2], p1[2], p2[2];
+      digits_of(_mm512_mul_ps(v0, inv), p0[0], p1[0], p2[0]);
+      digits_of(_mm512_mul_ps(v1, inv), p0[1], p1[1], p2[1]);
+      for (int h = 0; h < 2; ++h) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(&g.d0[m * K + b * 32 + 16 * h]), p0[h]);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(&g.d1[m * K + b * 32 + 16 * h]), p1[h]);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(&g.d2[m * K + b * 32 + 16 * h]), p2[h]);
+      }
+      if (d0sums) {
+        int32_t t = 0;
+        for (int i = 0; i < 32; ++i) t += g.d0[m * K + b * 32 + i];
+        g.d0sum[m * g.nb + b] = t;
+      }
+    }
+  return g;
+}
+
+// the codes of block b of outputs n0 .. n0 + 15 (row j at w + off[j]) as VNNI rows: lane j
+// of c[i] holds codes 4i .. 4i + 3 of output j; its d and c (zero without c) per lane
+template <class T>
+inline void tile_codes(const uint8_t* w, __m512i off, int64_t b, __m512i* c, __m512& d, __m512& cv) {
+  const uint8_t* blk = w + b * T::BYTES;
+  const __m512i dw = _mm512_i32gather_epi32(off, blk, 1);
+  d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dw));
+  if constexpr (std::is_same_v<T, Q4_1c>) cv = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dw, 16)));
+  else if constexpr (std::is_same_v<T, Q4_0c>) cv = _mm512_mul_ps(_mm512_set1_ps(-8.0f), d);
+  else cv = _mm512_setzero_ps();
+  if constexpr (std::is_same_v<T, Q8_0c>) {
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) c[i] = _mm512_i32gather_epi32(off, blk + 2 + 4 * i, 1);
+  } else {
+    constexpr int at = std::is_same_v<T, Q4_1c> ? 4 : 2;
+    const __m512i lo = _mm512_set1_epi8(0x0F);
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {  // byte j: element j (low nibble) and 16 + j (high)
+      const __m512i g = _mm512_i32gather_epi32(off, blk + at + 4 * i, 1);
+      c[i] = _mm512_and_si512(g, lo);
+      c[4 + i] = _mm512_and_si512(_mm512_srli_epi16(g, 4), lo);
+    }
+  }
+}
+
+// outputs' row offsets for a tile starting at n0 with nvalid outputs (the rest repeat the
+// first row: read, never stored)
+inline __m512i tile_offsets(int64_t row_bytes, int nvalid) {
+  const __m512i j = _mm512_min_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                     _mm512_set1_epi32(nvalid - 1));
+  return _mm512_mullo_epi32(j, _mm512_set1_epi32(static_cast<int32_t>(row_bytes)));
+}
+
+template <bool HAS_C>
+inline __m512 int_combine(__m512 acc, __m512i s0, __m512i s1, __m512i s2, float s, __m512 d, __m512 cv, float xsum) {
+  const __m512 q = _mm512_set1_ps(1.0f / 256.0f);
+  const __m512 f = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(s2), q, _mm512_cvtepi32_ps(s1)), q,
+                                   _mm512_cvtepi32_ps(s0));
+  acc = _mm512_fmadd_ps(_mm512_mul_ps(f, _mm512_set1_ps(s)), d, acc);
+  if constexpr (HAS_C) acc = _mm512_fmadd_ps(cv, _mm512_set1_ps(xsum), acc);
+  return acc;
+}
+
+inline void store_tile_row(float* y, __m512 v, int nvalid) {
+  _mm512_mask_storeu_ps(y, static_cast<__mmask16>((1u << nvalid) - 1u), v);
+}
+
+inline int32_t word_at(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// R rows (R <= FEW_INT) against one tile of outputs, codes in registers
+template <class T, int R>
+void int_few_tile(const uint8_t* w, int64_t row_bytes, const Digits& g, int64_t m0, const float* sums,
+                  int64_t n0, int nvalid, float* y, int64_t ldy) {
+  constexpr bool Q8 = std::is_same_v<T, Q8_0c>;
+  const __m512i off = tile_offsets(row_bytes, nvalid);
+  const uint8_t* wt = w + n0 * row_bytes;
+  const int64_t K = g.K, nb = g.nb;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i c[8];
+    __m512 d, cv;
+    tile_codes<T>(wt, off, b, c, d, cv);
+    __m512i cu[8];  // codes as unsigned bytes for D0 (signed): Q8_0's shifted by 128
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) cu[i] = Q8 ? _mm512_xor_si512(c[i], _mm512_set1_epi8(static_cast<char>(0x80))) : c[i];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const int64_t row = m0 + r, at = row * K + b * 32;
+      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512(), s2 = _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) {
+        s0 = _mm512_dpbusd_epi32(s0, cu[i], _mm512_set1_epi32(word_at(&g.d0[at + 4 * i])));
+        s1 = _mm512_dpbusd_epi32(s1, _mm512_set1_epi32(word_at(&g.d1[at + 4 * i])), c[i]);
+        s2 = _mm512_dpbusd_epi32(s2, _mm512_set1_epi32(word_at(&g.d2[at + 4 * i])), c[i]);
+      }
+      if constexpr (Q8) s0 = _mm512_sub_epi32(s0, _mm512_set1_epi32(128 * g.d0sum[row * nb + b]));
+      acc[r] = int_combine<T::HAS_C>(acc[r], s0, s1, s2, g.scale[row * nb + b], d, cv,
+                                     T::HAS_C ? sums[row * nb + b] : 0.0f);
+    }
+  }
+  for (int r = 0; r < R; ++r) store_tile_row(y + (m0 + r) * ldy + n0, acc[r], nvalid);
+}
+
+template <class T, int R = 1>
+void int_few(int64_t rows, const uint8_t* w, int64_t row_bytes, const Digits& g, int64_t m0, const float* sums,
+             int64_t n0, int nvalid, float* y, int64_t ldy) {
+  if constexpr (R < FEW_INT) {
+    if (rows > R) return int_few<T, R + 1>(rows, w, row_bytes, g, m0, sums, n0, nvalid, y, ldy);
+  }
+  int_few_tile<T, R>(w, row_bytes, g, m0, sums, n0, nvalid, y, ldy);
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define CANDOR_AMX 1
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Whether this process may use AMX tiles (Linux asks for the permission once)
+inline bool amx_usable() {
+  static const bool ok = [] {
+    if (!__builtin_cpu_supports("amx-int8") || !__builtin_cpu_supports("amx-tile")) return false;
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return ok;
+}
+
+// tiles 0-2: S0, S1, S2 (16 rows x 16 int32); 3-5: the rows' digits (16 x 32 bytes);
+// 6: one block of 16 outputs' codes (8 VNNI rows x 64 bytes)
+inline void amx_configure() {
+  TileConfig cfg;
+  for (int t = 0; t < 3; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  for (int t = 3; t < 6; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 32;
+  cfg.rows[6] = 8, cfg.colsb[6] = 64;
+  _tile_loadconfig(&cfg);
+}
+
+// rows m0 .. m1 of the row block against the tile of outputs at n0, whose blocks' codes
+// wait in codes (b * 512 bytes) and scales in dv, cv (b * 16 floats); sc and xs: each
+// block's row scales and sums, [nb, Mp]. Software-pipelined: block b's products go to the
+// tiles while block b - 1's, stored to the other half of sbuf, are combined.
+template <class T>
+void amx_tile_rows(const Digits& g, int64_t m0, int64_t m1, const float* sc, const float* xs, const uint8_t* codes,
+                   const float* dv, const float* cv, int64_t n0, int nvalid, float* y, int64_t ldy) {
+  constexpr bool Q8 = std::is_same_v<T, Q8_0c>;
+  const int64_t K = g.K, nb = g.nb, Mp = g.Mp;
+  alignas(64) int32_t sbuf[2][3][16 * 16];
+  for (int64_t mt = m0; mt < m1; mt += 16) {
+    __m512 acc[16];
+    for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+    const auto combine = [&](int64_t b) {
+      const int32_t(&s)[3][256] = sbuf[b & 1];
+      const __m512 d = _mm512_load_ps(dv + b * 16), c = _mm512_load_ps(cv + b * 16);
+      const float* scb = sc + b * Mp + mt;
+      const float* xsb = xs + b * Mp + mt;
+#pragma GCC unroll 16
+      for (int r = 0; r < 16; ++r)
+        acc[r] = int_combine<T::HAS_C>(acc[r], _mm512_load_si512(s[0] + 16 * r), _mm512_load_si512(s[1] + 16 * r),
+                                       _mm512_load_si512(s[2] + 16 * r), scb[r], d, c, xsb[r]);
+    };
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t at = mt * K + b * 32;
+      _tile_loadd(3, &g.d0[at], K);
+      _tile_loadd(4, &g.d1[at], K);
+      _tile_loadd(5, &g.d2[at], K);
+      _tile_loadd(6, codes + b * 512, 64);
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      if constexpr (Q8) {
+        _tile_dpbssd(0, 3, 6);
+        _tile_dpbusd(1, 4, 6);
+        _tile_dpbusd(2, 5, 6);
+      } else {
+        _tile_dpbsud(0, 3, 6);
+        _tile_dpbuud(1, 4, 6);
+        _tile_dpbuud(2, 5, 6);
+      }
+      if (b > 0) combine(b - 1);
+      _tile_stored(0, sbuf[b & 1][0], 64);
+      _tile_stored(1, sbuf[b & 1][1], 64);
+      _tile_stored(2, sbuf[b & 1][2], 64);
+    }
+    combine(nb - 1);
+    const int rows = static_cast<int>(std::min<int64_t>(16, g.M - mt));
+    for (int r = 0; r < rows; ++r) store_tile_row(y + (mt + r) * ldy + n0, acc[r], nvalid);
+  }
+}
+#endif
+
+template <class T>
+void int_linear(const uint8_t* w, int64_t row_bytes, const float* x, const float* sums, int64_t M, int64_t K,
+                int64_t N, float* y, int64_t ldy) {
+  const Digits g = split_digits(x, M, K, std::is_same_v<T, Q8_0c>);
+  const int64_t tiles = (N + NT - 1) / NT, nb = K / 32;
+  const int64_t grain = std::max<int64_t>(1, ITEM_WEIGHTS / (NT * K));
+#ifdef CANDOR_AMX
+  if (M > FEW_INT && amx_usable()) {
+    const int64_t rows = std::max<int64_t>(16, INT_X_BLOCK / (3 * K) / 16 * 16);
+    std::vector<float> sc(nb * g.Mp, 0.0f), xs(nb * g.Mp, 0.0f);  // [nb, Mp]: a block's rows together
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t b = 0; b < nb; ++b) {
+        sc[b * g.Mp + m] = g.scale[m * nb + b];
+        if constexpr (T::HAS_C) xs[b * g.Mp + m] = sums[m * nb + b];
+      }
+    at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+      amx_configure();
+      std::vector<uint8_t> codes(nb * 512);
+      std::vector<float> dv(nb * 16 + 16), cv(nb * 16 + 16);  // (+16: room to align)
+      float* da = dv.data() + ((64 - reinterpret_cast<uintptr_t>(dv.data()) % 64) % 64) / 4;
+      float* ca = cv.data() + ((64 - reinterpret_cast<uintptr_t>(cv.data()) % 64) % 64) / 4;
+      for (int64_t m0 = 0; m0 < M; m0 += rows) {
+        const int64_t m1 = std::min(M, m0 + rows);
+        for (int64_t t = begin; t < end; ++t) {
+          const int64_t n0 = t * NT;
+          const int nvalid = static_cast<int>(std::min<int64_t>(NT, N - n0));
+          const __m512i off = tile_offsets(row_bytes, nvalid);
+          for (int64_t b = 0; b < nb; ++b) {
+            __m512i c[8];
+            __m512 d, c_;
+            tile_codes<T>(w + n0 * row_bytes, off, b, c, d, c_);
+            for (int i = 0; i < 8; ++i) _mm512_storeu_si512(codes.data() + b * 512 + 64 * i, c[i]);
+            _mm512_store_ps(da + b * 16, d);
+            _mm512_store_ps(ca + b * 16, c_);
+          }
+          amx_tile_rows<T>(g, m0, m1, sc.data(), xs.data(), codes.data(), da, ca, n0, nvalid, y, ldy);
+        }
+      }
+      _tile_release();
+    });
+    return;
+  }
+#endif
+  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * NT;
+      const int nvalid = static_cast<int>(std::min<int64_t>(NT, N - n0));
+      for (int64_t m0 = 0; m0 < M; m0 += FEW_INT)
+        int_few<T>(std::min<int64_t>(FEW_INT, M - m0), w, row_bytes, g, m0, sums, n0, nvalid, y, ldy);
+    }
+  });
+}
+#endif
+
 template <class T>
 void codes_linear(const uint8_t* w, int64_t row_bytes, const float* x, int64_t M, int64_t K, int64_t N, float* y,
                   int64_t ldy) {
   if (M == 0 || N == 0) return;
   const int64_t ns = K / T::SB;
   const std::vector<float> sums = T::HAS_C ? sub_block_sums<T::SB>(x, M, K) : std::vector<float>(M * ns);
+#ifdef CANDOR_INT_DOTS
+  if constexpr (IntDots<T>::value) return int_linear<T>(w, row_bytes, x, sums.data(), M, K, N, y, ldy);
+#endif
   if (M > FEW) return codes_many<T>(w, row_bytes, x, sums.data(), M, K, N, y, ldy);
   const int64_t items = (N + NR - 1) / NR;
   const int64_t grain = std::max<int64_t>(1, ITEM_WEIGHTS / (NR * K));

@@ -295,3 +295,66 @@ def test_lora_on_a_quantized_base_gives_peft_tokens_on_the_dequantized_model(zoo
                                                             for p in prompts[1:]]
     assert got == want
     assert got[1] != model_zoo.hf_greedy(hf, prompts[1], MAX_NEW)  # the adapter changes them
+
+
+def _hard_rows(k: int, rows: int, seed: int) -> torch.Tensor:
+    """Rows whose blocks mix what the integer path's digits must keep: a large value
+    beside tiny negative ones (their fraction of the block's scale rounds up to a whole
+    unit in float arithmetic), exact zeros and negative zeros, values at powers of two
+    (the block's scale steps there), halves of the last digit, and blocks of only tiny
+    values."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=gen) * torch.logspace(-4, 2, k)[torch.randperm(k, generator=gen)]
+    x[:, 5::32] = -3.5e-8
+    x[:, 7::32] = 454.5757
+    x[:, 9::32] = 0.0
+    x[:, 10::32] = -0.0
+    x[:, 11::32] = -128.0
+    x[:, 12::32] = 2.0 ** -17 * 3  # with 454's scale of 4: 1.5 units of the last digit
+    x[1::3, 64:96] = torch.randn(len(range(1, rows, 3)), 32, generator=gen) * 1e-30
+    x[2::3, 96:128] = -(2.0 ** 9)  # a block's largest value at a power of two
+    return x
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_integer_digits_keep_every_value_of_a_block(type_name):
+    """The 32-element types multiply integer codes by x's digits against a per-block
+    power-of-two scale (quant_linear.cpp, "exact integer dot products"): each value is
+    kept to the block's largest value's fp32 resolution, so the product stays within
+    fp32 rounding of float64's, on the few-row path (1-8 rows) and on the tiled one (9+),
+    and the rows agree bitwise between them."""
+    k, n, m = 256, 37, 24
+    raw = _raw(type_name, n, k, seed=11)
+    w = torch.from_numpy(dequantize(raw, GGMLQuantizationType[type_name]).copy())
+    blocks, type_id = torch.from_numpy(raw), GGML_TYPES[type_name][0]
+    x = _hard_rows(k, m, seed=5)
+    out = torch.empty(m, n)
+    _kernel().ggml_linear(x, blocks, type_id, out)
+    ref = x.double().mm(w.double().T)
+    # fp32 rounding over |x| |w| (2^-19: Q4's codes and offsets cancel, as in the float
+    # kernel; a lost digit costs 2^-8 of a block's largest value)
+    bound = x.double().abs().mm(w.double().abs().T) * 2.0 ** -19
+    assert ((out.double() - ref).abs() <= bound + 1e-30).all()
+    for r in range(m):
+        alone = torch.empty(1, n)
+        _kernel().ggml_linear(x[r:r + 1], blocks, type_id, alone)
+        assert torch.equal(alone[0], out[r]), r
+
+
+@pytest.mark.parametrize("rows", [3, 20])
+def test_a_non_finite_value_spoils_only_its_own_row(rows):
+    """NaN or inf in a row's x makes that row's outputs NaN (a scale that is not finite),
+    never a finite wrong number, and leaves the other rows' bits alone."""
+    k, n = 128, 21
+    raw = _raw("Q4_1", n, k, seed=2)
+    blocks, type_id = torch.from_numpy(raw), GGML_TYPES["Q4_1"][0]
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(3))
+    clean = torch.empty(rows, n)
+    _kernel().ggml_linear(x, blocks, type_id, clean)
+    x[1, 40] = float("nan")
+    x[2, 100] = float("inf")
+    out = torch.empty(rows, n)
+    _kernel().ggml_linear(x, blocks, type_id, out)
+    assert out[1].isnan().all() and out[2].isnan().all()
+    keep = [r for r in range(rows) if r not in (1, 2)]
+    assert torch.equal(out[keep], clean[keep])
