@@ -14,7 +14,11 @@ part apart (``weight_q`` ...) and writes each part's output columns in place.
 The embedding table and LM head stay in blocks too: lookups dequantize the rows asked
 for, logits run the same kernel.
 
-Compute: ``quant_linear.cpp`` dequantizes inside the matmul (never the whole weight);
+Compute: ``quant_linear.cpp`` dequantizes inside the matmul (never the whole weight), or,
+for Q4_0 / Q4_1 / Q8_0 on a CPU with AVX-512 VNNI (AMX tiles for more than 8 rows), never
+dequantizes: x becomes integer digits per block and the codes' products are exact
+integer sums, so a row's bits are the same at any batch size there too (a CPU without
+VNNI computes other, equally invariant bits: replicas should share a CPU kind);
 without it, ``gguf.quants.dequantize`` (llama.cpp's numpy code, the same values) turns a
 slab of ``SLAB`` rows at a time into floats for a dense matmul through ``Numerics``.
 """

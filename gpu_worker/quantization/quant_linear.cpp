@@ -3,7 +3,11 @@
 // repacked at load) or FP8 e4m3 with block scales. fp32 activations and outputs.
 //
 // The GGML types multiply their integer codes and apply each sub-block's scale and offset
-// after the sum (see "GGML: codes and scales" below); int4 and FP8 work as follows.
+// after the sum (see "GGML: codes and scales" below). Where the CPU has AVX-512 VNNI,
+// Q4_0, Q4_1 and Q8_0 (32-element blocks) go further: x too becomes integers, three
+// digits per value against a per-block scale, and the codes times the digits are summed
+// exactly by VNNI or AMX tiles ("exact integer dot products" below; 2x the float path at
+// batch 1, 2.4x at 16 rows, 1.5x at 1024 on SmolLM2's shapes). int4 and FP8 work as follows.
 // The weight is dequantized inside the matmul, a few rows at a time, never whole: a work
 // item takes NR consecutive output rows (features). With few input rows (M <= MR) it
 // dequantizes one block of each of its NR rows into a small buffer and multiplies it into
@@ -15,11 +19,12 @@
 // Dequantized values are bitwise those of gguf.quants.dequantize (the same operations in
 // the same order: d * q, then + m or - dmin * m, each rounded; built -ffp-contract=off).
 //
-// Batch-invariant by construction: output (m, n) is one chain of 8-lane FMAs over its
-// input elements in ascending order (element k in lane k % 8), from zero, then a fixed
-// lane tree. Both paths run that chain with the same dequantized values, whatever the
-// tile a row lands in, the number of rows or threads, or which thread runs the work
-// item; threads split output features, never a sum.
+// Batch-invariant by construction (the integer path: see its own note): output (m, n)
+// is one chain of 8-lane FMAs over its input elements in ascending order (element k in
+// lane k % 8), from zero, then a fixed lane tree. Both paths run that chain with the
+// same dequantized values, whatever the tile a row lands in, the number of rows or
+// threads, or which thread runs the work item; threads split output features, never a
+// sum.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -1368,7 +1373,7 @@ template <> struct IntDots<Q8_0c> : std::true_type {};
 // x's digits: three [Mp, K] byte planes (Mp: M rounded up to 16, padding rows zero), the
 // scale of each row's block [Mp, nb], and (Q8_0's few-row path) each block's sum of D0
 struct Digits {
-  int64_t M, Mp, K, nb;
+  int64_t M, Mp, K, nb, N;  // (N: the outputs of the matmul they feed)
   std::vector<int8_t> d0;
   std::vector<uint8_t> d1, d2;
   std::vector<float> scale;
@@ -1384,9 +1389,9 @@ inline void digits_of(__m512 a, __m128i& b0, __m128i& b1, __m128i& b2) {  // a =
   b2 = _mm512_cvtepi32_epi8(X);
 }
 
-inline Digits split_digits(const float* x, int64_t M, int64_t K, bool d0sums) {
+inline Digits split_digits(const float* x, int64_t M, int64_t K, int64_t N, bool d0sums) {
   Digits g;
-  g.M = M, g.Mp = (M + 15) / 16 * 16, g.K = K, g.nb = K / 32;
+  g.M = M, g.Mp = (M + 15) / 16 * 16, g.K = K, g.nb = K / 32, g.N = N;
   g.d0.assign(g.Mp * K, 0);
   g.d1.assign(g.Mp * K, 0);
   g.d2.assign(g.Mp * K, 0);
@@ -1488,9 +1493,15 @@ void int_few_tile(const uint8_t* w, int64_t row_bytes, const Digits& g, int64_t 
   const __m512i off = tile_offsets(row_bytes, nvalid);
   const uint8_t* wt = w + n0 * row_bytes;
   const int64_t K = g.K, nb = g.nb;
+  // the next tile's rows (contiguous after this tile's) are fetched a share per block:
+  // sixteen rows read side by side are more streams than the prefetchers follow
+  const uint8_t* next = wt + 2 * NT * row_bytes;
+  const int64_t ahead = n0 + 3 * NT <= g.N ? NT * row_bytes : 0, share = (ahead + nb - 1) / nb;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
+    for (int64_t at = b * share; at < std::min(ahead, (b + 1) * share); at += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(next + at), _MM_HINT_T0);
     __m512i c[8];
     __m512 d, cv;
     tile_codes<T>(wt, off, b, c, d, cv);
@@ -1608,7 +1619,7 @@ void amx_tile_rows(const Digits& g, int64_t m0, int64_t m1, const float* sc, con
 template <class T>
 void int_linear(const uint8_t* w, int64_t row_bytes, const float* x, const float* sums, int64_t M, int64_t K,
                 int64_t N, float* y, int64_t ldy) {
-  const Digits g = split_digits(x, M, K, std::is_same_v<T, Q8_0c>);
+  const Digits g = split_digits(x, M, K, N, std::is_same_v<T, Q8_0c>);
   const int64_t tiles = (N + NT - 1) / NT, nb = K / 32;
   const int64_t grain = std::max<int64_t>(1, ITEM_WEIGHTS / (NT * K));
 #ifdef CANDOR_AMX
