@@ -32,6 +32,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <type_traits>
@@ -1543,10 +1544,12 @@ struct TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Whether this process may use AMX tiles (Linux asks for the permission once)
+// Whether this process may use AMX tiles (Linux asks for the permission once);
+// CANDOR_CPU_AMX=0 keeps every row count on the VNNI path (the same bits: a check)
 inline bool amx_usable() {
   static const bool ok = [] {
     if (!__builtin_cpu_supports("amx-int8") || !__builtin_cpu_supports("amx-tile")) return false;
+    if (const char* env = std::getenv("CANDOR_CPU_AMX"); env != nullptr && std::strcmp(env, "0") == 0) return false;
     constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
     return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
   }();

@@ -17,6 +17,7 @@ under HF names and the test gives the runner the spec the reader would build.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import msgspec
@@ -358,3 +359,40 @@ def test_a_non_finite_value_spoils_only_its_own_row(rows):
     assert out[1].isnan().all() and out[2].isnan().all()
     keep = [r for r in range(rows) if r not in (1, 2)]
     assert torch.equal(out[keep], clean[keep])
+
+
+_AMX_OFF_SCRIPT = """
+import sys, torch
+from gpu_worker.quantization import kernels
+x, blocks, type_id, n = torch.load(sys.argv[1])
+out = torch.empty(x.shape[0], n)
+kernels.load().ggml_linear(x, blocks, type_id, out)
+torch.save(out, sys.argv[2])
+"""
+
+
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0"])
+def test_the_tiled_and_the_few_row_paths_give_the_same_bits_at_every_row_count(type_name, tmp_path):
+    """The integer path's claim, checked where it matters: 40 rows on AMX tiles, and the
+    same 40 rows with AMX turned off (``CANDOR_CPU_AMX=0``: every row count on VNNI, eight
+    rows at a time), in another process, give the same bits. Skipped where the CPU has no
+    AMX (then there is one path)."""
+    import subprocess
+    import sys
+
+    if "amx_int8" not in Path("/proc/cpuinfo").read_text():
+        pytest.skip("no AMX on this CPU: the VNNI path serves every row count")
+    k, n, m = 320, 53, 40
+    raw = _raw(type_name, n, k, seed=4)
+    blocks, type_id = torch.from_numpy(raw), GGML_TYPES[type_name][0]
+    x = _hard_rows(k, m, seed=9)
+    tiled = torch.empty(m, n)
+    _kernel().ggml_linear(x, blocks, type_id, tiled)
+    torch.save((x, blocks, type_id, n), tmp_path / "in.pt")
+    from tests.support.server import REPO
+
+    env = {**os.environ, "CANDOR_CPU_AMX": "0",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    subprocess.run([sys.executable, "-c", _AMX_OFF_SCRIPT, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
+                   check=True, env=env, timeout=600)
+    assert torch.equal(torch.load(tmp_path / "out.pt"), tiled)
