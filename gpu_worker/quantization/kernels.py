@@ -26,7 +26,10 @@ def load():
     """The compiled module (``FUNCTIONS``), or None."""
     if os.environ.get(DISABLE_ENV, "1") == "0":
         return None
-    return build(_SOURCE, FUNCTIONS, openmp=True, cflags=("-ffp-contract=off", *wide_flags(), *int_dot_flags()))
+    flags = ("-ffp-contract=off", *wide_flags())
+    ints = int_dot_flags()  # a compiler without them still builds the float kernels
+    return (build(_SOURCE, FUNCTIONS, openmp=True, cflags=(*flags, *ints))
+            or (build(_SOURCE, FUNCTIONS, openmp=True, cflags=flags) if ints else None))
 
 
 def applies(x: torch.Tensor) -> bool:
