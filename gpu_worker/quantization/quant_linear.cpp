@@ -913,14 +913,23 @@ struct Gathers : std::false_type {};
 template <class T>
 struct Gathers<T, std::void_t<decltype(T::MIN_AT)>> : std::bool_constant<T::DIRECT && T::BS == T::SB> {};
 
+// lane i of a, c: the coefficients of the block at base + off[i] (c zero without one)
+template <class T>
+inline void coef_vectors(const uint8_t* base, __m512i off, __m512& a, __m512& c) {
+  const __m512i dw = _mm512_i32gather_epi32(off, base, 1);
+  a = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dw));
+  if constexpr (T::MIN_AT == 2) c = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dw, 16)));
+  else if constexpr (T::HAS_C) c = _mm512_mul_ps(_mm512_set1_ps(T::C_OF_A), a);
+  else c = _mm512_setzero_ps();
+}
+
 // a[i], c[i]: the coefficients of the block at base + off[i], i < 16
 template <class T>
 inline void gather_coefs(const uint8_t* base, __m512i off, float* a, float* c) {
-  const __m512i dw = _mm512_i32gather_epi32(off, base, 1);
-  const __m512 av = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dw));
+  __m512 av, cv;
+  coef_vectors<T>(base, off, av, cv);
   _mm512_storeu_ps(a, av);
-  if constexpr (T::MIN_AT == 2) _mm512_storeu_ps(c, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dw, 16))));
-  else if constexpr (T::HAS_C) _mm512_storeu_ps(c, _mm512_mul_ps(_mm512_set1_ps(T::C_OF_A), av));
+  if constexpr (T::HAS_C) _mm512_storeu_ps(c, cv);
 }
 #endif
 
@@ -1374,7 +1383,7 @@ template <> struct IntDots<Q8_0c> : std::true_type {};
 // x's digits: three [Mp, K] byte planes (Mp: M rounded up to 16, padding rows zero), the
 // scale of each row's block [Mp, nb], and (Q8_0's few-row path) each block's sum of D0
 struct Digits {
-  int64_t M, Mp, K, nb, N;  // (N: the outputs of the matmul they feed)
+  int64_t M, Mp, K, nb;
   std::vector<int8_t> d0;
   std::vector<uint8_t> d1, d2;
   std::vector<float> scale;
@@ -1390,9 +1399,9 @@ inline void digits_of(__m512 a, __m128i& b0, __m128i& b1, __m128i& b2) {  // a =
   b2 = _mm512_cvtepi32_epi8(X);
 }
 
-inline Digits split_digits(const float* x, int64_t M, int64_t K, int64_t N, bool d0sums) {
+inline Digits split_digits(const float* x, int64_t M, int64_t K, bool d0sums) {
   Digits g;
-  g.M = M, g.Mp = (M + 15) / 16 * 16, g.K = K, g.nb = K / 32, g.N = N;
+  g.M = M, g.Mp = (M + 15) / 16 * 16, g.K = K, g.nb = K / 32;
   g.d0.assign(g.Mp * K, 0);
   g.d1.assign(g.Mp * K, 0);
   g.d2.assign(g.Mp * K, 0);
@@ -1438,11 +1447,7 @@ inline Digits split_digits(const float* x, int64_t M, int64_t K, int64_t N, bool
 template <class T>
 inline void tile_codes(const uint8_t* w, __m512i off, int64_t b, __m512i* c, __m512& d, __m512& cv) {
   const uint8_t* blk = w + b * T::BYTES;
-  const __m512i dw = _mm512_i32gather_epi32(off, blk, 1);
-  d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dw));
-  if constexpr (std::is_same_v<T, Q4_1c>) cv = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dw, 16)));
-  else if constexpr (std::is_same_v<T, Q4_0c>) cv = _mm512_mul_ps(_mm512_set1_ps(-8.0f), d);
-  else cv = _mm512_setzero_ps();
+  coef_vectors<T>(blk, off, d, cv);
   if constexpr (std::is_same_v<T, Q8_0c>) {
 #pragma GCC unroll 8
     for (int i = 0; i < 8; ++i) c[i] = _mm512_i32gather_epi32(off, blk + 2 + 4 * i, 1);
@@ -1488,7 +1493,7 @@ inline int32_t word_at(const void* p) {
 
 // R rows (R <= FEW_INT) against one tile of outputs, codes in registers
 template <class T, int R>
-void int_few_tile(const uint8_t* w, int64_t row_bytes, const Digits& g, int64_t m0, const float* sums,
+void int_few_tile(const uint8_t* w, int64_t row_bytes, int64_t N, const Digits& g, int64_t m0, const float* sums,
                   int64_t n0, int nvalid, float* y, int64_t ldy) {
   constexpr bool Q8 = std::is_same_v<T, Q8_0c>;
   const __m512i off = tile_offsets(row_bytes, nvalid);
@@ -1497,7 +1502,7 @@ void int_few_tile(const uint8_t* w, int64_t row_bytes, const Digits& g, int64_t 
   // the next tile's rows (contiguous after this tile's) are fetched a share per block:
   // sixteen rows read side by side are more streams than the prefetchers follow
   const uint8_t* next = wt + 2 * NT * row_bytes;
-  const int64_t ahead = n0 + 3 * NT <= g.N ? NT * row_bytes : 0, share = (ahead + nb - 1) / nb;
+  const int64_t ahead = n0 + 3 * NT <= N ? NT * row_bytes : 0, share = (ahead + nb - 1) / nb;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -1528,12 +1533,12 @@ void int_few_tile(const uint8_t* w, int64_t row_bytes, const Digits& g, int64_t 
 }
 
 template <class T, int R = 1>
-void int_few(int64_t rows, const uint8_t* w, int64_t row_bytes, const Digits& g, int64_t m0, const float* sums,
-             int64_t n0, int nvalid, float* y, int64_t ldy) {
+void int_few(int64_t rows, const uint8_t* w, int64_t row_bytes, int64_t N, const Digits& g, int64_t m0,
+             const float* sums, int64_t n0, int nvalid, float* y, int64_t ldy) {
   if constexpr (R < FEW_INT) {
-    if (rows > R) return int_few<T, R + 1>(rows, w, row_bytes, g, m0, sums, n0, nvalid, y, ldy);
+    if (rows > R) return int_few<T, R + 1>(rows, w, row_bytes, N, g, m0, sums, n0, nvalid, y, ldy);
   }
-  int_few_tile<T, R>(w, row_bytes, g, m0, sums, n0, nvalid, y, ldy);
+  int_few_tile<T, R>(w, row_bytes, N, g, m0, sums, n0, nvalid, y, ldy);
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__)
@@ -1622,7 +1627,7 @@ void amx_tile_rows(const Digits& g, int64_t m0, int64_t m1, const float* sc, con
 template <class T>
 void int_linear(const uint8_t* w, int64_t row_bytes, const float* x, const float* sums, int64_t M, int64_t K,
                 int64_t N, float* y, int64_t ldy) {
-  const Digits g = split_digits(x, M, K, N, std::is_same_v<T, Q8_0c>);
+  const Digits g = split_digits(x, M, K, std::is_same_v<T, Q8_0c>);
   const int64_t tiles = (N + NT - 1) / NT, nb = K / 32;
   const int64_t grain = std::max<int64_t>(1, ITEM_WEIGHTS / (NT * K));
 #ifdef CANDOR_AMX
@@ -1667,7 +1672,7 @@ void int_linear(const uint8_t* w, int64_t row_bytes, const float* x, const float
       const int64_t n0 = t * NT;
       const int nvalid = static_cast<int>(std::min<int64_t>(NT, N - n0));
       for (int64_t m0 = 0; m0 < M; m0 += FEW_INT)
-        int_few<T>(std::min<int64_t>(FEW_INT, M - m0), w, row_bytes, g, m0, sums, n0, nvalid, y, ldy);
+        int_few<T>(std::min<int64_t>(FEW_INT, M - m0), w, row_bytes, N, g, m0, sums, n0, nvalid, y, ldy);
     }
   });
 }

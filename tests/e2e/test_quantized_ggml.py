@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import msgspec
@@ -28,10 +30,11 @@ import torch.multiprocessing as mp
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
+from gpu_worker.cpu_extension import int_dot_flags
 from gpu_worker.quantization import kernels
 from gpu_worker.quantization.spec import GGML_TYPES, GgmlSpec
 from tests.support import ggml_zoo, lora_zoo, model_zoo
-from tests.support.server import free_port
+from tests.support.server import REPO, free_port
 from tests.support.tp_ranks import leave_group
 from tests.e2e.test_tensor_parallel import _generate
 
@@ -377,10 +380,7 @@ def test_the_tiled_and_the_few_row_paths_give_the_same_bits_at_every_row_count(t
     same 40 rows with AMX turned off (``CANDOR_CPU_AMX=0``: every row count on VNNI, eight
     rows at a time), in another process, give the same bits. Skipped where the CPU has no
     AMX (then there is one path)."""
-    import subprocess
-    import sys
-
-    if "amx_int8" not in Path("/proc/cpuinfo").read_text():
+    if "-mamx-int8" not in int_dot_flags():
         pytest.skip("no AMX on this CPU: the VNNI path serves every row count")
     k, n, m = 320, 53, 40
     raw = _raw(type_name, n, k, seed=4)
@@ -389,8 +389,6 @@ def test_the_tiled_and_the_few_row_paths_give_the_same_bits_at_every_row_count(t
     tiled = torch.empty(m, n)
     _kernel().ggml_linear(x, blocks, type_id, tiled)
     torch.save((x, blocks, type_id, n), tmp_path / "in.pt")
-    from tests.support.server import REPO
-
     env = {**os.environ, "CANDOR_CPU_AMX": "0",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     subprocess.run([sys.executable, "-c", _AMX_OFF_SCRIPT, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
