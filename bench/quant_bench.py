@@ -1,7 +1,7 @@
 """Quantized weights against the fp32 path: matmul speed, and worker memory.
 
     python -m bench.quant_bench matmul [--threads N] [--shapes smollm2|llama7b] [--reps R]
-                                       [--rows 1,16] [--kinds fp32,Q4_1]
+                                       [--rows 1,16] [--kinds fp32,Q4_1] [--from-memory]
     python -m bench.quant_bench rss [--root DIR]
 
 ``matmul``: each quantized kernel (GGUF types, group-wise int4, FP8) and the fp32 path the
@@ -9,7 +9,11 @@ dense layers run (oneDNN on a packed weight, as ``Numerics`` serves) over a mode
 layers (SmolLM2-135M's or a Llama-7B layer's shapes): ms per call, the weight's GB/s,
 GFLOP/s, and the tokens per second that model's matmuls alone would allow at each
 ``--rows`` count (a step of that many rows through every layer: 1 and 16 are decode
-batches, hundreds a prefill chunk's), with the ratio to fp32.
+batches, hundreds a prefill chunk's), with the ratio to fp32. Q4_0 / Q4_1 / Q8_0 run in the
+packed layout where the kernel packs them, as a served layer holds them. By default one
+weight per layer is called again and again (in cache: the kernel's own rate);
+``--from-memory`` holds one per model layer and calls them in turn, as a decode step
+reads them.
 
 ``rss``: a ~100M-parameter Llama (``bench.models``) served in fp32, as GGUF Q4_1 blocks
 and as GPTQ int4 / FP8 / W8A8 checkpoints (tests' writers: run from a checkout): each in a
@@ -36,9 +40,15 @@ SHAPES = {
 KINDS = ("fp32", "Q8_0", "Q4_0", "Q4_1", "Q5_1", "Q4_K", "Q6_K", "int4-g64", "fp8-channel")
 
 
-def _weights(kind: str, n: int, k: int):
+def _weights(kind: str, n: int, k: int, copies: int = 1):
     """(bytes held, a function y = f(x)) for one [n, k] layer of ``kind`` (random values
-    whose scales keep the outputs finite)."""
+    whose scales keep the outputs finite). ``copies`` > 1: that many weights (as a model
+    holds one per layer), each call the next one's, so a call reads its weight from
+    memory rather than from the cache the previous call filled."""
+    if copies > 1:
+        made = [_weights(kind, n, k) for _ in range(copies)]
+        turn = iter(range(1 << 62))
+        return made[0][0], lambda x: made[next(turn) % copies][1](x)
     import torch
 
     from gpu_worker.quantization import kernels
@@ -61,6 +71,9 @@ def _weights(kind: str, n: int, k: int):
             view[..., 0:2] = d
             if kind in ("Q4_1", "Q5_1", "Q4_K", "Q5_K"):
                 view[..., 2:4] = d
+        if kern.ggml_packs(type_id):  # as a served layer holds it (GgmlLinear.finish)
+            packed = kern.ggml_pack(raw, type_id)
+            return raw.numel(), lambda x: _into(x, n, lambda out: kern.ggml_linear_packed(x, packed, type_id, n, out))
         return raw.numel(), lambda x: _into(x, n, lambda out: kern.ggml_linear(x, raw, type_id, out))
     if kind == "int4-g64":  # (GPTQ's usual 128 does not divide SmolLM2's 576)
         qs = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
@@ -100,7 +113,8 @@ def matmul(args) -> None:
         raise SystemExit("the quantized-matmul kernel did not build")
     shape = SHAPES[args.shapes]
     mats = [(name, n, k, shape["layers"]) for name, n, k in shape["mats"]] + [("head", *shape["head"], 1)]
-    print(f"{args.shapes} linear layers, {args.threads} thread(s), best of 3 x {args.reps} calls")
+    print(f"{args.shapes} linear layers, {args.threads} thread(s), best of 3 x {args.reps} calls, weights "
+          + ("from memory (one per layer, in turn)" if args.from_memory else "in cache (one, called again)"))
     print(f"{'kind':<12}{'layer':<9}{'M':>5}{'ms':>9}{'GB/s':>8}{'GFLOP/s':>9}")
     step: dict[tuple[str, int], float] = {}
     held: dict[str, int] = {}
@@ -111,7 +125,7 @@ def matmul(args) -> None:
              if kind not in GGML_TYPES or all(k % GGML_TYPES[kind][1] == 0 for _, _, k, _ in mats)]
     for kind in kinds:
         for name, n, k, count in mats:
-            nbytes, f = _weights(kind, n, k)
+            nbytes, f = _weights(kind, n, k, count if args.from_memory else 1)
             held[kind] = held.get(kind, 0) + nbytes * count
             for m in rows:
                 x = torch.randn(m, k)
@@ -210,6 +224,8 @@ def main() -> None:
     m.add_argument("--reps", type=int, default=5)
     m.add_argument("--rows", default="1,16", help="row counts (M) to time, comma-separated")
     m.add_argument("--kinds", default="", help=f"weight kinds, comma-separated (default: all of {','.join(KINDS)})")
+    m.add_argument("--from-memory", action="store_true", help="hold each layer's weight once per model "
+                   "layer and cycle through them (a decode step's case: every weight read from memory)")
     r = sub.add_parser("rss")
     r.add_argument("--root", default=str(Path.home() / ".cache" / "candor" / "bench" / "quant"))
     args = p.parse_args()

@@ -10,6 +10,9 @@
 #include <cstring>
 #include <limits>
 #include <tuple>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
@@ -18,6 +21,21 @@ namespace {
 
 constexpr int LANES = 16;  // partial sums of a row's squares: element i goes to lane i % 16
 constexpr int64_t PARALLEL_ELEMENTS = 1 << 16;  // below this a step's rows run on one thread
+
+// f(r) for each row r < n: split between threads only for a step of at least
+// PARALLEL_ELEMENTS elements and more than one thread (an OpenMP region whose `if` is
+// false still costs a team start: ~4 us per call, 0.6 ms of a batch-1 decode step)
+template <class F>
+inline void for_rows(int64_t n, int64_t elements, F&& f) {
+#ifdef _OPENMP
+  if (elements >= PARALLEL_ELEMENTS && omp_get_max_threads() > 1) {
+#pragma omp parallel for
+    for (int64_t r = 0; r < n; ++r) f(r);
+    return;
+  }
+#endif
+  for (int64_t r = 0; r < n; ++r) f(r);
+}
 
 // Sum of squares in a fixed order: 16 running lanes, then a fixed pairwise tree.
 inline float sum_squares(const float* x, int64_t d) {
@@ -125,8 +143,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   const float* wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float e = static_cast<float>(eps);
-#pragma omp parallel for if (a * b * d >= PARALLEL_ELEMENTS)
-  for (int64_t r = 0; r < a * b; ++r) norm_row(xp + (r / b) * sa + (r % b) * sb, wp, e, d, op + r * d);
+  for_rows(a * b, a * b * d, [&](int64_t r) { norm_row(xp + (r / b) * sa + (r % b) * sb, wp, e, d, op + r * d); });
   return out;
 }
 
@@ -145,8 +162,7 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor h, double scale, torch
   float* op = out.data_ptr<float>();
   const float e = static_cast<float>(eps), s = static_cast<float>(scale);
   const bool scaled = scale != 1.0;
-#pragma omp parallel for if (n * d >= PARALLEL_ELEMENTS)
-  for (int64_t r = 0; r < n; ++r) {
+  for_rows(n, n * d, [&](int64_t r) {
     float* xr = xp + r * d;
     const float* hr = hp + r * sh;
     if (scaled) {
@@ -158,7 +174,7 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor h, double scale, torch
       for (int64_t i = 0; i < d; ++i) xr[i] = xr[i] + hr[i];
     }
     norm_row(xr, wp, e, d, op + r * d);
-  }
+  });
   return out;
 }
 
@@ -172,8 +188,7 @@ void rotate_heads(const float* xp, int64_t sn, int64_t sh, int64_t n, int64_t he
   const int64_t half = dim / 2, sc = cos.stride(0), ss = sin.stride(0);
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
-#pragma omp parallel for if (n * heads * dim >= PARALLEL_ELEMENTS)
-  for (int64_t r = 0; r < n; ++r) {
+  for_rows(n, n * heads * dim, [&](int64_t r) {
     const float* c = cp + r * sc;
     const float* s = sp + r * ss;
     for (int64_t h = 0; h < heads; ++h) {
@@ -190,7 +205,7 @@ void rotate_heads(const float* xp, int64_t sn, int64_t sh, int64_t n, int64_t he
         o[i] = a + b;
       }
     }
-  }
+  });
 }
 }  // namespace
 
@@ -234,13 +249,10 @@ torch::Tensor silu_mul(torch::Tensor gate_up, int64_t inter) {
   auto out = torch::empty({n, inter}, gate_up.options());
   const float* gp = gate_up.data_ptr<float>();
   float* op = out.data_ptr<float>();
-#pragma omp parallel for if (n * inter >= PARALLEL_ELEMENTS)
-  for (int64_t r = 0; r < n; ++r) {
+  for_rows(n, n * inter, [&](int64_t r) {
     const float* g = gp + r * sg;
-    const float* u = g + inter;
-    float* o = op + r * inter;
-    silu_mul_row(g, u, o, inter);
-  }
+    silu_mul_row(g, g + inter, op + r * inter, inter);
+  });
   return out;
 }
 
@@ -304,14 +316,13 @@ std::tuple<torch::Tensor, torch::Tensor> row_argmax(torch::Tensor logits) {
   const float* lp = logits.data_ptr<float>();
   float* bp = best.data_ptr<float>();
   int64_t* ip = index.data_ptr<int64_t>();
-#pragma omp parallel for if (n * vocab >= PARALLEL_ELEMENTS)
-  for (int64_t r = 0; r < n; ++r) {
+  for_rows(n, n * vocab, [&](int64_t r) {
     const float* x = lp + r * sl;
     bool nan = false;
     float m = row_max(x, vocab, &nan);
     if (nan) m = std::numeric_limits<float>::quiet_NaN();
     ip[r] = first_index(x, vocab, m);
     bp[r] = x[ip[r]];  // (equal to m; its own sign of zero, its own NaN)
-  }
+  });
   return {best, index};
 }

@@ -18,7 +18,10 @@ Compute: ``quant_linear.cpp`` dequantizes inside the matmul (never the whole wei
 for Q4_0 / Q4_1 / Q8_0 on a CPU with AVX-512 VNNI (AMX tiles for more than 8 rows), never
 dequantizes: x becomes integer digits per block and the codes' products are exact
 integer sums, so a row's bits are the same at any batch size there too (a CPU without
-VNNI computes other, equally invariant bits: replicas should share a CPU kind);
+VNNI computes other, equally invariant bits: replicas should share a CPU kind). Those
+three are rearranged once loaded (``finish``) into the kernel's packed layout: the same
+bytes, tiles of 16 rows in the order the vector loads read them (lookups unpack the rows
+asked for);
 without it, ``gguf.quants.dequantize`` (llama.cpp's numpy code, the same values) turns a
 slab of ``SLAB`` rows at a time into floats for a dense matmul through ``Numerics``.
 """
@@ -58,6 +61,8 @@ class GgmlLinear(LinearMethod):
     def __init__(self, types: dict) -> None:
         self.types = types
         self.segments: list[tuple[str, str, int, int]] = []  # (tensor, type, first row, rows)
+        self.packed: set[str] = set()  # tensors held in the kernel's packed layout (finish)
+        self._kernels = None  # the kernels that packed them (they unpack rows too)
 
     def create_weights(self, layer: nn.Module) -> None:
         if len(set(self.types.values())) == 1:
@@ -98,24 +103,51 @@ class GgmlLinear(LinearMethod):
             return f"weight_{ids[0]}"
         return attr
 
+    def finish(self, layer) -> None:
+        """Q4_0 / Q4_1 / Q8_0 on a CPU with the integer kernels: each tensor rearranged once
+        into the kernel's packed layout (the same bytes, each tile of 16 rows' blocks in the
+        order its vector loads read them), which streams at batch 1 without a gather per
+        vector. The outputs are the same bits as from the GGML rows."""
+        k = self._kernels = kernels.load()
+        if k is None:
+            return
+        for tensor, type_name, _, _ in self.segments:
+            raw = getattr(layer, tensor)
+            type_id = GGML_TYPES[type_name][0]
+            if tensor not in self.packed and raw.device.type == "cpu" and k.ggml_packs(type_id):
+                setattr(layer, tensor, nn.Parameter(k.ggml_pack(raw.data, type_id), requires_grad=False))
+                self.packed.add(tensor)
+
+    def _rows(self, layer, tensor: str, type_name: str, rows: int, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """GGML rows ``ids`` (all when None) of a stored tensor, packed or not."""
+        held = getattr(layer, tensor)
+        if tensor not in self.packed:
+            return held if ids is None else held.index_select(0, ids)
+        ids = torch.arange(rows) if ids is None else ids
+        return self._kernels.ggml_unpack_rows(held, GGML_TYPES[type_name][0], ids, rows, layer.in_features)
+
     def apply(self, layer, x, bias):
         y = x.new_empty((x.shape[0], layer.out_features))
         k = kernels.load() if kernels.applies(x) else None
         x = x.contiguous()
         for tensor, type_name, start, rows in self.segments:
-            raw = getattr(layer, tensor)
-            if k is not None:
-                k.ggml_linear(x, raw, GGML_TYPES[type_name][0], y[:, start:start + rows])
+            out = y[:, start:start + rows]
+            if k is not None and tensor in self.packed:
+                k.ggml_linear_packed(x, getattr(layer, tensor), GGML_TYPES[type_name][0], rows, out)
                 continue
+            if k is not None:
+                k.ggml_linear(x, getattr(layer, tensor), GGML_TYPES[type_name][0], out)
+                continue
+            raw = self._rows(layer, tensor, type_name, rows)
             for a in range(0, rows, SLAB):
                 w = dequantize(raw[a:a + SLAB], type_name, layer.in_features).to(x.dtype)
                 y[:, start + a:start + a + w.shape[0]] = layer.tp.numerics.linear(x, w)
         return y if bias is None else y.add_(bias)
 
     def embed(self, layer, ids: torch.Tensor) -> torch.Tensor:
-        tensor, type_name, _, _ = self.segments[0]
-        rows = getattr(layer, tensor).index_select(0, ids.reshape(-1))
-        return dequantize(rows, type_name, layer.in_features).view(*ids.shape, layer.in_features)
+        tensor, type_name, _, rows = self.segments[0]
+        blocks = self._rows(layer, tensor, type_name, rows, ids.reshape(-1))
+        return dequantize(blocks, type_name, layer.in_features).view(*ids.shape, layer.in_features)
 
     def probes(self, layer):
         key = ("gguf", tuple((t, rows) for _, t, _, rows in self.segments), layer.in_features)

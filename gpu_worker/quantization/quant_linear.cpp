@@ -1471,6 +1471,104 @@ inline __m512i tile_offsets(int64_t row_bytes, int nvalid) {
   return _mm512_mullo_epi32(j, _mm512_set1_epi32(static_cast<int32_t>(row_bytes)));
 }
 
+// The packed layout (ggml_pack, made once at load): a tile of 16 outputs' block b is
+// 16 * BYTES bytes at (tile * nb + b) * 16 * BYTES, already in VNNI order: CODE_VECS
+// vectors of 64 bytes (lane j of vector i: output j's code bytes 4i .. 4i + 3, as
+// tile_codes gathers them: for Q4 each byte still holds two codes), then the 16 outputs'
+// d as halves and (Q4_1) their m. So a tile's codes are plain loads of one contiguous
+// stream where the GGML rows take a gather per vector from sixteen rows.
+template <class T>
+constexpr int CODE_VECS = std::is_same_v<T, Q8_0c> ? 8 : 4;
+template <class T>
+constexpr int CODES_AT = std::is_same_v<T, Q4_1c> ? 4 : 2;  // a GGML block's first code byte
+
+template <class T>
+inline void packed_codes(const uint8_t* p, __m512i* c, __m512& d, __m512& cv) {
+  const uint8_t* h = p + 64 * CODE_VECS<T>;
+  d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
+  if constexpr (T::MIN_AT == 2) cv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 32)));
+  else if constexpr (T::HAS_C) cv = _mm512_mul_ps(_mm512_set1_ps(T::C_OF_A), d);
+  else cv = _mm512_setzero_ps();
+  if constexpr (std::is_same_v<T, Q8_0c>) {
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) c[i] = _mm512_loadu_si512(p + 64 * i);
+  } else {
+    const __m512i lo = _mm512_set1_epi8(0x0F);
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+      const __m512i g = _mm512_loadu_si512(p + 64 * i);
+      c[i] = _mm512_and_si512(g, lo);
+      c[4 + i] = _mm512_and_si512(_mm512_srli_epi16(g, 4), lo);
+    }
+  }
+}
+
+// GGML rows [N, row_bytes] -> the packed layout [ceil(N / 16), nb * 16 * BYTES] (outputs
+// past N: zero codes and scales)
+template <class T>
+void pack_rows(const uint8_t* w, int64_t row_bytes, int64_t N, uint8_t* out) {
+  const int64_t nb = row_bytes / T::BYTES, tiles = (N + NT - 1) / NT;
+  std::memset(out, 0, tiles * nb * NT * T::BYTES);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = w + n * row_bytes + b * T::BYTES;
+      uint8_t* p = out + ((n / NT) * nb + b) * NT * T::BYTES;
+      const int64_t j = n % NT;
+      for (int i = 0; i < CODE_VECS<T>; ++i) std::memcpy(p + 64 * i + 4 * j, blk + CODES_AT<T> + 4 * i, 4);
+      uint8_t* h = p + 64 * CODE_VECS<T>;
+      std::memcpy(h + 2 * j, blk, 2);
+      if constexpr (T::MIN_AT == 2) std::memcpy(h + 32 + 2 * j, blk + 2, 2);
+    }
+}
+
+// ids' rows of a packed weight back as GGML rows [len(ids), row_bytes] (pack_rows undone)
+template <class T>
+void unpack_rows(const uint8_t* packed, int64_t nb, const int64_t* ids, int64_t n, uint8_t* out) {
+  const int64_t row_bytes = nb * T::BYTES;
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* p = packed + ((ids[r] / NT) * nb + b) * NT * T::BYTES;
+      const int64_t j = ids[r] % NT;
+      uint8_t* blk = out + r * row_bytes + b * T::BYTES;
+      for (int i = 0; i < CODE_VECS<T>; ++i) std::memcpy(blk + CODES_AT<T> + 4 * i, p + 64 * i + 4 * j, 4);
+      const uint8_t* h = p + 64 * CODE_VECS<T>;
+      std::memcpy(blk, h + 2 * j, 2);
+      if constexpr (T::MIN_AT == 2) std::memcpy(blk + 2, h + 32 + 2 * j, 2);
+    }
+}
+
+// Where a tile's codes come from: the GGML rows (gathers) ...
+template <class T>
+struct RowsTile {
+  const uint8_t* wt;
+  __m512i off;
+  const uint8_t* next;  // the tile after next, fetched a share per block (sixteen rows
+  int64_t ahead, share;  // read side by side are more streams than the prefetchers follow)
+  RowsTile(const uint8_t* w, int64_t row_bytes, int64_t N, int64_t nb, int64_t n0, int nvalid)
+      : wt(w + n0 * row_bytes), off(tile_offsets(row_bytes, nvalid)), next(wt + 2 * NT * row_bytes),
+        ahead(n0 + 3 * NT <= N ? NT * row_bytes : 0), share((ahead + nb - 1) / nb) {}
+  void prefetch(int64_t b) const {
+    for (int64_t at = b * share; at < std::min(ahead, (b + 1) * share); at += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(next + at), _MM_HINT_T0);
+  }
+  void codes(int64_t b, __m512i* c, __m512& d, __m512& cv) const { tile_codes<T>(wt, off, b, c, d, cv); }
+};
+
+// ... or the packed layout (plain loads, one stream)
+constexpr int64_t PACKED_AHEAD = 8192;  // bytes
+template <class T>
+struct PackedTile {
+  const uint8_t* p;
+  PackedTile(const uint8_t* packed, int64_t nb, int64_t n0) : p(packed + n0 * nb * T::BYTES) {}
+  // the stream a fixed distance ahead, into L2 (measured on SmolLM2's layers from memory:
+  // 1.5x the rows' gathers at batch 1; without it the packed stream was slower than they)
+  void prefetch(int64_t b) const {
+    const uint8_t* q = p + b * NT * T::BYTES + PACKED_AHEAD;
+    for (int64_t at = 0; at < NT * T::BYTES; at += 64) _mm_prefetch(reinterpret_cast<const char*>(q + at), _MM_HINT_T1);
+  }
+  void codes(int64_t b, __m512i* c, __m512& d, __m512& cv) const { packed_codes<T>(p + b * NT * T::BYTES, c, d, cv); }
+};
+
 template <bool HAS_C>
 inline __m512 int_combine(__m512 acc, __m512i s0, __m512i s1, __m512i s2, float s, __m512 d, __m512 cv, float xsum) {
   const __m512 q = _mm512_set1_ps(1.0f / 256.0f);
@@ -1492,25 +1590,18 @@ inline int32_t word_at(const void* p) {
 }
 
 // R rows (R <= FEW_INT) against one tile of outputs, codes in registers
-template <class T, int R>
-void int_few_tile(const uint8_t* w, int64_t row_bytes, int64_t N, const Digits& g, int64_t m0, const float* sums,
-                  int64_t n0, int nvalid, float* y, int64_t ldy) {
+template <class T, int R, class Src>
+void int_few_tile(const Src& src, const Digits& g, int64_t m0, const float* sums, int64_t n0, int nvalid, float* y,
+                  int64_t ldy) {
   constexpr bool Q8 = std::is_same_v<T, Q8_0c>;
-  const __m512i off = tile_offsets(row_bytes, nvalid);
-  const uint8_t* wt = w + n0 * row_bytes;
   const int64_t K = g.K, nb = g.nb;
-  // the next tile's rows (contiguous after this tile's) are fetched a share per block:
-  // sixteen rows read side by side are more streams than the prefetchers follow
-  const uint8_t* next = wt + 2 * NT * row_bytes;
-  const int64_t ahead = n0 + 3 * NT <= N ? NT * row_bytes : 0, share = (ahead + nb - 1) / nb;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    for (int64_t at = b * share; at < std::min(ahead, (b + 1) * share); at += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(next + at), _MM_HINT_T0);
+    src.prefetch(b);
     __m512i c[8];
     __m512 d, cv;
-    tile_codes<T>(wt, off, b, c, d, cv);
+    src.codes(b, c, d, cv);
     __m512i cu[8];  // codes as unsigned bytes for D0 (signed): Q8_0's shifted by 128
 #pragma GCC unroll 8
     for (int i = 0; i < 8; ++i) cu[i] = Q8 ? _mm512_xor_si512(c[i], _mm512_set1_epi8(static_cast<char>(0x80))) : c[i];
@@ -1532,13 +1623,13 @@ void int_few_tile(const uint8_t* w, int64_t row_bytes, int64_t N, const Digits& 
   for (int r = 0; r < R; ++r) store_tile_row(y + (m0 + r) * ldy + n0, acc[r], nvalid);
 }
 
-template <class T, int R = 1>
-void int_few(int64_t rows, const uint8_t* w, int64_t row_bytes, int64_t N, const Digits& g, int64_t m0,
-             const float* sums, int64_t n0, int nvalid, float* y, int64_t ldy) {
+template <class T, int R = 1, class Src>
+void int_few(int64_t rows, const Src& src, const Digits& g, int64_t m0, const float* sums, int64_t n0, int nvalid,
+             float* y, int64_t ldy) {
   if constexpr (R < FEW_INT) {
-    if (rows > R) return int_few<T, R + 1>(rows, w, row_bytes, N, g, m0, sums, n0, nvalid, y, ldy);
+    if (rows > R) return int_few<T, R + 1>(rows, src, g, m0, sums, n0, nvalid, y, ldy);
   }
-  int_few_tile<T, R>(w, row_bytes, N, g, m0, sums, n0, nvalid, y, ldy);
+  int_few_tile<T, R>(src, g, m0, sums, n0, nvalid, y, ldy);
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__)
@@ -1624,12 +1715,17 @@ void amx_tile_rows(const Digits& g, int64_t m0, int64_t m1, const float* sc, con
 }
 #endif
 
+// packed: the weight in the packed layout (ggml_pack), or null: w's GGML rows
 template <class T>
-void int_linear(const uint8_t* w, int64_t row_bytes, const float* x, const float* sums, int64_t M, int64_t K,
-                int64_t N, float* y, int64_t ldy) {
+void int_linear(const uint8_t* w, int64_t row_bytes, const uint8_t* packed, const float* x, const float* sums,
+                int64_t M, int64_t K, int64_t N, float* y, int64_t ldy) {
   const Digits g = split_digits(x, M, K, std::is_same_v<T, Q8_0c>);
   const int64_t tiles = (N + NT - 1) / NT, nb = K / 32;
   const int64_t grain = std::max<int64_t>(1, ITEM_WEIGHTS / (NT * K));
+  const auto with_tile = [&](int64_t n0, int nvalid, auto&& f) {  // f(the tile's source)
+    if (packed != nullptr) return f(PackedTile<T>(packed, nb, n0));
+    return f(RowsTile<T>(w, row_bytes, N, nb, n0, nvalid));
+  };
 #ifdef CANDOR_AMX
   if (M > FEW_INT && amx_usable()) {
     const int64_t rows = std::max<int64_t>(16, INT_X_BLOCK / (3 * K) / 16 * 16);
@@ -1650,15 +1746,16 @@ void int_linear(const uint8_t* w, int64_t row_bytes, const float* x, const float
         for (int64_t t = begin; t < end; ++t) {
           const int64_t n0 = t * NT;
           const int nvalid = static_cast<int>(std::min<int64_t>(NT, N - n0));
-          const __m512i off = tile_offsets(row_bytes, nvalid);
-          for (int64_t b = 0; b < nb; ++b) {
-            __m512i c[8];
-            __m512 d, c_;
-            tile_codes<T>(w + n0 * row_bytes, off, b, c, d, c_);
-            for (int i = 0; i < 8; ++i) _mm512_storeu_si512(codes.data() + b * 512 + 64 * i, c[i]);
-            _mm512_store_ps(da + b * 16, d);
-            _mm512_store_ps(ca + b * 16, c_);
-          }
+          with_tile(n0, nvalid, [&](const auto& src) {
+            for (int64_t b = 0; b < nb; ++b) {
+              __m512i c[8];
+              __m512 d, c_;
+              src.codes(b, c, d, c_);
+              for (int i = 0; i < 8; ++i) _mm512_storeu_si512(codes.data() + b * 512 + 64 * i, c[i]);
+              _mm512_store_ps(da + b * 16, d);
+              _mm512_store_ps(ca + b * 16, c_);
+            }
+          });
           amx_tile_rows<T>(g, m0, m1, sc.data(), xs.data(), codes.data(), da, ca, n0, nvalid, y, ldy);
         }
       }
@@ -1671,8 +1768,10 @@ void int_linear(const uint8_t* w, int64_t row_bytes, const float* x, const float
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * NT;
       const int nvalid = static_cast<int>(std::min<int64_t>(NT, N - n0));
-      for (int64_t m0 = 0; m0 < M; m0 += FEW_INT)
-        int_few<T>(std::min<int64_t>(FEW_INT, M - m0), w, row_bytes, N, g, m0, sums, n0, nvalid, y, ldy);
+      with_tile(n0, nvalid, [&](const auto& src) {
+        for (int64_t m0 = 0; m0 < M; m0 += FEW_INT)
+          int_few<T>(std::min<int64_t>(FEW_INT, M - m0), src, g, m0, sums, n0, nvalid, y, ldy);
+      });
     }
   });
 }
@@ -1685,7 +1784,7 @@ void codes_linear(const uint8_t* w, int64_t row_bytes, const float* x, int64_t M
   const int64_t ns = K / T::SB;
   const std::vector<float> sums = T::HAS_C ? sub_block_sums<T::SB>(x, M, K) : std::vector<float>(M * ns);
 #ifdef CANDOR_INT_DOTS
-  if constexpr (IntDots<T>::value) return int_linear<T>(w, row_bytes, x, sums.data(), M, K, N, y, ldy);
+  if constexpr (IntDots<T>::value) return int_linear<T>(w, row_bytes, nullptr, x, sums.data(), M, K, N, y, ldy);
 #endif
   if (M > FEW) return codes_many<T>(w, row_bytes, x, sums.data(), M, K, N, y, ldy);
   const int64_t items = (N + NR - 1) / NR;
@@ -1760,6 +1859,88 @@ void ggml_linear(torch::Tensor x, torch::Tensor w, int64_t type, torch::Tensor o
                     out.data_ptr<float>(), out.stride(0));
     return 0;
   });
+}
+
+// Whether GGML type ``type`` has the packed layout here (Q4_0 / Q4_1 / Q8_0 where the
+// integer dot products are built: ggml_pack, ggml_linear_packed)
+bool ggml_packs(int64_t type) {
+#ifdef CANDOR_INT_DOTS
+  return with_codes(type, [](auto codes) { return IntDots<decltype(codes)>::value; });
+#else
+  return with_codes(type, [](auto) { return false; });
+#endif
+}
+
+// W's GGML blocks [N, K / 32 * BYTES] -> the packed layout [ceil(N / 16), K / 32 * 16 * BYTES]
+torch::Tensor ggml_pack(torch::Tensor w, int64_t type) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "w: contiguous uint8 blocks");
+  TORCH_CHECK(ggml_packs(type), "ggml type ", type, " has no packed layout on this CPU");
+#ifdef CANDOR_INT_DOTS
+  return with_codes(type, [&](auto codes) {
+    using T = decltype(codes);
+    torch::Tensor out;
+    if constexpr (IntDots<T>::value) {
+      TORCH_CHECK(w.size(1) % T::BYTES == 0, "w: rows of whole blocks");
+      out = torch::empty({(w.size(0) + NT - 1) / NT, w.size(1) * NT}, w.options());
+      pack_rows<T>(w.data_ptr<uint8_t>(), w.size(1), w.size(0), out.data_ptr<uint8_t>());
+    }
+    return out;
+  });
+#else
+  return torch::Tensor();
+#endif
+}
+
+// out[M, N] = x[M, K] @ W^T for W packed by ggml_pack: the same bits as ggml_linear on
+// W's GGML blocks
+void ggml_linear_packed(torch::Tensor x, torch::Tensor packed, int64_t type, int64_t N, torch::Tensor out) {
+  TORCH_CHECK(ggml_packs(type), "ggml type ", type, " has no packed layout on this CPU");
+  check_x_out(x, out, N);
+#ifdef CANDOR_INT_DOTS
+  with_codes(type, [&](auto codes) {
+    using T = decltype(codes);
+    if constexpr (IntDots<T>::value) {
+      const int64_t M = x.size(0), K = x.size(1);
+      TORCH_CHECK(K % T::BS == 0 && packed.dim() == 2 && packed.scalar_type() == torch::kUInt8 &&
+                      packed.is_contiguous() && packed.size(0) == (N + NT - 1) / NT &&
+                      packed.size(1) == K / T::BS * NT * T::BYTES,
+                  "packed: uint8 [", (N + NT - 1) / NT, ", ", K / T::BS * NT * T::BYTES, "] for N=", N, ", K=", K);
+      if (M == 0 || N == 0) return 0;
+      const std::vector<float> sums = T::HAS_C ? sub_block_sums<T::SB>(x.data_ptr<float>(), M, K)
+                                               : std::vector<float>(M * (K / T::SB));
+      int_linear<T>(nullptr, 0, packed.data_ptr<uint8_t>(), x.data_ptr<float>(), sums.data(), M, K, N,
+                    out.data_ptr<float>(), out.stride(0));
+    }
+    return 0;
+  });
+#endif
+}
+
+// Rows ``ids`` (int64, each below N) of a weight packed by ggml_pack with N rows, as
+// GGML rows [len(ids), K / 32 * BYTES]: an embedding's lookups, and any reader of blocks
+torch::Tensor ggml_unpack_rows(torch::Tensor packed, int64_t type, torch::Tensor ids, int64_t N, int64_t K) {
+  TORCH_CHECK(ggml_packs(type), "ggml type ", type, " has no packed layout on this CPU");
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kInt64, "ids: int64 [n]");
+  ids = ids.contiguous();
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  TORCH_CHECK(std::all_of(ip, ip + ids.numel(), [&](int64_t i) { return i >= 0 && i < N; }), "row id out of range");
+#ifdef CANDOR_INT_DOTS
+  return with_codes(type, [&](auto codes) {
+    using T = decltype(codes);
+    torch::Tensor out;
+    if constexpr (IntDots<T>::value) {
+      const int64_t nb = K / T::BS;
+      TORCH_CHECK(K % T::BS == 0 && packed.dim() == 2 && packed.scalar_type() == torch::kUInt8 &&
+                      packed.is_contiguous() && packed.size(0) == (N + NT - 1) / NT && packed.size(1) == nb * NT * T::BYTES,
+                  "packed: uint8 [", (N + NT - 1) / NT, ", ", nb * NT * T::BYTES, "] for N=", N, ", K=", K);
+      out = torch::empty({ids.numel(), nb * T::BYTES}, packed.options());
+      unpack_rows<T>(packed.data_ptr<uint8_t>(), nb, ip, ids.numel(), out.data_ptr<uint8_t>());
+    }
+    return out;
+  });
+#else
+  return torch::Tensor();
+#endif
 }
 
 torch::Tensor ggml_dequantize(torch::Tensor w, int64_t type, int64_t K) {

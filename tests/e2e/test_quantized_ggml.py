@@ -174,6 +174,37 @@ def test_the_torch_path_computes_the_same_values(type_name, monkeypatch):
     assert torch.equal(method.embed(layer, ids), want)
 
 
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_the_packed_layout_gives_the_rows_bits_and_lookups(type_name, monkeypatch):
+    """``finish`` rearranges Q4_0 / Q4_1 / Q8_0 into the integer kernel's packed layout
+    (tiles of 16 rows; 300 rows leave a part tile): every row count gives the bits the GGML
+    rows gave, lookups the same rows, the torch path the same values; a second finish
+    leaves it be."""
+    from gpu_worker.quantization.ggml import GgmlLinear
+
+    type_id, block, nbytes = GGML_TYPES[type_name]
+    if not _kernel().ggml_packs(type_id):
+        pytest.skip("no integer dot products on this CPU (the GGML rows stay as they are)")
+    raw = torch.from_numpy(_raw(type_name, 300, 256, seed=3))
+    layer = _Layer(300, 256)
+    method = GgmlLinear({None: type_name})
+    method.create_weights(layer)
+    layer.weight.data.copy_(raw)
+    xs = [torch.randn(m, 256, generator=torch.Generator().manual_seed(m)) for m in (1, 5, 8, 9, 40)]
+    ids = torch.tensor([[3, 299], [0, 150], [15, 16]])
+    before = [method.apply(layer, x, None) for x in xs]
+    looked_up = method.embed(layer, ids)
+    method.finish(layer)
+    assert method.packed == {"weight"} and layer.weight.shape == (19, 256 // block * 16 * nbytes)
+    for x, want in zip(xs, before):
+        assert torch.equal(method.apply(layer, x, None), want), x.shape
+    assert torch.equal(method.embed(layer, ids), looked_up)
+    method.finish(layer)
+    assert layer.weight.shape == (19, 256 // block * 16 * nbytes)
+    monkeypatch.setattr(kernels, "load", lambda: None)
+    torch.testing.assert_close(method.apply(layer, xs[1], None), before[1], rtol=1e-5, atol=1e-4)
+
+
 # ---------------------------------------------------------------- served from blocks
 
 def _q4_k_m(name: str, shape: tuple) -> str:
