@@ -52,4 +52,4 @@ def load():
 
 def applies(x: torch.Tensor) -> bool:
     """Whether the kernels can compute on ``x`` (they are built on first use)."""
-    return x.device.type == "cpu" and x.dtype == torch.float32 and load() is not None
+    return x.is_cpu and x.dtype == torch.float32 and load() is not None

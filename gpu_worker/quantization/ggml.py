@@ -131,7 +131,7 @@ class GgmlLinear(LinearMethod):
         k = kernels.load() if kernels.applies(x) else None
         x = x.contiguous()
         for tensor, type_name, start, rows in self.segments:
-            out = y[:, start:start + rows]
+            out = y if rows == layer.out_features else y[:, start:start + rows]  # (a slice costs a call)
             if k is not None and tensor in self.packed:
                 k.ggml_linear_packed(x, getattr(layer, tensor), GGML_TYPES[type_name][0], rows, out)
                 continue
