@@ -1442,6 +1442,13 @@ inline Digits split_digits(const float* x, int64_t M, int64_t K, bool d0sums) {
   return g;
 }
 
+// 64-byte vectors of a 16-output tile's block in VNNI order (four of Q4's nibble bytes per
+// lane, or four of Q8_0's codes), and where a GGML block's first code byte is
+template <class T>
+constexpr int CODE_VECS = std::is_same_v<T, Q8_0c> ? 8 : 4;
+template <class T>
+constexpr int CODES_AT = std::is_same_v<T, Q4_1c> ? 4 : 2;  // a GGML block's first code byte
+
 // the codes of block b of outputs n0 .. n0 + 15 (row j at w + off[j]) as VNNI rows: lane j
 // of c[i] holds codes 4i .. 4i + 3 of output j; its d and c (zero without c) per lane
 template <class T>
@@ -1450,13 +1457,12 @@ inline void tile_codes(const uint8_t* w, __m512i off, int64_t b, __m512i* c, __m
   coef_vectors<T>(blk, off, d, cv);
   if constexpr (std::is_same_v<T, Q8_0c>) {
 #pragma GCC unroll 8
-    for (int i = 0; i < 8; ++i) c[i] = _mm512_i32gather_epi32(off, blk + 2 + 4 * i, 1);
+    for (int i = 0; i < 8; ++i) c[i] = _mm512_i32gather_epi32(off, blk + CODES_AT<T> + 4 * i, 1);
   } else {
-    constexpr int at = std::is_same_v<T, Q4_1c> ? 4 : 2;
     const __m512i lo = _mm512_set1_epi8(0x0F);
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) {  // byte j: element j (low nibble) and 16 + j (high)
-      const __m512i g = _mm512_i32gather_epi32(off, blk + at + 4 * i, 1);
+      const __m512i g = _mm512_i32gather_epi32(off, blk + CODES_AT<T> + 4 * i, 1);
       c[i] = _mm512_and_si512(g, lo);
       c[4 + i] = _mm512_and_si512(_mm512_srli_epi16(g, 4), lo);
     }
@@ -1476,11 +1482,8 @@ inline __m512i tile_offsets(int64_t row_bytes, int nvalid) {
 // vectors of 64 bytes (lane j of vector i: output j's code bytes 4i .. 4i + 3, as
 // tile_codes gathers them: for Q4 each byte still holds two codes), then the 16 outputs'
 // d as halves and (Q4_1) their m. So a tile's codes are plain loads of one contiguous
-// stream where the GGML rows take a gather per vector from sixteen rows.
-template <class T>
-constexpr int CODE_VECS = std::is_same_v<T, Q8_0c> ? 8 : 4;
-template <class T>
-constexpr int CODES_AT = std::is_same_v<T, Q4_1c> ? 4 : 2;  // a GGML block's first code byte
+// stream where the GGML rows take a gather per vector from sixteen rows. (The prefetch
+// ahead may name bytes past the weight's end: a prefetch never faults.)
 
 template <class T>
 inline void packed_codes(const uint8_t* p, __m512i* c, __m512& d, __m512& cv) {
