@@ -24,6 +24,7 @@ KV cache made small) beside the bytes its weights hold.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import subprocess
 import sys
@@ -47,8 +48,8 @@ def _weights(kind: str, n: int, k: int, copies: int = 1):
     memory rather than from the cache the previous call filled."""
     if copies > 1:
         made = [_weights(kind, n, k) for _ in range(copies)]
-        turn = iter(range(1 << 62))
-        return made[0][0], lambda x: made[next(turn) % copies][1](x)
+        turn = itertools.cycle(f for _, f in made)
+        return made[0][0], lambda x: next(turn)(x)
     import torch
 
     from gpu_worker.quantization import kernels

@@ -913,14 +913,21 @@ struct Gathers : std::false_type {};
 template <class T>
 struct Gathers<T, std::void_t<decltype(T::MIN_AT)>> : std::bool_constant<T::DIRECT && T::BS == T::SB> {};
 
+// The offset coefficients c of 16 blocks whose scales are a: the stored mins (min(), read
+// only for a type that stores one), C_OF_A * a, or zero for a type without an offset
+template <class T, class Min>
+inline __m512 offset_coefs(__m512 a, Min&& min) {
+  if constexpr (T::MIN_AT == 2) return min();
+  else if constexpr (T::HAS_C) return _mm512_mul_ps(_mm512_set1_ps(T::C_OF_A), a);
+  else return _mm512_setzero_ps();
+}
+
 // lane i of a, c: the coefficients of the block at base + off[i] (c zero without one)
 template <class T>
 inline void coef_vectors(const uint8_t* base, __m512i off, __m512& a, __m512& c) {
   const __m512i dw = _mm512_i32gather_epi32(off, base, 1);
   a = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dw));
-  if constexpr (T::MIN_AT == 2) c = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dw, 16)));
-  else if constexpr (T::HAS_C) c = _mm512_mul_ps(_mm512_set1_ps(T::C_OF_A), a);
-  else c = _mm512_setzero_ps();
+  c = offset_coefs<T>(a, [&] { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dw, 16))); });
 }
 
 // a[i], c[i]: the coefficients of the block at base + off[i], i < 16
@@ -1490,9 +1497,7 @@ template <class T>
 inline void packed_codes(const uint8_t* p, __m512i* c, __m512& d, __m512& cv) {
   const uint8_t* h = p + 64 * CODE_VECS<T>;
   d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
-  if constexpr (T::MIN_AT == 2) cv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 32)));
-  else if constexpr (T::HAS_C) cv = _mm512_mul_ps(_mm512_set1_ps(T::C_OF_A), d);
-  else cv = _mm512_setzero_ps();
+  cv = offset_coefs<T>(d, [&] { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 32))); });
   if constexpr (std::is_same_v<T, Q8_0c>) {
 #pragma GCC unroll 8
     for (int i = 0; i < 8; ++i) c[i] = _mm512_loadu_si512(p + 64 * i);
@@ -1507,6 +1512,19 @@ inline void packed_codes(const uint8_t* p, __m512i* c, __m512& d, __m512& cv) {
   }
 }
 
+// The layout, piece by piece: move(packed, block, bytes) for each piece of row n's block b
+// (a GGML block at ``block``) and where it sits in the packed weight (either side const:
+// the one read from)
+template <class T, class P, class B, class Move>
+inline void block_pieces(P* packed, int64_t nb, int64_t n, int64_t b, B* block, Move&& move) {
+  P* p = packed + ((n / NT) * nb + b) * NT * T::BYTES;
+  const int64_t j = n % NT;
+  for (int i = 0; i < CODE_VECS<T>; ++i) move(p + 64 * i + 4 * j, block + CODES_AT<T> + 4 * i, 4);
+  P* h = p + 64 * CODE_VECS<T>;
+  move(h + 2 * j, block, 2);
+  if constexpr (T::MIN_AT == 2) move(h + 32 + 2 * j, block + 2, 2);
+}
+
 // GGML rows [N, row_bytes] -> the packed layout [ceil(N / 16), nb * 16 * BYTES] (outputs
 // past N: zero codes and scales)
 template <class T>
@@ -1514,31 +1532,18 @@ void pack_rows(const uint8_t* w, int64_t row_bytes, int64_t N, uint8_t* out) {
   const int64_t nb = row_bytes / T::BYTES, tiles = (N + NT - 1) / NT;
   std::memset(out, 0, tiles * nb * NT * T::BYTES);
   for (int64_t n = 0; n < N; ++n)
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk = w + n * row_bytes + b * T::BYTES;
-      uint8_t* p = out + ((n / NT) * nb + b) * NT * T::BYTES;
-      const int64_t j = n % NT;
-      for (int i = 0; i < CODE_VECS<T>; ++i) std::memcpy(p + 64 * i + 4 * j, blk + CODES_AT<T> + 4 * i, 4);
-      uint8_t* h = p + 64 * CODE_VECS<T>;
-      std::memcpy(h + 2 * j, blk, 2);
-      if constexpr (T::MIN_AT == 2) std::memcpy(h + 32 + 2 * j, blk + 2, 2);
-    }
+    for (int64_t b = 0; b < nb; ++b)
+      block_pieces<T>(out, nb, n, b, w + n * row_bytes + b * T::BYTES,
+                      [](uint8_t* to, const uint8_t* from, int bytes) { std::memcpy(to, from, bytes); });
 }
 
 // ids' rows of a packed weight back as GGML rows [len(ids), row_bytes] (pack_rows undone)
 template <class T>
 void unpack_rows(const uint8_t* packed, int64_t nb, const int64_t* ids, int64_t n, uint8_t* out) {
-  const int64_t row_bytes = nb * T::BYTES;
   for (int64_t r = 0; r < n; ++r)
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* p = packed + ((ids[r] / NT) * nb + b) * NT * T::BYTES;
-      const int64_t j = ids[r] % NT;
-      uint8_t* blk = out + r * row_bytes + b * T::BYTES;
-      for (int i = 0; i < CODE_VECS<T>; ++i) std::memcpy(blk + CODES_AT<T> + 4 * i, p + 64 * i + 4 * j, 4);
-      const uint8_t* h = p + 64 * CODE_VECS<T>;
-      std::memcpy(blk, h + 2 * j, 2);
-      if constexpr (T::MIN_AT == 2) std::memcpy(blk + 2, h + 32 + 2 * j, 2);
-    }
+    for (int64_t b = 0; b < nb; ++b)
+      block_pieces<T>(packed, nb, ids[r], b, out + (r * nb + b) * T::BYTES,
+                      [](const uint8_t* from, uint8_t* to, int bytes) { std::memcpy(to, from, bytes); });
 }
 
 // Where a tile's codes come from: the GGML rows (gathers) ...
@@ -1793,12 +1798,12 @@ void int_linear(const uint8_t* w, int64_t row_bytes, const uint8_t* packed, cons
 
 template <class T>
 void codes_linear(const uint8_t* w, int64_t row_bytes, const float* x, int64_t M, int64_t K, int64_t N, float* y,
-                  int64_t ldy) {
+                  int64_t ldy, const uint8_t* packed = nullptr) {  // packed: see int_linear
   if (M == 0 || N == 0) return;
   const int64_t ns = K / T::SB;
   const std::vector<float> sums = T::HAS_C ? sub_block_sums<T::SB>(x, M, K) : std::vector<float>(M * ns);
 #ifdef CANDOR_INT_DOTS
-  if constexpr (IntDots<T>::value) return int_linear<T>(w, row_bytes, nullptr, x, sums.data(), M, K, N, y, ldy);
+  if constexpr (IntDots<T>::value) return int_linear<T>(w, row_bytes, packed, x, sums.data(), M, K, N, y, ldy);
 #endif
   if (M > FEW) return codes_many<T>(w, row_bytes, x, sums.data(), M, K, N, y, ldy);
   const int64_t items = (N + NR - 1) / NR;
@@ -1919,11 +1924,8 @@ void ggml_linear_packed(torch::Tensor x, torch::Tensor packed, int64_t type, int
                       packed.is_contiguous() && packed.size(0) == (N + NT - 1) / NT &&
                       packed.size(1) == K / T::BS * NT * T::BYTES,
                   "packed: uint8 [", (N + NT - 1) / NT, ", ", K / T::BS * NT * T::BYTES, "] for N=", N, ", K=", K);
-      if (M == 0 || N == 0) return 0;
-      const std::vector<float> sums = T::HAS_C ? sub_block_sums<T::SB>(x.data_ptr<float>(), M, K)
-                                               : std::vector<float>(M * (K / T::SB));
-      int_linear<T>(nullptr, 0, packed.data_ptr<uint8_t>(), x.data_ptr<float>(), sums.data(), M, K, N,
-                    out.data_ptr<float>(), out.stride(0));
+      codes_linear<T>(nullptr, 0, x.data_ptr<float>(), M, K, N, out.data_ptr<float>(), out.stride(0),
+                      packed.data_ptr<uint8_t>());
     }
     return 0;
   });
