@@ -35,7 +35,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <new>
 #include <type_traits>
+#include <utility>
 #include <vector>
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -1361,21 +1363,30 @@ void codes_few(int64_t M, const uint8_t* w, int64_t row_bytes, const float* x, c
 // ---------------------------------------------------------------------------------------
 // GGML Q4_0 / Q4_1 / Q8_0 on exact integer dot products (AVX-512 VNNI; AMX tiles for many
 // rows). Each row of x is split, per block of 32, into a power-of-two scale s = 2^(e - 7)
-// (every |x| of the block below 2^e) and three digits,
-//     x = s * (D0 + D1 / 256 + D2 / 65536) + r,   X = round(x / s * 65536) (|X| < 2^23),
-//     D0 = X >> 16 in [-128, 127], D1 and D2 its next two bytes in [0, 255],
-// so |r| <= s / 131072 = 2^(e - 24): the block's largest value's own fp32 resolution.
-// A block's sums S_j = sum_k q_k * D_jk are integers, exact whatever instruction adds
-// them in whatever order: the few-row path (VPDPBUSD, one tile of 16 outputs with its
-// codes in registers) and the many-row path (AMX TDPB*D on 16 x 16 tiles) get the same
-// S_j, and then every output takes the same float operations per block, ascending:
-//     f = fma(fma(S2, 2^-8, S1), 2^-8, S0);  t = f * s;  acc = fma(t, d, acc);
-//     acc = fma(c, xsum, acc)   (types with an offset; xsum: sub_block_sums' block sum)
-// so a row's result is bitwise the same alone, in any batch, at any thread count, on
-// either path. Integer products cost a quarter of the float ones per instruction, and
-// AMX does 16 x 16 x 32 of them per instruction: 16-row decode and prefill steps go
-// several times faster than the float kernel's, while batch 1 stays bound by the weight
-// stream (the codes need no conversion to float).
+// (every |x| of the block below 2^e) and an integer X = round(x / s * 65536) (|X| < 2^23),
+//     x = s * X / 65536 + r,   |r| <= s / 131072 = 2^(e - 24):
+// the block's largest value's own fp32 resolution. A block's sum of codes q times X is an
+// integer, exact whatever instruction adds it in whatever order. Three digits hold X:
+// D0 = X >> 16 (a signed byte) and its next two bytes D1, D2, with sums S_j = sum q D_j.
+// Then per block, ascending, every output takes
+//     Q4:    f = fma(S2, 2^-16, fma(S1, 2^-8, S0))     t = f * s
+//     Q8_0:  f = fma(fma(S2, 2^-8, S1), 2^-8, S0)      t = f * s
+//     acc = fma(t, d, acc);  acc = fma(c, xsum, acc)   (c, xsum: types with an offset;
+//                                                        xsum: sub_block_sums' block sum)
+// Q4's inner fma is exact (|S0 + S1 / 256| < 2^16 with 8 bits of fraction), so its f is
+// sum q X / 65536 rounded once, and any other exact way to that value gives its bits.
+// Q4's many-row path takes one: halves, X = 4096 H + L with H = 16 H1 + H0 and
+// L = 16 L1 + L0 (H1 a signed byte, L1 a byte, H0 and L0 nibbles). 16 q is still a byte,
+// so one AMX TDP over a whole 64-byte tile row ([H1 | H0] against [16 q ; q]) gives
+// SH = sum q H and another SL = sum q L, and
+//     f' = fma(SL, 2^-12, SH) = 16 f,   t = f' * (s / 16)   (the same t, bit for bit)
+// two TDPs and tile stores a block where the digits take three, and fewer vector steps.
+// The few-row path (VPDPBUSD, one tile of 16 outputs with its codes in registers) and the
+// many-row path (AMX TDPB*D on 16 x 16 tiles) so give a row bitwise the same result
+// alone, in any batch, at any thread count. Integer products cost a quarter of the float
+// ones per instruction, and AMX does 16 x 16 x 64 of them per instruction: 16-row decode
+// and prefill steps go several times faster than the float kernel's, while batch 1 stays
+// bound by the weight stream (the codes need no conversion to float).
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define CANDOR_INT_DOTS 1
 constexpr int NT = 16;          // outputs per tile (lanes)
@@ -1388,31 +1399,74 @@ template <> struct IntDots<Q4_0c> : std::true_type {};
 template <> struct IntDots<Q4_1c> : std::true_type {};
 template <> struct IntDots<Q8_0c> : std::true_type {};
 
-// x's digits: three [Mp, K] byte planes (Mp: M rounded up to 16, padding rows zero), the
-// scale of each row's block [Mp, nb], and (Q8_0's few-row path) each block's sum of D0
+// std::vector's storage on 64 bytes (an AMX tile row that straddles two cache lines loads
+// at less than half speed: 1024 rows of gate_up 15.5 -> 13.9 ms), left uninitialized by
+// resize (the writer fills it; zeroing first cost 2.5% of a 2k-token prefill)
+template <class V>
+struct Aligned64 {
+  using value_type = V;
+  Aligned64() = default;
+  template <class U>
+  Aligned64(const Aligned64<U>&) {}
+  V* allocate(size_t n) { return static_cast<V*>(::operator new(n * sizeof(V), std::align_val_t(64))); }
+  void deallocate(V* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
+  template <class U, class... A>
+  void construct(U* p, A&&... a) {
+    if constexpr (sizeof...(A) == 0) ::new (static_cast<void*>(p)) U;
+    else ::new (static_cast<void*>(p)) U(std::forward<A>(a)...);
+  }
+  template <class U>
+  bool operator==(const Aligned64<U>&) const { return true; }
+};
+template <class V>
+using AlignedVector = std::vector<V, Aligned64<V>>;
+
+// Q4's many-row path takes X as halves, the rest as three digits (see the note)
+template <class T>
+constexpr bool HALVES = !std::is_same_v<T, Q8_0c>;
+
+// x's integers, row by row (Mp: M rounded up to 16, padding rows zero): halves, two
+// [Mp, 2K] byte planes with 64 bytes a block, [H1 | H0] and [L1 | L0]; or three [Mp, K]
+// planes D0 (signed), D1, D2. Each block's scale s [Mp, nb], and (Q8_0's few-row path)
+// each block's sum of D0
 struct Digits {
-  int64_t M, Mp, K, nb;
-  std::vector<int8_t> d0;
-  std::vector<uint8_t> d1, d2;
+  int64_t M, Mp, K, nb, width, block;  // width: a plane's bytes per row; block: a block's
+  AlignedVector<uint8_t> plane[3];  // (rows of 64 bytes a block, or 32: none straddles a line)
   std::vector<float> scale;
   std::vector<int32_t> d0sum;
+  const uint8_t* at(int p, int64_t row, int64_t b) const { return plane[p].data() + row * width + b * block; }
 };
 
-inline void digits_of(__m512 a, __m128i& b0, __m128i& b1, __m128i& b2) {  // a = x / s, |a| < 128
-  // X = a * 2^16 rounded to an integer (|X| < 2^23, exact in a float): its three bytes
-  const __m512i X = _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(65536.0f))),
-                                     _mm512_set1_epi32((1 << 23) - 1));
-  b0 = _mm512_cvtepi32_epi8(_mm512_srai_epi32(X, 16));
-  b1 = _mm512_cvtepi32_epi8(_mm512_srli_epi32(X, 8));
-  b2 = _mm512_cvtepi32_epi8(X);
+inline void store_bytes(uint8_t* p, __m512i v) {  // each lane's low byte
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(v));
 }
 
-inline Digits split_digits(const float* x, int64_t M, int64_t K, bool d0sums) {
+// 16 values of a block (a = x / s, |a| < 128) as X = round(a * 2^16), |X| < 2^23, into
+// the planes at row offset o (h: which half of the block's 32)
+inline void store_digits(Digits& g, bool halves, int64_t o, int h, __m512 a) {
+  const __m512i X = _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(65536.0f))),
+                                     _mm512_set1_epi32((1 << 23) - 1));
+  const __m512i nibble = _mm512_set1_epi32(15);
+  store_bytes(&g.plane[0][o + 16 * h], _mm512_srai_epi32(X, 16));
+  if (halves) {
+    store_bytes(&g.plane[0][o + 32 + 16 * h], _mm512_and_si512(_mm512_srai_epi32(X, 12), nibble));
+    store_bytes(&g.plane[1][o + 16 * h], _mm512_srli_epi32(X, 4));
+    store_bytes(&g.plane[1][o + 32 + 16 * h], _mm512_and_si512(X, nibble));
+  } else {
+    store_bytes(&g.plane[1][o + 16 * h], _mm512_srli_epi32(X, 8));
+    store_bytes(&g.plane[2][o + 16 * h], X);
+  }
+}
+
+inline Digits split_digits(const float* x, int64_t M, int64_t K, bool halves, bool d0sums) {
   Digits g;
   g.M = M, g.Mp = (M + 15) / 16 * 16, g.K = K, g.nb = K / 32;
-  g.d0.assign(g.Mp * K, 0);
-  g.d1.assign(g.Mp * K, 0);
-  g.d2.assign(g.Mp * K, 0);
+  g.width = halves ? 2 * K : K, g.block = halves ? 64 : 32;
+  const int planes = halves ? 2 : 3;
+  for (int p = 0; p < planes; ++p) {
+    g.plane[p].resize(g.Mp * g.width);  // (uninitialized: every block is written below)
+    std::memset(g.plane[p].data() + M * g.width, 0, (g.Mp - M) * g.width);
+  }
   g.scale.assign(g.Mp * g.nb, 0.0f);
   if (d0sums) g.d0sum.assign(M * g.nb, 0);
   for (int64_t m = 0; m < M; ++m)
@@ -1420,30 +1474,23 @@ inline Digits split_digits(const float* x, int64_t M, int64_t K, bool d0sums) {
       const float* xb = x + m * K + b * 32;
       const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
       const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-      float s = 1.0f;
-      if (!std::isfinite(amax)) {
-        s = std::numeric_limits<float>::quiet_NaN();  // the row's outputs come out NaN
-      } else if (amax >= 0x1p-100f) {
-        int e;
-        std::frexp(amax, &e);  // amax < 2^e
-        s = std::ldexp(1.0f, e - 7);
-      } else {
-        continue;  // all digits zero (values under 2^-100 count as zero)
+      const int64_t o = m * g.width + b * g.block;
+      const bool finite = std::isfinite(amax);
+      if (!finite || amax < 0x1p-100f) {  // digits zero (values under 2^-100 count as zero)
+        for (int p = 0; p < planes; ++p) std::memset(g.plane[p].data() + o, 0, g.block);
+        if (!finite) g.scale[m * g.nb + b] = std::numeric_limits<float>::quiet_NaN();  // the row's outputs: NaN
+        continue;
       }
+      int e;
+      std::frexp(amax, &e);  // amax < 2^e
+      const float s = std::ldexp(1.0f, e - 7);
       g.scale[m * g.nb + b] = s;
-      if (std::isnan(s)) continue;
       const __m512 inv = _mm512_set1_ps(1.0f / s);  // a power of two: x * inv is exact
-      __m128i p0[2], p1[2], p2[2];
-      digits_of(_mm512_mul_ps(v0, inv), p0[0], p1[0], p2[0]);
-      digits_of(_mm512_mul_ps(v1, inv), p0[1], p1[1], p2[1]);
-      for (int h = 0; h < 2; ++h) {
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(&g.d0[m * K + b * 32 + 16 * h]), p0[h]);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(&g.d1[m * K + b * 32 + 16 * h]), p1[h]);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(&g.d2[m * K + b * 32 + 16 * h]), p2[h]);
-      }
+      store_digits(g, halves, o, 0, _mm512_mul_ps(v0, inv));
+      store_digits(g, halves, o, 1, _mm512_mul_ps(v1, inv));
       if (d0sums) {
         int32_t t = 0;
-        for (int i = 0; i < 32; ++i) t += g.d0[m * K + b * 32 + i];
+        for (int i = 0; i < 32; ++i) t += static_cast<int8_t>(g.plane[0][o + i]);
         g.d0sum[m * g.nb + b] = t;
       }
     }
@@ -1578,11 +1625,21 @@ struct PackedTile {
   void codes(int64_t b, __m512i* c, __m512& d, __m512& cv) const { packed_codes<T>(p + b * NT * T::BYTES, c, d, cv); }
 };
 
-template <bool HAS_C>
-inline __m512 int_combine(__m512 acc, __m512i s0, __m512i s1, __m512i s2, float s, __m512 d, __m512 cv, float xsum) {
+// a block's f (see the note): from the digits' sums, or (Q4's halves) 16 f from SH, SL
+template <class T>
+inline __m512 digits_sum(__m512i s0, __m512i s1, __m512i s2) {
   const __m512 q = _mm512_set1_ps(1.0f / 256.0f);
-  const __m512 f = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(s2), q, _mm512_cvtepi32_ps(s1)), q,
-                                   _mm512_cvtepi32_ps(s0));
+  if constexpr (HALVES<T>)
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(s2), _mm512_set1_ps(1.0f / 65536.0f),
+                           _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), q, _mm512_cvtepi32_ps(s0)));
+  return _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_cvtepi32_ps(s2), q, _mm512_cvtepi32_ps(s1)), q, _mm512_cvtepi32_ps(s0));
+}
+inline __m512 halves_sum(__m512i sh, __m512i sl) {
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(sl), _mm512_set1_ps(1.0f / 4096.0f), _mm512_cvtepi32_ps(sh));
+}
+
+template <bool HAS_C>
+inline __m512 int_combine(__m512 acc, __m512 f, float s, __m512 d, __m512 cv, float xsum) {
   acc = _mm512_fmadd_ps(_mm512_mul_ps(f, _mm512_set1_ps(s)), d, acc);
   if constexpr (HAS_C) acc = _mm512_fmadd_ps(cv, _mm512_set1_ps(xsum), acc);
   return acc;
@@ -1603,7 +1660,7 @@ template <class T, int R, class Src>
 void int_few_tile(const Src& src, const Digits& g, int64_t m0, const float* sums, int64_t n0, int nvalid, float* y,
                   int64_t ldy) {
   constexpr bool Q8 = std::is_same_v<T, Q8_0c>;
-  const int64_t K = g.K, nb = g.nb;
+  const int64_t nb = g.nb;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -1616,17 +1673,18 @@ void int_few_tile(const Src& src, const Digits& g, int64_t m0, const float* sums
     for (int i = 0; i < 8; ++i) cu[i] = Q8 ? _mm512_xor_si512(c[i], _mm512_set1_epi8(static_cast<char>(0x80))) : c[i];
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
-      const int64_t row = m0 + r, at = row * K + b * 32;
+      const int64_t row = m0 + r;
+      const auto digit = [&](int p, int at) { return _mm512_set1_epi32(word_at(g.at(p, row, b) + at)); };
       __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512(), s2 = _mm512_setzero_si512();
 #pragma GCC unroll 8
       for (int i = 0; i < 8; ++i) {
-        s0 = _mm512_dpbusd_epi32(s0, cu[i], _mm512_set1_epi32(word_at(&g.d0[at + 4 * i])));
-        s1 = _mm512_dpbusd_epi32(s1, _mm512_set1_epi32(word_at(&g.d1[at + 4 * i])), c[i]);
-        s2 = _mm512_dpbusd_epi32(s2, _mm512_set1_epi32(word_at(&g.d2[at + 4 * i])), c[i]);
+        s0 = _mm512_dpbusd_epi32(s0, cu[i], digit(0, 4 * i));
+        s1 = _mm512_dpbusd_epi32(s1, digit(1, 4 * i), c[i]);
+        s2 = _mm512_dpbusd_epi32(s2, digit(2, 4 * i), c[i]);
       }
       if constexpr (Q8) s0 = _mm512_sub_epi32(s0, _mm512_set1_epi32(128 * g.d0sum[row * nb + b]));
-      acc[r] = int_combine<T::HAS_C>(acc[r], s0, s1, s2, g.scale[row * nb + b], d, cv,
-                                     T::HAS_C ? sums[row * nb + b] : 0.0f);
+      const __m512 f = digits_sum<T>(s0, s1, s2);
+      acc[r] = int_combine<T::HAS_C>(acc[r], f, g.scale[row * nb + b], d, cv, T::HAS_C ? sums[row * nb + b] : 0.0f);
     }
   }
   for (int r = 0; r < R; ++r) store_tile_row(y + (m0 + r) * ldy + n0, acc[r], nvalid);
@@ -1661,66 +1719,104 @@ inline bool amx_usable() {
   return ok;
 }
 
-// tiles 0-2: S0, S1, S2 (16 rows x 16 int32); 3-5: the rows' digits (16 x 32 bytes);
-// 6: one block of 16 outputs' codes (8 VNNI rows x 64 bytes)
+// Q4: tiles 0-1 SH, SL (16 rows x 16 int32); 2-3 the rows' [H1 | H0] and [L1 | L0] (16 x
+// 64 bytes); 4 a block of 16 outputs' codes, [16 q ; q] (16 VNNI rows x 64 bytes).
+// Q8_0: tiles 0-2 S0, S1, S2; 3-5 the rows' D0, D1, D2 (16 x 32 bytes); 6 the codes
+// (8 VNNI rows x 64 bytes)
+template <class T>
+constexpr int64_t CODE_TILE = HALVES<T> ? 1024 : 512;  // staged bytes of a block's codes
+
+template <class T>
 inline void amx_configure() {
   TileConfig cfg;
-  for (int t = 0; t < 3; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-  for (int t = 3; t < 6; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 32;
-  cfg.rows[6] = 8, cfg.colsb[6] = 64;
+  if constexpr (HALVES<T>) {
+    for (int t = 0; t < 5; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  } else {
+    for (int t = 0; t < 3; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    for (int t = 3; t < 6; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 32;
+    cfg.rows[6] = 8, cfg.colsb[6] = 64;
+  }
   _tile_loadconfig(&cfg);
 }
 
-// rows m0 .. m1 of the row block against the tile of outputs at n0, whose blocks' codes
-// wait in codes (b * 512 bytes) and scales in dv, cv (b * 16 floats); sc and xs: each
-// block's row scales and sums, [nb, Mp]. Software-pipelined: block b's products go to the
-// tiles while block b - 1's, stored to the other half of sbuf, are combined.
+// a block's codes staged for tile 4 / 6 (c: the VNNI vectors of the block)
 template <class T>
-void amx_tile_rows(const Digits& g, int64_t m0, int64_t m1, const float* sc, const float* xs, const uint8_t* codes,
-                   const float* dv, const float* cv, int64_t n0, int nvalid, float* y, int64_t ldy) {
-  constexpr bool Q8 = std::is_same_v<T, Q8_0c>;
-  const int64_t K = g.K, nb = g.nb, Mp = g.Mp;
-  alignas(64) int32_t sbuf[2][3][16 * 16];
-  for (int64_t mt = m0; mt < m1; mt += 16) {
-    __m512 acc[16];
-    for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
-    const auto combine = [&](int64_t b) {
-      const int32_t(&s)[3][256] = sbuf[b & 1];
-      const __m512 d = _mm512_load_ps(dv + b * 16), c = _mm512_load_ps(cv + b * 16);
-      const float* scb = sc + b * Mp + mt;
-      const float* xsb = xs + b * Mp + mt;
-#pragma GCC unroll 16
-      for (int r = 0; r < 16; ++r)
-        acc[r] = int_combine<T::HAS_C>(acc[r], _mm512_load_si512(s[0] + 16 * r), _mm512_load_si512(s[1] + 16 * r),
-                                       _mm512_load_si512(s[2] + 16 * r), scb[r], d, c, xsb[r]);
-    };
-    for (int64_t b = 0; b < nb; ++b) {
-      const int64_t at = mt * K + b * 32;
-      _tile_loadd(3, &g.d0[at], K);
-      _tile_loadd(4, &g.d1[at], K);
-      _tile_loadd(5, &g.d2[at], K);
-      _tile_loadd(6, codes + b * 512, 64);
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      if constexpr (Q8) {
-        _tile_dpbssd(0, 3, 6);
-        _tile_dpbusd(1, 4, 6);
-        _tile_dpbusd(2, 5, 6);
-      } else {
-        _tile_dpbsud(0, 3, 6);
-        _tile_dpbuud(1, 4, 6);
-        _tile_dpbuud(2, 5, 6);
-      }
-      if (b > 0) combine(b - 1);
-      _tile_stored(0, sbuf[b & 1][0], 64);
-      _tile_stored(1, sbuf[b & 1][1], 64);
-      _tile_stored(2, sbuf[b & 1][2], 64);
+inline void stage_codes(const __m512i* c, uint8_t* out) {
+  for (int i = 0; i < 8; ++i) {
+    if constexpr (HALVES<T>) {
+      _mm512_storeu_si512(out + 64 * i, _mm512_slli_epi16(c[i], 4));  // (bytes 0 .. 15: no carry)
+      _mm512_storeu_si512(out + 512 + 64 * i, c[i]);
+    } else {
+      _mm512_storeu_si512(out + 64 * i, c[i]);
     }
-    combine(nb - 1);
-    const int rows = static_cast<int>(std::min<int64_t>(16, g.M - mt));
-    for (int r = 0; r < rows; ++r) store_tile_row(y + (mt + r) * ldy + n0, acc[r], nvalid);
   }
+}
+
+// a block's integer sums for rows mt .. mt + 15 into the accumulator tiles, from its
+// staged codes
+template <class T>
+inline void amx_block(const Digits& g, int64_t mt, int64_t b, const uint8_t* codes) {
+  if constexpr (HALVES<T>) {
+    _tile_loadd(2, g.at(0, mt, b), g.width);
+    _tile_loadd(3, g.at(1, mt, b), g.width);
+    _tile_loadd(4, codes, 64);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_dpbsud(0, 2, 4);
+    _tile_dpbuud(1, 3, 4);
+  } else {
+    _tile_loadd(3, g.at(0, mt, b), g.width);
+    _tile_loadd(4, g.at(1, mt, b), g.width);
+    _tile_loadd(5, g.at(2, mt, b), g.width);
+    _tile_loadd(6, codes, 64);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_dpbssd(0, 3, 6);
+    _tile_dpbusd(1, 4, 6);
+    _tile_dpbusd(2, 5, 6);
+  }
+}
+
+template <class T>
+inline void amx_store(int32_t (*s)[256]) {
+  _tile_stored(0, s[0], 64);
+  _tile_stored(1, s[1], 64);
+  if constexpr (!HALVES<T>) _tile_stored(2, s[2], 64);
+}
+
+// rows mt .. mt + 15 against the tile of outputs at n0, whose blocks' codes wait in codes
+// (b * CODE_TILE bytes) and scales in dv, cv (b * 16 floats); sc and xs: each block's
+// row scales and sums, [nb, Mp]. Software-pipelined: block b's products go to the tiles
+// while block b - 1's, stored to the other half of sbuf, are combined.
+template <class T>
+void amx_tile_rows(const Digits& g, int64_t mt, const float* sc, const float* xs, const uint8_t* codes,
+                   const float* dv, const float* cv, int64_t n0, int nvalid, float* y, int64_t ldy) {
+  const int64_t nb = g.nb, Mp = g.Mp;
+  alignas(64) int32_t sbuf[2][3][16 * 16];
+  __m512 acc[16];  // (registers: a lambda capturing it kept it on the stack, 1024 rows of gate_up 13.9 -> 12.5 ms)
+#pragma GCC unroll 16
+  for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b <= nb; ++b) {
+    if (b < nb) amx_block<T>(g, mt, b, codes + b * CODE_TILE<T>);
+    if (b > 0) {  // block b - 1's sums into the accumulators
+      const int32_t(&s)[3][256] = sbuf[(b - 1) & 1];
+      const __m512 d = _mm512_load_ps(dv + (b - 1) * 16), c = _mm512_load_ps(cv + (b - 1) * 16);
+      const float* scb = sc + (b - 1) * Mp + mt;
+      const float* xsb = xs + (b - 1) * Mp + mt;
+#pragma GCC unroll 16
+      for (int r = 0; r < 16; ++r) {
+        const __m512i s0 = _mm512_load_si512(s[0] + 16 * r), s1 = _mm512_load_si512(s[1] + 16 * r);
+        const __m512 f = HALVES<T> ? halves_sum(s0, s1) : digits_sum<T>(s0, s1, _mm512_load_si512(s[2] + 16 * r));
+        acc[r] = int_combine<T::HAS_C>(acc[r], f, scb[r], d, c, xsb[r]);
+      }
+    }
+    if (b < nb) amx_store<T>(sbuf[b & 1]);
+  }
+  const int rows = static_cast<int>(std::min<int64_t>(16, g.M - mt));
+#pragma GCC unroll 16
+  for (int r = 0; r < 16; ++r)
+    if (r < rows) store_tile_row(y + (mt + r) * ldy + n0, acc[r], nvalid);
 }
 #endif
 
@@ -1728,7 +1824,12 @@ void amx_tile_rows(const Digits& g, int64_t m0, int64_t m1, const float* sc, con
 template <class T>
 void int_linear(const uint8_t* w, int64_t row_bytes, const uint8_t* packed, const float* x, const float* sums,
                 int64_t M, int64_t K, int64_t N, float* y, int64_t ldy) {
-  const Digits g = split_digits(x, M, K, std::is_same_v<T, Q8_0c>);
+#ifdef CANDOR_AMX
+  const bool tiles_path = M > FEW_INT && amx_usable();
+#else
+  constexpr bool tiles_path = false;
+#endif
+  const Digits g = split_digits(x, M, K, tiles_path && HALVES<T>, !tiles_path && std::is_same_v<T, Q8_0c>);
   const int64_t tiles = (N + NT - 1) / NT, nb = K / 32;
   const int64_t grain = std::max<int64_t>(1, ITEM_WEIGHTS / (NT * K));
   const auto with_tile = [&](int64_t n0, int nvalid, auto&& f) {  // f(the tile's source)
@@ -1736,11 +1837,11 @@ void int_linear(const uint8_t* w, int64_t row_bytes, const uint8_t* packed, cons
     return f(RowsTile<T>(w, row_bytes, N, nb, n0, nvalid));
   };
 #ifdef CANDOR_AMX
-  if (M > FEW_INT && amx_usable()) {
+  if (tiles_path) {
     std::vector<float> sc(nb * g.Mp, 0.0f), xs(nb * g.Mp, 0.0f);  // [nb, Mp]: a block's rows together
     for (int64_t m = 0; m < M; ++m)
       for (int64_t b = 0; b < nb; ++b) {
-        sc[b * g.Mp + m] = g.scale[m * nb + b];
+        sc[b * g.Mp + m] = HALVES<T> ? g.scale[m * nb + b] / 16 : g.scale[m * nb + b];  // (halves: 16 f)
         if constexpr (T::HAS_C) xs[b * g.Mp + m] = sums[m * nb + b];
       }
     // Past INT_GROUP_ROWS rows a group of output tiles has its codes staged once (L2-sized);
@@ -1748,14 +1849,13 @@ void int_linear(const uint8_t* w, int64_t row_bytes, const uint8_t* packed, cons
     // the group: the code tiles stream from L2 (512 bytes a block) where rows-inner streamed
     // three digit tiles (1.5 KB a block) per output tile. 1024 rows: gate_up 19-21 -> 15-17
     // ms, qkv 6.0 -> 5.5. Fewer rows keep one tile's codes in L1 (group 1: rows inner).
-    const int64_t group = M > INT_GROUP_ROWS ? std::max<int64_t>(1, INT_CODES_BLOCK / (nb * 512)) : 1;
+    const int64_t group = M > INT_GROUP_ROWS ? std::max<int64_t>(1, INT_CODES_BLOCK / (nb * CODE_TILE<T>)) : 1;
     at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
-      amx_configure();
+      amx_configure<T>();
       const int64_t most = std::min(group, end - begin);
-      std::vector<uint8_t> codes(most * nb * 512);
-      std::vector<float> dv(most * nb * 16 + 16), cv(most * nb * 16 + 16);  // (+16: room to align)
-      float* da = dv.data() + ((64 - reinterpret_cast<uintptr_t>(dv.data()) % 64) % 64) / 4;
-      float* ca = cv.data() + ((64 - reinterpret_cast<uintptr_t>(cv.data()) % 64) % 64) / 4;
+      AlignedVector<uint8_t> codes(most * nb * CODE_TILE<T>);
+      AlignedVector<float> dv(most * nb * 16), cv(most * nb * 16);
+      float *da = dv.data(), *ca = cv.data();
       for (int64_t t0 = begin; t0 < end; t0 += group) {
         const int64_t t1 = std::min(end, t0 + group);
         for (int64_t t = t0; t < t1; ++t) {
@@ -1765,17 +1865,17 @@ void int_linear(const uint8_t* w, int64_t row_bytes, const uint8_t* packed, cons
               __m512i c[8];
               __m512 d, c_;
               src.codes(b, c, d, c_);
-              for (int i = 0; i < 8; ++i) _mm512_storeu_si512(codes.data() + (at + b) * 512 + 64 * i, c[i]);
+              stage_codes<T>(c, codes.data() + (at + b) * CODE_TILE<T>);
               _mm512_store_ps(da + (at + b) * 16, d);
               _mm512_store_ps(ca + (at + b) * 16, c_);
             }
           });
         }
-        for (int64_t m0 = 0; m0 < M; m0 += 16)
+        for (int64_t mt = 0; mt < M; mt += 16)
           for (int64_t t = t0; t < t1; ++t) {
             const int64_t n0 = t * NT, at = (t - t0) * nb;
-            amx_tile_rows<T>(g, m0, std::min(M, m0 + 16), sc.data(), xs.data(), codes.data() + at * 512, da + at * 16,
-                             ca + at * 16, n0, static_cast<int>(std::min<int64_t>(NT, N - n0)), y, ldy);
+            amx_tile_rows<T>(g, mt, sc.data(), xs.data(), codes.data() + at * CODE_TILE<T>, da + at * 16, ca + at * 16,
+                             n0, static_cast<int>(std::min<int64_t>(NT, N - n0)), y, ldy);
           }
       }
       _tile_release();

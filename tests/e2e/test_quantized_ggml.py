@@ -405,7 +405,7 @@ torch.save(out, sys.argv[2])
 """
 
 
-@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
 def test_the_tiled_and_the_few_row_paths_give_the_same_bits_at_every_row_count(type_name, tmp_path):
     """The integer path's claim, checked where it matters: 40 rows on AMX tiles, and the
     same 40 rows with AMX turned off (``CANDOR_CPU_AMX=0``: every row count on VNNI, eight
@@ -425,3 +425,37 @@ def test_the_tiled_and_the_few_row_paths_give_the_same_bits_at_every_row_count(t
     subprocess.run([sys.executable, "-c", _AMX_OFF_SCRIPT, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
                    check=True, env=env, timeout=600)
     assert torch.equal(torch.load(tmp_path / "out.pt"), tiled)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1"])
+def test_q4s_two_ways_to_a_blocks_sum_agree_where_the_sums_are_largest(type_name):
+    """Q4's many-row path sums codes times x's halves (X = 4096 H + L) where the few-row
+    path sums them times three digits, and both round sum q X once (quant_linear.cpp's
+    note: the digits' inner fma is exact because |S0 + S1 / 256| < 2^16). Checked where
+    that bound is tightest: codes all 15 against X = -(2^23 - 2^16 + 1) (D0 = -128, D1 =
+    D2 = 255) and X = 2^23 - 1, and against their mixes with every low bit set, tiled
+    (20 rows) and alone, bitwise, and within fp32 rounding of float64."""
+    k, n, m = 128, 35, 20
+    raw = _raw(type_name, n, k, seed=6)
+    codes_at = 2 if type_name == "Q4_0" else 4  # after d (and m)
+    per_block = raw.reshape(n, k // 32, -1)
+    per_block[::2, :, codes_at:] = 0xFF  # every other output: all codes 15
+    blocks, type_id = torch.from_numpy(per_block.reshape(n, -1).copy()), GGML_TYPES[type_name][0]
+    w = torch.from_numpy(dequantize(blocks.numpy(), GGMLQuantizationType[type_name]).copy())
+    low = -(127.0 + 2.0 ** -16)  # X = -8323073: D0 = -128, D1 = D2 = 255
+    high = 128.0 - 2.0 ** -16  # X = 2^23 - 1
+    gen = torch.Generator().manual_seed(8)
+    x = torch.full((m, k), low)
+    x[1] = high
+    x[2::3] = torch.where(torch.rand(len(range(2, m, 3)), k, generator=gen) < 0.5, low, high)
+    x[3::3] = low + torch.randint(0, 2 ** 16, (len(range(3, m, 3)), k), generator=gen) * 2.0 ** -16
+    x[4::3] *= 2.0 ** torch.randint(-20, 20, (len(range(4, m, 3)), 1), generator=gen)
+    tiled = torch.empty(m, n)
+    _kernel().ggml_linear(x, blocks, type_id, tiled)
+    for r in range(m):
+        alone = torch.empty(1, n)
+        _kernel().ggml_linear(x[r:r + 1], blocks, type_id, alone)
+        assert torch.equal(alone[0], tiled[r]), r
+    ref = x.double().mm(w.double().T)
+    bound = x.double().abs().mm(w.double().abs().T) * 2.0 ** -19
+    assert ((tiled.double() - ref).abs() <= bound).all()
