@@ -1425,16 +1425,18 @@ using AlignedVector = std::vector<V, Aligned64<V>>;
 template <class T>
 constexpr bool HALVES = !std::is_same_v<T, Q8_0c>;
 
-// x's integers, row by row (Mp: M rounded up to 16, padding rows zero): halves, two
+// x's integers, row by row (Mp: M, or for the tiles M rounded up to 16, padding rows zero): halves, two
 // [Mp, 2K] byte planes with 64 bytes a block, [H1 | H0] and [L1 | L0]; or three [Mp, K]
 // planes D0 (signed), D1, D2. Each block's scale s [Mp, nb], and (Q8_0's few-row path)
 // each block's sum of D0
 struct Digits {
   int64_t M, Mp, K, nb, width, block;  // width: a plane's bytes per row; block: a block's
-  AlignedVector<uint8_t> plane[3];  // (rows of 64 bytes a block, or 32: none straddles a line)
+  AlignedVector<uint8_t> bytes;  // the planes one after another (one allocation a call: a
+                                 // few-row call is tens of microseconds)
+  uint8_t* plane(int p) { return bytes.data() + p * Mp * width; }
   std::vector<float> scale;
   std::vector<int32_t> d0sum;
-  const uint8_t* at(int p, int64_t row, int64_t b) const { return plane[p].data() + row * width + b * block; }
+  const uint8_t* at(int p, int64_t row, int64_t b) const { return bytes.data() + (p * Mp + row) * width + b * block; }
 };
 
 inline void store_bytes(uint8_t* p, __m512i v) {  // each lane's low byte
@@ -1447,26 +1449,24 @@ inline void store_digits(Digits& g, bool halves, int64_t o, int h, __m512 a) {
   const __m512i X = _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(65536.0f))),
                                      _mm512_set1_epi32((1 << 23) - 1));
   const __m512i nibble = _mm512_set1_epi32(15);
-  store_bytes(&g.plane[0][o + 16 * h], _mm512_srai_epi32(X, 16));
+  store_bytes(g.plane(0) + o + 16 * h, _mm512_srai_epi32(X, 16));
   if (halves) {
-    store_bytes(&g.plane[0][o + 32 + 16 * h], _mm512_and_si512(_mm512_srai_epi32(X, 12), nibble));
-    store_bytes(&g.plane[1][o + 16 * h], _mm512_srli_epi32(X, 4));
-    store_bytes(&g.plane[1][o + 32 + 16 * h], _mm512_and_si512(X, nibble));
+    store_bytes(g.plane(0) + o + 32 + 16 * h, _mm512_and_si512(_mm512_srai_epi32(X, 12), nibble));
+    store_bytes(g.plane(1) + o + 16 * h, _mm512_srli_epi32(X, 4));
+    store_bytes(g.plane(1) + o + 32 + 16 * h, _mm512_and_si512(X, nibble));
   } else {
-    store_bytes(&g.plane[1][o + 16 * h], _mm512_srli_epi32(X, 8));
-    store_bytes(&g.plane[2][o + 16 * h], X);
+    store_bytes(g.plane(1) + o + 16 * h, _mm512_srli_epi32(X, 8));
+    store_bytes(g.plane(2) + o + 16 * h, X);
   }
 }
 
-inline Digits split_digits(const float* x, int64_t M, int64_t K, bool halves, bool d0sums) {
+inline Digits split_digits(const float* x, int64_t M, int64_t K, bool tiles, bool halves, bool d0sums) {
   Digits g;
-  g.M = M, g.Mp = (M + 15) / 16 * 16, g.K = K, g.nb = K / 32;
+  g.M = M, g.Mp = tiles ? (M + 15) / 16 * 16 : M, g.K = K, g.nb = K / 32;
   g.width = halves ? 2 * K : K, g.block = halves ? 64 : 32;
   const int planes = halves ? 2 : 3;
-  for (int p = 0; p < planes; ++p) {
-    g.plane[p].resize(g.Mp * g.width);  // (uninitialized: every block is written below)
-    std::memset(g.plane[p].data() + M * g.width, 0, (g.Mp - M) * g.width);
-  }
+  g.bytes.resize(planes * g.Mp * g.width);  // (uninitialized: every block is written below)
+  for (int p = 0; p < planes; ++p) std::memset(g.plane(p) + M * g.width, 0, (g.Mp - M) * g.width);
   g.scale.assign(g.Mp * g.nb, 0.0f);
   if (d0sums) g.d0sum.assign(M * g.nb, 0);
   for (int64_t m = 0; m < M; ++m)
@@ -1477,7 +1477,7 @@ inline Digits split_digits(const float* x, int64_t M, int64_t K, bool halves, bo
       const int64_t o = m * g.width + b * g.block;
       const bool finite = std::isfinite(amax);
       if (!finite || amax < 0x1p-100f) {  // digits zero (values under 2^-100 count as zero)
-        for (int p = 0; p < planes; ++p) std::memset(g.plane[p].data() + o, 0, g.block);
+        for (int p = 0; p < planes; ++p) std::memset(g.plane(p) + o, 0, g.block);
         if (!finite) g.scale[m * g.nb + b] = std::numeric_limits<float>::quiet_NaN();  // the row's outputs: NaN
         continue;
       }
@@ -1490,7 +1490,7 @@ inline Digits split_digits(const float* x, int64_t M, int64_t K, bool halves, bo
       store_digits(g, halves, o, 1, _mm512_mul_ps(v1, inv));
       if (d0sums) {
         int32_t t = 0;
-        for (int i = 0; i < 32; ++i) t += static_cast<int8_t>(g.plane[0][o + i]);
+        for (int i = 0; i < 32; ++i) t += static_cast<int8_t>(g.plane(0)[o + i]);
         g.d0sum[m * g.nb + b] = t;
       }
     }
@@ -1829,7 +1829,7 @@ void int_linear(const uint8_t* w, int64_t row_bytes, const uint8_t* packed, cons
 #else
   constexpr bool tiles_path = false;
 #endif
-  const Digits g = split_digits(x, M, K, tiles_path && HALVES<T>, !tiles_path && std::is_same_v<T, Q8_0c>);
+  const Digits g = split_digits(x, M, K, tiles_path, tiles_path && HALVES<T>, !tiles_path && std::is_same_v<T, Q8_0c>);
   const int64_t tiles = (N + NT - 1) / NT, nb = K / 32;
   const int64_t grain = std::max<int64_t>(1, ITEM_WEIGHTS / (NT * K));
   const auto with_tile = [&](int64_t n0, int nvalid, auto&& f) {  // f(the tile's source)
