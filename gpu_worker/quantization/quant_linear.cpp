@@ -4,10 +4,10 @@
 //
 // The GGML types multiply their integer codes and apply each sub-block's scale and offset
 // after the sum (see "GGML: codes and scales" below). Where the CPU has AVX-512 VNNI,
-// Q4_0, Q4_1 and Q8_0 (32-element blocks) go further: x too becomes integers, three
-// digits per value against a per-block scale, and the codes times the digits are summed
-// exactly by VNNI or AMX tiles ("exact integer dot products" below; 2x the float path at
-// batch 1, 2.4x at 16 rows, 1.5x at 1024 on SmolLM2's shapes). int4 and FP8 work as follows.
+// Q4_0, Q4_1 and Q8_0 (32-element blocks) go further: x too becomes integers (24 bits
+// against a per-block scale, as bytes), and the codes times them are summed exactly by
+// VNNI or AMX tiles ("exact integer dot products" below; 2x the float path at batch 1,
+// 2.4x at 16 rows, 2x at 1024 on SmolLM2's shapes). int4 and FP8 work as follows.
 // The weight is dequantized inside the matmul, a few rows at a time, never whole: a work
 // item takes NR consecutive output rows (features). With few input rows (M <= MR) it
 // dequantizes one block of each of its NR rows into a small buffer and multiplies it into
