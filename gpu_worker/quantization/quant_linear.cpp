@@ -1432,7 +1432,8 @@ constexpr bool HALVES = !std::is_same_v<T, Q8_0c>;
 // two tiles a multiple of 128 KB apart, the same L2 sets: gate_up 13.0 -> 15.5 ms). Each
 // block's scale s [Mp, nb], and (Q8_0's few-row path) each block's sum of D0
 struct Digits {
-  int64_t M, Mp, K, nb, width, block, stride;  // a plane's bytes per row, per block; a row's
+  int64_t M, Mp, nb;
+  int64_t width, block, stride;  // bytes: a plane's per row and per block, a row's (all planes)
   AlignedVector<uint8_t> bytes;
   std::vector<float> scale;
   std::vector<int32_t> d0sum;
@@ -1463,7 +1464,7 @@ inline void store_digits(Digits& g, bool halves, int64_t m, int64_t b, int h, __
 
 inline Digits split_digits(const float* x, int64_t M, int64_t K, bool tiles, bool halves, bool d0sums) {
   Digits g;
-  g.M = M, g.Mp = tiles ? (M + 15) / 16 * 16 : M, g.K = K, g.nb = K / 32;
+  g.M = M, g.Mp = tiles ? (M + 15) / 16 * 16 : M, g.nb = K / 32;
   g.width = halves ? 2 * K : K, g.block = halves ? 64 : 32;
   const int planes = halves ? 2 : 3;
   g.stride = planes * g.width;
@@ -1476,7 +1477,6 @@ inline Digits split_digits(const float* x, int64_t M, int64_t K, bool tiles, boo
       const float* xb = x + m * K + b * 32;
       const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
       const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-
       const bool finite = std::isfinite(amax);
       if (!finite || amax < 0x1p-100f) {  // digits zero (values under 2^-100 count as zero)
         for (int p = 0; p < planes; ++p) std::memset(g.at(p, m, b), 0, g.block);
