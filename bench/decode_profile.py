@@ -7,8 +7,9 @@ the forward, and what is left for Python between modules.
 A ``ModelRunner`` in this process (float32, as the gpu_worker builds it, ``--threads``
 threads) prefills ``--batch`` prompts of ``--context`` tokens (each its own blocks), then
 runs ``--steps`` decode steps of all of them
-twice: untimed (the step's own wall time, the fastest and the median), then with forward
-hooks on every module (perf_counter on entry and exit: about 1 us per module call, which
+three times: untimed (the step's own wall time, the fastest and the median), then the
+same through the layers' modules instead of their flat programs (``layer_program``), then
+through the modules with forward hooks on every module (perf_counter on entry and exit: about 1 us per module call, which
 the hooked step's extra time shows). Module names are folded over layers
 (``layers.*.mlp.down_proj``); a module's self time is its total less its children's, so
 ``self_attn`` self is the attention kernel, RoPE and the reshapes between its
@@ -47,8 +48,8 @@ def main(argv: list[str] | None = None) -> int:
         from launcher.default_model import default_gguf
         model = str(default_gguf())
     path = str(prepare(model)) if is_gguf(model) else model
-    per_seq = (a.context + 2 * a.steps) // 16 + 2
-    runner = ModelRunner(path, num_blocks=per_seq * a.batch, max_model_len=a.context + 2 * a.steps + 16)
+    per_seq = (a.context + 3 * a.steps) // 16 + 2
+    runner = ModelRunner(path, num_blocks=per_seq * a.batch, max_model_len=a.context + 3 * a.steps + 16)
     rids = [f"r{i}" for i in range(a.batch)]
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(a.batch)]
     last: list[int] = []
@@ -76,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     before = (t.prepare, t.forward, t.sample)
     plain = decode(a.steps)
     parts = [(x - y) / a.steps for x, y in zip((t.prepare, t.forward, t.sample), before)]
+    # hooks see modules only: the layers' modules from here on, not their flat programs
+    programs, runner.model.programs = runner.model.programs, None
+    modules = decode(a.steps)
 
     totals: dict[str, float] = defaultdict(float)
     child: dict[str, float] = defaultdict(float)  # time of a module's children, by its name
@@ -111,13 +115,15 @@ def main(argv: list[str] | None = None) -> int:
     ms = lambda s: f"{1e3 * s:7.2f}"  # noqa: E731
     fast, med = min(plain), statistics.median(plain)
     print(f"model {model}: batch-{a.batch} decode at context {a.context}..{pos}, {a.threads} thread(s)")
-    print(f"step wall: fastest {ms(fast)} ms, median {ms(med)} ms (hooked: fastest "
-          f"{ms(min(hooked))}, median {ms(statistics.median(hooked))})")
+    print(f"step wall: fastest {ms(fast)} ms, median {ms(med)} ms (the layers' modules, not "
+          f"their programs: fastest {ms(min(modules))}, median {ms(statistics.median(modules))}; hooked: "
+          f"fastest {ms(min(hooked))}, median {ms(statistics.median(hooked))})")
     print(f"  of which (mean): prepare {ms(parts[0])}  forward {ms(parts[1])}  sample "
           f"{ms(parts[2])} ms")
+    runner.model.programs = programs
     n = a.steps
     top = totals.get("(model)", 0.0) / n
-    print(f"\nhooked forward, ms per step (mean of {n}); self = total less children")
+    print(f"\nhooked forward (the layers' modules), ms per step (mean of {n}); self = total less children")
     print(f"  {'module':<44}{'calls':>6}{'total':>9}{'self':>9}{'self share':>12}")
     for name in sorted(totals, key=lambda k: -(totals[k] - child[k])):
         own = (totals[name] - child[name]) / n

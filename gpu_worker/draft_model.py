@@ -85,6 +85,7 @@ class DraftModel:
                                  tp=Ranks().tp_group(self.shard, self.numerics))
         log.info("draft model: %s", self.numerics.pack(self.model.matmuls(),
                                                       self.model.matmul_only()))
+        log.info("draft model layers: %s", self.model.flatten())
         # scratch blocks per proposing request: its proposals reach k - 1 positions past
         # its last real one, which may run past the blocks the target has allocated
         self.scratch_per_seq = -(-k // block_size) + 1

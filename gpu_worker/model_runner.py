@@ -178,6 +178,8 @@ class ModelRunner:
                          if lora is not None and lora.enabled else None)
         self._log_moe_path()
         self._load_row_ops()
+        if isinstance(self.model, DecoderForCausalLM):
+            log.info("decoder layers: %s", self.model.flatten())
         # speculative decoding's draft_model or eagle3 head: its weights now (its cache
         # shares the budget)
         self.draft = self._draft_model(draft_model, draft_method, forced_drafts, load_format,
@@ -666,6 +668,8 @@ class ModelRunner:
                     extra["token_types"] = self._token_types(ordered, dev)
                 if images is not None:  # the image embeddings over their placeholder rows
                     extra["images"] = images
+                if adapted:  # the layers' modules, whose hooks add the adapters' deltas
+                    extra["flat"] = False
                 hidden = self.model(
                     torch.tensor(ids, dtype=torch.long, device=dev),
                     torch.tensor(positions, dtype=torch.long, device=dev),

@@ -31,8 +31,7 @@ class RMSNorm(nn.Module):
             return (x32 * (1.0 + self.weight.float())).type_as(x)
         if x.dtype == torch.float32:
             if x.dim() in (2, 3) and x.stride(-1) == 1 and row_ops.applies(x):  # one call, not ~10
-                rows = x if x.dim() == 3 else x.unsqueeze(1)
-                return row_ops.load().rms_norm(rows, self.weight, self.eps).view(x.shape)
+                return row_ops.load().rms_norm(x, self.weight, self.eps).view(x.shape)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # the HF form's bits
 
         dtype = x.dtype
@@ -163,7 +162,7 @@ class RotaryEmbedding:
         contiguous tensor where the CPU kernel computes it: the same bits, one call)."""
         cos, sin = cos_sin
         if x.stride(-1) == 1 and row_ops.applies(x):
-            return row_ops.load().rope(x, cos[:, 0], sin[:, 0])
+            return row_ops.load().rope(x, cos, sin)
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin

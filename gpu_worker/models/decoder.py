@@ -25,6 +25,7 @@ from gpu_worker.model_config import LayerSpec, ModelConfig, architecture
 from gpu_worker.models import fused_moe
 from gpu_worker.models import row_ops
 from gpu_worker.models.blocks import RMSNorm, RotaryEmbedding, add_then_norm, make_norm
+from gpu_worker.models.layer_program import layer_program
 from gpu_worker.models.linear_method import QuantizableLinear
 from gpu_worker.models.parallel import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
                                         ReplicatedLinear, RowParallelLinear, ShardedRMSNorm, TPGroup,
@@ -65,9 +66,9 @@ class Attention(nn.Module):
             qk = RotaryEmbedding.rotate(qk.view(n, self.num_heads + self.num_kv_heads, self.head_dim), cos_sin)
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         elif self.qk_norm == "none" and cos_sin is not None and qkv.stride(-1) == 1:
-            # the CPU kernel: q and k rotated out of the projection in one call (rope's bits)
-            q, k = row_ops.load().rope_qk(qkv, cos_sin[0][:, 0], cos_sin[1][:, 0], self.num_heads, self.num_kv_heads)
-            v = qkv[:, self.q_size + self.kv_size:]
+            # the CPU kernel: q and k rotated out of the projection in one call (rope's
+            # bits), v a view of it
+            q, k, v = row_ops.load().rope_qkv(qkv, cos_sin[0], cos_sin[1], self.num_heads, self.num_kv_heads)
         else:  # (the CPU kernel rotates q and k into contiguous tensors, one call each)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             if self.qk_norm == "full":
@@ -320,22 +321,40 @@ class DecoderForCausalLM(nn.Module):
         self.vision = (build_vision(cfg.vision, cfg.hidden_size)
                        if cfg.vision is not None and lm_head else None)
 
+    # Each layer as a flat program (``layer_program``) where it allows one, the module
+    # where not; None (the default): every layer's module. Set by ``flatten``.
+    programs: list | None = None
+
+    def flatten(self) -> str:
+        """Run the layers as flat programs from now on (call it once the weights are
+        loaded and finished: a program looks them up now); says what runs."""
+        made = [layer_program(layer) for layer in self.model.layers]
+        kept = [why for why in made if isinstance(why, str)]
+        self.programs = [layer if isinstance(p, str) else p for layer, p in zip(self.model.layers, made)]
+        if not kept:
+            return f"all {len(made)} layers as flat programs"
+        return (f"{len(made) - len(kept)} of {len(made)} layers as flat programs, the others as modules "
+                f"({'; '.join(sorted(set(kept)))})")
+
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata,
-        images: tuple[torch.Tensor, torch.Tensor] | None = None,
+        images: tuple[torch.Tensor, torch.Tensor] | None = None, *, flat: bool = True,
     ) -> torch.Tensor:
         """Final hidden states (before the last norm) for every token: [num_tokens, hidden].
         ``positions``: [num_tokens], or [3, num_tokens] for M-RoPE (Qwen2-VL's image
-        tokens). ``images``: (rows, embeddings) that replace those rows' token embeddings."""
+        tokens). ``images``: (rows, embeddings) that replace those rows' token embeddings.
+        ``flat``: the layers' programs where ``flatten`` made them (False: the modules,
+        as a step with LoRA adapter rows needs: programs skip the adapters' hooks)."""
         x = self.model.embed_tokens(input_ids)
         if self.embed_scale != 1.0:  # Gemma rounds sqrt(hidden) to the compute dtype first
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         if images is not None:
             x = x.index_copy(0, images[0], images[1].to(x.dtype))
         cos_sins = [r.tables(positions) for r in self.rotary]
+        layers = self.programs if flat and self.programs is not None else self.model.layers
         if self.aux_layers:
-            return self._forward_capturing(x, cos_sins, kv_caches, meta)
-        for layer, kv in zip(self.model.layers, kv_caches):
+            return self._forward_capturing(layers, x, cos_sins, kv_caches, meta)
+        for layer, kv in zip(layers, kv_caches):
             x = layer(x, cos_sins, kv, meta)
         return x
 
@@ -346,7 +365,7 @@ class DecoderForCausalLM(nn.Module):
     aux_layers: tuple[int, ...] = ()
     captured: torch.Tensor | None = None
 
-    def _forward_capturing(self, x, cos_sins, kv_caches, meta) -> torch.Tensor:
+    def _forward_capturing(self, layers, x, cos_sins, kv_caches, meta) -> torch.Tensor:
         taps, hidden = self.aux_layers, x.shape[-1]
         out = x.new_empty(x.shape[0], len(taps) * hidden)
 
@@ -354,10 +373,10 @@ class DecoderForCausalLM(nn.Module):
             for j, layer_id in enumerate(taps):
                 if layer_id == i:
                     out[:, j * hidden:(j + 1) * hidden].copy_(x)
-        for i, (layer, kv) in enumerate(zip(self.model.layers, kv_caches)):
+        for i, (layer, kv) in enumerate(zip(layers, kv_caches)):
             keep(i)
             x = layer(x, cos_sins, kv, meta)
-        keep(len(self.model.layers))
+        keep(len(layers))
         self.captured = out
         return x
 

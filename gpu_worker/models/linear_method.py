@@ -14,6 +14,8 @@ layer computed before quantized weights existed) or a quantized one
 - ``finish(layer)``: once loaded, converts what the checkpoint stored into what the
   kernel reads (a repack, a transpose);
 - ``apply(layer, x, bias)``: ``x W^T (+ bias)``;
+- ``bind(layer)``: the same as a function of x alone, with whatever can be looked up once
+  looked up (the flat layer programs call it, ``layer_program``);
 - ``probes(layer)``: the matmuls whose batch invariance the start-up check measures.
 
 Axes: a stored dimension may hold several logical elements per index (8 int4 values per
@@ -105,6 +107,12 @@ class LinearMethod:
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
+
+    def bind(self, layer: nn.Module):
+        """``x -> apply(layer, x, layer's bias)``, for a layer whose stored tensors stay put
+        from now on (loaded and finished)."""
+        bias = layer.bias
+        return lambda x: self.apply(layer, x, bias)
 
     def probes(self, layer: nn.Module) -> list:
         return []

@@ -129,14 +129,23 @@ void check_rows(const torch::Tensor& x, const char* what) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, what, ": [rows, width] with contiguous rows");
 }
 
+// RoPE's cos or sin table of a step: [n, dim], or [n, 1, dim] as RotaryEmbedding.tables
+// gives it for every layer (one row per token either way), rows contiguous
+void check_table(const torch::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat, what, ": fp32 CPU tables only");
+  TORCH_CHECK((t.dim() == 2 || (t.dim() == 3 && t.size(1) == 1)) && t.stride(-1) == 1, what,
+              ": cos/sin [n, dim] or [n, 1, dim] with contiguous rows");
+}
+
 }  // namespace
 
-// x [a, b, d] (the last dim contiguous, any other strides), w [d] -> the normalised
-// rows, contiguous [a * b, d].
+// x [a, b, d] or [a, d] (the last dim contiguous, any other strides), w [d] -> the
+// normalised rows, contiguous [a * b, d].
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat, "rms_norm: fp32 CPU tensors only");
-  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "rms_norm: x [a, b, d] with contiguous rows");
-  const int64_t a = x.size(0), b = x.size(1), d = x.size(2), sa = x.stride(0), sb = x.stride(1);
+  TORCH_CHECK((x.dim() == 3 || x.dim() == 2) && x.stride(-1) == 1, "rms_norm: x [a, b, d] or [a, d] with contiguous rows");
+  const bool flat = x.dim() == 2;
+  const int64_t a = x.size(0), b = flat ? 1 : x.size(1), d = x.size(-1), sa = x.stride(0), sb = flat ? 0 : x.stride(1);
   TORCH_CHECK(w.is_contiguous() && w.numel() == d && w.scalar_type() == torch::kFloat, "rms_norm: weight [d] fp32");
   auto out = torch::empty({a * b, d}, x.options());
   const float* xp = x.data_ptr<float>();
@@ -178,8 +187,8 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor h, double scale, torch
   return out;
 }
 
-// x [n, heads, dim] (last dim contiguous, any other strides), cos/sin [n, dim] (rows
-// contiguous) -> x rotated by each row's position, contiguous [n, heads, dim]:
+// x [n, heads, dim] (last dim contiguous, any other strides), cos/sin [n, dim] or
+// [n, 1, dim] (rows contiguous) -> x rotated by each row's position, contiguous [n, heads, dim]:
 // x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x[half:], x[:half]) (as HF).
 namespace {
 // out [n, heads, dim] (contiguous) = x's rows rotated (x: head h of row r at r * sn + h * sh)
@@ -212,32 +221,35 @@ void rotate_heads(const float* xp, int64_t sn, int64_t sh, int64_t n, int64_t he
 torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat, "rope: fp32 CPU tensors only");
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0, "rope: x [n, heads, even dim]");
-  check_rows(cos, "rope");
-  check_rows(sin, "rope");
+  check_table(cos, "rope");
+  check_table(sin, "rope");
   const int64_t n = x.size(0), heads = x.size(1), dim = x.size(2);
-  TORCH_CHECK(cos.size(0) == n && cos.size(1) == dim && sin.sizes() == cos.sizes(), "rope: cos/sin [n, dim]");
+  TORCH_CHECK(cos.size(0) == n && cos.size(-1) == dim && sin.sizes() == cos.sizes(), "rope: cos/sin [n, dim]");
   auto out = torch::empty({n, heads, dim}, x.options());
   rotate_heads(x.data_ptr<float>(), x.stride(0), x.stride(1), n, heads, dim, cos, sin, out.data_ptr<float>());
   return out;
 }
 
 // qkv [n, (heads + 2 kv_heads) * dim] (rows contiguous, any row stride: the fused
-// projection) -> (q [n, heads, dim], k [n, kv_heads, dim]), each rotated as rope rotates
-// it: one call where splitting, reshaping and two rope calls took five ops.
-std::tuple<torch::Tensor, torch::Tensor> rope_qk(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
-                                                 int64_t heads, int64_t kv_heads) {
-  check_rows(qkv, "rope_qk");
-  check_rows(cos, "rope_qk");
-  check_rows(sin, "rope_qk");
-  const int64_t n = qkv.size(0), dim = cos.size(1);
-  TORCH_CHECK(dim % 2 == 0 && qkv.size(1) == (heads + 2 * kv_heads) * dim, "rope_qk: qkv [n, (heads + 2 kv_heads) * dim]");
-  TORCH_CHECK(cos.size(0) == n && sin.sizes() == cos.sizes(), "rope_qk: cos/sin [n, dim]");
+// projection) -> (q [n, heads, dim], k [n, kv_heads, dim], v [n, kv_heads, dim]): q and
+// k rotated as rope rotates them, v a view of qkv's last part: one call where splitting,
+// reshaping and two rope calls took seven ops.
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> rope_qkv(torch::Tensor qkv, torch::Tensor cos,
+                                                                 torch::Tensor sin, int64_t heads, int64_t kv_heads) {
+  check_rows(qkv, "rope_qkv");
+  check_table(cos, "rope_qkv");
+  check_table(sin, "rope_qkv");
+  const int64_t n = qkv.size(0), dim = cos.size(-1);
+  TORCH_CHECK(dim % 2 == 0 && qkv.size(1) == (heads + 2 * kv_heads) * dim,
+              "rope_qkv: qkv [n, (heads + 2 kv_heads) * dim]");
+  TORCH_CHECK(cos.size(0) == n && sin.sizes() == cos.sizes(), "rope_qkv: cos/sin [n, dim]");
   auto q = torch::empty({n, heads, dim}, qkv.options());
   auto k = torch::empty({n, kv_heads, dim}, qkv.options());
   const float* xp = qkv.data_ptr<float>();
   rotate_heads(xp, qkv.stride(0), dim, n, heads, dim, cos, sin, q.data_ptr<float>());
   rotate_heads(xp + heads * dim, qkv.stride(0), dim, n, kv_heads, dim, cos, sin, k.data_ptr<float>());
-  return {q, k};
+  auto v = qkv.as_strided({n, kv_heads, dim}, {qkv.stride(0), dim, 1}, qkv.storage_offset() + (heads + kv_heads) * dim);
+  return {q, k, v};
 }
 
 // gate_up [n, 2 * inter] (rows contiguous, any row stride: the fused gate|up projection)

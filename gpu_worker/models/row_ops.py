@@ -42,11 +42,11 @@ CFLAGS = ("-ffp-contract=off",)
 
 @functools.cache
 def load():
-    """The compiled module (``rms_norm``, ``add_rms_norm``, ``rope``, ``rope_qk``,
+    """The compiled module (``rms_norm``, ``add_rms_norm``, ``rope``, ``rope_qkv``,
     ``silu_mul``, ``row_argmax``), or None."""
     if os.environ.get(DISABLE_ENV, "1") == "0":
         return None
-    return build(_SOURCE, ["rms_norm", "add_rms_norm", "rope", "rope_qk", "silu_mul", "row_argmax"], openmp=True,
+    return build(_SOURCE, ["rms_norm", "add_rms_norm", "rope", "rope_qkv", "silu_mul", "row_argmax"], openmp=True,
                  cflags=CFLAGS)
 
 

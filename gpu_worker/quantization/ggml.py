@@ -144,6 +144,20 @@ class GgmlLinear(LinearMethod):
                 y[:, start + a:start + a + w.shape[0]] = layer.tp.numerics.linear(x, w)
         return y if bias is None else y.add_(bias)
 
+    def bind(self, layer):
+        """One packed tensor: the kernel call alone (``apply`` looks its parts up per call)."""
+        if len(self.segments) != 1 or self.segments[0][0] not in self.packed:
+            return super().bind(layer)
+        tensor, type_name, _, rows = self.segments[0]
+        weight, type_id, bias = getattr(layer, tensor), GGML_TYPES[type_name][0], layer.bias
+        kernel = self._kernels.ggml_linear_packed
+
+        def linear(x: torch.Tensor) -> torch.Tensor:
+            y = x.new_empty((x.shape[0], rows))
+            kernel(x, weight, type_id, rows, y)
+            return y if bias is None else y.add_(bias)
+        return linear
+
     def embed(self, layer, ids: torch.Tensor) -> torch.Tensor:
         tensor, type_name, _, rows = self.segments[0]
         blocks = self._rows(layer, tensor, type_name, rows, ids.reshape(-1))

@@ -33,7 +33,7 @@ from gguf.quants import dequantize
 from gpu_worker.cpu_extension import int_dot_flags
 from gpu_worker.quantization import kernels
 from gpu_worker.quantization.spec import GGML_TYPES, GgmlSpec
-from tests.support import ggml_zoo, lora_zoo, model_zoo
+from tests.support import ggml_zoo, layer_programs, lora_zoo, model_zoo
 from tests.support.server import REPO, free_port
 from tests.support.tp_ranks import leave_group
 from tests.e2e.test_tensor_parallel import _generate
@@ -277,6 +277,20 @@ def test_blocks_serve_the_greedy_tokens_of_the_dequantized_model(zoo, mix, ggml_
     held = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     dense = (zoo[f"{mix}-ref"] / "model.safetensors").stat().st_size  # float32
     assert held < dense * (0.2 if mix == "q4_1" else 0.3), (held, dense)  # 5 bits of 32 (Q4_1)
+
+
+@pytest.mark.parametrize("mix", ["q4_1", "q4_k_m"])
+def test_layer_programs_give_the_modules_bits_on_blocks(zoo, mix, ggml_specs):
+    """Flat layer programs (gpu_worker/models/layer_program.py) call a packed tensor's
+    kernel directly (Q4_1 where the integer kernels pack it) and a fused layer of parts
+    (Q4_K_M's q|k|v) through its method: the modules' bits either way."""
+    from gpu_worker.model_runner import ModelRunner
+
+    runner = ModelRunner(str(zoo[mix]), num_blocks=16)
+    qkv = runner.model.model.layers[0].self_attn.qkv_proj.method
+    packs = _kernel().ggml_packs(GGML_TYPES["Q4_1"][0])
+    assert (len(qkv.segments), bool(qkv.packed)) == ((1, packs) if mix == "q4_1" else (3, False))  # q, k: Q4_K; v: Q6_K
+    assert layer_programs.assert_same_bits(runner) == SHAPE.get("num_hidden_layers", 3)
 
 
 def _rank_main(rank: int, size: int, port: int, path: str, results) -> None:

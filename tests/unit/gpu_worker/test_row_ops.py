@@ -38,8 +38,11 @@ def test_rope_gives_torchs_bits_on_the_fused_projections_views(threads, rows, he
         assert out.is_contiguous()
         assert torch.equal(out, _torch_rotate(x, cos, sin))
     # both out of the projection in one call, as Attention takes them on CPU
-    fused_q, fused_k = row_ops.load().rope_qk(qkv, cos[:, 0], sin[:, 0], heads, kv_heads)
-    assert torch.equal(fused_q, _torch_rotate(q, cos, sin)) and torch.equal(fused_k, _torch_rotate(k, cos, sin))
+    for tables in ((cos, sin), (cos[:, 0], sin[:, 0])):  # [n, 1, dim] as tables() gives them, or [n, dim]
+        fused_q, fused_k, v = row_ops.load().rope_qkv(qkv, *tables, heads, kv_heads)
+        assert torch.equal(fused_q, _torch_rotate(q, cos, sin)) and torch.equal(fused_k, _torch_rotate(k, cos, sin))
+        assert v.data_ptr() == qkv[:, (heads + kv_heads) * dim:].data_ptr()  # a view, not a copy
+        assert torch.equal(v, qkv[:, (heads + kv_heads) * dim:].view(rows, kv_heads, dim))
 
 
 @pytest.mark.parametrize("width", [16, 48, 64, 100, 768])
