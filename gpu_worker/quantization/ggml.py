@@ -28,6 +28,8 @@ slab of ``SLAB`` rows at a time into floats for a dense matmul through ``Numeric
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 from torch import nn
@@ -149,14 +151,10 @@ class GgmlLinear(LinearMethod):
         if len(self.segments) != 1 or self.segments[0][0] not in self.packed:
             return super().bind(layer)
         tensor, type_name, _, rows = self.segments[0]
-        weight, type_id, bias = getattr(layer, tensor), GGML_TYPES[type_name][0], layer.bias
-        kernel = self._kernels.ggml_linear_packed
-
-        def linear(x: torch.Tensor) -> torch.Tensor:
-            y = x.new_empty((x.shape[0], rows))
-            kernel(x, weight, type_id, rows, y)
-            return y if bias is None else y.add_(bias)
-        return linear
+        apply = functools.partial(self._kernels.ggml_apply_packed, getattr(layer, tensor), GGML_TYPES[type_name][0],
+                                  rows)  # (x must be contiguous, fp32 on CPU: it raises where not)
+        bias = layer.bias
+        return apply if bias is None else lambda x: apply(x).add_(bias)
 
     def embed(self, layer, ids: torch.Tensor) -> torch.Tensor:
         tensor, type_name, _, rows = self.segments[0]

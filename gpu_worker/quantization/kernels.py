@@ -18,7 +18,8 @@ from gpu_worker.cpu_extension import build, int_dot_flags, wide_flags
 
 _SOURCE = Path(__file__).with_name("quant_linear.cpp")
 DISABLE_ENV = "CANDOR_CPU_QUANT_KERNELS"
-FUNCTIONS = ["ggml_linear", "ggml_dequantize", "ggml_packs", "ggml_pack", "ggml_linear_packed", "ggml_unpack_rows",
+FUNCTIONS = ["ggml_linear", "ggml_dequantize", "ggml_packs", "ggml_pack", "ggml_linear_packed", "ggml_apply_packed",
+             "ggml_unpack_rows",
              "int4_linear", "int4_dequantize", "fp8_linear", "fp8_dequantize"]
 
 

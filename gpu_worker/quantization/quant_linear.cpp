@@ -2034,6 +2034,15 @@ void ggml_linear_packed(torch::Tensor x, torch::Tensor packed, int64_t type, int
 #endif
 }
 
+// x[M, K] @ W^T as a new [M, N] tensor for W packed by ggml_pack: ggml_linear_packed
+// with x last, so functools.partial(ggml_apply_packed, packed, type, N) is the layer's
+// x -> y with nothing left to look up per call (gpu_worker/models/layer_program.py)
+torch::Tensor ggml_apply_packed(torch::Tensor packed, int64_t type, int64_t N, torch::Tensor x) {
+  auto out = torch::empty({x.size(0), N}, x.options());
+  ggml_linear_packed(x, packed, type, N, out);
+  return out;
+}
+
 // Rows ``ids`` (int64, each below N) of a weight packed by ggml_pack with N rows, as
 // GGML rows [len(ids), K / 32 * BYTES]: an embedding's lookups, and any reader of blocks
 torch::Tensor ggml_unpack_rows(torch::Tensor packed, int64_t type, torch::Tensor ids, int64_t N, int64_t K) {
