@@ -52,13 +52,18 @@ _NO_KV = torch.empty(0, 0, 0)
 Kernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
+def compiled():
+    """The compiled module (``paged_attention``, ``kernel_abi``), or None."""
+    return build(_SOURCE, ["paged_attention", "kernel_abi"], openmp=True, cflags=CFLAGS)
+
+
 def load() -> Kernel | None:
     """The compiled ``paged_attention``, or None when it cannot be built. Row b of ``q``
     attends keys 0..lens[b]-1 of block table ``tables[row_seq[b]]`` (``row_seq`` None:
     ``tables[b]``). ``window``: each row attends its last ``window`` keys only;
     ``softcap``: scores pass through ``softcap * tanh(score / softcap)`` first; ``new_kv``
     (k, v, slot_mapping): the step's new K/V rows, stored at their slots first."""
-    module = build(_SOURCE, ["paged_attention"], openmp=True, cflags=CFLAGS)
+    module = compiled()
     if module is None:
         return None
     kernel = module.paged_attention

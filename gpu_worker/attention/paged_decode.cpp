@@ -2,6 +2,8 @@
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <vector>
+#include <map>
+#include <string>
 #include <algorithm>
 #include <tuple>
 #include <cstring>
@@ -1025,4 +1027,16 @@ std::tuple<torch::Tensor, torch::Tensor> paged_attention(torch::Tensor q, torch:
     }
   });
   return {out, lse};
+}
+
+// Where paged_attention lives and its exact type, for a C++ caller in another module
+// (gpu_worker/models/layer_loop.cpp; see row_ops.cpp's kernel_abi)
+#define CANDOR_KERNEL(fn, ...) {#fn, {reinterpret_cast<int64_t>(static_cast<__VA_ARGS__>(&fn)), #__VA_ARGS__}}
+std::map<std::string, std::tuple<int64_t, std::string>> kernel_abi() {
+  return {
+      CANDOR_KERNEL(paged_attention, std::tuple<torch::Tensor, torch::Tensor> (*)(
+                                         torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
+                                         torch::Tensor, double, int64_t, double, torch::Tensor, torch::Tensor,
+                                         torch::Tensor)),
+  };
 }

@@ -25,6 +25,7 @@ from gpu_worker.model_config import LayerSpec, ModelConfig, architecture
 from gpu_worker.models import fused_moe
 from gpu_worker.models import row_ops
 from gpu_worker.models.blocks import RMSNorm, RotaryEmbedding, add_then_norm, make_norm
+from gpu_worker.models.layer_loop import LayerLoop
 from gpu_worker.models.layer_program import layer_program
 from gpu_worker.models.linear_method import QuantizableLinear
 from gpu_worker.models.parallel import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
@@ -322,19 +323,26 @@ class DecoderForCausalLM(nn.Module):
                        if cfg.vision is not None and lm_head else None)
 
     # Each layer as a flat program (``layer_program``) where it allows one, the module
-    # where not; None (the default): every layer's module. Set by ``flatten``.
+    # where not; None (the default): every layer's module. Set by ``flatten``, with
+    # ``loop``: all of them in one C++ call (``layer_loop``) where they allow it.
     programs: list | None = None
+    loop: LayerLoop | None = None
 
     def flatten(self) -> str:
-        """Run the layers as flat programs from now on (call it once the weights are
-        loaded and finished: a program looks them up now); says what runs."""
+        """Run the layers as flat programs from now on, in one C++ loop where they allow
+        it (call it once the weights are loaded and finished: both look them up now);
+        says what runs."""
         made = [layer_program(layer) for layer in self.model.layers]
         kept = [why for why in made if isinstance(why, str)]
         self.programs = [layer if isinstance(p, str) else p for layer, p in zip(self.model.layers, made)]
-        if not kept:
-            return f"all {len(made)} layers as flat programs"
-        return (f"{len(made) - len(kept)} of {len(made)} layers as flat programs, the others as modules "
-                f"({'; '.join(sorted(set(kept)))})")
+        if kept:
+            return (f"{len(made) - len(kept)} of {len(made)} layers as flat programs, the others as modules "
+                    f"({'; '.join(sorted(set(kept)))})")
+        loop = LayerLoop.build(self)
+        self.loop = None if isinstance(loop, str) else loop
+        return (f"all {len(made)} layers as flat programs, "
+                + ("in one C++ loop (batch-invariant attention steps)" if self.loop is not None
+                   else f"from Python (not one C++ loop: {loop})"))
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata,
@@ -351,6 +359,8 @@ class DecoderForCausalLM(nn.Module):
         if images is not None:
             x = x.index_copy(0, images[0], images[1].to(x.dtype))
         cos_sins = [r.tables(positions) for r in self.rotary]
+        if flat and self.loop is not None and not self.aux_layers and self.loop.runs(meta):
+            return self.loop(x, cos_sins, kv_caches, meta)
         layers = self.programs if flat and self.programs is not None else self.model.layers
         if self.aux_layers:
             return self._forward_capturing(layers, x, cos_sins, kv_caches, meta)

@@ -9,6 +9,8 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <map>
+#include <string>
 #include <tuple>
 #ifdef _OPENMP
 #include <omp.h>
@@ -337,4 +339,19 @@ std::tuple<torch::Tensor, torch::Tensor> row_argmax(torch::Tensor logits) {
     bp[r] = x[ip[r]];  // (equal to m; its own sign of zero, its own NaN)
   });
   return {best, index};
+}
+
+// Where the layer kernels live and their exact types (the static_cast fails to compile
+// if a kernel's type changes without its string), for a C++ caller in another module:
+// gpu_worker/models/layer_loop.cpp, which casts each address back only where its own
+// string for the kernel is the same.
+#define CANDOR_KERNEL(fn, ...) {#fn, {reinterpret_cast<int64_t>(static_cast<__VA_ARGS__>(&fn)), #__VA_ARGS__}}
+std::map<std::string, std::tuple<int64_t, std::string>> kernel_abi() {
+  return {
+      CANDOR_KERNEL(rms_norm, torch::Tensor (*)(torch::Tensor, torch::Tensor, double)),
+      CANDOR_KERNEL(add_rms_norm, torch::Tensor (*)(torch::Tensor, torch::Tensor, double, torch::Tensor, double)),
+      CANDOR_KERNEL(rope_qkv, std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> (*)(
+                                  torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t)),
+      CANDOR_KERNEL(silu_mul, torch::Tensor (*)(torch::Tensor, int64_t)),
+  };
 }

@@ -46,7 +46,8 @@ def load():
     ``silu_mul``, ``row_argmax``), or None."""
     if os.environ.get(DISABLE_ENV, "1") == "0":
         return None
-    return build(_SOURCE, ["rms_norm", "add_rms_norm", "rope", "rope_qkv", "silu_mul", "row_argmax"], openmp=True,
+    return build(_SOURCE, ["rms_norm", "add_rms_norm", "rope", "rope_qkv", "silu_mul", "row_argmax", "kernel_abi"],
+                 openmp=True,
                  cflags=CFLAGS)
 
 

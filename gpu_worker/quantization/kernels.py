@@ -20,7 +20,7 @@ _SOURCE = Path(__file__).with_name("quant_linear.cpp")
 DISABLE_ENV = "CANDOR_CPU_QUANT_KERNELS"
 FUNCTIONS = ["ggml_linear", "ggml_dequantize", "ggml_packs", "ggml_pack", "ggml_linear_packed", "ggml_apply_packed",
              "ggml_unpack_rows",
-             "int4_linear", "int4_dequantize", "fp8_linear", "fp8_dequantize"]
+             "int4_linear", "int4_dequantize", "fp8_linear", "fp8_dequantize", "kernel_abi"]
 
 
 @functools.cache

@@ -35,6 +35,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <map>
+#include <string>
 #include <new>
 #include <type_traits>
 #include <utility>
@@ -2110,4 +2112,13 @@ void fp8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scales, int64_t 
 torch::Tensor fp8_dequantize(torch::Tensor w, torch::Tensor scales, int64_t bn, int64_t bk) {
   Fp8Rows deq{w.data_ptr<uint8_t>(), scales.data_ptr<float>(), w.size(1), scales.size(1), bn, bk};
   return dequantize_rows(deq, w.size(0), w.size(1));
+}
+
+// Where ggml_apply_packed lives and its exact type, for a C++ caller in another module
+// (gpu_worker/models/layer_loop.cpp; see row_ops.cpp's kernel_abi)
+#define CANDOR_KERNEL(fn, ...) {#fn, {reinterpret_cast<int64_t>(static_cast<__VA_ARGS__>(&fn)), #__VA_ARGS__}}
+std::map<std::string, std::tuple<int64_t, std::string>> kernel_abi() {
+  return {
+      CANDOR_KERNEL(ggml_apply_packed, torch::Tensor (*)(torch::Tensor, int64_t, int64_t, torch::Tensor)),
+  };
 }

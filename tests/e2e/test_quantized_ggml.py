@@ -279,18 +279,45 @@ def test_blocks_serve_the_greedy_tokens_of_the_dequantized_model(zoo, mix, ggml_
     assert held < dense * (0.2 if mix == "q4_1" else 0.3), (held, dense)  # 5 bits of 32 (Q4_1)
 
 
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "fast"])
 @pytest.mark.parametrize("mix", ["q4_1", "q4_k_m"])
-def test_layer_programs_give_the_modules_bits_on_blocks(zoo, mix, ggml_specs):
+def test_layer_programs_give_the_modules_bits_on_blocks(zoo, mix, deterministic, ggml_specs):
     """Flat layer programs (gpu_worker/models/layer_program.py) call a packed tensor's
     kernel directly (Q4_1 where the integer kernels pack it) and a fused layer of parts
-    (Q4_K_M's q|k|v) through its method: the modules' bits either way."""
+    (Q4_K_M's q|k|v) through its method; packed layers only also run as one C++ loop
+    (layer_loop.py), for the batch-invariant attention's steps: the modules' bits in
+    every way."""
     from gpu_worker.model_runner import ModelRunner
 
-    runner = ModelRunner(str(zoo[mix]), num_blocks=16)
+    runner = ModelRunner(str(zoo[mix]), num_blocks=16, deterministic=deterministic)
     qkv = runner.model.model.layers[0].self_attn.qkv_proj.method
     packs = _kernel().ggml_packs(GGML_TYPES["Q4_1"][0])
     assert (len(qkv.segments), bool(qkv.packed)) == ((1, packs) if mix == "q4_1" else (3, False))  # q, k: Q4_K; v: Q6_K
+    assert (runner.model.loop is not None) == (mix == "q4_1" and packs)
     assert layer_programs.assert_same_bits(runner) == SHAPE.get("num_hidden_layers", 3)
+
+
+def test_the_layer_loop_refuses_a_kernel_of_another_type(monkeypatch):
+    """The loop casts each kernel's address to the type it expects: a kernel module that
+    declares another type (a signature changed on one side only) leaves the programs in
+    Python, naming it, rather than calling through the wrong type."""
+    from gpu_worker.models import layer_loop
+
+    loop = layer_loop.load()
+    assert loop is not None, "the layer loop did not build"
+    assert len(layer_loop._kernel_addresses(loop)) == len(loop.kernel_types())
+    real = _kernel()
+
+    class Changed:  # ggml_apply_packed taking its x first
+        def kernel_abi(self):
+            abi = dict(real.kernel_abi())
+            address, _ = abi["ggml_apply_packed"]
+            abi["ggml_apply_packed"] = (address, "torch::Tensor (*)(torch::Tensor, torch::Tensor, int64_t, int64_t)")
+            return abi
+
+    monkeypatch.setattr(layer_loop.quant_kernels, "load", lambda: Changed())
+    why = layer_loop._kernel_addresses(loop)
+    assert isinstance(why, str) and "ggml_apply_packed" in why and "(torch::Tensor, torch::Tensor, int64_t" in why
 
 
 def _rank_main(rank: int, size: int, port: int, path: str, results) -> None:

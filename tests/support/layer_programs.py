@@ -37,13 +37,23 @@ def hidden_states(runner, flat: bool) -> tuple[list[torch.Tensor], list[torch.Te
 
 
 def assert_same_bits(runner) -> int:
-    """Programs and modules give every step the same hidden states and cache, bit for bit;
-    returns how many layers ran as programs."""
-    programs = sum(1 for p, m in zip(runner.model.programs, runner.model.model.layers) if p is not m)
-    flat, flat_cache = hidden_states(runner, True)
+    """Programs (from Python, and in the C++ loop where the model has one) and modules
+    give every step the same hidden states and cache, bit for bit; returns how many layers
+    ran as programs."""
+    model = runner.model
+    programs = sum(1 for p, m in zip(model.programs, model.model.layers) if p is not m)
     modules, module_cache = hidden_states(runner, False)
-    for i, (a, b) in enumerate(zip(flat, modules)):
-        assert torch.equal(a, b), f"step {i}: programs differ from modules by {(a - b).abs().max()}"
-    for layer, (a, b) in enumerate(zip(flat_cache, module_cache)):
-        assert torch.equal(a, b), f"layer {layer}'s keys differ"
+    ways = {"programs": None}
+    if model.loop is not None:
+        ways["the C++ loop"] = model.loop
+    loop = model.loop
+    try:
+        for way, model.loop in ways.items():
+            flat, flat_cache = hidden_states(runner, True)
+            for i, (a, b) in enumerate(zip(flat, modules)):
+                assert torch.equal(a, b), f"{way}: step {i} differs from the modules by {(a - b).abs().max()}"
+            for layer, (a, b) in enumerate(zip(flat_cache, module_cache)):
+                assert torch.equal(a, b), f"{way}: layer {layer}'s keys differ"
+    finally:
+        model.loop = loop
     return programs
