@@ -26,7 +26,7 @@ from gpu_worker.attention.cpu_kernel_backend import InvariantStep
 from gpu_worker.cpu_extension import build
 from gpu_worker.models import row_ops
 from gpu_worker.quantization import kernels as quant_kernels
-from gpu_worker.quantization.spec import GGML_TYPES
+from gpu_worker.quantization.ggml import GgmlLinear
 
 _SOURCE = Path(__file__).with_name("layer_loop.cpp")
 
@@ -60,14 +60,12 @@ _NO_BIAS = torch.empty(0)
 
 def _packed(layer) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
     """(packed tensor, bias or an empty tensor, GGML type id, rows) of a linear layer the
-    loop can run (one packed GGUF tensor), else None."""
-    method = layer.method
-    segments = getattr(method, "segments", None)
-    if not segments or len(segments) != 1 or segments[0][0] not in getattr(method, "packed", ()):
+    loop can run (one packed GGUF tensor: ``GgmlLinear.packed_args``), else None."""
+    args = layer.method.packed_args(layer) if isinstance(layer.method, GgmlLinear) else None
+    if args is None:
         return None
-    tensor, type_name, _, rows = segments[0]
-    bias = _NO_BIAS if layer.bias is None else layer.bias.detach()
-    return getattr(layer, tensor).detach(), bias, GGML_TYPES[type_name][0], rows
+    weight, type_id, rows = args
+    return weight, _NO_BIAS if layer.bias is None else layer.bias.detach(), type_id, rows
 
 
 class LayerLoop:

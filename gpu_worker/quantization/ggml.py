@@ -146,13 +146,20 @@ class GgmlLinear(LinearMethod):
                 y[:, start + a:start + a + w.shape[0]] = layer.tp.numerics.linear(x, w)
         return y if bias is None else y.add_(bias)
 
+    def packed_args(self, layer) -> tuple[torch.Tensor, int, int] | None:
+        """(packed tensor, GGML type id, rows): what ``ggml_apply_packed`` takes before x,
+        for a layer held as one packed tensor; else None."""
+        if len(self.segments) != 1 or self.segments[0][0] not in self.packed:
+            return None
+        tensor, type_name, _, rows = self.segments[0]
+        return getattr(layer, tensor).detach(), GGML_TYPES[type_name][0], rows
+
     def bind(self, layer):
         """One packed tensor: the kernel call alone (``apply`` looks its parts up per call)."""
-        if len(self.segments) != 1 or self.segments[0][0] not in self.packed:
+        args = self.packed_args(layer)
+        if args is None:
             return super().bind(layer)
-        tensor, type_name, _, rows = self.segments[0]
-        apply = functools.partial(self._kernels.ggml_apply_packed, getattr(layer, tensor), GGML_TYPES[type_name][0],
-                                  rows)  # (x must be contiguous, fp32 on CPU: it raises where not)
+        apply = functools.partial(self._kernels.ggml_apply_packed, *args)  # (x contiguous fp32 on CPU, or it raises)
         bias = layer.bias
         return apply if bias is None else lambda x: apply(x).add_(bias)
 
