@@ -8,7 +8,8 @@ A ``ModelRunner`` in this process (float32, as the gpu_worker builds it, ``--thr
 threads) prefills ``--batch`` prompts of ``--context`` tokens (each its own blocks), then
 runs ``--steps`` decode steps of all of them
 three times: untimed (the step's own wall time, the fastest and the median), then the
-same through the layers' modules instead of their flat programs (``layer_program``), then
+same through the layers' modules instead of their flat programs (``layer_program``, in one
+C++ loop where ``layer_loop`` runs them), then
 through the modules with forward hooks on every module (perf_counter on entry and exit: about 1 us per module call, which
 the hooked step's extra time shows). Module names are folded over layers
 (``layers.*.mlp.down_proj``); a module's self time is its total less its children's, so
@@ -78,7 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     plain = decode(a.steps)
     parts = [(x - y) / a.steps for x, y in zip((t.prepare, t.forward, t.sample), before)]
     # hooks see modules only: the layers' modules from here on, not their flat programs
-    programs, runner.model.programs = runner.model.programs, None
+    # (nor the C++ loop of them)
+    flat = runner.model.programs, runner.model.loop
+    runner.model.programs = runner.model.loop = None
     modules = decode(a.steps)
 
     totals: dict[str, float] = defaultdict(float)
@@ -120,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
           f"fastest {ms(min(hooked))}, median {ms(statistics.median(hooked))})")
     print(f"  of which (mean): prepare {ms(parts[0])}  forward {ms(parts[1])}  sample "
           f"{ms(parts[2])} ms")
-    runner.model.programs = programs
+    runner.model.programs, runner.model.loop = flat
     n = a.steps
     top = totals.get("(model)", 0.0) / n
     print(f"\nhooked forward (the layers' modules), ms per step (mean of {n}); self = total less children")

@@ -20,14 +20,15 @@ def build_all(say=print) -> None:
     each went."""
     from gpu_worker.attention import cpu_kernel_backend
     from gpu_worker.grammar import build_bitmask_kernel
-    from gpu_worker.models import fused_moe, row_ops
+    from gpu_worker.models import fused_moe, layer_loop, row_ops
     from gpu_worker.quantization import kernels as quant_kernels
 
     kernels = {"row_ops (norms, RoPE, SiLU)": row_ops.load,
                "paged attention": cpu_kernel_backend.load,
                "fused MoE": fused_moe.load,
                "grammar bitmask": build_bitmask_kernel,
-               "quantized matmuls (GGUF, int4, FP8)": quant_kernels.load}
+               "quantized matmuls (GGUF, int4, FP8)": quant_kernels.load,
+               "decoder layer loop": layer_loop.load}
 
     def one(load) -> tuple[bool, float]:
         started = time.perf_counter()

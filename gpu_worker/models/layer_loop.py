@@ -29,12 +29,13 @@ from gpu_worker.quantization import kernels as quant_kernels
 from gpu_worker.quantization.ggml import GgmlLinear
 
 _SOURCE = Path(__file__).with_name("layer_loop.cpp")
+CFLAGS = ("-ffp-contract=off",)
 
 
 @functools.cache
 def load():
     """The compiled loop (``decoder_layers``, ``kernel_types``), or None."""
-    return build(_SOURCE, ["decoder_layers", "kernel_types"], cflags=("-ffp-contract=off",))
+    return build(_SOURCE, ["decoder_layers", "kernel_types"], cflags=CFLAGS)
 
 
 def _kernel_addresses(loop) -> list[int] | str:

@@ -8,7 +8,8 @@ attribute lookups through ``nn.Module.__getattr__``, a quantized method looking 
 tensors up) cost ~65 us of 30 layers' ~300. A program looks all of that up once, when
 it is built, and calls the same kernels in the same order with the same arguments, so
 its results are the modules' bits exactly (``tests/unit/gpu_worker/test_layer_program.py``
-holds it to that): the step went 13.4 -> 11.2 ms.
+holds it to that): the step went 13.4 -> 11.2 ms. Where every layer's program calls only
+kernels C++ can reach (packed GGUF), ``layer_loop`` runs all of them in one call.
 
 ``layer_program(layer)`` returns a function with the layer module's signature, ``(x,
 cos_sins, kv_cache, meta) -> x``, or why it cannot: programs cover what the real

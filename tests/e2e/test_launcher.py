@@ -109,13 +109,14 @@ def test_build_kernels_leaves_each_kernel_where_a_worker_loads_it():
                          env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    assert len(lines) == 5 and all(": ready (" in line for line in lines), out.stdout
+    assert len(lines) == 6 and all(": ready (" in line for line in lines), out.stdout
     where = subprocess.run([sys.executable, "-c", (
         "from pathlib import Path\n"
         "from gpu_worker.cpu_extension import build_dir\n"
         "from gpu_worker.attention.cpu_kernel_backend import CFLAGS as A, _SOURCE as a\n"
         "from gpu_worker.models.row_ops import CFLAGS as R, _SOURCE as r\n"
-        "for src, flags in ((a, A), (r, R)):\n"
+        "from gpu_worker.models.layer_loop import CFLAGS as L, _SOURCE as l\n"
+        "for src, flags in ((a, A), (r, R), (l, L)):\n"
         "    name, d = build_dir(src, flags)\n"
         "    print(Path(d) / (name + '.so'))")], env=env, cwd=REPO, capture_output=True,
         text=True, timeout=60)
