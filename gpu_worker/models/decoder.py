@@ -26,7 +26,7 @@ from gpu_worker.models import fused_moe
 from gpu_worker.models import row_ops
 from gpu_worker.models.blocks import RMSNorm, RotaryEmbedding, add_then_norm, make_norm
 from gpu_worker.models.layer_loop import LayerLoop
-from gpu_worker.models.layer_program import layer_program
+from gpu_worker.models.layer_program import prenorm_program
 from gpu_worker.models.linear_method import QuantizableLinear
 from gpu_worker.models.parallel import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
                                         ReplicatedLinear, RowParallelLinear, ShardedRMSNorm, TPGroup,
@@ -206,6 +206,11 @@ class DecoderLayer(nn.Module):
         # in place: x is this step's own activation (never a weight or an input buffer)
         return x.add_(h if self.residual_scale == 1.0 else h.mul_(self.residual_scale))
 
+    def program(self):
+        """This layer's forward as a flat program (``layer_program``), or why it keeps
+        its module."""
+        return f"{type(self).__name__} (pre-norm layers only)"
+
 
 class PreNormLayer(DecoderLayer):
     """Norms before attention and MLP (Llama and most families)."""
@@ -218,6 +223,9 @@ class PreNormLayer(DecoderLayer):
     def forward(self, x, cos_sins, kv_cache, meta):
         h = self.self_attn(self.input_layernorm(x), cos_sins, kv_cache, meta)
         return self._add(x, self.mlp(add_then_norm(self.post_attention_layernorm, x, h, self.residual_scale)))
+
+    def program(self):
+        return prenorm_program(self)
 
 
 class SandwichLayer(DecoderLayer):
@@ -332,7 +340,7 @@ class DecoderForCausalLM(nn.Module):
         """Run the layers as flat programs from now on, in one C++ loop where they allow
         it (call it once the weights are loaded and finished: both look them up now);
         says what runs."""
-        made = [layer_program(layer) for layer in self.model.layers]
+        made = [layer.program() for layer in self.model.layers]
         kept = [why for why in made if isinstance(why, str)]
         self.programs = [layer if isinstance(p, str) else p for layer, p in zip(self.model.layers, made)]
         if kept:

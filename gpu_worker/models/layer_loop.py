@@ -81,14 +81,11 @@ class LayerLoop:
     @classmethod
     def build(cls, model) -> LayerLoop | str:
         """The loop over ``model``'s layers (each already a program: ``flatten``), or why not."""
-        from gpu_worker.models.decoder import PreNormLayer
-
         layers = model.model.layers
         if model.programs is None or any(p is m for p, m in zip(model.programs, layers)):
             return "a layer runs as its module"
         weights, ints, reals, ropes = [], [], [], set()
-        for layer in layers:
-            assert type(layer) is PreNormLayer  # (a program: layer_program checked the rest)
+        for layer in layers:  # (each a pre-norm layer's program: prenorm_program checked the rest)
             attn, mlp = layer.self_attn, layer.mlp
             linears = [_packed(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             if any(x is None for x in linears):

@@ -11,7 +11,7 @@ its results are the modules' bits exactly (``tests/unit/gpu_worker/test_layer_pr
 holds it to that): the step went 13.4 -> 11.2 ms. Where every layer's program calls only
 kernels C++ can reach (packed GGUF), ``layer_loop`` runs all of them in one call.
 
-``layer_program(layer)`` returns a function with the layer module's signature, ``(x,
+A layer's ``program()`` returns a function with the layer module's signature, ``(x,
 cos_sins, kv_cache, meta) -> x``, or why it cannot: programs cover what the real
 checkpoints we serve on CPU use (a pre-norm layer, plain RMS norms, q|k|v without q/k
 norms under RoPE, SiLU-gated MLP, one tensor-parallel rank, float32 on CPU with the row
@@ -33,17 +33,16 @@ from gpu_worker.models.blocks import RMSNorm
 LayerStep = Callable  # (x, cos_sins, kv_cache, meta) -> x, as a decoder layer module
 
 
-def layer_program(layer) -> LayerStep | str:
-    """``layer``'s forward as one flat function, or the reason it keeps its module."""
-    from gpu_worker.models.decoder import Attention, GatedMLP, PreNormLayer
-
+def prenorm_program(layer) -> LayerStep | str:
+    """A ``PreNormLayer``'s forward as one flat function, or the reason it keeps its module
+    (the layer asks: ``DecoderLayer.program``)."""
     attn, mlp = layer.self_attn, layer.mlp
-    why = (f"{type(layer).__name__} (pre-norm layers only)" if type(layer) is not PreNormLayer
-           else "a residual scale" if layer.residual_scale != 1.0
+    why = ("a residual scale" if layer.residual_scale != 1.0
            else "a norm other than a plain RMS norm" if not all(
                type(n) is RMSNorm and not n.one_plus for n in (layer.input_layernorm, layer.post_attention_layernorm))
-           else "q/k norms or no RoPE" if type(attn) is not Attention or attn.qk_norm != "none" or attn.rope is None
-           else "an MLP other than SiLU-gated" if type(mlp) is not GatedMLP or mlp.act_name != "silu"
+           else "q/k norms or no RoPE" if attn.qk_norm != "none" or attn.rope is None
+           else "an MLP other than SiLU-gated" if (getattr(mlp, "gate_up_proj", None) is None
+                                                   or mlp.act_name != "silu")
            else "tensor parallelism" if attn.qkv_proj.tp.size != 1
            else "not float32 on CPU" if not (layer.input_layernorm.weight.is_cpu
                                              and layer.input_layernorm.weight.dtype == torch.float32)
