@@ -15,16 +15,21 @@
 
 namespace {
 
-using Norm = torch::Tensor (*)(torch::Tensor, torch::Tensor, double);
-using AddNorm = torch::Tensor (*)(torch::Tensor, torch::Tensor, double, torch::Tensor, double);
-using RopeQkv = std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> (*)(torch::Tensor, torch::Tensor,
-                                                                            torch::Tensor, int64_t, int64_t);
-using SiluMul = torch::Tensor (*)(torch::Tensor, int64_t);
-using Linear = torch::Tensor (*)(torch::Tensor, int64_t, int64_t, torch::Tensor);
-using Attention = std::tuple<torch::Tensor, torch::Tensor> (*)(torch::Tensor, torch::Tensor, torch::Tensor,
-                                                               torch::Tensor, torch::Tensor, torch::Tensor, double,
-                                                               int64_t, double, torch::Tensor, torch::Tensor,
-                                                               torch::Tensor);
+// Each type this loop casts a kernel's address to, and the same type as text (what the
+// kernel modules' kernel_abi must say), from one spelling
+#define KERNEL_TYPE(alias, ...) \
+  using alias = __VA_ARGS__;    \
+  constexpr const char* alias##_TEXT = #__VA_ARGS__;
+KERNEL_TYPE(Norm, torch::Tensor (*)(torch::Tensor, torch::Tensor, double))
+KERNEL_TYPE(AddNorm, torch::Tensor (*)(torch::Tensor, torch::Tensor, double, torch::Tensor, double))
+KERNEL_TYPE(RopeQkv, std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> (*)(torch::Tensor, torch::Tensor,
+                                                                                 torch::Tensor, int64_t, int64_t))
+KERNEL_TYPE(SiluMul, torch::Tensor (*)(torch::Tensor, int64_t))
+KERNEL_TYPE(Linear, torch::Tensor (*)(torch::Tensor, int64_t, int64_t, torch::Tensor))
+KERNEL_TYPE(Attention, std::tuple<torch::Tensor, torch::Tensor> (*)(torch::Tensor, torch::Tensor, torch::Tensor,
+                                                                    torch::Tensor, torch::Tensor, torch::Tensor,
+                                                                    double, int64_t, double, torch::Tensor,
+                                                                    torch::Tensor, torch::Tensor))
 
 // per layer: its tensors, integers and reals, in this order
 // (a linear layer without a bias has an empty tensor for it)
@@ -38,18 +43,8 @@ enum { EPS1, EPS2, SOFTCAP, REALS };
 // the type it casts each to (the kernel modules' kernel_abi must say the same, spaces
 // aside)
 std::vector<std::tuple<std::string, std::string>> kernel_types() {
-  return {
-      {"rms_norm", "torch::Tensor (*)(torch::Tensor, torch::Tensor, double)"},
-      {"add_rms_norm", "torch::Tensor (*)(torch::Tensor, torch::Tensor, double, torch::Tensor, double)"},
-      {"rope_qkv",
-       "std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> (*)( torch::Tensor, torch::Tensor, torch::Tensor, "
-       "int64_t, int64_t)"},
-      {"silu_mul", "torch::Tensor (*)(torch::Tensor, int64_t)"},
-      {"ggml_apply_packed", "torch::Tensor (*)(torch::Tensor, int64_t, int64_t, torch::Tensor)"},
-      {"paged_attention",
-       "std::tuple<torch::Tensor, torch::Tensor> (*)( torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, "
-       "torch::Tensor, torch::Tensor, double, int64_t, double, torch::Tensor, torch::Tensor, torch::Tensor)"},
-  };
+  return {{"rms_norm", Norm_TEXT},   {"add_rms_norm", AddNorm_TEXT}, {"rope_qkv", RopeQkv_TEXT},
+          {"silu_mul", SiluMul_TEXT}, {"ggml_apply_packed", Linear_TEXT}, {"paged_attention", Attention_TEXT}};
 }
 
 // x [n, hidden] (the residual stream, updated in place and returned) through every layer:
